@@ -1,0 +1,117 @@
+"""The `rlserve` command: serve, build-model, export-openapi."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SPEC = Path("openapi/openapi.json")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.config import Settings
+    from app.main import create_app
+
+    overrides = {
+        key: value
+        for key, value in {
+            "model": args.model,
+            "host": args.host,
+            "port": args.port,
+            "backend": args.backend,
+            "dtype": args.dtype,
+            "device": args.device,
+        }.items()
+        if value is not None
+    }
+    settings = Settings(**overrides)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    from app.engine.builtin_model import build_model
+
+    path = build_model(
+        Path(args.directory),
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        seed=args.seed,
+    )
+    print(path)
+    return 0
+
+
+def openapi_document() -> dict[str, Any]:
+    from app.config import Settings
+    from app.main import create_app
+
+    return create_app(Settings(), load_models=False).openapi()
+
+
+def render_openapi() -> str:
+    return json.dumps(openapi_document(), indent=2, sort_keys=True) + "\n"
+
+
+def _export_openapi(args: argparse.Namespace) -> int:
+    text = render_openapi()
+    if args.path == "-":
+        sys.stdout.write(text)
+    else:
+        path = Path(args.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(path)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="rlserve", description=__doc__)
+    commands = top.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start the HTTP server")
+    serve.add_argument("--model", help="local model directory or hub id (default: built-in)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--backend", choices=["transformers"])
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    serve.set_defaults(func=_serve)
+
+    build = commands.add_parser("build-model", help="write the built-in random-weights model")
+    build.add_argument("directory")
+    build.add_argument("--hidden-size", type=int, default=64)
+    build.add_argument("--num-layers", type=int, default=2)
+    build.add_argument("--seed", type=int, default=0)
+    build.set_defaults(func=_build_model)
+
+    export = commands.add_parser("export-openapi", help="write the OpenAPI spec")
+    export.add_argument("path", nargs="?", default=str(DEFAULT_SPEC), help="file, or - for stdout")
+    export.set_defaults(func=_export_openapi)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Turn request inputs (messages, text, tokens, prompt/response splits) into exact token ids,
+texts and assistant masks, and check them against the model's vocabulary and length."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import APIError, invalid
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+Conversation = list[dict[str, str]]
+
+
+@dataclass
+class Prepared:
+    """One input sequence. `prompt_len` splits `ids` when a prompt/response split is known."""
+
+    ids: list[int]
+    prompt_len: int | None = None
+    assistant_mask: list[int] | None = None
+    text: str | None = None
+    prompt_text: str | None = None
+    history: Conversation | None = None
+    prompt_history: Conversation | None = None
+
+
+class InputPreparer:
+    """Tokenization and chat templating for one model."""
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.has_chat_template = bool(template)
+        self.has_generation_tags = bool(_GENERATION_TAG.search(template))
+
+    # -- text and templates -------------------------------------------------------------
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+    def render(self, conversation: Conversation, *, generation_prompt: bool) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
+
+    def template(self, conversation: Conversation, *, generation_prompt: bool) -> Prepared:
+        """Template a conversation; the assistant mask comes from the template's generation
+        tags, or from character offsets of the assistant turns when it has none."""
+        text = self.render(conversation, generation_prompt=generation_prompt)
+        if self.has_generation_tags:
+            out = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=True,
+                return_dict=True,
+                add_generation_prompt=generation_prompt,
+                return_assistant_tokens_mask=True,
+            )
+            ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        else:
+            ids = self.encode(text, special=False)
+            mask = self._mask_from_offsets(conversation, text)
+        return Prepared(ids=ids, assistant_mask=mask, text=text, history=conversation)
+
+    def _mask_from_offsets(self, conversation: Conversation, text: str) -> list[int]:
+        spans = []
+        for i, message in enumerate(conversation):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(conversation[:i], generation_prompt=True) if i else ""
+            through = self.render(conversation[: i + 1], generation_prompt=False).rstrip()
+            if text.startswith(before) and text.startswith(through):
+                spans.append((len(before), len(through)))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [int(any(s < b and a < e for s, e in spans)) for a, b in encoded["offset_mapping"]]
+
+    # -- per request kind ---------------------------------------------------------------
+
+    def prompts(self, messages: Any, text: Any, tokens: Any, field: str) -> list[Prepared]:
+        """Generation prompts; conversations get the generation prompt appended."""
+        if messages is not None:
+            self._require_template(field)
+            return [
+                self.template(_plain(conv), generation_prompt=True) for conv in messages
+            ]
+        if text is not None:
+            return [Prepared(ids=self.encode(t), text=t) for t in text]
+        return [Prepared(ids=list(seq)) for seq in tokens]
+
+    def sequences(self, request: Any, field: str) -> list[Prepared]:
+        """Scoring sequences: whole conversations, texts, token lists or prompt/response splits."""
+        if request.messages is not None:
+            self._require_template(field)
+            return [self._scored_conversation(_plain(conv)) for conv in request.messages]
+        if request.prompt_text is not None:
+            return [
+                self._split(self.encode(p), self.encode(r, special=False), prompt_text=p)
+                for p, r in zip(request.prompt_text, request.response_text, strict=True)
+            ]
+        if request.prompt_tokens is not None:
+            return [
+                self._split(list(p), list(r))
+                for p, r in zip(request.prompt_tokens, request.response_tokens, strict=True)
+            ]
+        return self.prompts(None, request.text, request.tokens, field)
+
+    def _scored_conversation(self, conversation: Conversation) -> Prepared:
+        prepared = self.template(conversation, generation_prompt=False)
+        if len(conversation) > 1 and conversation[-1]["role"] == "assistant":
+            prompt = self.template(conversation[:-1], generation_prompt=True)
+            if prepared.ids[: len(prompt.ids)] == prompt.ids:
+                prepared.prompt_len = len(prompt.ids)
+                prepared.prompt_text = prompt.text
+                prepared.prompt_history = conversation[:-1]
+        return prepared
+
+    def _split(self, prompt: list[int], response: list[int], prompt_text: str | None = None) -> Prepared:
+        ids = prompt + response
+        text = self.decode(ids) if prompt_text is not None else None
+        return Prepared(ids=ids, prompt_len=len(prompt), text=text, prompt_text=prompt_text)
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _require_template(self, field: str) -> None:
+        if not self.has_chat_template:
+            raise invalid(field, "this model's tokenizer has no chat template; send text or tokens")
+
+    def check(self, prepared: list[Prepared], field: str, *, max_new_tokens: int = 0) -> None:
+        """422 for empty sequences, ids outside the vocabulary and over-long sequences."""
+        for i, item in enumerate(prepared):
+            name = f"{field}[{i}]"
+            if not item.ids:
+                raise invalid(name, "the sequence has no tokens")
+            bad = next((t for t in item.ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise invalid(
+                    name,
+                    f"token id {bad} at position {item.ids.index(bad)} is outside the "
+                    f"vocabulary (ids must be below {self.vocab_size})",
+                )
+            if len(item.ids) > self.max_model_len:
+                raise invalid(
+                    name,
+                    f"{len(item.ids)} tokens exceed the model's maximum length "
+                    f"of {self.max_model_len}",
+                )
+            if len(item.ids) + max_new_tokens > self.max_model_len:
+                raise invalid(
+                    "max_new_tokens",
+                    f"{field}[{i}] has {len(item.ids)} tokens; with {max_new_tokens} new tokens "
+                    f"it would exceed the model's maximum length of {self.max_model_len}",
+                )
+
+
+def check_num_items(num_items: int, limit: int, field: str) -> None:
+    if num_items > limit:
+        raise APIError(
+            413,
+            f"{field}: {num_items} sequences in one request exceed the limit of {limit}",
+            param=field,
+        )
+
+
+def _plain(conversation: Any) -> Conversation:
+    return [{"role": m.role, "content": m.content} for m in conversation]

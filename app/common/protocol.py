@@ -1,0 +1,144 @@
+"""Wire models shared by every route: the base class, chat messages, inputs and the
+TorchRL-style sample containers (text / tokens / masks / log_probs / history)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+ModelName = Literal["policy", "reference"]
+TokenId = Annotated[int, Field(ge=0)]
+TokenList = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """A validation error that names `field` (the error handler reports it as `param`)."""
+    return PydanticCustomError("invalid_field", "{field}: " + message, {"field": field})
+
+
+class WireModel(BaseModel):
+    """Base of every request and response body. Unknown request fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(WireModel):
+    role: Annotated[str, Field(min_length=1, examples=["user"])]
+    content: str
+
+
+Conversation = Annotated[list[Message], Field(min_length=1)]
+
+
+class InputFields(WireModel):
+    """Exactly one of `messages`, `text` or `tokens`; each a list with one entry per sequence."""
+
+    messages: Annotated[list[Conversation], Field(min_length=1)] | None = Field(
+        default=None, description="Chat conversations, templated with the model's chat template."
+    )
+    text: Annotated[list[NonEmptyText], Field(min_length=1)] | None = Field(
+        default=None, description="Raw strings, tokenized with the model's tokenizer."
+    )
+    tokens: Annotated[list[TokenList], Field(min_length=1)] | None = Field(
+        default=None, description="Token ids, used exactly as given."
+    )
+
+    def given_inputs(self) -> list[str]:
+        return [name for name in _INPUT_FIELDS if getattr(self, name, None) is not None]
+
+
+_INPUT_FIELDS = ("messages", "text", "tokens", "prompt_text", "prompt_tokens")
+_PAIRS = {"prompt_text": "response_text", "prompt_tokens": "response_tokens"}
+
+
+def check_exactly_one(model: InputFields, allowed: tuple[str, ...]) -> None:
+    given = model.given_inputs()
+    if len(given) != 1:
+        names = ", ".join(allowed)
+        detail = "none was given" if not given else f"got {', '.join(given)}"
+        raise field_error(given[1] if given else "input", f"give exactly one of {names}; {detail}")
+
+
+class SplitInputFields(InputFields):
+    """Scoring inputs: also a prompt/response split, as text or as tokens."""
+
+    prompt_text: Annotated[list[str], Field(min_length=1)] | None = None
+    response_text: Annotated[list[str], Field(min_length=1)] | None = None
+    prompt_tokens: Annotated[list[list[TokenId]], Field(min_length=1)] | None = None
+    response_tokens: Annotated[list[list[TokenId]], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> SplitInputFields:
+        check_exactly_one(self, _INPUT_FIELDS)
+        for prompt_field, response_field in _PAIRS.items():
+            prompts, responses = getattr(self, prompt_field), getattr(self, response_field)
+            if prompts is None and responses is not None:
+                raise field_error(response_field, f"requires {prompt_field}")
+            if prompts is not None and responses is None:
+                raise field_error(response_field, f"is required with {prompt_field}")
+            if prompts is not None and len(prompts) != len(responses):
+                raise field_error(
+                    response_field,
+                    f"has {len(responses)} entries but {prompt_field} has {len(prompts)}",
+                )
+        return self
+
+    def num_items(self) -> int:
+        return len(getattr(self, self.given_inputs()[0]))
+
+
+class TextFields(WireModel):
+    prompt: str | None = None
+    response: str | None = None
+    full: str | None = None
+
+
+class TokenFields(WireModel):
+    prompt: list[int] | None = None
+    response: list[int] | None = None
+    full: list[int] | None = None
+
+
+class LogProbFields(WireModel):
+    prompt: list[float] | None = None
+    response: list[float] | None = Field(
+        default=None,
+        description="Log-probs of the response tokens under the raw model distribution "
+        "(temperature 1, no top-k/top-p/penalty): what a trainer's own forward computes.",
+    )
+    response_processed: list[float] | None = Field(
+        default=None,
+        description="Generation only: log-probs of the sampled tokens under the distribution "
+        "actually sampled from (after repetition penalty, temperature, top-k and top-p).",
+    )
+    full: list[float] | None = Field(
+        default=None,
+        description="log p(x_t | x_<t) for every token of tokens.full; position 0 is 0.0.",
+    )
+
+
+class Masks(WireModel):
+    all_attention_mask: list[int] | None = None
+    all_assistant_mask: list[int] | None = Field(
+        default=None,
+        description="1 on tokens written by the assistant (content and end-of-turn token).",
+    )
+
+
+class HistoryFields(WireModel):
+    prompt: list[Message] | None = None
+    response: list[Message] | None = None
+    full: list[Message] | None = None
+
+
+class Sample(WireModel):
+    """One generated or scored sequence, in TorchRL's container layout."""
+
+    text: TextFields | None = None
+    tokens: TokenFields
+    masks: Masks
+    log_probs: LogProbFields | None = None
+    history: HistoryFields | None = None

@@ -1,0 +1,59 @@
+"""Service settings: one pydantic-settings class, every field readable from `RLSERVE_*` env vars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "rlserve"
+
+
+class Settings(BaseSettings):
+    """Everything the service reads at start-up; validated before any model is loaded."""
+
+    model_config = SettingsConfigDict(env_prefix="RLSERVE_", extra="ignore")
+
+    # Model
+    model: str | None = Field(
+        default=None,
+        description="Local HF model directory or hub id; unset serves the built-in demo model.",
+    )
+    backend: Literal["transformers"] = "transformers"
+    dtype: Dtype = "auto"
+    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    trust_remote_code: bool = False
+    max_model_len: int | None = Field(
+        default=None, gt=0, description="Longest sequence served; defaults to the model's own."
+    )
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+
+    # Built-in model shape (used only when `model` is unset)
+    builtin_hidden_size: int = Field(default=64, gt=0)
+    builtin_num_layers: int = Field(default=2, gt=0)
+    builtin_seed: int = 0
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Request limits
+    max_items_per_request: int = Field(default=256, gt=0)
+    max_new_tokens_limit: int = Field(default=4096, gt=0)
+    default_max_new_tokens: int = Field(default=256, gt=0)
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                f"max_new_tokens_limit ({self.max_new_tokens_limit})"
+            )
+        return self

@@ -1,0 +1,36 @@
+"""FastAPI dependency shortcuts: everything routes need comes from `app.state`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.generation.serving import GenerationService
+from app.scoring.serving import ScoringService
+
+
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _registry(request: Request) -> ModelRegistry:
+    registry: ModelRegistry = request.app.state.registry
+    return registry
+
+
+def _generation(request: Request) -> GenerationService:
+    return GenerationService(_registry(request), _settings(request))
+
+
+def _scoring(request: Request) -> ScoringService:
+    return ScoringService(_registry(request), _settings(request))
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
+GenerationDep = Annotated[GenerationService, Depends(_generation)]
+ScoringDep = Annotated[ScoringService, Depends(_scoring)]

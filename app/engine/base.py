@@ -1,0 +1,27 @@
+"""The backend contract: one small async interface that every model engine implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from app.engine.types import GenerateItem, Generation, ModelInfo
+
+
+class Backend(ABC):
+    """A loaded model. Methods take whole batches; batching policy lives outside."""
+
+    info: ModelInfo
+    tokenizer: Any
+
+    @abstractmethod
+    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        """One Generation per item, in order."""
+
+    @abstractmethod
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
+
+    async def aclose(self) -> None:
+        """Release the model and any worker processes or threads."""

@@ -1,0 +1,114 @@
+"""The built-in demo model: a tiny random-weights Qwen2 LM with a byte-level ChatML tokenizer.
+
+It is built offline and deterministically from a seed, so tests and newcomers never need a hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Every assistant turn sits inside {% generation %} tags, so that
+# `return_assistant_tokens_mask=True` marks the assistant content and its end-of-turn token.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+DEMO_MARKER = "rlserve_builtin.json"
+
+
+def build_tokenizer():  # type: ignore[no-untyped-def]
+    """A byte-level tokenizer: one token per byte (ids 0-255) plus the ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_symbols = sorted(alphabet, key=lambda s: _byte_of_symbol(s))
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _byte_of_symbol(symbol: str) -> int:
+    """GPT-2 byte-to-unicode inverse: the byte that a ByteLevel alphabet symbol stands for."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codepoints = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codepoints.append(256 + extra)
+            extra += 1
+    return dict(zip(codepoints, printable, strict=True))[ord(symbol)]
+
+
+def build_model(
+    directory: Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write the built-in model and tokenizer to `directory` with `save_pretrained`."""
+    import json
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if hidden_size % 16:
+        raise ValueError(f"hidden_size must be a multiple of 16, got {hidden_size}")
+    tokenizer = build_tokenizer()
+    num_heads = max(hidden_size // 16, 1)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(num_heads // 2, 1),
+        max_position_embeddings=4096,
+        # Wide initialisation so that the random model has peaked, non-uniform distributions.
+        initializer_range=0.4,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    marker = {"hidden_size": hidden_size, "num_layers": num_layers, "seed": seed}
+    (directory / DEMO_MARKER).write_text(json.dumps(marker))
+    return directory

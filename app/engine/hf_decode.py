@@ -1,0 +1,159 @@
+"""Batched scoring and decoding on a transformers causal LM (blocking; call from a worker thread).
+
+Prompts are left-padded with explicit position ids, so a row's values do not depend on the
+other rows in its batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from app.engine.sampling import RowSampler
+from app.engine.types import GenerateItem, Generation
+
+
+def _padded(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, *, left: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    return ids.to(device), mask.to(device)
+
+
+def token_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[:, t-1])[ids[:, t]] for t >= 1, with 0.0 prepended; logits [B, T, V]."""
+    logits = logits[:, :-1].float()
+    picked = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+@torch.inference_mode()
+def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:
+    device = model.device
+    ids, mask = _padded(sequences, pad_id, device, left=False)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    values = token_log_probs(logits, ids).cpu()
+    return [values[i, : len(seq)].tolist() for i, seq in enumerate(sequences)]
+
+
+class _Rows:
+    """Book-keeping of the rows being decoded."""
+
+    def __init__(self, items: Sequence[GenerateItem]) -> None:
+        self.items = items
+        self.tokens: list[list[int]] = [[] for _ in items]
+        self.raw: list[list[float]] = [[] for _ in items]
+        self.processed: list[list[float]] = [[] for _ in items]
+        self.finish: list[str | None] = [None for _ in items]
+        self.stop_reason: list[str | None] = [None for _ in items]
+
+    def active(self) -> list[int]:
+        return [i for i, f in enumerate(self.finish) if f is None]
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    items: Sequence[GenerateItem],
+    *,
+    pad_id: int,
+    eos_ids: frozenset[int],
+    decode: Callable[[list[int]], str],
+) -> list[Generation]:
+    device = model.device
+    configs = [item.config for item in items]
+    sampler = RowSampler(configs, [it.seed for it in items], device)
+    ids, mask = _padded([it.prompt_ids for it in items], pad_id, device, left=True)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    want_prompt = any(c.return_prompt_log_probs for c in configs)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=0 if want_prompt else 1,
+    )
+    prompt_lps = token_log_probs(out.logits, ids).cpu() if want_prompt else None
+    seen = None
+    if sampler.needs_penalty:
+        vocab = out.logits.shape[-1]
+        seen = torch.zeros((len(items), vocab), dtype=torch.bool, device=device)
+        seen.scatter_(1, ids, mask.bool())
+    rows = _Rows(items)
+    logits = out.logits[:, -1].float()
+    cache = out.past_key_values
+    next_position = positions[:, -1:] + 1
+    for step in range(max(c.max_new_tokens for c in configs)):
+        raw = logits.log_softmax(-1)
+        processed = sampler.process(logits, seen)
+        chosen = sampler.choose(processed)
+        processed_lp = processed.log_softmax(-1).gather(-1, chosen[:, None]).squeeze(-1)
+        raw_lp = raw.gather(-1, chosen[:, None]).squeeze(-1)
+        chosen_list, raw_list, proc_list = chosen.tolist(), raw_lp.tolist(), processed_lp.tolist()
+        for i in rows.active():
+            _advance(rows, i, chosen_list[i], raw_list[i], proc_list[i], eos_ids, decode)
+        if not rows.active():
+            break
+        if seen is not None:
+            seen.scatter_(1, chosen[:, None], True)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(
+            input_ids=chosen[:, None],
+            attention_mask=mask,
+            position_ids=next_position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache, next_position = out.past_key_values, next_position + 1
+        logits = out.logits[:, -1].float()
+    return [_result(rows, i, prompt_lps) for i in range(len(items))]
+
+
+def _advance(
+    rows: _Rows,
+    i: int,
+    token: int,
+    raw_lp: float,
+    processed_lp: float,
+    eos_ids: frozenset[int],
+    decode: Callable[[list[int]], str],
+) -> None:
+    config = rows.items[i].config
+    rows.tokens[i].append(token)
+    rows.raw[i].append(raw_lp)
+    rows.processed[i].append(processed_lp)
+    if token in eos_ids and not config.ignore_eos:
+        rows.finish[i] = "stop"
+    elif config.stop_sequences and (hit := _stop_hit(rows.tokens[i], config.stop_sequences, decode)):
+        rows.finish[i], rows.stop_reason[i] = "stop", hit
+    elif len(rows.tokens[i]) >= config.max_new_tokens:
+        rows.finish[i] = "length"
+
+
+def _stop_hit(tokens: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]) -> str | None:
+    text = decode(tokens)
+    return next((s for s in stops if s in text), None)
+
+
+def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None) -> Generation:
+    item = rows.items[i]
+    prompt = None
+    if prompt_lps is not None and item.config.return_prompt_log_probs:
+        num_prompt = len(item.prompt_ids)
+        prompt = [0.0] + prompt_lps[i, prompt_lps.shape[1] - num_prompt + 1 :].tolist()
+    finish = rows.finish[i] or "length"
+    return Generation(
+        token_ids=rows.tokens[i],
+        log_probs=rows.raw[i],
+        processed_log_probs=rows.processed[i],
+        finish_reason="stop" if finish == "stop" else "length",
+        stop_reason=rows.stop_reason[i],
+        prompt_log_probs=prompt,
+    )

@@ -1,0 +1,72 @@
+"""Find and load the served models: a configured path or hub id, or the built-in demo model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from app.config import Settings
+from app.engine.base import Backend
+from app.engine.builtin_model import DEMO_MARKER, build_model
+
+logger = logging.getLogger(__name__)
+
+
+def builtin_model_dir(settings: Settings) -> Path:
+    """Build the demo model once into the cache directory (atomically) and return its path."""
+    name = (
+        f"builtin-qwen2-h{settings.builtin_hidden_size}"
+        f"-l{settings.builtin_num_layers}-s{settings.builtin_seed}"
+    )
+    target = settings.cache_dir / name
+    if (target / DEMO_MARKER).exists():
+        return target
+    settings.cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=settings.cache_dir))
+    try:
+        build_model(
+            staging,
+            hidden_size=settings.builtin_hidden_size,
+            num_layers=settings.builtin_num_layers,
+            seed=settings.builtin_seed,
+        )
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process built it first
+            if not (target / DEMO_MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_source(settings: Settings) -> tuple[str, bool]:
+    """(model source, whether it is the built-in demo model)."""
+    if settings.model:
+        return settings.model, False
+    path = builtin_model_dir(settings)
+    logger.warning(
+        "serving the built-in demo model (%s): random weights, for trying the API only. "
+        "Point at a real model with --model PATH_OR_HUB_ID or RLSERVE_MODEL.",
+        path,
+    )
+    return str(path), True
+
+
+def load_backend(settings: Settings, *, name: str, source: str, builtin: bool) -> Backend:
+    """Blocking: load one model with the configured backend."""
+    from app.engine.transformers_backend import TransformersBackend
+
+    logger.info("loading %s model from %s (backend=%s)", name, source, settings.backend)
+    return TransformersBackend.load(
+        source,
+        name=name,
+        dtype=settings.dtype,
+        device=settings.device,
+        max_model_len=settings.max_model_len,
+        trust_remote_code=settings.trust_remote_code,
+        builtin=builtin,
+    )

@@ -1,0 +1,118 @@
+"""Backend on a HuggingFace transformers model. Model calls run on one worker thread, so they
+never block the event loop and never run concurrently on the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from app.engine import hf_decode
+from app.engine.base import Backend
+from app.engine.types import GenerateItem, Generation, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    # The checkpoint's own dtype on GPU; float32 on CPU, where half precision is slow and inexact.
+    return "auto" if device.type == "cuda" else torch.float32
+
+
+class TransformersBackend(Backend):
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+        self.pad_id = _pad_id(tokenizer, model)
+        self.eos_ids = _eos_ids(tokenizer, model)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{info.name}")
+
+    @classmethod
+    def load(
+        cls,
+        source: str,
+        *,
+        name: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+        builtin: bool = False,
+    ) -> TransformersBackend:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = resolve_device(device)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=resolve_dtype(dtype, target), trust_remote_code=trust_remote_code
+        )
+        model = model.to(target).eval()
+        model.requires_grad_(False)
+        native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        info = ModelInfo(
+            name=name,
+            source=str(source),
+            backend="transformers",
+            dtype=str(model.dtype).removeprefix("torch."),
+            device=str(target),
+            max_model_len=min(max_model_len or native_len, native_len),
+            vocab_size=int(model.config.vocab_size),
+            builtin=builtin,
+        )
+        return cls(model, tokenizer, info)
+
+    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        result: list[list[float]] = await self._run(
+            hf_decode.score, self.model, sequences, self.pad_id
+        )
+        return result
+
+    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        result: list[Generation] = await self._run(
+            hf_decode.generate,
+            self.model,
+            items,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            decode=self.tokenizer.decode,
+        )
+        return result
+
+    async def aclose(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _pad_id(tokenizer: Any, model: Any) -> int:
+    for candidate in (tokenizer.pad_token_id, model.config.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(x) for x in source)
+    return frozenset(ids)

@@ -1,0 +1,101 @@
+"""Wire models of `POST /v1/generate`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from app.common.protocol import InputFields, ModelName, Sample, WireModel, check_exactly_one, field_error
+from app.engine.types import SamplingConfig
+
+_GENERATE_INPUTS = ("messages", "text", "tokens")
+StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
+
+
+class GenerateRequest(InputFields):
+    """Inputs plus TorchRL-standard generation parameters. Backend names (`max_tokens`, `n`,
+    `stop`, `logprobs`) are accepted as aliases and win when both are given."""
+
+    model: ModelName = "policy"
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0, description="Alias of max_new_tokens; wins.")
+    num_return_sequences: int | None = Field(default=None, gt=0)
+    n: int | None = Field(default=None, gt=0, description="Alias of num_return_sequences; wins.")
+    temperature: float | None = Field(default=None, ge=0, description="Default 1.0; 0 is greedy.")
+    top_p: float = Field(default=1.0, ge=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    do_sample: bool | None = Field(
+        default=None, description="Default: sample unless temperature is 0."
+    )
+    stop_sequences: StopList | None = None
+    stop: StopList | None = Field(default=None, description="Alias of stop_sequences; wins.")
+    ignore_eos: bool = Field(default=False, description="Keep generating past end-of-sequence.")
+    skip_special_tokens: bool = Field(
+        default=False, description="Drop special tokens from text.response (tokens keep them)."
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        description="Seeds each returned sequence's own random stream: results do not depend "
+        "on what else is batched with the request.",
+    )
+    return_log_probs: bool = True
+    logprobs: bool | None = Field(default=None, description="Alias of return_log_probs; wins.")
+    return_prompt_log_probs: bool = Field(
+        default=False, description="Also return log_probs.prompt and log_probs.full."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateRequest:
+        check_exactly_one(self, _GENERATE_INPUTS)
+        if self.do_sample is False and self.temperature not in (None, 0):
+            raise field_error(
+                "temperature", f"must be 0 (or unset) when do_sample is false, got {self.temperature}"
+            )
+        return self
+
+    def num_items(self) -> int:
+        return len(getattr(self, self.given_inputs()[0]))
+
+    @property
+    def num_samples(self) -> int:
+        return self.n or self.num_return_sequences or 1
+
+    @property
+    def wants_log_probs(self) -> bool:
+        return self.return_log_probs if self.logprobs is None else self.logprobs
+
+    def requested_max_new_tokens(self, default: int) -> int:
+        return self.max_tokens or self.max_new_tokens or default
+
+    def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
+        greedy = self.do_sample is False or self.temperature == 0
+        stops = self.stop if self.stop is not None else self.stop_sequences
+        return SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=1.0 if greedy or self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            stop_sequences=tuple(stops or ()),
+            ignore_eos=self.ignore_eos,
+            return_prompt_log_probs=self.return_prompt_log_probs,
+        )
+
+
+class GeneratedSample(Sample):
+    finish_reason: Literal["stop", "length"]
+    stop_reason: str | None = Field(
+        default=None, description="The stop sequence that ended generation, if one did."
+    )
+
+
+class GenerateResponse(WireModel):
+    policy_version: int
+    model: ModelName
+    outputs: list[list[GeneratedSample]] = Field(
+        description="One list per input, with num_return_sequences samples each."
+    )

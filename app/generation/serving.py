@@ -1,0 +1,65 @@
+"""Generation: sample continuations of prompts given as messages, text or tokens."""
+
+from __future__ import annotations
+
+from app.common.inputs import check_num_items
+from app.common.samples import generated_sample
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.engine.sampling import row_seed
+from app.engine.types import GenerateItem
+from app.errors import invalid
+from app.generation.protocol import GeneratedSample, GenerateRequest, GenerateResponse
+
+
+class GenerationService:
+    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+        self.registry = registry
+        self.settings = settings
+
+    def _max_new_tokens(self, request: GenerateRequest) -> int:
+        value = request.requested_max_new_tokens(self.settings.default_max_new_tokens)
+        limit = self.settings.max_new_tokens_limit
+        if value > limit:
+            name = "max_tokens" if request.max_tokens else "max_new_tokens"
+            raise invalid(name, f"{value} exceeds the server's limit of {limit}")
+        return value
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        served = self.registry.get(request.model)
+        field = request.given_inputs()[0]
+        num_samples = request.num_samples
+        check_num_items(
+            request.num_items() * num_samples, self.settings.max_items_per_request, field
+        )
+        max_new_tokens = self._max_new_tokens(request)
+        prompts = served.preparer.prompts(request.messages, request.text, request.tokens, field)
+        served.preparer.check(prompts, field, max_new_tokens=max_new_tokens)
+        config = request.to_sampling_config(max_new_tokens)
+        items = [
+            GenerateItem(tuple(p.ids), config, row_seed(request.seed, i * num_samples + j))
+            for i, p in enumerate(prompts)
+            for j in range(num_samples)
+        ]
+        version = self.registry.policy_version
+        generations = await served.generate(items)
+        outputs: list[list[GeneratedSample]] = []
+        for i, prompt in enumerate(prompts):
+            row = generations[i * num_samples : (i + 1) * num_samples]
+            outputs.append(
+                [
+                    GeneratedSample(
+                        **generated_sample(
+                            prompt,
+                            gen,
+                            served.preparer,
+                            with_log_probs=request.wants_log_probs,
+                            skip_special_tokens=request.skip_special_tokens,
+                        ),
+                        finish_reason=gen.finish_reason,
+                        stop_reason=gen.stop_reason,
+                    )
+                    for gen in row
+                ]
+            )
+        return GenerateResponse(policy_version=version, model=request.model, outputs=outputs)

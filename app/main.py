@@ -1,0 +1,47 @@
+"""Application factory. Importing this module loads nothing; `create_app` wires the service."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app import __version__
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.errors import install_error_handlers
+from app.generation.router import router as generation_router
+from app.ops.router import router as ops_router
+from app.scoring.router import router as scoring_router
+
+
+def create_app(settings: Settings | None = None, *, load_models: bool = True) -> FastAPI:
+    """Build the FastAPI app. Models load in the background once the app starts, so `/health`
+    answers at once and `/ready` turns true when loading is done."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry = ModelRegistry(settings)
+        app.state.registry = registry
+        loading = asyncio.create_task(registry.load()) if load_models else None
+        try:
+            yield
+        finally:
+            if loading is not None:
+                await loading
+            await registry.aclose()
+
+    app = FastAPI(
+        title="rlserve",
+        version=__version__,
+        summary="Generation, scoring, KL and chat environments for LLM RL post-training.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    for router in (generation_router, scoring_router, ops_router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,17 @@
+"""Wire models of `POST /v1/logprobs`."""
+
+from __future__ import annotations
+
+from app.common.protocol import ModelName, Sample, SplitInputFields, WireModel
+
+
+class LogProbsRequest(SplitInputFields):
+    """Sequences to score: messages, text or tokens, or a prompt/response split."""
+
+    model: ModelName = "policy"
+
+
+class LogProbsResponse(WireModel):
+    policy_version: int
+    model: ModelName
+    outputs: list[Sample]

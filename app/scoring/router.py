@@ -1,0 +1,19 @@
+from fastapi import APIRouter
+
+from app.deps import ScoringDep
+from app.errors import ERROR_RESPONSES
+from app.scoring.protocol import LogProbsRequest, LogProbsResponse
+
+router = APIRouter(tags=["scoring"])
+
+
+@router.post(
+    "/v1/logprobs",
+    response_model=LogProbsResponse,
+    response_model_exclude_none=True,
+    responses=ERROR_RESPONSES,
+    summary="Score given sequences",
+)
+async def logprobs(request: LogProbsRequest, service: ScoringDep) -> LogProbsResponse:
+    """Log-probability of every token under the model (raw distribution, position 0 is 0.0)."""
+    return await service.score(request)

@@ -1,0 +1,30 @@
+"""Scoring: the log-probability of every token of given sequences."""
+
+from __future__ import annotations
+
+from app.common.inputs import check_num_items
+from app.common.samples import scored_sample
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.scoring.protocol import LogProbsRequest, LogProbsResponse
+
+
+class ScoringService:
+    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+        self.registry = registry
+        self.settings = settings
+
+    async def score(self, request: LogProbsRequest) -> LogProbsResponse:
+        served = self.registry.get(request.model)
+        field = request.given_inputs()[0]
+        check_num_items(request.num_items(), self.settings.max_items_per_request, field)
+        prepared = served.preparer.sequences(request, field)
+        served.preparer.check(prepared, field)
+        version = self.registry.policy_version
+        values = await served.score([item.ids for item in prepared])
+        with_text = field != "tokens" and field != "prompt_tokens"
+        outputs = [
+            scored_sample(item, lps, served.preparer, with_text=with_text)
+            for item, lps in zip(prepared, values, strict=True)
+        ]
+        return LogProbsResponse(policy_version=version, model=request.model, outputs=outputs)

@@ -85,9 +85,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     ctx = first.get("ctx") or {}
     param = ctx.get("field") or _loc_to_param(tuple(first.get("loc", ()))) or "body"
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if first.get("type") in ("missing", "extra_forbidden", "json_invalid") or not message.startswith(
-        param
-    ):
+    if first.get("type") in (
+        "missing",
+        "extra_forbidden",
+        "json_invalid",
+    ) or not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(422, message, param=param)
 

@@ -27,6 +27,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         registry = ModelRegistry(settings)
         app.state.registry = registry
         loading = asyncio.create_task(registry.load()) if load_models else None
+        app.state.loading = loading
         try:
             yield
         finally:

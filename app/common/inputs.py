@@ -88,9 +88,7 @@ class InputPreparer:
         """Generation prompts; conversations get the generation prompt appended."""
         if messages is not None:
             self._require_template(field)
-            return [
-                self.template(_plain(conv), generation_prompt=True) for conv in messages
-            ]
+            return [self.template(_plain(conv), generation_prompt=True) for conv in messages]
         if text is not None:
             return [Prepared(ids=self.encode(t), text=t) for t in text]
         return [Prepared(ids=list(seq)) for seq in tokens]
@@ -122,7 +120,9 @@ class InputPreparer:
                 prepared.prompt_history = conversation[:-1]
         return prepared
 
-    def _split(self, prompt: list[int], response: list[int], prompt_text: str | None = None) -> Prepared:
+    def _split(
+        self, prompt: list[int], response: list[int], prompt_text: str | None = None
+    ) -> Prepared:
         ids = prompt + response
         text = self.decode(ids) if prompt_text is not None else None
         return Prepared(ids=ids, prompt_len=len(prompt), text=text, prompt_text=prompt_text)

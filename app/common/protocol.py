@@ -72,7 +72,6 @@ class SplitInputFields(InputFields):
 
     @model_validator(mode="after")
     def _one_input(self) -> SplitInputFields:
-        check_exactly_one(self, _INPUT_FIELDS)
         for prompt_field, response_field in _PAIRS.items():
             prompts, responses = getattr(self, prompt_field), getattr(self, response_field)
             if prompts is None and responses is not None:
@@ -84,6 +83,7 @@ class SplitInputFields(InputFields):
                     response_field,
                     f"has {len(responses)} entries but {prompt_field} has {len(prompts)}",
                 )
+        check_exactly_one(self, _INPUT_FIELDS)
         return self
 
     def num_items(self) -> int:

@@ -12,10 +12,9 @@ from app.common.protocol import (
     TextFields,
     TokenFields,
 )
-from app.engine.types import Generation
 
 
-def _messages(conversation: list[dict[str, str]] | None) -> list[Message] | None:
+def messages(conversation: list[dict[str, str]] | None) -> list[Message] | None:
     return None if conversation is None else [Message(**m) for m in conversation]
 
 
@@ -37,10 +36,10 @@ def scored_sample(
         )
     history = None
     if item.history is not None:
-        history = HistoryFields(full=_messages(item.history))
+        history = HistoryFields(full=messages(item.history))
         if item.prompt_history is not None:
-            history.prompt = _messages(item.prompt_history)
-            history.response = _messages(item.history[len(item.prompt_history) :])
+            history.prompt = messages(item.prompt_history)
+            history.response = messages(item.history[len(item.prompt_history) :])
     return Sample(
         text=text,
         tokens=TokenFields(
@@ -56,48 +55,3 @@ def scored_sample(
         ),
         history=history,
     )
-
-
-def generated_sample(
-    prompt: Prepared,
-    generation: Generation,
-    preparer: InputPreparer,
-    *,
-    with_log_probs: bool,
-    skip_special_tokens: bool,
-) -> dict[str, object]:
-    """The fields of one generated sample (the caller adds finish_reason)."""
-    response = generation.token_ids
-    full = prompt.ids + response
-    prompt_mask = prompt.assistant_mask or [0] * len(prompt.ids)
-    log_probs = None
-    if with_log_probs:
-        log_probs = LogProbFields(
-            response=generation.log_probs, response_processed=generation.processed_log_probs
-        )
-        if generation.prompt_log_probs is not None:
-            log_probs.prompt = generation.prompt_log_probs
-            log_probs.full = generation.prompt_log_probs + generation.log_probs
-    history = None
-    if prompt.history is not None:
-        content = preparer.decode(response, skip_special=True)
-        reply = [{"role": "assistant", "content": content}]
-        history = HistoryFields(
-            prompt=_messages(prompt.history),
-            response=_messages(reply),
-            full=_messages(prompt.history + reply),
-        )
-    return {
-        "text": TextFields(
-            prompt=preparer.decode(prompt.ids),
-            response=preparer.decode(response, skip_special=skip_special_tokens),
-            full=preparer.decode(full),
-        ),
-        "tokens": TokenFields(prompt=prompt.ids, response=response, full=full),
-        "masks": Masks(
-            all_attention_mask=[1] * len(full),
-            all_assistant_mask=prompt_mask + [1] * len(response),
-        ),
-        "log_probs": log_probs,
-        "history": history,
-    }

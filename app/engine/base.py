@@ -23,5 +23,5 @@ class Backend(ABC):
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the model and any worker processes or threads."""

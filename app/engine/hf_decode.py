@@ -90,7 +90,7 @@ def generate(
     logits = out.logits[:, -1].float()
     cache = out.past_key_values
     next_position = positions[:, -1:] + 1
-    for step in range(max(c.max_new_tokens for c in configs)):
+    for _step in range(max(c.max_new_tokens for c in configs)):
         raw = logits.log_softmax(-1)
         processed = sampler.process(logits, seen)
         chosen = sampler.choose(processed)
@@ -131,13 +131,17 @@ def _advance(
     rows.processed[i].append(processed_lp)
     if token in eos_ids and not config.ignore_eos:
         rows.finish[i] = "stop"
-    elif config.stop_sequences and (hit := _stop_hit(rows.tokens[i], config.stop_sequences, decode)):
+    elif config.stop_sequences and (
+        hit := _stop_hit(rows.tokens[i], config.stop_sequences, decode)
+    ):
         rows.finish[i], rows.stop_reason[i] = "stop", hit
     elif len(rows.tokens[i]) >= config.max_new_tokens:
         rows.finish[i] = "length"
 
 
-def _stop_hit(tokens: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]) -> str | None:
+def _stop_hit(
+    tokens: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]
+) -> str | None:
     text = decode(tokens)
     return next((s for s in stops if s in text), None)
 
@@ -147,7 +151,7 @@ def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None) -> Generation:
     prompt = None
     if prompt_lps is not None and item.config.return_prompt_log_probs:
         num_prompt = len(item.prompt_ids)
-        prompt = [0.0] + prompt_lps[i, prompt_lps.shape[1] - num_prompt + 1 :].tolist()
+        prompt = [0.0, *prompt_lps[i, prompt_lps.shape[1] - num_prompt + 1 :].tolist()]
     finish = rows.finish[i] or "length"
     return Generation(
         token_ids=rows.tokens[i],

@@ -61,7 +61,7 @@ class TransformersBackend(Backend):
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=resolve_dtype(dtype, target), trust_remote_code=trust_remote_code
         )
-        model = model.to(target).eval()
+        model = model.to(device=target).eval()  # type: ignore[call-arg]
         model.requires_grad_(False)
         native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         info = ModelInfo(

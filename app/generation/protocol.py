@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from app.common.protocol import InputFields, ModelName, Sample, WireModel, check_exactly_one, field_error
+from app.common.protocol import (
+    InputFields,
+    ModelName,
+    Sample,
+    WireModel,
+    check_exactly_one,
+    field_error,
+)
 from app.engine.types import SamplingConfig
 
 _GENERATE_INPUTS = ("messages", "text", "tokens")
@@ -52,7 +59,8 @@ class GenerateRequest(InputFields):
         check_exactly_one(self, _GENERATE_INPUTS)
         if self.do_sample is False and self.temperature not in (None, 0):
             raise field_error(
-                "temperature", f"must be 0 (or unset) when do_sample is false, got {self.temperature}"
+                "temperature",
+                f"must be 0 (or unset) when do_sample is false, got {self.temperature}",
             )
         return self
 

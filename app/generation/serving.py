@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from app.common.inputs import check_num_items
-from app.common.samples import generated_sample
+from app.common.inputs import InputPreparer, Prepared, check_num_items
+from app.common.protocol import HistoryFields, LogProbFields, Masks, TextFields, TokenFields
+from app.common.samples import messages
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
-from app.engine.types import GenerateItem
+from app.engine.types import GenerateItem, Generation
 from app.errors import invalid
 from app.generation.protocol import GeneratedSample, GenerateRequest, GenerateResponse
 
@@ -48,18 +49,61 @@ class GenerationService:
             row = generations[i * num_samples : (i + 1) * num_samples]
             outputs.append(
                 [
-                    GeneratedSample(
-                        **generated_sample(
-                            prompt,
-                            gen,
-                            served.preparer,
-                            with_log_probs=request.wants_log_probs,
-                            skip_special_tokens=request.skip_special_tokens,
-                        ),
-                        finish_reason=gen.finish_reason,
-                        stop_reason=gen.stop_reason,
+                    generated_sample(
+                        prompt,
+                        gen,
+                        served.preparer,
+                        with_log_probs=request.wants_log_probs,
+                        skip_special_tokens=request.skip_special_tokens,
                     )
                     for gen in row
                 ]
             )
         return GenerateResponse(policy_version=version, model=request.model, outputs=outputs)
+
+
+def generated_sample(
+    prompt: Prepared,
+    generation: Generation,
+    preparer: InputPreparer,
+    *,
+    with_log_probs: bool,
+    skip_special_tokens: bool,
+) -> GeneratedSample:
+    """One generated sample in TorchRL's layout."""
+    response = generation.token_ids
+    full = prompt.ids + response
+    prompt_mask = prompt.assistant_mask or [0] * len(prompt.ids)
+    log_probs = None
+    if with_log_probs:
+        log_probs = LogProbFields(
+            response=generation.log_probs, response_processed=generation.processed_log_probs
+        )
+        if generation.prompt_log_probs is not None:
+            log_probs.prompt = generation.prompt_log_probs
+            log_probs.full = generation.prompt_log_probs + generation.log_probs
+    history = None
+    if prompt.history is not None:
+        content = preparer.decode(response, skip_special=True)
+        reply = [{"role": "assistant", "content": content}]
+        history = HistoryFields(
+            prompt=messages(prompt.history),
+            response=messages(reply),
+            full=messages(prompt.history + reply),
+        )
+    return GeneratedSample(
+        text=TextFields(
+            prompt=preparer.decode(prompt.ids),
+            response=preparer.decode(response, skip_special=skip_special_tokens),
+            full=preparer.decode(full),
+        ),
+        tokens=TokenFields(prompt=prompt.ids, response=response, full=full),
+        masks=Masks(
+            all_attention_mask=[1] * len(full),
+            all_assistant_mask=prompt_mask + [1] * len(response),
+        ),
+        log_probs=log_probs,
+        history=history,
+        finish_reason=generation.finish_reason,
+        stop_reason=generation.stop_reason,
+    )

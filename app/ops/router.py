@@ -20,7 +20,9 @@ async def health(registry: RegistryDep) -> HealthResponse:
 async def ready(registry: RegistryDep) -> ReadyResponse:
     if registry.status != "ready":
         detail = f": {registry.error}" if registry.error else ""
-        raise APIError(503, f"not ready, model is {registry.status}{detail}", type="unavailable_error")
+        raise APIError(
+            503, f"not ready, model is {registry.status}{detail}", type="unavailable_error"
+        )
     return ReadyResponse(ready=True, policy_version=registry.policy_version)
 
 

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# ruff (lint and format check) and mypy on the service.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check app tests scripts
+.venv/bin/ruff format --check app tests
+.venv/bin/mypy

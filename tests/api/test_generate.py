@@ -1,0 +1,204 @@
+"""/v1/generate against plain transformers generation and against /v1/logprobs."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import assert_close
+
+
+async def generate(client: httpx.AsyncClient, **body: object) -> dict:  # type: ignore[type-arg]
+    response = await client.post("/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:  # type: ignore[no-untyped-def]
+    x = torch.tensor([ids])
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        **kwargs,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+async def test_greedy_matches_transformers_generate(client, hf_model):
+    prompts = [[72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200]]
+    body = await generate(client, tokens=prompts, max_new_tokens=12, do_sample=False)
+    for prompt, samples in zip(prompts, body["outputs"], strict=True):
+        (sample,) = samples
+        expected = hf_greedy(hf_model, prompt, 12)
+        assert sample["tokens"]["response"] == expected[: len(sample["tokens"]["response"])]
+        assert sample["tokens"]["prompt"] + sample["tokens"]["response"] == sample["tokens"]["full"]
+
+
+async def test_greedy_with_repetition_penalty_matches_transformers(client, hf_model):
+    prompt = [10, 20, 30, 40]
+    body = await generate(
+        client, tokens=[prompt], max_tokens=16, temperature=0, repetition_penalty=1.5
+    )
+    expected = hf_greedy(hf_model, prompt, 16, repetition_penalty=1.5)
+    assert body["outputs"][0][0]["tokens"]["response"] == expected
+
+
+async def test_sampled_log_probs_equal_scoring(client):
+    body = await generate(client, text=["Once upon a time", "x"], max_tokens=24, seed=3, n=2)
+    for samples in body["outputs"]:
+        for sample in samples:
+            full = sample["tokens"]["full"]
+            scored = (await client.post("/v1/logprobs", json={"tokens": [full]})).json()
+            cut = len(sample["tokens"]["prompt"])
+            expected = scored["outputs"][0]["log_probs"]["full"][cut:]
+            assert_close(sample["log_probs"]["response"], expected, 1e-4)
+            # temperature 1 and no filtering: the sampling distribution is the raw one
+            processed = sample["log_probs"]["response_processed"]
+            assert_close(processed, sample["log_probs"]["response"], 1e-6)
+
+
+async def test_processed_log_probs_follow_temperature(client, hf_model):
+    prompt = [50, 60, 70]
+    body = await generate(client, tokens=[prompt], max_tokens=6, temperature=0.7, seed=11)
+    sample = body["outputs"][0][0]
+    full = torch.tensor([sample["tokens"]["full"]])
+    with torch.inference_mode():
+        logits = hf_model(full).logits[0, len(prompt) - 1 : -1]
+    response = full[0, len(prompt) :, None]
+    expected = (logits / 0.7).log_softmax(-1).gather(-1, response).squeeze(-1).tolist()
+    assert_close(sample["log_probs"]["response_processed"], expected, 1e-4)
+
+
+async def test_top_k_one_and_tiny_top_p_are_greedy(client, hf_model):
+    prompt = [33, 44, 55]
+    greedy = hf_greedy(hf_model, prompt, 10)
+    for params in ({"top_k": 1}, {"top_p": 1e-6}):
+        body = await generate(client, tokens=[prompt], max_tokens=10, seed=5, **params)
+        sample = body["outputs"][0][0]
+        assert sample["tokens"]["response"] == greedy
+        assert sample["log_probs"]["response_processed"] == [0.0] * 10
+
+
+async def test_seeded_sampling_is_reproducible(client):
+    request = {"text": ["abc", "defgh"], "max_tokens": 16, "seed": 1234, "n": 3}
+    first, second = await generate(client, **request), await generate(client, **request)
+    assert first["outputs"] == second["outputs"]
+    # ...also when batched with different neighbours (values differ only by padding noise).
+    alone = await generate(client, **{**request, "text": ["abc"]})
+    for single, batched in zip(alone["outputs"][0], first["outputs"][0], strict=True):
+        assert single["tokens"] == batched["tokens"]
+        assert_close(single["log_probs"]["response"], batched["log_probs"]["response"], 1e-4)
+    other = await generate(client, **{**request, "seed": 4321})
+    assert other["outputs"] != first["outputs"]
+    responses = [s["tokens"]["response"] for s in first["outputs"][0]]
+    assert len({tuple(r) for r in responses}) == 3
+
+
+async def test_shape_and_alias_rules(client):
+    body = await generate(client, text=["a", "b"], num_return_sequences=2, max_new_tokens=3)
+    assert [len(samples) for samples in body["outputs"]] == [2, 2]
+    assert all(len(s["tokens"]["response"]) == 3 for ss in body["outputs"] for s in ss)
+    body = await generate(
+        client, text=["a"], num_return_sequences=2, n=4, max_new_tokens=3, max_tokens=5
+    )
+    assert len(body["outputs"][0]) == 4
+    assert {len(s["tokens"]["response"]) for s in body["outputs"][0]} == {5}
+    assert {s["finish_reason"] for s in body["outputs"][0]} == {"length"}
+    body = await generate(client, text=["a"], max_tokens=2, return_log_probs=True, logprobs=False)
+    assert "log_probs" not in body["outputs"][0][0]
+
+
+async def test_stop_sequences_end_generation(client):
+    base = await generate(client, text=["Stop here"], max_tokens=20, temperature=0, ignore_eos=True)
+    text = base["outputs"][0][0]["text"]["response"]
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    assert stop not in text[: text.index(stop) + 1]  # first occurrence is where we cut
+    body = await generate(
+        client,
+        text=["Stop here"],
+        max_tokens=20,
+        temperature=0,
+        stop_sequences=["never-appears"],
+        stop=[stop],
+        ignore_eos=True,
+    )
+    sample = body["outputs"][0][0]
+    assert sample["finish_reason"] == "stop"
+    assert sample["stop_reason"] == stop
+    assert sample["text"]["response"].endswith(stop)
+    assert text.startswith(sample["text"]["response"])
+
+
+async def test_history_mode(client, hf_tokenizer):
+    conversation = [{"role": "user", "content": "Say hi"}]
+    body = await generate(client, messages=[conversation], max_tokens=8, seed=0)
+    sample = body["outputs"][0][0]
+    prompt_text = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    )
+    assert sample["text"]["prompt"] == prompt_text
+    assert (
+        sample["tokens"]["prompt"]
+        == hf_tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    )
+    assert sample["text"]["full"] == hf_tokenizer.decode(sample["tokens"]["full"])
+    response = sample["tokens"]["response"]
+    assert sample["masks"]["all_assistant_mask"] == [0] * len(sample["tokens"]["prompt"]) + [
+        1
+    ] * len(response)
+    content = hf_tokenizer.decode(response, skip_special_tokens=True)
+    assert sample["history"]["response"] == [{"role": "assistant", "content": content}]
+    assert sample["history"]["full"] == [*conversation, {"role": "assistant", "content": content}]
+
+
+async def test_prompt_log_probs_on_request(client, reference_log_probs):
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    body = await generate(client, tokens=prompts, max_tokens=4, return_prompt_log_probs=True)
+    for prompt, (sample,) in zip(prompts, body["outputs"], strict=True):
+        assert_close(sample["log_probs"]["prompt"], reference_log_probs(prompt), 1e-5)
+        assert_close(
+            sample["log_probs"]["full"], reference_log_probs(sample["tokens"]["full"]), 1e-4
+        )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input"),
+        ({"text": ["a"], "tokens": [[1]]}, "tokens"),
+        ({"text": []}, "text"),
+        ({"text": ["a"], "temperature": -0.1}, "temperature"),
+        ({"text": ["a"], "top_p": 1.5}, "top_p"),
+        ({"text": ["a"], "top_p": -0.5}, "top_p"),
+        ({"text": ["a"], "top_k": 0}, "top_k"),
+        ({"text": ["a"], "repetition_penalty": 0}, "repetition_penalty"),
+        ({"text": ["a"], "do_sample": False, "temperature": 0.8}, "temperature"),
+        ({"text": ["a"], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"text": ["a"], "max_new_tokens": 513}, "max_new_tokens"),
+        ({"text": ["a"], "max_tokens": 10_000}, "max_tokens"),
+        ({"text": ["a"], "n": 0}, "n"),
+        ({"tokens": [[1, 2, 300]]}, "tokens[0]"),
+        ({"tokens": [[1] * 4000], "max_tokens": 200}, "max_new_tokens"),
+        ({"text": ["a"], "stop": [""]}, "stop[0]"),
+        ({"text": ["a"], "unknown_knob": 1}, "unknown_knob"),
+    ],
+)
+async def test_invalid_generation_requests(client, body, param):
+    response = await client.post("/v1/generate", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert param in error["message"]
+
+
+async def test_too_many_sequences(client, settings):
+    limit = settings.max_items_per_request
+    response = await client.post("/v1/generate", json={"text": ["a"] * 4, "n": limit // 4 + 1})
+    assert response.status_code == 413
+    assert response.json()["error"]["param"] == "text"
+    assert (
+        await client.post("/v1/generate", json={"text": ["a"], "max_tokens": 1})
+    ).status_code == 200

@@ -1,0 +1,47 @@
+"""Health, readiness and the model list, including while the model is still loading."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from app.config import Settings
+from app.main import create_app
+
+
+async def test_health_ready_models(client, model_dir):
+    assert (await client.get("/health")).json() == {"status": "ok", "model_status": "ready"}
+    assert (await client.get("/ready")).json() == {"ready": True, "policy_version": 0}
+    body = (await client.get("/v1/models")).json()
+    (card,) = body["models"]
+    assert card["name"] == "policy"
+    assert card["source"] == str(model_dir)
+    assert card["backend"] == "transformers"
+    assert card["dtype"] == "float32"
+    assert card["max_model_len"] == 4096
+    assert card["vocab_size"] == 259
+    assert card["builtin"] is True
+
+
+async def test_not_ready_until_loaded_and_failure_is_reported(tmp_path):
+    settings = Settings(cache_dir=tmp_path, model=str(tmp_path / "does-not-exist"))
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            await asyncio.wait_for(app.state.loading, timeout=60)
+            ready = await client.get("/ready")
+            assert ready.status_code == 503
+            assert "failed" in ready.json()["error"]["message"]
+            response = await client.post("/v1/logprobs", json={"tokens": [[1, 2]]})
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "unavailable_error"
+            assert (await client.get("/health")).json()["model_status"] == "failed"
+
+
+async def test_unknown_route_uses_the_error_body(client):
+    response = await client.get("/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == 404

@@ -1,0 +1,81 @@
+"""Shared fixtures: the built-in model, an independent copy of it, and the app in-process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.config import Settings
+from app.engine.loader import builtin_model_dir
+from app.main import create_app
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rlserve-cache")
+
+
+@pytest.fixture(scope="session")
+def settings(cache_dir: Path) -> Settings:
+    return Settings(cache_dir=cache_dir, max_items_per_request=32, max_new_tokens_limit=512)
+
+
+@pytest.fixture(scope="session")
+def model_dir(settings: Settings) -> Path:
+    return builtin_model_dir(settings)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    """An independent copy of the built-in model, loaded the plain transformers way."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_log_probs(hf_model: torch.nn.Module) -> Callable[[list[int]], list[float]]:
+    """log_softmax of a plain forward, one unpadded sequence at a time; position 0 is 0.0."""
+
+    @torch.inference_mode()
+    def compute(ids: list[int]) -> list[float]:
+        x = torch.tensor([ids])
+        logits = hf_model(x).logits[0, :-1].log_softmax(-1)
+        return [0.0, *logits.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()]
+
+    return compute
+
+
+async def started(app: FastAPI) -> None:
+    await app.state.loading
+    assert app.state.registry.status == "ready", app.state.registry.error
+
+
+@pytest.fixture(scope="session")
+async def app(settings: Settings) -> AsyncIterator[FastAPI]:
+    application = create_app(settings)
+    async with application.router.lifespan_context(application):
+        await started(application)
+        yield application
+
+
+@pytest.fixture(scope="session")
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://rlserve") as c:
+        yield c
+
+
+def assert_close(actual: list[float], expected: list[float], tol: float) -> None:
+    assert len(actual) == len(expected)
+    worst = max((abs(a - b) for a, b in zip(actual, expected, strict=True)), default=0.0)
+    assert worst <= tol, f"max abs difference {worst} > {tol}"

@@ -1,0 +1,69 @@
+"""Start `rlserve serve` as a real process on a free loopback port (tests and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    startup_seconds: float
+    log: Path
+
+
+@contextmanager
+def running_server(
+    *args: str, env: dict[str, str] | None = None, log: Path, ready_timeout: float = 120
+) -> Iterator[Server]:
+    port = free_port()
+    command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args]
+    started = time.monotonic()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT
+        )
+    server = Server(process, f"http://127.0.0.1:{port}", 0.0, log)
+    try:
+        _wait_ready(server, started + ready_timeout)
+        server.startup_seconds = time.monotonic() - started
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(server: Server, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{server.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready in time:\n{server.log.read_text()[-3000:]}")

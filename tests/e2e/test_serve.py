@@ -1,0 +1,34 @@
+"""`rlserve serve` as a real process: starts on the built-in model, serves, stops cleanly."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+
+from tests.e2e.server import running_server
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_builtin_model_end_to_end(tmp_path):
+    env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    with running_server(env=env, log=tmp_path / "server.log") as server:
+        assert server.startup_seconds < 60
+        models = httpx.get(f"{server.url}/v1/models").json()
+        assert models["models"][0]["builtin"] is True
+        body = {"text": ["Hello"], "max_tokens": 4, "temperature": 0}
+        generated = httpx.post(f"{server.url}/v1/generate", json=body, timeout=30).json()
+        full = generated["outputs"][0][0]["tokens"]["full"]
+        scored = httpx.post(f"{server.url}/v1/logprobs", json={"tokens": [full]}, timeout=30)
+        assert len(scored.json()["outputs"][0]["log_probs"]["full"]) == len(full)
+        bad = httpx.post(f"{server.url}/v1/logprobs", json={"tokens": [[999]]})
+        assert bad.status_code == 422
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    log = (tmp_path / "server.log").read_text()
+    assert "built-in demo model" in log and "RLSERVE_MODEL" in log
+    assert "Application shutdown complete" in log

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.batching import BatchingConfig
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -49,6 +51,20 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(default=4096, gt=0)
     default_max_new_tokens: int = Field(default=256, gt=0)
 
+    # Batching (see app/batching.py)
+    batching: bool = Field(default=True, description="Let concurrent requests share model calls.")
+    min_batch_size: int = Field(
+        default=1, gt=0, description="Launch a batch at once when this many items wait."
+    )
+    max_batch_size: int = Field(default=32, gt=0, description="Items (sequences) per model call.")
+    batching_timeout_ms: float = Field(
+        default=10.0, ge=0, description="Longest a partial batch below min_batch_size waits."
+    )
+    max_batch_tokens: int = Field(
+        default=65536, gt=0, description="Padded-token budget (rows x longest) per model call."
+    )
+    max_queue: int = Field(default=1024, gt=0, description="Requests waiting; beyond it 503.")
+
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
         if self.default_max_new_tokens > self.max_new_tokens_limit:
@@ -56,4 +72,18 @@ class Settings(BaseSettings):
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
                 f"max_new_tokens_limit ({self.max_new_tokens_limit})"
             )
+        if self.min_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"min_batch_size ({self.min_batch_size}) exceeds "
+                f"max_batch_size ({self.max_batch_size})"
+            )
         return self
+
+    def batching_config(self) -> BatchingConfig:
+        return BatchingConfig(
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+            timeout_s=self.batching_timeout_ms / 1000,
+            max_batch_tokens=self.max_batch_tokens,
+            max_queue=self.max_queue,
+        )

@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.batching import BackendCallError, QueueFullError
+
 logger = logging.getLogger(__name__)
 
 
@@ -109,6 +111,21 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _json(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return _json(
+            APIError(
+                503,
+                f"server overloaded, retry later ({exc})",
+                type="overloaded_error",
+                headers={"Retry-After": "1"},
+            )
+        )
+
+    @app.exception_handler(BackendCallError)
+    async def _backend_failed(_: Request, exc: BackendCallError) -> JSONResponse:
+        return _json(APIError(500, f"model call failed: {exc}", type="backend_error"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -90,7 +90,7 @@ def build_model(
         num_key_value_heads=max(num_heads // 2, 1),
         max_position_embeddings=4096,
         # Wide initialisation so that the random model has peaked, non-uniform distributions.
-        initializer_range=0.4,
+        initializer_range=0.2,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

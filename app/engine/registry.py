@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Awaitable, Sequence
+from typing import Literal, TypeVar
 
+from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
 from app.config import Settings
 from app.engine.base import Backend
@@ -17,21 +17,61 @@ from app.errors import APIError
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
+R = TypeVar("R")
 
 
-@dataclass
 class ServedModel:
-    """A loaded backend with the input preparer for its tokenizer."""
+    """A loaded backend, the input preparer for its tokenizer, and its request batchers."""
 
-    name: str
-    backend: Backend
-    preparer: InputPreparer
+    def __init__(
+        self, backend: Backend, preparer: InputPreparer, batching: BatchingConfig | None
+    ) -> None:
+        self.name = backend.info.name
+        self.backend = backend
+        self.preparer = preparer
+        self.batching = batching
+        self.scoring: Batcher[Sequence[int], list[float]] | None = None
+        self.generation: Batcher[GenerateItem, Generation] | None = None
+        if batching is not None:
+            self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, batching)
+            self.generation = Batcher(
+                f"{self.name}/generate", self._generate_batch, _generation_length, batching
+            )
 
-    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:
         return await self.backend.score(sequences)
 
-    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+    async def _generate_batch(self, items: list[GenerateItem]) -> list[Generation]:
         return await self.backend.generate(items)
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        if self.scoring is None:
+            return await _direct(self.backend.score(sequences))
+        return await self.scoring.submit(sequences)
+
+    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        if self.generation is None:
+            return await _direct(self.backend.generate(items))
+        return await self.generation.submit(items)
+
+    async def aclose(self) -> None:
+        for batcher in (self.scoring, self.generation):
+            if batcher is not None:
+                await batcher.aclose()
+        await self.backend.aclose()
+
+
+def _generation_length(item: GenerateItem) -> int:
+    return len(item.prompt_ids) + item.config.max_new_tokens
+
+
+async def _direct(call: Awaitable[R]) -> R:
+    """Batching off: one backend call per request, errors reported like batched ones."""
+    try:
+        return await call
+    except Exception as exc:
+        logger.exception("backend call failed")
+        raise BackendCallError(f"{type(exc).__name__}: {exc}") from exc
 
 
 class ModelRegistry:
@@ -62,7 +102,8 @@ class ModelRegistry:
             vocab_size=backend.info.vocab_size,
             max_model_len=backend.info.max_model_len,
         )
-        served = ServedModel(backend.info.name, backend, preparer)
+        batching = self.settings.batching_config() if self.settings.batching else None
+        served = ServedModel(backend, preparer, batching)
         self.models[served.name] = served
         return served
 
@@ -79,4 +120,4 @@ class ModelRegistry:
     async def aclose(self) -> None:
         self.status = "stopped"
         for served in self.models.values():
-            await served.backend.aclose()
+            await served.aclose()

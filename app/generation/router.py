@@ -1,5 +1,6 @@
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
+from app.common.disconnect import cancel_on_disconnect
 from app.deps import GenerationDep
 from app.errors import ERROR_RESPONSES
 from app.generation.protocol import GenerateRequest, GenerateResponse
@@ -14,7 +15,9 @@ router = APIRouter(tags=["generation"])
     responses=ERROR_RESPONSES,
     summary="Generate continuations",
 )
-async def generate(request: GenerateRequest, service: GenerationDep) -> GenerateResponse:
+async def generate(
+    request: GenerateRequest, service: GenerationDep, http_request: Request
+) -> GenerateResponse:
     """Sample `n` continuations per input. `log_probs.response` is the raw model distribution;
     `log_probs.response_processed` the distribution actually sampled from."""
-    return await service.generate(request)
+    return await cancel_on_disconnect(http_request, service.generate(request))

@@ -31,3 +31,31 @@ class ModelCard(WireModel):
 class ModelsResponse(WireModel):
     models: list[ModelCard]
     policy_version: int
+
+
+class BatcherState(WireModel):
+    queued_items: int
+    queued_requests: int
+    in_flight_calls: int
+    num_calls: int
+    num_items: int
+    last_batch_sizes: list[int]
+
+
+class ModelBatching(WireModel):
+    score: BatcherState
+    generate: BatcherState
+
+
+class BatchingConfigOut(WireModel):
+    min_batch_size: int
+    max_batch_size: int
+    batching_timeout_ms: float
+    max_batch_tokens: int
+    max_queue: int
+
+
+class BatchingResponse(WireModel):
+    enabled: bool
+    config: BatchingConfigOut
+    models: dict[str, ModelBatching]

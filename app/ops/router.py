@@ -2,9 +2,18 @@ from dataclasses import asdict
 
 from fastapi import APIRouter
 
-from app.deps import RegistryDep
+from app.deps import RegistryDep, SettingsDep
 from app.errors import ERROR_RESPONSES, APIError
-from app.ops.protocol import HealthResponse, ModelCard, ModelsResponse, ReadyResponse
+from app.ops.protocol import (
+    BatcherState,
+    BatchingConfigOut,
+    BatchingResponse,
+    HealthResponse,
+    ModelBatching,
+    ModelCard,
+    ModelsResponse,
+    ReadyResponse,
+)
 
 router = APIRouter(tags=["operations"])
 
@@ -36,3 +45,28 @@ async def models(registry: RegistryDep) -> ModelsResponse:
         fields.pop("extra")
         cards.append(ModelCard(**fields))
     return ModelsResponse(models=cards, policy_version=registry.policy_version)
+
+
+@router.get(
+    "/v1/batching",
+    response_model=BatchingResponse,
+    responses=ERROR_RESPONSES,
+    summary="Batching config and state",
+)
+async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResponse:
+    models = {
+        name: ModelBatching(
+            score=BatcherState(**asdict(served.scoring.stats())),
+            generate=BatcherState(**asdict(served.generation.stats())),
+        )
+        for name, served in registry.models.items()
+        if served.scoring is not None and served.generation is not None
+    }
+    config = BatchingConfigOut(
+        min_batch_size=settings.min_batch_size,
+        max_batch_size=settings.max_batch_size,
+        batching_timeout_ms=settings.batching_timeout_ms,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_queue=settings.max_queue,
+    )
+    return BatchingResponse(enabled=settings.batching, config=config, models=models)

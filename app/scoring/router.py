@@ -1,5 +1,6 @@
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
+from app.common.disconnect import cancel_on_disconnect
 from app.deps import ScoringDep
 from app.errors import ERROR_RESPONSES
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse
@@ -14,6 +15,8 @@ router = APIRouter(tags=["scoring"])
     responses=ERROR_RESPONSES,
     summary="Score given sequences",
 )
-async def logprobs(request: LogProbsRequest, service: ScoringDep) -> LogProbsResponse:
+async def logprobs(
+    request: LogProbsRequest, service: ScoringDep, http_request: Request
+) -> LogProbsResponse:
     """Log-probability of every token under the model (raw distribution, position 0 is 0.0)."""
-    return await service.score(request)
+    return await cancel_on_disconnect(http_request, service.score(request))

@@ -27,6 +27,11 @@ class Settings(BaseSettings):
         default=None,
         description="Local HF model directory or hub id; unset serves the built-in demo model.",
     )
+    ref_model: str | None = Field(
+        default=None,
+        description="Reference model for /v1/kl; unset: a frozen copy of the policy as loaded.",
+    )
+    load_reference: bool = Field(default=True, description="Serve a reference model at all.")
     backend: Literal["transformers"] = "transformers"
     dtype: Dtype = "auto"
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")

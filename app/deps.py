@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.generation.serving import GenerationService
+from app.kl.serving import KLService
 from app.scoring.serving import ScoringService
 
 
@@ -30,7 +31,12 @@ def _scoring(request: Request) -> ScoringService:
     return ScoringService(_registry(request), _settings(request))
 
 
+def _kl(request: Request) -> KLService:
+    return KLService(_registry(request), _settings(request))
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]
+KLDep = Annotated[KLService, Depends(_kl)]

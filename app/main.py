@@ -13,6 +13,7 @@ from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.errors import install_error_handlers
 from app.generation.router import router as generation_router
+from app.kl.router import router as kl_router
 from app.ops.router import router as ops_router
 from app.scoring.router import router as scoring_router
 
@@ -43,6 +44,6 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
     )
     app.state.settings = settings
     install_error_handlers(app)
-    for router in (generation_router, scoring_router, ops_router):
+    for router in (generation_router, scoring_router, kl_router, ops_router):
         app.include_router(router)
     return app

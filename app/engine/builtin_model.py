@@ -23,6 +23,8 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_MARKER = "rlserve_builtin.json"
+# Bump when the builder changes what it writes, so cached copies are rebuilt.
+BUILDER_VERSION = 2
 
 
 def build_tokenizer():  # type: ignore[no-untyped-def]
@@ -109,6 +111,11 @@ def build_model(
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    marker = {"hidden_size": hidden_size, "num_layers": num_layers, "seed": seed}
+    marker = {
+        "builder_version": BUILDER_VERSION,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "seed": seed,
+    }
     (directory / DEMO_MARKER).write_text(json.dumps(marker))
     return directory

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.config import Settings
 from app.engine.base import Backend
-from app.engine.builtin_model import DEMO_MARKER, build_model
+from app.engine.builtin_model import BUILDER_VERSION, DEMO_MARKER, build_model
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 def builtin_model_dir(settings: Settings) -> Path:
     """Build the demo model once into the cache directory (atomically) and return its path."""
     name = (
-        f"builtin-qwen2-h{settings.builtin_hidden_size}"
+        f"builtin-v{BUILDER_VERSION}-qwen2-h{settings.builtin_hidden_size}"
         f"-l{settings.builtin_num_layers}-s{settings.builtin_seed}"
     )
     target = settings.cache_dir / name

@@ -4,74 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
-from typing import Literal, TypeVar
+from typing import Literal
 
-from app.batching import BackendCallError, Batcher, BatchingConfig
+from app.batching import BatchingConfig
 from app.common.inputs import InputPreparer
 from app.config import Settings
 from app.engine.base import Backend
 from app.engine.loader import load_backend, resolve_source
-from app.engine.types import GenerateItem, Generation
+from app.engine.served import ModelPair, ServedModel
 from app.errors import APIError
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
-R = TypeVar("R")
-
-
-class ServedModel:
-    """A loaded backend, the input preparer for its tokenizer, and its request batchers."""
-
-    def __init__(
-        self, backend: Backend, preparer: InputPreparer, batching: BatchingConfig | None
-    ) -> None:
-        self.name = backend.info.name
-        self.backend = backend
-        self.preparer = preparer
-        self.batching = batching
-        self.scoring: Batcher[Sequence[int], list[float]] | None = None
-        self.generation: Batcher[GenerateItem, Generation] | None = None
-        if batching is not None:
-            self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, batching)
-            self.generation = Batcher(
-                f"{self.name}/generate", self._generate_batch, _generation_length, batching
-            )
-
-    async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:
-        return await self.backend.score(sequences)
-
-    async def _generate_batch(self, items: list[GenerateItem]) -> list[Generation]:
-        return await self.backend.generate(items)
-
-    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        if self.scoring is None:
-            return await _direct(self.backend.score(sequences))
-        return await self.scoring.submit(sequences)
-
-    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
-        if self.generation is None:
-            return await _direct(self.backend.generate(items))
-        return await self.generation.submit(items)
-
-    async def aclose(self) -> None:
-        for batcher in (self.scoring, self.generation):
-            if batcher is not None:
-                await batcher.aclose()
-        await self.backend.aclose()
-
-
-def _generation_length(item: GenerateItem) -> int:
-    return len(item.prompt_ids) + item.config.max_new_tokens
-
-
-async def _direct(call: Awaitable[R]) -> R:
-    """Batching off: one backend call per request, errors reported like batched ones."""
-    try:
-        return await call
-    except Exception as exc:
-        logger.exception("backend call failed")
-        raise BackendCallError(f"{type(exc).__name__}: {exc}") from exc
 
 
 class ModelRegistry:
@@ -81,20 +25,39 @@ class ModelRegistry:
         self.status: Status = "loading"
         self.error: str | None = None
         self.policy_version = 0
+        self.pair: ModelPair | None = None
 
     async def load(self) -> None:
-        """Load the policy off the event loop; failures are kept for /ready to report."""
+        """Load the policy and the reference off the event loop; failures are kept for /ready."""
         try:
             source, builtin = await asyncio.to_thread(resolve_source, self.settings)
-            backend = await asyncio.to_thread(
+            policy = await asyncio.to_thread(
                 load_backend, self.settings, name="policy", source=source, builtin=builtin
             )
-            self.add(backend)
+            self.add(policy)
+            if self.settings.load_reference:
+                # By default the reference is a frozen copy of the policy as loaded.
+                ref_source = self.settings.ref_model or source
+                reference = await asyncio.to_thread(
+                    load_backend,
+                    self.settings,
+                    name="reference",
+                    source=ref_source,
+                    builtin=builtin and not self.settings.ref_model,
+                )
+                check_same_vocabulary(policy, reference)
+                self.add(reference)
+                self.pair = ModelPair(
+                    self.models["policy"], self.models["reference"], self._batching()
+                )
             self.status = "ready"
-            logger.info("ready: %s", backend.info)
+            logger.info("ready: %s", ", ".join(str(m.backend.info) for m in self.models.values()))
         except Exception as exc:
             logger.exception("model loading failed")
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+
+    def _batching(self) -> BatchingConfig | None:
+        return self.settings.batching_config() if self.settings.batching else None
 
     def add(self, backend: Backend) -> ServedModel:
         preparer = InputPreparer(
@@ -102,10 +65,19 @@ class ModelRegistry:
             vocab_size=backend.info.vocab_size,
             max_model_len=backend.info.max_model_len,
         )
-        batching = self.settings.batching_config() if self.settings.batching else None
-        served = ServedModel(backend, preparer, batching)
+        served = ServedModel(backend, preparer, self._batching())
         self.models[served.name] = served
         return served
+
+    def get_pair(self) -> ModelPair:
+        self.get("policy")
+        if self.pair is None:
+            raise APIError(
+                422,
+                "model: no reference model is served (start with RLSERVE_LOAD_REFERENCE=true)",
+                param="model",
+            )
+        return self.pair
 
     def get(self, name: str) -> ServedModel:
         if self.status != "ready":
@@ -119,5 +91,16 @@ class ModelRegistry:
 
     async def aclose(self) -> None:
         self.status = "stopped"
+        if self.pair is not None:
+            await self.pair.aclose()
         for served in self.models.values():
             await served.aclose()
+
+
+def check_same_vocabulary(policy: Backend, reference: Backend) -> None:
+    """KL compares the two models token by token: they must share one tokenizer."""
+    if policy.tokenizer.get_vocab() != reference.tokenizer.get_vocab():
+        raise ValueError(
+            f"the reference model ({reference.info.source}) does not share the policy's "
+            f"tokenizer ({policy.info.source})"
+        )

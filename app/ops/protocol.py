@@ -44,7 +44,7 @@ class BatcherState(WireModel):
 
 class ModelBatching(WireModel):
     score: BatcherState
-    generate: BatcherState
+    generate: BatcherState | None = None
 
 
 class BatchingConfigOut(WireModel):

@@ -62,6 +62,9 @@ async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResp
         for name, served in registry.models.items()
         if served.scoring is not None and served.generation is not None
     }
+    if registry.pair is not None and registry.pair.batcher is not None:
+        pair_state = BatcherState(**asdict(registry.pair.batcher.stats()))
+        models["policy+reference"] = ModelBatching(score=pair_state)
     config = BatchingConfigOut(
         min_batch_size=settings.min_batch_size,
         max_batch_size=settings.max_batch_size,

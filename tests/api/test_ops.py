@@ -14,8 +14,9 @@ async def test_health_ready_models(client, model_dir):
     assert (await client.get("/health")).json() == {"status": "ok", "model_status": "ready"}
     assert (await client.get("/ready")).json() == {"ready": True, "policy_version": 0}
     body = (await client.get("/v1/models")).json()
-    (card,) = body["models"]
-    assert card["name"] == "policy"
+    card, reference = body["models"]
+    assert (card["name"], reference["name"]) == ("policy", "reference")
+    assert reference["source"] == card["source"]  # by default a frozen copy of the policy
     assert card["source"] == str(model_dir)
     assert card["backend"] == "transformers"
     assert card["dtype"] == "float32"

@@ -1,0 +1,103 @@
+"""A served model behind its request batchers, and the policy/reference pair used for KL."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+from app.batching import BackendCallError, Batcher, BatchingConfig
+from app.common.inputs import InputPreparer
+from app.engine.base import Backend
+from app.engine.types import GenerateItem, Generation
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+class ServedModel:
+    """A loaded backend, the input preparer for its tokenizer, and its request batchers."""
+
+    def __init__(
+        self, backend: Backend, preparer: InputPreparer, batching: BatchingConfig | None
+    ) -> None:
+        self.name = backend.info.name
+        self.backend = backend
+        self.preparer = preparer
+        self.batching = batching
+        self.scoring: Batcher[Sequence[int], list[float]] | None = None
+        self.generation: Batcher[GenerateItem, Generation] | None = None
+        if batching is not None:
+            self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, batching)
+            self.generation = Batcher(
+                f"{self.name}/generate", self._generate_batch, _generation_length, batching
+            )
+
+    async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:
+        return await self.backend.score(sequences)
+
+    async def _generate_batch(self, items: list[GenerateItem]) -> list[Generation]:
+        return await self.backend.generate(items)
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        if self.scoring is None:
+            return await _direct(self.backend.score(sequences))
+        return await self.scoring.submit(sequences)
+
+    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        if self.generation is None:
+            return await _direct(self.backend.generate(items))
+        return await self.generation.submit(items)
+
+    async def aclose(self) -> None:
+        for batcher in (self.scoring, self.generation):
+            if batcher is not None:
+                await batcher.aclose()
+        await self.backend.aclose()
+
+
+def _generation_length(item: GenerateItem) -> int:
+    return len(item.prompt_ids) + item.config.max_new_tokens
+
+
+async def _direct(call: Awaitable[R]) -> R:
+    """Batching off: one backend call per request, errors reported like batched ones."""
+    try:
+        return await call
+    except Exception as exc:
+        logger.exception("backend call failed")
+        raise BackendCallError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class ModelPair:
+    """Scores the same batch with the policy and the reference, concurrently. Both passes always
+    see identical batches, so equal weights give bit-identical log-probs (KL exactly 0)."""
+
+    def __init__(
+        self, policy: ServedModel, reference: ServedModel, batching: BatchingConfig | None
+    ) -> None:
+        self.policy = policy
+        self.reference = reference
+        self.batcher: Batcher[Sequence[int], tuple[list[float], list[float]]] | None = None
+        if batching is not None:
+            self.batcher = Batcher("policy+reference/score", self._score_batch, len, batching)
+
+    async def _score_batch(
+        self, sequences: list[Sequence[int]]
+    ) -> list[tuple[list[float], list[float]]]:
+        policy, reference = await asyncio.gather(
+            self.policy.backend.score(sequences), self.reference.backend.score(sequences)
+        )
+        return list(zip(policy, reference, strict=True))
+
+    async def score(
+        self, sequences: Sequence[Sequence[int]]
+    ) -> list[tuple[list[float], list[float]]]:
+        if self.batcher is None:
+            return await _direct(self._score_batch(list(sequences)))
+        return await self.batcher.submit(sequences)
+
+    async def aclose(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.aclose()

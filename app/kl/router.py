@@ -1,0 +1,22 @@
+from fastapi import APIRouter, Request
+
+from app.common.disconnect import cancel_on_disconnect
+from app.deps import KLDep
+from app.errors import ERROR_RESPONSES
+from app.kl.protocol import KLRequest, KLResponse
+
+router = APIRouter(tags=["kl"])
+
+
+@router.post(
+    "/v1/kl",
+    response_model=KLResponse,
+    response_model_exclude_none=True,
+    responses=ERROR_RESPONSES,
+    summary="Per-token KL between policy and reference",
+)
+async def kl(request: KLRequest, service: KLDep, http_request: Request) -> KLResponse:
+    """Per-token KL(policy || reference) with estimators k1/k2/k3/abs, assistant-only masks and
+    optional reward shaping. Reference log-probs are always computed by the server; policy
+    log-probs too, unless the client sends them."""
+    return await cancel_on_disconnect(http_request, service.kl(request))

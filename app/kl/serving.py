@@ -1,0 +1,85 @@
+"""KL between the policy and the reference model, per token, with optional reward shaping."""
+
+from __future__ import annotations
+
+from app.common.inputs import Prepared, check_num_items
+from app.common.protocol import TokenFields
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.errors import invalid
+from app.kl.estimators import per_token_kl, shape_rewards
+from app.kl.protocol import KLRequest, KLResponse, KLSample
+
+
+class KLService:
+    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+        self.registry = registry
+        self.settings = settings
+
+    async def kl(self, request: KLRequest) -> KLResponse:
+        pair = self.registry.get_pair()
+        field = request.given_inputs()[0]
+        if request.assistant_only and field not in ("messages", "prompt_text", "prompt_tokens"):
+            raise invalid(
+                "assistant_only",
+                f"needs messages or a prompt/response split to know which tokens count, got "
+                f"{field}; send assistant_only=false to count every token",
+            )
+        check_num_items(request.num_items(), self.settings.max_items_per_request, field)
+        prepared = pair.policy.preparer.sequences(request, field)
+        pair.policy.preparer.check(prepared, field)
+        given = request.policy_log_probs
+        if given is not None:
+            for i, (item, values) in enumerate(zip(prepared, given, strict=True)):
+                if len(values) != len(item.ids):
+                    raise invalid(
+                        f"policy_log_probs[{i}]",
+                        f"has {len(values)} values but sequence {i} has {len(item.ids)} tokens "
+                        "(tokens.full)",
+                    )
+        sequences = [item.ids for item in prepared]
+        version = self.registry.policy_version
+        if given is None:
+            policy, reference = map(list, zip(*await pair.score(sequences), strict=True))
+        else:
+            policy, reference = given, await pair.reference.score(sequences)
+        outputs = [
+            _sample(item, p, q, request, None if request.rewards is None else request.rewards[i])
+            for i, (item, p, q) in enumerate(zip(prepared, policy, reference, strict=True))
+        ]
+        return KLResponse(policy_version=version, estimator=request.estimator, outputs=outputs)
+
+
+def counted_mask(item: Prepared, assistant_only: bool) -> list[int]:
+    if not assistant_only:
+        return [0] + [1] * (len(item.ids) - 1)
+    if item.assistant_mask is not None:
+        return item.assistant_mask
+    cut = item.prompt_len or 0
+    return [0] * cut + [1] * (len(item.ids) - cut)
+
+
+def _sample(
+    item: Prepared,
+    policy: list[float],
+    reference: list[float],
+    request: KLRequest,
+    reward: float | None,
+) -> KLSample:
+    mask = counted_mask(item, request.assistant_only)
+    kl = per_token_kl(policy, reference, mask, request.estimator)
+    num_counted = sum(mask)
+    total = sum(kl)
+    return KLSample(
+        tokens=TokenFields(full=item.ids),
+        mask=mask,
+        kl=kl,
+        policy_log_probs=[v if m else 0.0 for v, m in zip(policy, mask, strict=True)],
+        ref_log_probs=[v if m else 0.0 for v, m in zip(reference, mask, strict=True)],
+        kl_sum=total,
+        kl_mean=total / num_counted if num_counted else 0.0,
+        num_counted=num_counted,
+        shaped_rewards=None
+        if reward is None
+        else shape_rewards(kl, mask, reward, request.coeff, request.reward_placement),
+    )

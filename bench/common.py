@@ -1,0 +1,42 @@
+"""Shared pieces of the benchmarks: timing statistics and the real-server launcher."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.e2e.server import running_server  # noqa: E402
+
+__all__ = ["ROOT", "Figures", "running_server", "summarize"]
+
+
+@dataclass
+class Figures:
+    requests: int
+    seconds: float
+    requests_per_s: float
+    tokens_per_s: float
+    p50_ms: float
+    p99_ms: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def summarize(latencies: list[float], seconds: float, tokens_per_request: int) -> Figures:
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return Figures(
+        requests=len(latencies),
+        seconds=seconds,
+        requests_per_s=len(latencies) / seconds,
+        tokens_per_s=len(latencies) * tokens_per_request / seconds,
+        p50_ms=statistics.median(ordered) * 1000,
+        p99_ms=p99 * 1000,
+    )

@@ -117,8 +117,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for mode in ("on", "off"):
             series = report["http"][mode][route]
             xs = sorted(int(c) for c in series)
-            ax.plot(xs, [series[str(c)]["requests_per_s"] for c in xs], marker="o", label=f"batching {mode}")
-        ax.axhline(report["in_process"][route]["requests_per_s"], ls="--", c="grey", label="in-process limit")
+            ax.plot(
+                xs,
+                [series[str(c)]["requests_per_s"] for c in xs],
+                marker="o",
+                label=f"batching {mode}",
+            )
+        ax.axhline(
+            report["in_process"][route]["requests_per_s"],
+            ls="--",
+            c="grey",
+            label="in-process limit",
+        )
         ax.set(xscale="log", xlabel="concurrent clients", ylabel="requests/s", title=f"/v1/{route}")
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.legend()
@@ -127,11 +137,40 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(report: dict[str, Any]) -> str:
+    """Markdown table of the report (what the README shows)."""
+    lines = [
+        "| route | clients | batching on req/s | p50 / p99 ms "
+        "| batching off req/s | p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    http = report["http"]
+    for route in ("logprobs", "generate"):
+        for clients in http["on"][route]:
+            on, off = http["on"][route][clients], http["off"][route][clients]
+            lines.append(
+                f"| /v1/{route} | {clients} | {on['requests_per_s']:.2f} | "
+                f"{on['p50_ms']:.0f} / {on['p99_ms']:.0f} | {off['requests_per_s']:.2f} | "
+                f"{off['p50_ms']:.0f} / {off['p99_ms']:.0f} |"
+            )
+        limit = report["in_process"][route]["requests_per_s"]
+        lines.append(f"| /v1/{route} | in-process limit | {limit:.2f} | | | |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small model and few requests")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--report-only", action="store_true", help="redraw from the saved JSON")
     args = parser.parse_args()
+    name = "batching-quick" if args.quick else "batching"
+    if args.report_only:
+        report = json.loads((args.output / f"{name}.json").read_text())
+        write_report(report, args.output, name)
+        return
     hidden, layers = (64, 2) if args.quick else (512, 6)
     args.requests = 16 if args.quick else 64
     args.concurrency = [1, 8] if args.quick else [1, 8, 32, 64]
@@ -155,22 +194,33 @@ def main() -> None:
         },
         "in_process": {k: v.as_dict() for k, v in measure_in_process(model_dir, args).items()},
         "http": {
-            mode: as_json(measure_server(model_dir, mode == "on", args, args.output / f"server-{mode}.log"))
+            mode: as_json(
+                measure_server(model_dir, mode == "on", args, args.output / f"server-{mode}.log")
+            )
             for mode in ("on", "off")
         },
     }
     report["goals"] = goals(report, max(c for c in args.concurrency if c <= 32))
-    name = "batching-quick" if args.quick else "batching"
     (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.output / f"{name}.png")
+    write_report(report, args.output, name)
     print(json.dumps(report["goals"], indent=2))
+
+
+def write_report(report: dict[str, Any], output: Path, name: str) -> None:
+    plot(report, output / f"{name}.png")
+    (output / f"{name}.md").write_text(table(report))
 
 
 def goals(report: dict[str, Any], clients: int) -> dict[str, Any]:
     http, limit = report["http"], report["in_process"]
     key = str(clients)
-    scoring_ratio = http["on"]["logprobs"][key]["requests_per_s"] / limit["logprobs"]["requests_per_s"]
-    gen_speedup = http["on"]["generate"][key]["requests_per_s"] / http["off"]["generate"][key]["requests_per_s"]
+    scoring_ratio = (
+        http["on"]["logprobs"][key]["requests_per_s"] / limit["logprobs"]["requests_per_s"]
+    )
+    gen_speedup = (
+        http["on"]["generate"][key]["requests_per_s"]
+        / http["off"]["generate"][key]["requests_per_s"]
+    )
     p50_on, p50_off = (http[m]["logprobs"]["1"]["p50_ms"] for m in ("on", "off"))
     return {
         "clients": clients,

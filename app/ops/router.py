@@ -50,6 +50,7 @@ async def models(registry: RegistryDep) -> ModelsResponse:
 @router.get(
     "/v1/batching",
     response_model=BatchingResponse,
+    response_model_exclude_none=True,
     responses=ERROR_RESPONSES,
     summary="Batching config and state",
 )

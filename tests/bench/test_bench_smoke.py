@@ -1,0 +1,32 @@
+"""The benchmarks keep running: a quick pass on the small model writes a complete report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def test_batching_benchmark_quick(tmp_path):
+    subprocess.run(
+        [sys.executable, "bench/batching.py", "--quick", "--output", str(tmp_path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    report = json.loads((tmp_path / "batching-quick.json").read_text())
+    assert set(report["http"]) == {"on", "off"}
+    for mode in ("on", "off"):
+        for route in ("logprobs", "generate"):
+            assert set(report["http"][mode][route]) == {"1", "8"}
+            assert report["http"][mode][route]["8"]["requests"] == 16
+    assert report["in_process"]["generate"]["requests_per_s"] > 0
+    assert (tmp_path / "batching-quick.png").stat().st_size > 0
+    assert "| /v1/generate | 8 |" in (tmp_path / "batching-quick.md").read_text()

@@ -27,6 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
             "backend": args.backend,
             "dtype": args.dtype,
             "device": args.device,
+            "ref_model": args.ref_model,
         }.items()
         if value is not None
     }
@@ -89,9 +90,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="local model directory or hub id (default: built-in)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--backend", choices=["transformers"])
+    serve.add_argument("--backend", choices=["auto", "transformers", "vllm"])
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    serve.add_argument("--ref-model", help="reference model for /v1/kl (default: policy copy)")
     serve.set_defaults(func=_serve)
 
     build = commands.add_parser("build-model", help="write the built-in random-weights model")

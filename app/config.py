@@ -32,7 +32,9 @@ class Settings(BaseSettings):
         description="Reference model for /v1/kl; unset: a frozen copy of the policy as loaded.",
     )
     load_reference: bool = Field(default=True, description="Serve a reference model at all.")
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["auto", "transformers", "vllm"] = Field(
+        default="auto", description="'auto': vLLM when it is installed and a GPU is present."
+    )
     dtype: Dtype = "auto"
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
     trust_remote_code: bool = False
@@ -40,6 +42,22 @@ class Settings(BaseSettings):
         default=None, gt=0, description="Longest sequence served; defaults to the model's own."
     )
     cache_dir: Path = Field(default_factory=_default_cache_dir)
+
+    # vLLM engine options (backend "vllm")
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="GPU memory share for all engines; split evenly when a reference is served.",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV cache size per engine; overrides gpu_memory_utilization (CPU hosts).",
+    )
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    enable_prefix_caching: bool | None = Field(default=None, description="Default: vLLM's own.")
+    enforce_eager: bool = False
 
     # Built-in model shape (used only when `model` is unset)
     builtin_hidden_size: int = Field(default=64, gt=0)

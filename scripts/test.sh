@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Set up (if needed), lint, type-check and run the test suite. CI runs exactly this.
+# With CI=true (or RLSERVE_TEST_VLLM=1) the vLLM tests also run, in their own venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/lint.sh
 .venv/bin/python -m pytest "$@"
+if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then
+  ./scripts/test-vllm.sh
+fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -23,7 +24,12 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def settings(cache_dir: Path) -> Settings:
-    return Settings(cache_dir=cache_dir, max_items_per_request=32, max_new_tokens_limit=512)
+    return Settings(
+        cache_dir=cache_dir,
+        backend="transformers",
+        max_items_per_request=32,
+        max_new_tokens_limit=512,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -60,9 +66,39 @@ async def started(app: FastAPI) -> None:
     assert app.state.registry.status == "ready", app.state.registry.error
 
 
+def _vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+BACKENDS = [
+    "transformers",
+    pytest.param(
+        "vllm",
+        marks=[
+            pytest.mark.vllm,
+            pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not installed here"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def backend_settings(settings: Settings, backend: str) -> Settings:
+    """The vLLM engines run the same built-in model in float32 with a small KV cache each."""
+    if backend == "transformers":
+        return settings.model_copy(update={"backend": "transformers"})
+    return settings.model_copy(
+        update={"backend": "vllm", "dtype": "float32", "kv_cache_memory_bytes": 256 << 20}
+    )
+
+
 @pytest.fixture(scope="session")
-async def app(settings: Settings) -> AsyncIterator[FastAPI]:
-    application = create_app(settings)
+async def app(settings: Settings, backend_name: str) -> AsyncIterator[FastAPI]:
+    application = create_app(backend_settings(settings, backend_name))
     async with application.router.lifespan_context(application):
         await started(application)
         yield application

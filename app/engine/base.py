@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from app.batching import BatchingConfig
 from app.engine.types import GenerateItem, Generation, ModelInfo
 
 
@@ -22,6 +23,11 @@ class Backend(ABC):
     @abstractmethod
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
+
+    def batching(self, base: BatchingConfig) -> tuple[BatchingConfig, BatchingConfig]:
+        """(scoring, generation) batching for this backend. By default both group requests
+        into calls; an engine that batches continuously overrides this."""
+        return base, base
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the model and any worker processes or threads."""

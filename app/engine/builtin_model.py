@@ -24,7 +24,9 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_MARKER = "rlserve_builtin.json"
 # Bump when the builder changes what it writes, so cached copies are rebuilt.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
+# vLLM's CPU attention supports head sizes from 32 up.
+HEAD_DIM = 32
 
 
 def build_tokenizer():  # type: ignore[no-untyped-def]
@@ -79,10 +81,10 @@ def build_model(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if hidden_size % 16:
-        raise ValueError(f"hidden_size must be a multiple of 16, got {hidden_size}")
+    if hidden_size % HEAD_DIM:
+        raise ValueError(f"hidden_size must be a multiple of {HEAD_DIM}, got {hidden_size}")
     tokenizer = build_tokenizer()
-    num_heads = max(hidden_size // 16, 1)
+    num_heads = hidden_size // HEAD_DIM
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

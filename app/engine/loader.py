@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -56,12 +57,48 @@ def resolve_source(settings: Settings) -> tuple[str, bool]:
     return str(path), True
 
 
-def load_backend(settings: Settings, *, name: str, source: str, builtin: bool) -> Backend:
-    """Blocking: load one model with the configured backend."""
+def resolve_backend(settings: Settings) -> str:
+    """'auto' picks vLLM when it is importable and a CUDA device is present."""
+    if settings.backend != "auto":
+        return settings.backend
+    import torch
+
+    from app.engine.vllm_backend import vllm_available
+
+    return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
+
+
+async def load_backend(
+    settings: Settings, *, name: str, source: str, builtin: bool, num_engines: int = 1
+) -> Backend:
+    """Load one model with the configured backend, off the event loop where it blocks."""
+    kind = resolve_backend(settings)
+    logger.info("loading %s model from %s (backend=%s)", name, source, kind)
+    if kind == "vllm":
+        from app.engine.vllm_backend import VLLMBackend
+
+        options = {
+            "gpu_memory_utilization": settings.gpu_memory_utilization / num_engines,
+            "tensor_parallel_size": settings.tensor_parallel_size,
+            "enforce_eager": settings.enforce_eager,
+        }
+        if settings.kv_cache_memory_bytes is not None:
+            options["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        if settings.enable_prefix_caching is not None:
+            options["enable_prefix_caching"] = settings.enable_prefix_caching
+        return await VLLMBackend.start(
+            source,
+            name=name,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            trust_remote_code=settings.trust_remote_code,
+            builtin=builtin,
+            engine_options=options,
+        )
     from app.engine.transformers_backend import TransformersBackend
 
-    logger.info("loading %s model from %s (backend=%s)", name, source, settings.backend)
-    return TransformersBackend.load(
+    return await asyncio.to_thread(
+        TransformersBackend.load,
         source,
         name=name,
         dtype=settings.dtype,

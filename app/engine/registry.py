@@ -31,19 +31,23 @@ class ModelRegistry:
         """Load the policy and the reference off the event loop; failures are kept for /ready."""
         try:
             source, builtin = await asyncio.to_thread(resolve_source, self.settings)
-            policy = await asyncio.to_thread(
-                load_backend, self.settings, name="policy", source=source, builtin=builtin
+            num_engines = 2 if self.settings.load_reference else 1
+            policy = await load_backend(
+                self.settings,
+                name="policy",
+                source=source,
+                builtin=builtin,
+                num_engines=num_engines,
             )
             self.add(policy)
             if self.settings.load_reference:
                 # By default the reference is a frozen copy of the policy as loaded.
-                ref_source = self.settings.ref_model or source
-                reference = await asyncio.to_thread(
-                    load_backend,
+                reference = await load_backend(
                     self.settings,
                     name="reference",
-                    source=ref_source,
+                    source=self.settings.ref_model or source,
                     builtin=builtin and not self.settings.ref_model,
+                    num_engines=num_engines,
                 )
                 check_same_vocabulary(policy, reference)
                 self.add(reference)

@@ -29,9 +29,10 @@ class ServedModel:
         self.scoring: Batcher[Sequence[int], list[float]] | None = None
         self.generation: Batcher[GenerateItem, Generation] | None = None
         if batching is not None:
-            self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, batching)
+            scoring, generation = backend.batching(batching)
+            self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, scoring)
             self.generation = Batcher(
-                f"{self.name}/generate", self._generate_batch, _generation_length, batching
+                f"{self.name}/generate", self._generate_batch, _generation_length, generation
             )
 
     async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:

@@ -36,7 +36,7 @@ class GenerateItem:
 class Generation:
     token_ids: list[int]
     log_probs: list[float]
-    processed_log_probs: list[float]
+    processed_log_probs: list[float] | None
     finish_reason: FinishReason
     stop_reason: str | None = None
     prompt_log_probs: list[float] | None = None

@@ -145,10 +145,10 @@ async def test_invalid_scoring_requests(client, body, param):
 
 
 async def test_oversized_requests(client, settings):
-    too_long = [[1] * 4097]
-    response = await client.post("/v1/logprobs", json={"tokens": too_long})
+    longest = (await client.get("/v1/models")).json()["models"][0]["max_model_len"]
+    response = await client.post("/v1/logprobs", json={"tokens": [[1] * (longest + 1)]})
     assert response.status_code == 422
-    assert "maximum length of 4096" in response.json()["error"]["message"]
+    assert f"maximum length of {longest}" in response.json()["error"]["message"]
     many = [[1, 2]] * (settings.max_items_per_request + 1)
     response = await client.post("/v1/logprobs", json={"tokens": many})
     assert response.status_code == 413

@@ -1,0 +1,174 @@
+"""Backend on vLLM's async engine. The engine batches continuously, so generation requests pass
+straight through; scoring uses prompt log-probs of a one-token call, grouped under a token
+budget so full-vocabulary logits are never computed for more prompt tokens than it allows."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from app.batching import BatchingConfig
+from app.engine.base import Backend
+from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class VLLMBackend(Backend):
+    def __init__(self, engine: Any, tokenizer: Any, info: ModelInfo) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = info
+
+    @classmethod
+    async def start(
+        cls,
+        source: str,
+        *,
+        name: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+        builtin: bool = False,
+        engine_options: dict[str, Any] | None = None,
+    ) -> VLLMBackend:
+        """Start the engine (its worker processes included) and wait until it answers."""
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+        args = AsyncEngineArgs(
+            model=source,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            trust_remote_code=trust_remote_code,
+            seed=0,
+            **(engine_options or {}),
+        )
+        engine = AsyncLLMEngine.from_engine_args(args)
+        try:
+            await engine.check_health()
+            model_config = engine.model_config
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            info = ModelInfo(
+                name=name,
+                source=str(source),
+                backend="vllm",
+                dtype=str(model_config.dtype).removeprefix("torch."),
+                device=str(getattr(engine.vllm_config.device_config, "device", "auto")),
+                # Scoring asks for one new token, so the longest scored sequence is one shorter.
+                max_model_len=int(model_config.max_model_len) - 1,
+                vocab_size=int(model_config.get_vocab_size()),
+                builtin=builtin,
+            )
+            backend = cls(engine, tokenizer, info)
+            await backend.score([[0, 0]])  # the engine answers: ready
+        except BaseException:
+            engine.shutdown()
+            raise
+        return backend
+
+    def batching(self, base: BatchingConfig) -> tuple[BatchingConfig, BatchingConfig]:
+        # Scoring: two groups in flight, together within the token budget, so the engine never
+        # idles between groups. Generation: every row goes straight to the engine.
+        scoring = dataclasses.replace(
+            base, max_concurrent_calls=2, max_batch_tokens=max(base.max_batch_tokens // 2, 1)
+        )
+        generation = dataclasses.replace(
+            base, min_batch_size=1, max_batch_size=1, timeout_s=0.0, max_concurrent_calls=4096
+        )
+        return scoring, generation
+
+    async def _final(self, prompt: Sequence[int], params: Any) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        request = TokensPrompt(prompt_token_ids=list(prompt))
+        async for output in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
+            final = output
+        if final is None:
+            raise RuntimeError("vLLM returned no output")
+        return final
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        return list(await asyncio.gather(*(self._score_one(seq) for seq in sequences)))
+
+    async def _score_one(self, sequence: Sequence[int]) -> list[float]:
+        from vllm import SamplingParams
+
+        if len(sequence) == 1:
+            return [0.0]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        final = await self._final(sequence, params)
+        values = [0.0]
+        for token, entry in zip(sequence[1:], final.prompt_logprobs[1:], strict=True):
+            values.append(float(entry[token].logprob))
+        return values
+
+    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        return list(await asyncio.gather(*(self._generate_one(item) for item in items)))
+
+    async def _generate_one(self, item: GenerateItem) -> Generation:
+        config = item.config
+        final = await self._final(item.prompt_ids, sampling_params(config, item.seed))
+        completion = final.outputs[0]
+        tokens = list(completion.token_ids)
+        log_probs = [
+            float(step[t].logprob) for t, step in zip(tokens, completion.logprobs, strict=True)
+        ]
+        prompt = None
+        if config.return_prompt_log_probs:
+            prompt = [0.0] + [
+                float(entry[t].logprob)
+                for t, entry in zip(item.prompt_ids[1:], final.prompt_logprobs[1:], strict=True)
+            ]
+        stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        return Generation(
+            token_ids=tokens,
+            log_probs=log_probs,
+            processed_log_probs=None,
+            finish_reason="length" if completion.finish_reason == "length" else "stop",
+            stop_reason=stop,
+            prompt_log_probs=prompt,
+        )
+
+    async def aclose(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+            del engine
+            gc.collect()  # let vLLM's finaliser run now, not at interpreter exit
+
+
+def sampling_params(config: SamplingConfig, seed: int) -> Any:
+    """The standardized parameters as vLLM `SamplingParams` (raw-distribution log-probs)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature if config.do_sample else 0.0,
+        top_p=config.top_p,
+        top_k=config.top_k or 0,
+        repetition_penalty=config.repetition_penalty,
+        seed=seed,
+        stop=list(config.stop_sequences) or None,
+        include_stop_str_in_output=True,
+        ignore_eos=config.ignore_eos,
+        logprobs=0,
+        prompt_logprobs=0 if config.return_prompt_log_probs else None,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+    )

@@ -42,6 +42,10 @@ class Settings(BaseSettings):
         default=None, gt=0, description="Longest sequence served; defaults to the model's own."
     )
     cache_dir: Path = Field(default_factory=_default_cache_dir)
+    exit_on_load_failure: bool = Field(
+        default=True,
+        description="Stop the server when a model fails to load, so a supervisor restarts it.",
+    )
 
     # vLLM engine options (backend "vllm")
     gpu_memory_utilization: float = Field(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,6 +20,15 @@ from app.kl.router import router as kl_router
 from app.ops.router import router as ops_router
 from app.scoring.router import router as scoring_router
 
+logger = logging.getLogger(__name__)
+
+
+async def load_or_exit(registry: ModelRegistry) -> None:
+    await registry.load()
+    if registry.status == "failed" and registry.settings.exit_on_load_failure:
+        logger.error("stopping: the model failed to load (%s)", registry.error)
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 def create_app(settings: Settings | None = None, *, load_models: bool = True) -> FastAPI:
     """Build the FastAPI app. Models load in the background once the app starts, so `/health`
@@ -27,7 +39,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = ModelRegistry(settings)
         app.state.registry = registry
-        loading = asyncio.create_task(registry.load()) if load_models else None
+        loading = asyncio.create_task(load_or_exit(registry)) if load_models else None
         app.state.loading = loading
         try:
             yield

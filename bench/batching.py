@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from common import ROOT, Figures, running_server, summarize
 
-from app.engine.builtin_model import build_model
+from app.engine.builtin_model import BUILDER_VERSION, build_model
 from app.engine.transformers_backend import TransformersBackend
 from app.engine.types import GenerateItem, SamplingConfig
 
@@ -176,7 +176,7 @@ def main() -> None:
     args.concurrency = [1, 8] if args.quick else [1, 8, 32, 64]
     args.seq_len, args.prompt_len, args.new_tokens, args.batch = 256, 16, 32, 32
     args.output.mkdir(parents=True, exist_ok=True)
-    model_dir = args.output / f".model-h{hidden}-l{layers}"
+    model_dir = args.output / f".model-v{BUILDER_VERSION}-h{hidden}-l{layers}"
     if not (model_dir / "config.json").exists():
         build_model(model_dir, hidden_size=hidden, num_layers=layers, seed=0)
 

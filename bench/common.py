@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.e2e.server import running_server  # noqa: E402
+from tests.e2e.server import free_port, running_process, running_server  # noqa: E402
 
-__all__ = ["ROOT", "Figures", "running_server", "summarize"]
+__all__ = ["ROOT", "Figures", "free_port", "running_process", "running_server", "summarize"]
 
 
 @dataclass

@@ -110,7 +110,9 @@ class VLLMBackend(Backend):
 
         if len(sequence) == 1:
             return [0.0]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        params = SamplingParams(
+            max_tokens=1, prompt_logprobs=0, detokenize=False, output_kind=_final_only()
+        )
         final = await self._final(sequence, params)
         values = [0.0]
         for token, entry in zip(sequence[1:], final.prompt_logprobs[1:], strict=True):
@@ -153,10 +155,13 @@ class VLLMBackend(Backend):
 
 
 def sampling_params(config: SamplingConfig, seed: int) -> Any:
-    """The standardized parameters as vLLM `SamplingParams` (raw-distribution log-probs)."""
+    """The standardized parameters as vLLM `SamplingParams` (raw-distribution log-probs). Only
+    the final output is streamed back, and text is detokenized only to find stop strings."""
     from vllm import SamplingParams
 
     return SamplingParams(
+        output_kind=_final_only(),
+        detokenize=bool(config.stop_sequences),
         n=1,
         max_tokens=config.max_new_tokens,
         temperature=config.temperature if config.do_sample else 0.0,
@@ -172,3 +177,9 @@ def sampling_params(config: SamplingConfig, seed: int) -> Any:
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
     )
+
+
+def _final_only() -> Any:
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY

@@ -34,16 +34,33 @@ class Server:
 def running_server(
     *args: str, env: dict[str, str] | None = None, log: Path, ready_timeout: float = 120
 ) -> Iterator[Server]:
+    """`rlserve serve ARGS` on a free port, ready once `/ready` answers 200."""
     port = free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args]
+    with running_process(command, port, "/ready", env=env, log=log, timeout=ready_timeout) as s:
+        yield s
+
+
+@contextmanager
+def running_process(
+    command: list[str],
+    port: int,
+    ready_path: str,
+    *,
+    env: dict[str, str] | None = None,
+    log: Path,
+    timeout: float = 120,
+) -> Iterator[Server]:
+    """Any HTTP server command listening on `port`; stopped with SIGTERM on exit."""
     started = time.monotonic()
+    ready_timeout = timeout
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT
         )
     server = Server(process, f"http://127.0.0.1:{port}", 0.0, log)
     try:
-        _wait_ready(server, started + ready_timeout)
+        _wait_ready(server, ready_path, started + ready_timeout)
         server.startup_seconds = time.monotonic() - started
         yield server
     finally:
@@ -56,12 +73,12 @@ def running_server(
                 process.wait()
 
 
-def _wait_ready(server: Server, deadline: float) -> None:
+def _wait_ready(server: Server, ready_path: str, deadline: float) -> None:
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited early:\n{server.log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass

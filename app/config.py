@@ -73,6 +73,17 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # Environment sessions
+    data_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
+        description="Session store (sessions.sqlite3) and datasets/ (*.jsonl prompt sets).",
+    )
+    env_ttl_s: float = Field(default=3600, gt=0, description="Idle sessions expire after this.")
+    max_env_sessions: int = Field(default=1024, gt=0, description="Live sessions; beyond: 429.")
+    tool_timeout_s: float = Field(default=5.0, gt=0, description="Wall clock per python block.")
+    tool_memory_mb: int = Field(default=512, gt=0, description="Address space per python block.")
+    tool_max_output_bytes: int = Field(default=16384, gt=0)
+
     # Request limits
     max_items_per_request: int = Field(default=256, gt=0)
     max_new_tokens_limit: int = Field(default=4096, gt=0)

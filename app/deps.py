@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from app.config import Settings
 from app.engine.registry import ModelRegistry
+from app.envs.service import EnvService
 from app.generation.serving import GenerationService
 from app.kl.serving import KLService
 from app.scoring.serving import ScoringService
@@ -35,8 +36,14 @@ def _kl(request: Request) -> KLService:
     return KLService(_registry(request), _settings(request))
 
 
+def _envs(request: Request) -> EnvService:
+    envs: EnvService = request.app.state.envs
+    return envs
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]
 KLDep = Annotated[KLService, Depends(_kl)]
+EnvsDep = Annotated[EnvService, Depends(_envs)]

@@ -64,6 +64,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
+ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    404: {"model": ErrorResponse, "description": "Unknown or expired environment"},
+    409: {"model": ErrorResponse, "description": "Episode done, or not reset yet"},
+    429: {"model": ErrorResponse, "description": "Too many live sessions"},
+}
+
+
 def error_body(status_code: int, message: str, type: str, param: str | None) -> dict[str, object]:
     info = ErrorInfo(message=message, type=type, param=param, code=status_code)
     return ErrorResponse(error=info).model_dump()

@@ -61,7 +61,11 @@ def measure_server(
     model_dir: Path, batching: bool, args: argparse.Namespace, log: Path
 ) -> dict[str, dict[int, Figures]]:
     scoring, prompts = make_work(args)
-    env = {"RLSERVE_BATCHING": str(batching).lower(), "RLSERVE_MAX_BATCH_SIZE": str(args.batch)}
+    env = {
+        "RLSERVE_DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_BATCHING": str(batching).lower(),
+        "RLSERVE_MAX_BATCH_SIZE": str(args.batch),
+    }
     results: dict[str, dict[int, Figures]] = {"logprobs": {}, "generate": {}}
     with running_server("--model", str(model_dir), env=env, log=log) as server:
         for concurrency in args.concurrency:

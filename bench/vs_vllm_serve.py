@@ -93,6 +93,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     work = workloads(args)
     results: dict[str, Any] = {"rlserve": {}, "vllm_serve": {}}
     env = {
+        "RLSERVE_DATA_DIR": str(args.output / ".data"),
         "RLSERVE_BACKEND": "vllm",
         "RLSERVE_DTYPE": "float32",
         "RLSERVE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),

@@ -26,6 +26,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def settings(cache_dir: Path) -> Settings:
     return Settings(
         cache_dir=cache_dir,
+        data_dir=cache_dir / "data",
         backend="transformers",
         max_items_per_request=32,
         max_new_tokens_limit=512,

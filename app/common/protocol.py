@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -142,3 +143,12 @@ class Sample(WireModel):
     masks: Masks
     log_probs: LogProbFields | None = None
     history: HistoryFields | None = None
+
+
+def json_response(model: BaseModel, *, status_code: int = 200) -> Response:
+    """Serialise a response model once (skipping FastAPI's re-validation of large bodies)."""
+    return Response(
+        model.model_dump_json(exclude_none=True),
+        status_code=status_code,
+        media_type="application/json",
+    )

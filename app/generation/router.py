@@ -1,6 +1,7 @@
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
+from app.common.protocol import json_response
 from app.deps import GenerationDep
 from app.errors import ERROR_RESPONSES
 from app.generation.protocol import GenerateRequest, GenerateResponse
@@ -17,7 +18,8 @@ router = APIRouter(tags=["generation"])
 )
 async def generate(
     request: GenerateRequest, service: GenerationDep, http_request: Request
-) -> GenerateResponse:
+) -> Response:
     """Sample `n` continuations per input. `log_probs.response` is the raw model distribution;
     `log_probs.response_processed` the distribution actually sampled from."""
-    return await cancel_on_disconnect(http_request, service.generate(request))
+    result = await cancel_on_disconnect(http_request, service.generate(request))
+    return json_response(result)

@@ -1,6 +1,7 @@
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
+from app.common.protocol import json_response
 from app.deps import KLDep
 from app.errors import ERROR_RESPONSES
 from app.kl.protocol import KLRequest, KLResponse
@@ -15,8 +16,9 @@ router = APIRouter(tags=["kl"])
     responses=ERROR_RESPONSES,
     summary="Per-token KL between policy and reference",
 )
-async def kl(request: KLRequest, service: KLDep, http_request: Request) -> KLResponse:
+async def kl(request: KLRequest, service: KLDep, http_request: Request) -> Response:
     """Per-token KL(policy || reference) with estimators k1/k2/k3/abs, assistant-only masks and
     optional reward shaping. Reference log-probs are always computed by the server; policy
     log-probs too, unless the client sends them."""
-    return await cancel_on_disconnect(http_request, service.kl(request))
+    result = await cancel_on_disconnect(http_request, service.kl(request))
+    return json_response(result)

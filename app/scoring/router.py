@@ -1,6 +1,7 @@
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
+from app.common.protocol import json_response
 from app.deps import ScoringDep
 from app.errors import ERROR_RESPONSES
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse
@@ -17,6 +18,7 @@ router = APIRouter(tags=["scoring"])
 )
 async def logprobs(
     request: LogProbsRequest, service: ScoringDep, http_request: Request
-) -> LogProbsResponse:
+) -> Response:
     """Log-probability of every token under the model (raw distribution, position 0 is 0.0)."""
-    return await cancel_on_disconnect(http_request, service.score(request))
+    result = await cancel_on_disconnect(http_request, service.score(request))
+    return json_response(result)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_serve_builtin_model_end_to_end(tmp_path):
-    env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache"), "RLSERVE_DATA_DIR": str(tmp_path / "data")}
     with running_server(env=env, log=tmp_path / "server.log") as server:
         assert server.startup_seconds < 60
         models = httpx.get(f"{server.url}/v1/models").json()
@@ -35,7 +35,7 @@ def test_serve_builtin_model_end_to_end(tmp_path):
 
 
 def test_serve_exits_when_the_model_cannot_load(tmp_path):
-    env = {"RLSERVE_CACHE_DIR": str(tmp_path), "RLSERVE_MODEL": str(tmp_path / "missing")}
+    env = {"RLSERVE_DATA_DIR": str(tmp_path), "RLSERVE_MODEL": str(tmp_path / "missing")}
     log = tmp_path / "server.log"
     with (
         pytest.raises(RuntimeError, match="server exited early"),

@@ -44,6 +44,7 @@ def alive(pids: set[int]) -> set[int]:
 def test_engine_processes_end_with_the_server(tmp_path, stop):
     env = {
         "RLSERVE_CACHE_DIR": str(tmp_path / "cache"),
+        "RLSERVE_DATA_DIR": str(tmp_path / "data"),
         "RLSERVE_BACKEND": "vllm",
         "RLSERVE_DTYPE": "float32",
         "RLSERVE_KV_CACHE_MEMORY_BYTES": str(256 << 20),

@@ -1,0 +1,156 @@
+"""Wire models of the environment routes (`/v1/envs`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from app.common.protocol import Message, TokenId, WireModel, field_error
+from app.kl.estimators import Estimator
+
+EnvKind = Literal["chat", "text", "tokens"]
+
+
+class KLPenalty(WireModel):
+    coeff: float = Field(default=0.1, ge=0)
+    estimator: Estimator = "k1"
+
+
+class EnvConfig(WireModel):
+    """An environment session: `batch_size` parallel episodes sharing one configuration."""
+
+    kind: EnvKind = Field(
+        default="chat",
+        description="chat: TorchRL ChatEnv (chat template, history). text/tokens: TorchRL "
+        "LLMEnv (the action is appended to the observation as a string or token ids).",
+    )
+    system_prompt: str | None = None
+    batch_size: int = Field(default=1, ge=1, le=1024)
+    max_turns: int | None = Field(
+        default=None, ge=1, description="Episodes are truncated after this many steps."
+    )
+    reward: str = Field(default="none", description="A registered reward: none, gsm8k, ...")
+    tools: list[Literal["python"]] = Field(
+        default_factory=list, description="python: run fenced python blocks, sandboxed."
+    )
+    dataset: str | None = Field(default=None, description="A registered prompt dataset.")
+    repeats: int = Field(
+        default=1, ge=1, description="Each dataset prompt fills this many rows in a row (GRPO)."
+    )
+    seed: int | None = Field(default=None, description="Shuffles the dataset's order.")
+    kl: KLPenalty | None = Field(
+        default=None, description="Add -coeff * KL(policy||reference) of each turn to its reward."
+    )
+    hashing: bool = Field(
+        default=False, description="Add a stable 64-bit SipHash chain of the observation tokens."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvConfig:
+        if self.batch_size % self.repeats:
+            raise field_error(
+                "repeats", f"{self.repeats} must divide batch_size ({self.batch_size})"
+            )
+        if self.kind != "chat" and (self.tools or self.system_prompt is not None):
+            raise field_error("kind", "tools and system_prompt need kind 'chat'")
+        return self
+
+
+class EnvCreated(WireModel):
+    env_id: str
+    config: EnvConfig
+
+
+class ResetRequest(WireModel):
+    """Queries (one per row, with optional ground-truth answers), conversations, or token
+    prompts (kind tokens); nothing draws the next prompts from the session's dataset."""
+
+    query: list[str] | None = None
+    answer: list[str | None] | None = None
+    messages: list[Annotated[list[Message], Field(min_length=1)]] | None = None
+    tokens: list[Annotated[list[TokenId], Field(min_length=1)]] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResetRequest:
+        given = [n for n in ("query", "messages", "tokens") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise field_error(given[1], f"give at most one of query, messages, tokens; got {given}")
+        if self.answer is not None and self.query is None and self.tokens is None:
+            raise field_error("answer", "needs query or tokens")
+        return self
+
+
+class Observation(WireModel):
+    history: list[Message] | None = Field(default=None, description="Chat environments.")
+    text: str | None = Field(default=None, description="text/tokens environments.")
+    prompt_text: str = Field(description="What to generate from (templated for chat).")
+    prompt_tokens: list[int] = Field(description="Exact ids to send to /v1/generate.")
+    hash: int | None = Field(default=None, description="SipHash chain of prompt_tokens.")
+
+
+class ResetResponse(WireModel):
+    env_id: str
+    observations: list[Observation]
+
+
+class Action(WireModel):
+    text: str | None = None
+    tokens: list[TokenId] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Action:
+        if (self.text is None) == (self.tokens is None):
+            raise field_error("actions", "each action has exactly one of text or tokens")
+        return self
+
+
+class StepRequest(WireModel):
+    actions: list[Action | None] = Field(
+        description="One per row; null for rows whose episode is done."
+    )
+
+
+class ToolResult(WireModel):
+    block: int
+    ok: bool
+    output: str
+
+
+class StepOutput(WireModel):
+    observation: Observation
+    reward: float
+    done: bool
+    terminated: bool
+    truncated: bool
+    info: dict[str, object]
+
+
+class StepResponse(WireModel):
+    env_id: str
+    policy_version: int
+    outputs: list[StepOutput]
+
+
+class RowState(WireModel):
+    turns: int
+    done: bool
+    terminated: bool
+    truncated: bool
+    total_reward: float
+
+
+class EnvState(WireModel):
+    env_id: str
+    config: EnvConfig
+    started: bool
+    rows: list[RowState]
+    created_at: float
+    updated_at: float
+
+
+class EnvList(WireModel):
+    envs: list[EnvState]
+    total: int
+    offset: int
+    limit: int

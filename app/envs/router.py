@@ -1,0 +1,63 @@
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from app.deps import EnvsDep
+from app.envs.protocol import (
+    EnvConfig,
+    EnvCreated,
+    EnvList,
+    EnvState,
+    ResetRequest,
+    ResetResponse,
+    StepRequest,
+    StepResponse,
+)
+from app.errors import ENV_ERROR_RESPONSES
+
+router = APIRouter(tags=["environments"], responses=ENV_ERROR_RESPONSES)
+
+
+@router.post("/v1/envs", response_model=EnvCreated, status_code=201, summary="Create a session")
+async def create_env(config: EnvConfig, envs: EnvsDep) -> EnvCreated:
+    return await envs.create(config)
+
+
+@router.get("/v1/envs", response_model=EnvList, summary="List sessions")
+async def list_envs(
+    envs: EnvsDep,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> EnvList:
+    return await envs.page(offset, limit)
+
+
+@router.get("/v1/envs/{env_id}", response_model=EnvState, summary="Session config and state")
+async def get_env(env_id: str, envs: EnvsDep) -> EnvState:
+    return await envs.get(env_id)
+
+
+@router.delete("/v1/envs/{env_id}", status_code=204, summary="Delete a session")
+async def delete_env(env_id: str, envs: EnvsDep) -> Response:
+    await envs.delete(env_id)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/v1/envs/{env_id}/reset",
+    response_model=ResetResponse,
+    response_model_exclude_none=True,
+    summary="Start new episodes",
+)
+async def reset_env(env_id: str, request: ResetRequest, envs: EnvsDep) -> ResetResponse:
+    return await envs.reset(env_id, request)
+
+
+@router.post(
+    "/v1/envs/{env_id}/step",
+    response_model=StepResponse,
+    response_model_exclude_none=True,
+    summary="Apply one assistant action per row",
+)
+async def step_env(env_id: str, request: StepRequest, envs: EnvsDep) -> StepResponse:
+    return await envs.step(env_id, request)

@@ -1,0 +1,240 @@
+"""Environment sessions: create, reset, step (tools, rewards, KL penalty), inspect, delete.
+Steps on one session are serialised; every completed step is written to the store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.envs import episodes
+from app.envs.datasets import DatasetRegistry
+from app.envs.protocol import (
+    Action,
+    EnvConfig,
+    EnvCreated,
+    EnvList,
+    EnvState,
+    ResetRequest,
+    ResetResponse,
+    RowState,
+    StepOutput,
+    StepRequest,
+    StepResponse,
+)
+from app.envs.rewards import REWARDS
+from app.envs.sandbox import SandboxLimits
+from app.envs.store import SessionRecord, SessionStore, now
+from app.envs.tools import run_python_blocks, tool_message
+from app.errors import APIError, invalid
+from app.kl.estimators import per_token_kl
+
+logger = logging.getLogger(__name__)
+
+
+class EnvService:
+    def __init__(
+        self,
+        store: SessionStore,
+        registry: ModelRegistry,
+        datasets: DatasetRegistry,
+        settings: Settings,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.datasets = datasets
+        self.settings = settings
+        self.sandbox = SandboxLimits(
+            timeout_s=settings.tool_timeout_s,
+            cpu_seconds=max(int(settings.tool_timeout_s), 1),
+            memory_bytes=settings.tool_memory_mb << 20,
+            max_output_bytes=settings.tool_max_output_bytes,
+        )
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- sessions -----------------------------------------------------------------------
+
+    async def create(self, config: EnvConfig) -> EnvCreated:
+        if config.reward not in REWARDS:
+            raise invalid("reward", f"unknown reward '{config.reward}' (have {sorted(REWARDS)})")
+        if config.dataset is not None and self.datasets.get(config.dataset) is None:
+            raise invalid(
+                "dataset", f"unknown dataset '{config.dataset}' (have {self.datasets.names()})"
+            )
+        if await self.store.count() >= self.settings.max_env_sessions:
+            raise APIError(
+                429,
+                f"{self.settings.max_env_sessions} environment sessions are live; delete one "
+                "or wait for idle ones to expire",
+                type="rate_limit_error",
+                headers={"Retry-After": "5"},
+            )
+        env_id = f"env-{uuid.uuid4().hex}"
+        stamp = now()
+        record = SessionRecord(env_id, config.model_dump(), episodes.new_state(), stamp, stamp)
+        await self.store.put(record)
+        return EnvCreated(env_id=env_id, config=config)
+
+    async def _load(self, env_id: str) -> SessionRecord:
+        record = await self.store.get(env_id)
+        if record is not None and record.updated_at < now() - self.settings.env_ttl_s:
+            await self._forget(env_id)
+            record = None
+        if record is None:
+            raise APIError(
+                404, f"environment '{env_id}' does not exist or expired", type="not_found_error"
+            )
+        return record
+
+    async def _forget(self, env_id: str) -> bool:
+        self._locks.pop(env_id, None)
+        return await self.store.delete(env_id)
+
+    @contextlib.asynccontextmanager
+    async def _session(self, env_id: str) -> AsyncIterator[SessionRecord]:
+        """The session under its lock; saved when the block completes without error."""
+        lock = self._locks.setdefault(env_id, asyncio.Lock())
+        async with lock:
+            record = await self._load(env_id)
+            yield record
+            record.updated_at = now()
+            await self.store.put(record)
+
+    async def get(self, env_id: str) -> EnvState:
+        return _state(await self._load(env_id))
+
+    async def delete(self, env_id: str) -> None:
+        await self._load(env_id)
+        await self._forget(env_id)
+
+    async def page(self, offset: int, limit: int) -> EnvList:
+        records, total = await self.store.page(offset, limit)
+        return EnvList(envs=[_state(r) for r in records], total=total, offset=offset, limit=limit)
+
+    async def reap(self) -> int:
+        expired = await self.store.expire(now() - self.settings.env_ttl_s)
+        for env_id in expired:
+            self._locks.pop(env_id, None)
+        return len(expired)
+
+    # -- episodes -----------------------------------------------------------------------
+
+    async def reset(self, env_id: str, request: ResetRequest) -> ResetResponse:
+        preparer = self.registry.get("policy").preparer
+        async with self._session(env_id) as record:
+            config = EnvConfig(**record.config)
+            problems = self.datasets.get(config.dataset) if config.dataset else None
+            episodes.reset(config, record.state, request, preparer, problems)
+            observations = [
+                episodes.observation(config, row, preparer) for row in record.state["rows"]
+            ]
+        return ResetResponse(env_id=env_id, observations=observations)
+
+    async def step(self, env_id: str, request: StepRequest) -> StepResponse:
+        preparer = self.registry.get("policy").preparer
+        async with self._session(env_id) as record:
+            config = EnvConfig(**record.config)
+            rows = record.state["rows"]
+            if not record.state["started"]:
+                raise APIError(
+                    409, f"environment '{env_id}' has not been reset", type="conflict_error"
+                )
+            if len(request.actions) != len(rows):
+                raise invalid(
+                    "actions", f"has {len(request.actions)} entries for batch_size {len(rows)}"
+                )
+            for i, (row, action) in enumerate(zip(rows, request.actions, strict=True)):
+                if action is not None and row["done"]:
+                    raise APIError(
+                        409,
+                        f"actions[{i}]: row {i}'s episode is done; send null or reset",
+                        type="conflict_error",
+                        param=f"actions[{i}]",
+                    )
+                if action is None and not row["done"]:
+                    raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
+            version = self.registry.policy_version
+            outputs = await asyncio.gather(
+                *(
+                    self._step_row(config, row, action, preparer)
+                    for row, action in zip(rows, request.actions, strict=True)
+                )
+            )
+        return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
+
+    async def _step_row(
+        self, config: EnvConfig, row: dict[str, Any], action: Action | None, preparer: Any
+    ) -> StepOutput:
+        if action is None:  # a finished row stays as it is
+            return _output(config, row, preparer, 0.0, {})
+        prompt_tokens = episodes.observation(config, row, preparer).prompt_tokens
+        text = episodes.apply_action(config, row, action, preparer)
+        info: dict[str, object] = {}
+        full_tokens = (
+            preparer.template(row["history"], generation_prompt=False).ids
+            if config.kind == "chat"
+            else episodes.observation(config, row, preparer).prompt_tokens
+        )
+        if "python" in config.tools:
+            results = await run_python_blocks(text, self.sandbox)
+            if results:
+                row["history"].append({"role": "tool", "content": tool_message(results)})
+                info["tool_results"] = [r.model_dump() for r in results]
+        result = REWARDS[config.reward](text, row["answer"])
+        reward = result.reward
+        breakdown: dict[str, object] = {"task": result.reward, **result.info}
+        if row["answer"] is not None and config.reward != "none":
+            info["answer"] = row["answer"]
+        if config.kl is not None:
+            kl = await self._turn_kl(config, prompt_tokens, full_tokens)
+            reward -= config.kl.coeff * kl
+            breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}
+        info["reward"] = breakdown
+        episodes.finish_turn(config, row, reward, result.ends_episode)
+        return _output(config, row, preparer, reward, info)
+
+    async def _turn_kl(self, config: EnvConfig, prompt: list[int], full: list[int]) -> float:
+        """KL(policy||reference) summed over this turn's tokens."""
+        assert config.kl is not None
+        ((policy, reference),) = await self.registry.get_pair().score([full])
+        mask = [0] * len(prompt) + [1] * (len(full) - len(prompt))
+        return sum(per_token_kl(policy, reference, mask, config.kl.estimator))
+
+
+def _output(
+    config: EnvConfig, row: dict[str, Any], preparer: Any, reward: float, info: dict[str, object]
+) -> StepOutput:
+    return StepOutput(
+        observation=episodes.observation(config, row, preparer),
+        reward=reward,
+        done=row["done"],
+        terminated=row["terminated"],
+        truncated=row["truncated"],
+        info=info,
+    )
+
+
+def _state(record: SessionRecord) -> EnvState:
+    rows = [
+        RowState(
+            turns=r["turns"],
+            done=r["done"],
+            terminated=r["terminated"],
+            truncated=r["truncated"],
+            total_reward=r["total_reward"],
+        )
+        for r in record.state["rows"]
+    ]
+    return EnvState(
+        env_id=record.env_id,
+        config=EnvConfig(**record.config),
+        started=record.state["started"],
+        rows=rows,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+    )

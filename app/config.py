@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     tool_memory_mb: int = Field(default=512, gt=0, description="Address space per python block.")
     tool_max_output_bytes: int = Field(default=16384, gt=0)
 
+    # Weight updates
+    max_weights_bytes: int = Field(default=256 << 30, gt=0, description="Largest weight upload.")
+
     # Request limits
     max_items_per_request: int = Field(default=256, gt=0)
     max_new_tokens_limit: int = Field(default=4096, gt=0)

@@ -12,6 +12,7 @@ from app.envs.service import EnvService
 from app.generation.serving import GenerationService
 from app.kl.serving import KLService
 from app.scoring.serving import ScoringService
+from app.weights.service import WeightsService
 
 
 def _settings(request: Request) -> Settings:
@@ -41,9 +42,14 @@ def _envs(request: Request) -> EnvService:
     return envs
 
 
+def _weights(request: Request) -> WeightsService:
+    return WeightsService(_registry(request), _settings(request))
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]
 KLDep = Annotated[KLService, Depends(_kl)]
 EnvsDep = Annotated[EnvService, Depends(_envs)]
+WeightsDep = Annotated[WeightsService, Depends(_weights)]

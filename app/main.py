@@ -23,6 +23,7 @@ from app.generation.router import router as generation_router
 from app.kl.router import router as kl_router
 from app.ops.router import router as ops_router
 from app.scoring.router import router as scoring_router
+from app.weights.router import router as weights_router
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,13 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
     )
     app.state.settings = settings
     install_error_handlers(app)
-    for router in (generation_router, scoring_router, kl_router, envs_router, ops_router):
+    for router in (
+        generation_router,
+        scoring_router,
+        kl_router,
+        envs_router,
+        weights_router,
+        ops_router,
+    ):
         app.include_router(router)
     return app

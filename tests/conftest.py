@@ -67,7 +67,7 @@ async def started(app: FastAPI) -> None:
     assert app.state.registry.status == "ready", app.state.registry.error
 
 
-def _vllm_installed() -> bool:
+def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -77,7 +77,7 @@ BACKENDS = [
         "vllm",
         marks=[
             pytest.mark.vllm,
-            pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not installed here"),
+            pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here"),
         ],
     ),
 ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from app.batching import BatchingConfig
 from app.engine.types import GenerateItem, Generation, ModelInfo
+from app.weights.checkpoint import Layout
 
 
 class Backend(ABC):
@@ -23,6 +25,14 @@ class Backend(ABC):
     @abstractmethod
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
+
+    def weight_layout(self) -> Layout | None:
+        """Names, dtypes and shapes an update may carry; None when unknown (not checked)."""
+        return None
+
+    async def update_weights(self, files: list[Path]) -> None:
+        """Copy the tensors of checked safetensors files into the live model."""
+        raise NotImplementedError(f"{type(self).__name__} cannot update weights")
 
     def batching(self, base: BatchingConfig) -> tuple[BatchingConfig, BatchingConfig]:
         """(scoring, generation) batching for this backend. By default both group requests

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Literal
+
+import aiorwlock
 
 from app.batching import BatchingConfig
 from app.common.inputs import InputPreparer
@@ -24,8 +28,30 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
         self.status: Status = "loading"
         self.error: str | None = None
-        self.policy_version = 0
+        self.versions = {"policy": 0, "reference": 0}
         self.pair: ModelPair | None = None
+        # Requests read the weights; an update writes them. Writer-preferring: a pending update
+        # lets in-flight requests finish and holds new ones back, so every request runs on one
+        # version from start to end.
+        self._weights_lock = aiorwlock.RWLock()
+
+    @property
+    def policy_version(self) -> int:
+        return self.versions["policy"]
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[int]:
+        """Hold the weights steady for one request; yields the policy version it runs on."""
+        async with self._weights_lock.reader:
+            yield self.policy_version
+
+    @contextlib.asynccontextmanager
+    async def writing(self, name: str) -> AsyncIterator[ServedModel]:
+        """Pause all model work while `name`'s weights change; its version goes up on success."""
+        served = self.get(name)
+        async with self._weights_lock.writer:
+            yield served
+            self.versions[name] += 1
 
     async def load(self) -> None:
         """Load the policy and the reference off the event loop; failures are kept for /ready."""

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from app.engine import hf_decode
 from app.engine.base import Backend
 from app.engine.types import GenerateItem, Generation, ModelInfo
+from app.weights.checkpoint import Layout, copy_into, layout_of_state
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,16 @@ class TransformersBackend(Backend):
             decode=self.tokenizer.decode,
         )
         return result
+
+    def weight_layout(self) -> Layout:
+        return layout_of_state(self.model.state_dict())
+
+    async def update_weights(self, files: list[Path]) -> None:
+        # On the model's own worker thread: between two batches, never during one.
+        await self._run(self._copy_in, files)
+
+    def _copy_in(self, files: list[Path]) -> None:
+        copy_into(self.model.state_dict(), files)
 
     async def aclose(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)

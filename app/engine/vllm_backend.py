@@ -10,11 +10,13 @@ import gc
 import logging
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from app.batching import BatchingConfig
 from app.engine.base import Backend
 from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig
+from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +30,13 @@ def vllm_available() -> bool:
 
 
 class VLLMBackend(Backend):
-    def __init__(self, engine: Any, tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(
+        self, engine: Any, tokenizer: Any, info: ModelInfo, layout: Layout | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
+        self.layout = layout
 
     @classmethod
     async def start(
@@ -55,6 +60,7 @@ class VLLMBackend(Backend):
             max_model_len=max_model_len,
             trust_remote_code=trust_remote_code,
             seed=0,
+            worker_extension_cls="app.engine.vllm_worker.WeightLoaderExtension",
             **(engine_options or {}),
         )
         engine = AsyncLLMEngine.from_engine_args(args)
@@ -73,7 +79,7 @@ class VLLMBackend(Backend):
                 vocab_size=int(model_config.get_vocab_size()),
                 builtin=builtin,
             )
-            backend = cls(engine, tokenizer, info)
+            backend = cls(engine, tokenizer, info, _source_layout(source))
             await backend.score([[0, 0]])  # the engine answers: ready
         except BaseException:
             engine.shutdown()
@@ -146,6 +152,13 @@ class VLLMBackend(Backend):
             prompt_log_probs=prompt,
         )
 
+    def weight_layout(self) -> Layout | None:
+        return self.layout
+
+    async def update_weights(self, files: list[Path]) -> None:
+        await self.engine.collective_rpc("rlserve_load_weights", args=([str(f) for f in files],))
+        await self.engine.reset_prefix_cache()
+
     async def aclose(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:
@@ -183,3 +196,12 @@ def _final_only() -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     return RequestOutputKind.FINAL_ONLY
+
+
+def _source_layout(source: str) -> Layout | None:
+    """The served checkpoint's tensor layout (HF names), read from its local files' headers."""
+    path = Path(source)
+    if not path.is_dir():
+        logger.warning("%s is not a local directory: weight updates are not name-checked", source)
+        return None
+    return read_layout(checkpoint_files(path), "model")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import resource
 import signal
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cache
 
+logger = logging.getLogger(__name__)
 UNPRIVILEGED_UID = 65534  # "nobody"
 
 
@@ -82,6 +84,16 @@ def _limit(limits: SandboxLimits, isolate: bool, drop_privileges: bool) -> None:
 @cache
 def network_isolation_available() -> bool:
     """Whether a child of this server can enter a new network namespace (probed once)."""
+    available = _probe_network_namespace()
+    if not available:
+        logger.warning(
+            "the python tool cannot create a network namespace on this host: sandboxed code "
+            "runs with the host's network (all other limits still hold)"
+        )
+    return available
+
+
+def _probe_network_namespace() -> bool:
     probe = subprocess.run(
         [
             sys.executable,

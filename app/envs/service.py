@@ -158,13 +158,13 @@ class EnvService:
                     )
                 if action is None and not row["done"]:
                     raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
-            version = self.registry.policy_version
-            outputs = await asyncio.gather(
-                *(
-                    self._step_row(config, row, action, preparer)
-                    for row, action in zip(rows, request.actions, strict=True)
+            async with self.registry.reading() as version:
+                outputs = await asyncio.gather(
+                    *(
+                        self._step_row(config, row, action, preparer)
+                        for row, action in zip(rows, request.actions, strict=True)
+                    )
                 )
-            )
         return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
 
     async def _step_row(

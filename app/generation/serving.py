@@ -42,8 +42,8 @@ class GenerationService:
             for i, p in enumerate(prompts)
             for j in range(num_samples)
         ]
-        version = self.registry.policy_version
-        generations = await served.generate(items)
+        async with self.registry.reading() as version:
+            generations = await served.generate(items)
         outputs: list[list[GeneratedSample]] = []
         for i, prompt in enumerate(prompts):
             row = generations[i * num_samples : (i + 1) * num_samples]

@@ -38,11 +38,11 @@ class KLService:
                         "(tokens.full)",
                     )
         sequences = [item.ids for item in prepared]
-        version = self.registry.policy_version
-        if given is None:
-            policy, reference = map(list, zip(*await pair.score(sequences), strict=True))
-        else:
-            policy, reference = given, await pair.reference.score(sequences)
+        async with self.registry.reading() as version:
+            if given is None:
+                policy, reference = map(list, zip(*await pair.score(sequences), strict=True))
+            else:
+                policy, reference = given, await pair.reference.score(sequences)
         outputs = [
             _sample(item, p, q, request, None if request.rewards is None else request.rewards[i])
             for i, (item, p, q) in enumerate(zip(prepared, policy, reference, strict=True))

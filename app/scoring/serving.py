@@ -20,8 +20,8 @@ class ScoringService:
         check_num_items(request.num_items(), self.settings.max_items_per_request, field)
         prepared = served.preparer.sequences(request, field)
         served.preparer.check(prepared, field)
-        version = self.registry.policy_version
-        values = await served.score([item.ids for item in prepared])
+        async with self.registry.reading() as version:
+            values = await served.score([item.ids for item in prepared])
         with_text = field != "tokens" and field != "prompt_tokens"
         outputs = [
             scored_sample(item, lps, served.preparer, with_text=with_text)

@@ -1,0 +1,133 @@
+"""Safetensors checkpoints: read their layout, check it against a model's, iterate tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from app.errors import APIError, invalid
+
+# (safetensors dtype name, shape)
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+TORCH_TO_SAFETENSORS = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def layout_of_state(state: dict[str, torch.Tensor]) -> Layout:
+    return {
+        name: (TORCH_TO_SAFETENSORS.get(t.dtype, str(t.dtype)), tuple(t.shape))
+        for name, t in state.items()
+    }
+
+
+def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
+    """The `*.safetensors` files of an HF checkpoint directory (or a single file)."""
+    if not directory.exists():
+        raise invalid(param, f"{directory} does not exist on the server")
+    if directory.is_file():
+        return [directory]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise invalid(param, f"{directory} holds no .safetensors files")
+    return files
+
+
+def read_layout(files: list[Path], param: str) -> Layout:
+    """Names, dtypes and shapes, read from the headers only; 400 for corrupt or truncated files."""
+    layout: Layout = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    tensor_slice = f.get_slice(name)
+                    layout[name] = (tensor_slice.get_dtype(), tuple(tensor_slice.get_shape()))
+        except PermissionError as exc:
+            raise invalid(param, f"{path} is not readable by the server ({exc})") from exc
+        except (OSError, ValueError, json.JSONDecodeError, Exception) as exc:
+            raise APIError(
+                400,
+                f"{param}: {path.name} is not a valid safetensors file ({exc})",
+                param=param,
+            ) from exc
+    if not layout:
+        raise APIError(400, f"{param}: the checkpoint holds no tensors", param=param)
+    return layout
+
+
+def check_layout(update: Layout, model: Layout) -> None:
+    """Every tensor must name a model parameter with the same shape and dtype (subsets allowed)."""
+    for name, (dtype, shape) in update.items():
+        if name not in model:
+            raise invalid("weights", f"unknown parameter '{name}' (not in the served model)")
+        want_dtype, want_shape = model[name]
+        if shape != want_shape:
+            raise invalid(
+                "weights", f"'{name}' has shape {list(shape)}, the model's is {list(want_shape)}"
+            )
+        if dtype != want_dtype:
+            raise invalid("weights", f"'{name}' has dtype {dtype}, the model's is {want_dtype}")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor at a time, so memory holds at most one tensor beyond the model."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                yield name, f.get_tensor(name)
+
+
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header: dict[str, Any] = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return size, header
+
+
+def copy_into(state: dict[str, torch.Tensor], files: list[Path]) -> None:
+    """Copy every tensor of (already checked) files into `state`, reading each through one
+    reused staging buffer with plain file reads: memory grows by the largest tensor only,
+    not by the payload (no mmap, no per-tensor allocations left behind)."""
+    for path in files:
+        header_size, header = _header(path)
+        spans = sorted(
+            (meta["data_offsets"][0], meta["data_offsets"][1], name)
+            for name, meta in header.items()
+        )
+        largest = max(end - begin for begin, end, _ in spans)
+        staging = torch.empty(largest, dtype=torch.uint8)
+        with path.open("rb", buffering=0) as f:
+            for begin, end, name in spans:
+                target = state[name]
+                if end == begin:
+                    continue
+                f.seek(8 + header_size + begin)
+                _read_exactly(f, memoryview(staging[: end - begin].numpy()))  # type: ignore[arg-type]
+                source = staging[: end - begin].view(target.dtype).view(target.shape)
+                with torch.no_grad():
+                    target.copy_(source)
+
+
+def _read_exactly(f: Any, buffer: memoryview) -> None:
+    filled = 0
+    while filled < len(buffer):
+        count = f.readinto(buffer[filled:])
+        if not count:
+            raise OSError("unexpected end of file")
+        filled += count

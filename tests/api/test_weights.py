@@ -1,0 +1,184 @@
+"""Weight updates: new weights score like an independent forward of them; refusals change
+nothing; requests during an update are consistent with the version they report."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from app.config import Settings
+from app.engine.loader import builtin_model_dir
+from app.main import create_app
+from tests.conftest import assert_close, backend_settings, started, vllm_installed
+
+SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102]]
+
+
+@pytest.fixture
+async def fresh(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """A server of its own: these tests change its weights."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            yield app, client
+
+
+@pytest.fixture(scope="module")
+def other_dir(settings: Settings) -> Path:
+    return builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
+
+
+@pytest.fixture(scope="module")
+def other_model(other_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(other_dir).eval()
+
+
+def forward(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    with torch.inference_mode():
+        x = torch.tensor([ids])
+        lp = model(x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
+    return [0.0, *lp.tolist()]
+
+
+async def score(client: httpx.AsyncClient, model: str = "policy") -> tuple[int, list[list[float]]]:
+    body = (await client.post("/v1/logprobs", json={"tokens": SEQUENCES, "model": model})).json()
+    return body["policy_version"], [o["log_probs"]["full"] for o in body["outputs"]]
+
+
+async def test_upload_replaces_the_policy_only(fresh, other_dir, other_model, hf_model):
+    _app, client = fresh
+    payload = (other_dir / "model.safetensors").read_bytes()
+    response = await client.put("/v1/weights", content=payload)
+    assert response.status_code == 200, response.text
+    assert response.json()["policy_version"] == 1
+    assert (await client.get("/v1/weights/version")).json() == {
+        "policy_version": 1,
+        "reference_version": 0,
+    }
+    version, values = await score(client)
+    assert version == 1
+    for seq, got in zip(SEQUENCES, values, strict=True):
+        assert_close(got, forward(other_model, seq), 1e-5)
+    _, reference = await score(client, "reference")
+    for seq, got in zip(SEQUENCES, reference, strict=True):
+        assert_close(got, forward(hf_model, seq), 1e-5)
+    kl = (await client.post("/v1/kl", json={"tokens": SEQUENCES, "assistant_only": False})).json()
+    assert kl["policy_version"] == 1 and any(o["kl_sum"] != 0 for o in kl["outputs"])
+
+
+async def test_load_from_path(fresh, other_dir, other_model):
+    _, client = fresh
+    response = await client.post("/v1/weights/load", json={"path": str(other_dir)})
+    assert response.status_code == 200, response.text
+    assert response.json()["num_tensors"] == len(load_file(other_dir / "model.safetensors"))
+    version, values = await score(client)
+    assert version == 1
+    assert_close(values[0], forward(other_model, SEQUENCES[0]), 1e-5)
+
+
+async def test_partial_update_changes_only_those_parameters(fresh, other_dir, tmp_path):
+    app, client = fresh
+    name = "model.layers.0.mlp.up_proj.weight"
+    new = load_file(other_dir / "model.safetensors")[name]
+    save_file({name: new}, tmp_path / "part.safetensors")
+    model = app.state.registry.get("policy").backend.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    response = await client.put("/v1/weights", content=(tmp_path / "part.safetensors").read_bytes())
+    assert response.status_code == 200 and response.json()["num_tensors"] == 1
+    after = model.state_dict()
+    for key, value in after.items():
+        if key == name:
+            assert torch.equal(value, new)
+        else:
+            assert torch.equal(value, before[key]), key
+
+
+def _payloads(other_dir: Path, tmp_path: Path) -> dict[str, tuple[bytes, int, str]]:
+    state = load_file(other_dir / "model.safetensors")
+    name = "model.norm.weight"
+    cases = {
+        "unknown name": ({"model.layers.99.bogus": state[name]}, 422, "unknown parameter"),
+        "wrong shape": ({name: torch.ones(3)}, 422, "has shape [3]"),
+        "wrong dtype": ({name: state[name].half()}, 422, "has dtype F16"),
+    }
+    out = {}
+    for label, (tensors, status, words) in cases.items():
+        path = tmp_path / f"{label}.safetensors"
+        save_file(tensors, path)
+        out[label] = (path.read_bytes(), status, words)
+    full = (other_dir / "model.safetensors").read_bytes()
+    out["truncated"] = (full[: len(full) // 2], 400, "not a valid safetensors file")
+    out["corrupt"] = (b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all", 400, "not a valid")
+    out["empty"] = (b"", 400, "empty")
+    return out
+
+
+async def test_refused_updates_change_nothing(fresh, other_dir, tmp_path):
+    _, client = fresh
+    version, before = await score(client)
+    for label, (payload, status, words) in _payloads(other_dir, tmp_path).items():
+        response = await client.put("/v1/weights", content=payload)
+        assert response.status_code == status, (label, response.text)
+        assert words in response.json()["error"]["message"], label
+        assert await score(client) == (version, before), label  # bit-identical
+    for path in (tmp_path / "missing", tmp_path / "empty-dir"):
+        (tmp_path / "empty-dir").mkdir(exist_ok=True)
+        response = await client.post("/v1/weights/load", json={"path": str(path)})
+        assert response.status_code == 422 and response.json()["error"]["param"] == "path"
+    assert await score(client) == (version, before)
+    assert (await client.get("/v1/weights/version")).json()["policy_version"] == 0
+
+
+async def test_requests_during_an_update_match_the_version_they_report(
+    fresh, other_dir, other_model, hf_model
+):
+    _, client = fresh
+    expected = {
+        0: [forward(hf_model, s) for s in SEQUENCES],
+        1: [forward(other_model, s) for s in SEQUENCES],
+    }
+    payload = (other_dir / "model.safetensors").read_bytes()
+
+    async def stream() -> list[tuple[int, list[list[float]]]]:
+        return [await score(client) for _ in range(12)]
+
+    streams = [asyncio.create_task(stream()) for _ in range(4)]
+    await asyncio.sleep(0.02)
+    update = await client.put("/v1/weights", content=payload)
+    assert update.status_code == 200
+    results = [r for s in streams for r in await s]
+    assert {v for v, _ in results} <= {0, 1}
+    for version, values in results:
+        for got, want in zip(values, expected[version], strict=True):
+            assert_close(got, want, 1e-5)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
+async def test_vllm_upload_then_score_equals_the_new_weights(settings, other_dir, other_model):
+    vllm_settings = backend_settings(settings, "vllm").model_copy(update={"load_reference": False})
+    app = create_app(vllm_settings)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            payload = (other_dir / "model.safetensors").read_bytes()
+            response = await client.put("/v1/weights", content=payload)
+            assert response.status_code == 200, response.text
+            version, values = await score(client)
+            bad = await client.put("/v1/weights", content=payload[:100])
+            assert bad.status_code == 400
+            assert await score(client) == (version, values)
+    assert version == 1
+    for seq, got in zip(SEQUENCES, values, strict=True):
+        assert_close(got, forward(other_model, seq), 1e-3)

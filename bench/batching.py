@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, Figures, running_server, summarize
+from common import ROOT, Figures, bench_model, running_server, summarize
 
-from app.engine.builtin_model import BUILDER_VERSION, build_model
 from app.engine.transformers_backend import TransformersBackend
 from app.engine.types import GenerateItem, SamplingConfig
 
@@ -180,9 +179,7 @@ def main() -> None:
     args.concurrency = [1, 8] if args.quick else [1, 8, 32, 64]
     args.seq_len, args.prompt_len, args.new_tokens, args.batch = 256, 16, 32, 32
     args.output.mkdir(parents=True, exist_ok=True)
-    model_dir = args.output / f".model-v{BUILDER_VERSION}-h{hidden}-l{layers}"
-    if not (model_dir / "config.json").exists():
-        build_model(model_dir, hidden_size=hidden, num_layers=layers, seed=0)
+    model_dir = bench_model(args.output, hidden, layers)
 
     def as_json(results: dict[str, dict[int, Figures]]) -> dict[str, Any]:
         return {r: {str(c): f.as_dict() for c, f in v.items()} for r, v in results.items()}

@@ -11,9 +11,26 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from app.engine.builtin_model import BUILDER_VERSION, build_model  # noqa: E402
 from tests.e2e.server import free_port, running_process, running_server  # noqa: E402
 
-__all__ = ["ROOT", "Figures", "free_port", "running_process", "running_server", "summarize"]
+__all__ = [
+    "ROOT",
+    "Figures",
+    "bench_model",
+    "free_port",
+    "running_process",
+    "running_server",
+    "summarize",
+]
+
+
+def bench_model(output: Path, hidden: int, layers: int, seed: int = 0) -> Path:
+    """A built-in model of benchmark size, built once into `output`."""
+    path = output / f".model-v{BUILDER_VERSION}-h{hidden}-l{layers}-s{seed}"
+    if not (path / "config.json").exists():
+        build_model(path, hidden_size=hidden, num_layers=layers, seed=seed)
+    return path
 
 
 @dataclass

@@ -20,9 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, Figures, free_port, running_process, running_server, summarize
-
-from app.engine.builtin_model import BUILDER_VERSION, build_model
+from common import (
+    ROOT,
+    Figures,
+    bench_model,
+    free_port,
+    running_process,
+    running_server,
+    summarize,
+)
 
 KV_CACHE_BYTES = 1 << 30
 
@@ -169,9 +175,7 @@ def main() -> None:
     args.clients = [8] if args.quick else [8, 32]
     args.seq_len, args.new_tokens = 256, 32
     args.output.mkdir(parents=True, exist_ok=True)
-    model_dir = args.output / f".model-v{BUILDER_VERSION}-h{hidden}-l{layers}"
-    if not (model_dir / "config.json").exists():
-        build_model(model_dir, hidden_size=hidden, num_layers=layers, seed=0)
+    model_dir = bench_model(args.output, hidden, layers)
     results = run(args, model_dir)
     ratios = {
         clients: {

@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, running_server
-
-from app.engine.builtin_model import BUILDER_VERSION, build_model
+from common import ROOT, bench_model, running_server
 
 
 def rss_bytes(pid: int) -> int:
@@ -110,12 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (1024, 3)
     args.output.mkdir(parents=True, exist_ok=True)
-    dirs = []
-    for seed in (0, 1):
-        path = args.output / f".model-v{BUILDER_VERSION}-h{hidden}-l{layers}-s{seed}"
-        if not (path / "config.json").exists():
-            build_model(path, hidden_size=hidden, num_layers=layers, seed=seed)
-        dirs.append(path)
+    dirs = [bench_model(args.output, hidden, layers, seed) for seed in (0, 1)]
     payload = dirs[1] / "model.safetensors"
     size = payload.stat().st_size
     env = {"RLSERVE_LOAD_REFERENCE": "false", "RLSERVE_DATA_DIR": str(args.output / ".data")}

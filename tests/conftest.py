@@ -49,17 +49,17 @@ def hf_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+@torch.inference_mode()
+def forward_log_probs(model: torch.nn.Module, ids: list[int]) -> list[float]:
+    """log_softmax of a plain forward, one unpadded sequence at a time; position 0 is 0.0."""
+    x = torch.tensor([ids])
+    logits = model(x).logits[0, :-1].log_softmax(-1)
+    return [0.0, *logits.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()]
+
+
 @pytest.fixture(scope="session")
 def reference_log_probs(hf_model: torch.nn.Module) -> Callable[[list[int]], list[float]]:
-    """log_softmax of a plain forward, one unpadded sequence at a time; position 0 is 0.0."""
-
-    @torch.inference_mode()
-    def compute(ids: list[int]) -> list[float]:
-        x = torch.tensor([ids])
-        logits = hf_model(x).logits[0, :-1].log_softmax(-1)
-        return [0.0, *logits.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()]
-
-    return compute
+    return lambda ids: forward_log_probs(hf_model, ids)
 
 
 async def started(app: FastAPI) -> None:

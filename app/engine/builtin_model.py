@@ -24,7 +24,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_MARKER = "rlserve_builtin.json"
 # Bump when the builder changes what it writes, so cached copies are rebuilt.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 # vLLM's CPU attention supports head sizes from 32 up.
 HEAD_DIM = 32
 
@@ -74,6 +74,7 @@ def build_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    tie_embeddings: bool = False,
 ) -> Path:
     """Write the built-in model and tokenizer to `directory` with `save_pretrained`."""
     import json
@@ -95,7 +96,8 @@ def build_model(
         max_position_embeddings=4096,
         # Wide initialisation so that the random model has peaked, non-uniform distributions.
         initializer_range=0.2,
-        tie_word_embeddings=True,
+        # Untied by default: vLLM cannot update tied-embedding models in place (vllm_backend).
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -118,6 +120,7 @@ def build_model(
         "hidden_size": hidden_size,
         "num_layers": num_layers,
         "seed": seed,
+        "tie_embeddings": tie_embeddings,
     }
     (directory / DEMO_MARKER).write_text(json.dumps(marker))
     return directory

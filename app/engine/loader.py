@@ -94,6 +94,7 @@ async def load_backend(
             trust_remote_code=settings.trust_remote_code,
             builtin=builtin,
             engine_options=options,
+            state_dir=settings.data_dir / "vllm-weights" / name,
         )
     from app.engine.transformers_backend import TransformersBackend
 

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from app.batching import BatchingConfig
 from app.engine.base import Backend
 from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig
+from app.errors import APIError
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 
 logger = logging.getLogger(__name__)
@@ -31,12 +33,17 @@ def vllm_available() -> bool:
 
 class VLLMBackend(Backend):
     def __init__(
-        self, engine: Any, tokenizer: Any, info: ModelInfo, layout: Layout | None = None
+        self,
+        engine: Any,
+        tokenizer: Any,
+        info: ModelInfo,
+        weights: WeightFiles | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
-        self.layout = layout
+        self.weights = weights
+        self.tied_embeddings = False
 
     @classmethod
     async def start(
@@ -49,6 +56,7 @@ class VLLMBackend(Backend):
         trust_remote_code: bool = False,
         builtin: bool = False,
         engine_options: dict[str, Any] | None = None,
+        state_dir: Path | None = None,
     ) -> VLLMBackend:
         """Start the engine (its worker processes included) and wait until it answers."""
         from transformers import AutoTokenizer
@@ -79,7 +87,10 @@ class VLLMBackend(Backend):
                 vocab_size=int(model_config.get_vocab_size()),
                 builtin=builtin,
             )
-            backend = cls(engine, tokenizer, info, _source_layout(source))
+            weights = WeightFiles.of_source(source, state_dir) if state_dir else None
+            backend = cls(engine, tokenizer, info, weights)
+            hf_config = model_config.hf_config
+            backend.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
             await backend.score([[0, 0]])  # the engine answers: ready
         except BaseException:
             engine.shutdown()
@@ -153,10 +164,30 @@ class VLLMBackend(Backend):
         )
 
     def weight_layout(self) -> Layout | None:
-        return self.layout
+        return None if self.weights is None else self.weights.layout
 
     async def update_weights(self, files: list[Path]) -> None:
-        await self.engine.collective_rpc("rlserve_load_weights", args=([str(f) for f in files],))
+        if self.weights is None:
+            raise APIError(
+                422, f"model: {self.info.source} is not a local checkpoint, so it cannot be updated"
+            )
+        if self.tied_embeddings:
+            # Measured with vLLM 0.32 (CPU): its in-place reload leaves a tied output head with
+            # stale values, so scores after an update would be silently wrong. Refuse instead.
+            raise APIError(
+                422,
+                "model: weight updates of models with tied input/output embeddings are not "
+                "supported with the vLLM backend (vLLM's in-place reload mishandles the tied "
+                "head); use the transformers backend for this model",
+                param="model",
+            )
+        sources = self.weights.stage(files)
+        try:
+            await self.engine.collective_rpc("rlserve_reload_weights", args=(sources,))
+        except BaseException:
+            self.weights.rollback()
+            raise
+        self.weights.commit()
         await self.engine.reset_prefix_cache()
 
     async def aclose(self) -> None:
@@ -198,10 +229,59 @@ def _final_only() -> Any:
     return RequestOutputKind.FINAL_ONLY
 
 
-def _source_layout(source: str) -> Layout | None:
-    """The served checkpoint's tensor layout (HF names), read from its local files' headers."""
-    path = Path(source)
-    if not path.is_dir():
-        logger.warning("%s is not a local directory: weight updates are not name-checked", source)
-        return None
-    return read_layout(checkpoint_files(path), "model")
+class WeightFiles:
+    """Where the current value of every tensor lives: the served checkpoint's files, or kept
+    copies of later updates. vLLM reloads whole models (it repacks layers after loading), so a
+    partial update is completed with the current values of the other tensors."""
+
+    def __init__(self, location: dict[str, Path], layout: Layout, directory: Path) -> None:
+        self.location = location
+        self.layout = layout
+        self.directory = directory
+        self._staged: tuple[dict[str, Path], list[Path]] | None = None
+
+    @classmethod
+    def of_source(cls, source: str, directory: Path) -> WeightFiles | None:
+        path = Path(source)
+        if not path.is_dir():
+            logger.warning("%s is not a local directory: weight updates are refused", source)
+            return None
+        location: dict[str, Path] = {}
+        layout: Layout = {}
+        for file in checkpoint_files(path):
+            file_layout = read_layout([file], "model")
+            layout |= file_layout
+            location |= dict.fromkeys(file_layout, file)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        return cls(location, layout, directory)
+
+    def stage(self, files: list[Path]) -> list[tuple[str, list[str]]]:
+        """Keep copies of `files`; return (file, names) covering every tensor."""
+        location = dict(self.location)
+        copies = []
+        for file in files:
+            copy = self.directory / f"{uuid.uuid4().hex}.safetensors"
+            shutil.copyfile(file, copy)
+            copies.append(copy)
+            location |= dict.fromkeys(read_layout([copy], "weights"), copy)
+        self._staged = (location, copies)
+        by_file: dict[Path, list[str]] = {}
+        for name, file in location.items():
+            by_file.setdefault(file, []).append(name)
+        return [(str(file), names) for file, names in by_file.items()]
+
+    def commit(self) -> None:
+        assert self._staged is not None
+        self.location, _ = self._staged
+        self._staged = None
+        used = set(self.location.values())
+        for kept in self.directory.glob("*.safetensors"):
+            if kept not in used:
+                kept.unlink()
+
+    def rollback(self) -> None:
+        if self._staged is not None:
+            for copy in self._staged[1]:
+                copy.unlink(missing_ok=True)
+        self._staged = None

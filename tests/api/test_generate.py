@@ -105,11 +105,19 @@ async def test_seeded_sampling_is_reproducible(client):
 
 
 async def test_shape_and_alias_rules(client):
-    body = await generate(client, text=["a", "b"], num_return_sequences=2, max_new_tokens=3)
+    body = await generate(
+        client, text=["a", "b"], num_return_sequences=2, max_new_tokens=3, ignore_eos=True
+    )
     assert [len(samples) for samples in body["outputs"]] == [2, 2]
     assert all(len(s["tokens"]["response"]) == 3 for ss in body["outputs"] for s in ss)
     body = await generate(
-        client, text=["a"], num_return_sequences=2, n=4, max_new_tokens=3, max_tokens=5
+        client,
+        text=["a"],
+        num_return_sequences=2,
+        n=4,
+        max_new_tokens=3,
+        max_tokens=5,
+        ignore_eos=True,
     )
     assert len(body["outputs"][0]) == 4
     assert {len(s["tokens"]["response"]) for s in body["outputs"][0]} == {5}

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from app.config import Settings
 from app.engine.loader import builtin_model_dir
 from app.main import create_app
-from tests.conftest import started
+from tests.conftest import forward_log_probs, started
 
 CONVERSATION = [
     {"role": "user", "content": "What is 6*7?"},
@@ -43,13 +43,6 @@ async def two_model_client(settings: Settings) -> AsyncIterator[httpx.AsyncClien
 def ref_model(settings: Settings) -> torch.nn.Module:
     ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
     return AutoModelForCausalLM.from_pretrained(ref_dir).eval()
-
-
-def forward_log_probs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    with torch.inference_mode():
-        x = torch.tensor([ids])
-        lp = model(x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
-    return [0.0, *lp.tolist()]
 
 
 async def kl(client: httpx.AsyncClient, **body: object) -> dict:  # type: ignore[type-arg]

@@ -15,9 +15,16 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from app.config import Settings
+from app.engine.builtin_model import build_model
 from app.engine.loader import builtin_model_dir
 from app.main import create_app
-from tests.conftest import assert_close, backend_settings, started, vllm_installed
+from tests.conftest import (
+    assert_close,
+    backend_settings,
+    forward_log_probs,
+    started,
+    vllm_installed,
+)
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102]]
 
@@ -43,13 +50,6 @@ def other_model(other_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(other_dir).eval()
 
 
-def forward(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    with torch.inference_mode():
-        x = torch.tensor([ids])
-        lp = model(x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
-    return [0.0, *lp.tolist()]
-
-
 async def score(client: httpx.AsyncClient, model: str = "policy") -> tuple[int, list[list[float]]]:
     body = (await client.post("/v1/logprobs", json={"tokens": SEQUENCES, "model": model})).json()
     return body["policy_version"], [o["log_probs"]["full"] for o in body["outputs"]]
@@ -68,10 +68,10 @@ async def test_upload_replaces_the_policy_only(fresh, other_dir, other_model, hf
     version, values = await score(client)
     assert version == 1
     for seq, got in zip(SEQUENCES, values, strict=True):
-        assert_close(got, forward(other_model, seq), 1e-5)
+        assert_close(got, forward_log_probs(other_model, seq), 1e-5)
     _, reference = await score(client, "reference")
     for seq, got in zip(SEQUENCES, reference, strict=True):
-        assert_close(got, forward(hf_model, seq), 1e-5)
+        assert_close(got, forward_log_probs(hf_model, seq), 1e-5)
     kl = (await client.post("/v1/kl", json={"tokens": SEQUENCES, "assistant_only": False})).json()
     assert kl["policy_version"] == 1 and any(o["kl_sum"] != 0 for o in kl["outputs"])
 
@@ -83,7 +83,7 @@ async def test_load_from_path(fresh, other_dir, other_model):
     assert response.json()["num_tensors"] == len(load_file(other_dir / "model.safetensors"))
     version, values = await score(client)
     assert version == 1
-    assert_close(values[0], forward(other_model, SEQUENCES[0]), 1e-5)
+    assert_close(values[0], forward_log_probs(other_model, SEQUENCES[0]), 1e-5)
 
 
 async def test_partial_update_changes_only_those_parameters(fresh, other_dir, tmp_path):
@@ -144,8 +144,8 @@ async def test_requests_during_an_update_match_the_version_they_report(
 ):
     _, client = fresh
     expected = {
-        0: [forward(hf_model, s) for s in SEQUENCES],
-        1: [forward(other_model, s) for s in SEQUENCES],
+        0: [forward_log_probs(hf_model, s) for s in SEQUENCES],
+        1: [forward_log_probs(other_model, s) for s in SEQUENCES],
     }
     payload = (other_dir / "model.safetensors").read_bytes()
 
@@ -181,4 +181,24 @@ async def test_vllm_upload_then_score_equals_the_new_weights(settings, other_dir
             assert await score(client) == (version, values)
     assert version == 1
     for seq, got in zip(SEQUENCES, values, strict=True):
-        assert_close(got, forward(other_model, seq), 1e-3)
+        assert_close(got, forward_log_probs(other_model, seq), 1e-3)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
+async def test_vllm_refuses_updates_of_tied_embedding_models(settings, tmp_path):
+    tied = build_model(tmp_path / "tied", seed=2, tie_embeddings=True)
+    vllm_settings = backend_settings(settings, "vllm").model_copy(
+        update={"model": str(tied), "load_reference": False}
+    )
+    app = create_app(vllm_settings)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            before = await score(client)
+            payload = (tied / "model.safetensors").read_bytes()
+            response = await client.put("/v1/weights", content=payload)
+            assert response.status_code == 422
+            assert "tied input/output embeddings" in response.json()["error"]["message"]
+            assert await score(client) == before

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from app.config import Settings
@@ -158,52 +159,79 @@ class EnvService:
                     )
                 if action is None and not row["done"]:
                     raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
-            async with self.registry.reading() as version:
-                outputs = await asyncio.gather(
-                    *(
-                        self._step_row(config, row, action, preparer)
-                        for row, action in zip(rows, request.actions, strict=True)
-                    )
+            turns = await asyncio.gather(
+                *(
+                    self._act(config, row, action, preparer)
+                    for row, action in zip(rows, request.actions, strict=True)
                 )
+            )
+            version = await self._penalise_kl(config, [t for t in turns if t is not None])
+            outputs = []
+            for row, turn in zip(rows, turns, strict=True):
+                if turn is None:  # a finished row stays as it is
+                    outputs.append(_output(config, row, preparer, 0.0, {}))
+                    continue
+                turn.info["reward"] = turn.breakdown
+                episodes.finish_turn(config, row, turn.reward, turn.ends_episode)
+                outputs.append(_output(config, row, preparer, turn.reward, turn.info))
         return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
 
-    async def _step_row(
+    async def _act(
         self, config: EnvConfig, row: dict[str, Any], action: Action | None, preparer: Any
-    ) -> StepOutput:
-        if action is None:  # a finished row stays as it is
-            return _output(config, row, preparer, 0.0, {})
+    ) -> Turn | None:
+        """Apply one row's action, run its tools and score it (without the KL penalty)."""
+        if action is None:
+            return None
         prompt_tokens = episodes.observation(config, row, preparer).prompt_tokens
         text = episodes.apply_action(config, row, action, preparer)
-        info: dict[str, object] = {}
         full_tokens = (
             preparer.template(row["history"], generation_prompt=False).ids
             if config.kind == "chat"
             else episodes.observation(config, row, preparer).prompt_tokens
         )
+        info: dict[str, object] = {}
         if "python" in config.tools:
             results = await run_python_blocks(text, self.sandbox)
             if results:
                 row["history"].append({"role": "tool", "content": tool_message(results)})
                 info["tool_results"] = [r.model_dump() for r in results]
         result = REWARDS[config.reward](text, row["answer"])
-        reward = result.reward
-        breakdown: dict[str, object] = {"task": result.reward, **result.info}
         if row["answer"] is not None and config.reward != "none":
             info["answer"] = row["answer"]
-        if config.kl is not None:
-            kl = await self._turn_kl(config, prompt_tokens, full_tokens)
-            reward -= config.kl.coeff * kl
-            breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}
-        info["reward"] = breakdown
-        episodes.finish_turn(config, row, reward, result.ends_episode)
-        return _output(config, row, preparer, reward, info)
+        return Turn(
+            prompt=prompt_tokens,
+            full=full_tokens,
+            reward=result.reward,
+            ends_episode=result.ends_episode,
+            breakdown={"task": result.reward, **result.info},
+            info=info,
+        )
 
-    async def _turn_kl(self, config: EnvConfig, prompt: list[int], full: list[int]) -> float:
-        """KL(policy||reference) summed over this turn's tokens."""
-        assert config.kl is not None
-        ((policy, reference),) = await self.registry.get_pair().score([full])
-        mask = [0] * len(prompt) + [1] * (len(full) - len(prompt))
-        return sum(per_token_kl(policy, reference, mask, config.kl.estimator))
+    async def _penalise_kl(self, config: EnvConfig, turns: list[Turn]) -> int:
+        """Subtract coeff * KL(policy||reference) over each turn's tokens, in one batched call
+        under a read lease (tools ran before it, so they never hold up a weight update)."""
+        if config.kl is None or not turns:
+            return self.registry.policy_version
+        async with self.registry.reading() as version:
+            scored = await self.registry.get_pair().score([t.full for t in turns])
+        for turn, (policy, reference) in zip(turns, scored, strict=True):
+            mask = [0] * len(turn.prompt) + [1] * (len(turn.full) - len(turn.prompt))
+            kl = sum(per_token_kl(policy, reference, mask, config.kl.estimator))
+            turn.reward -= config.kl.coeff * kl
+            turn.breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}
+        return version
+
+
+@dataclass
+class Turn:
+    """One row's step before its episode flags are updated."""
+
+    prompt: list[int]
+    full: list[int]
+    reward: float
+    ends_episode: bool
+    breakdown: dict[str, object]
+    info: dict[str, object]
 
 
 def _output(

@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from app.config import Settings
+from app.engine.loader import builtin_model_dir
 from app.envs.hashing import chain_hash, chain_hashes
 from app.main import create_app
 from tests.conftest import started
@@ -247,3 +248,25 @@ async def test_ttl_expiry_and_session_cap(short_lived):
         assert (await client.get(f"/v1/envs/{first}")).status_code == 404
         assert await short_lived.state.envs.reap() == 1  # the other one, reaped
         await create(client)  # room again
+
+
+async def test_a_running_tool_does_not_hold_up_a_weight_update(settings, tmp_path):
+    app = create_app(settings.model_copy(update={"data_dir": tmp_path, "tool_timeout_s": 3.0}))
+    payload = (
+        builtin_model_dir(settings.model_copy(update={"builtin_seed": 1})) / "model.safetensors"
+    ).read_bytes()
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            env = await create(client, tools=["python"])
+            await call(client, f"/v1/envs/{env}/reset", {"query": ["loop"]})
+            action = {"text": "```python\nwhile True: pass\n```"}
+            step = asyncio.create_task(
+                client.post(f"/v1/envs/{env}/step", json={"actions": [action]})
+            )
+            await asyncio.sleep(0.3)
+            update = await client.put("/v1/weights", content=payload)
+            assert update.status_code == 200
+            assert not step.done()  # the update finished while the tool was still running
+            assert (await step).status_code == 200

@@ -2,6 +2,7 @@
 # ruff (lint and format check) and mypy on the service.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/ruff check app tests bench
-.venv/bin/ruff format --check app tests bench
+.venv/bin/ruff check app tests bench clients
+.venv/bin/ruff format --check app tests bench clients
 .venv/bin/mypy
+.venv/bin/mypy --strict clients/python/rlserve_client

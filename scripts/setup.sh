@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 venv=${RLSERVE_VENV:-.venv}
 torch_spec=${RLSERVE_TORCH:-torch==2.13.0}
 stamp="$venv/.rlserve-installed"
-wanted="$(sha256sum pyproject.toml | cut -c1-16) $torch_spec"
+wanted="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16) $torch_spec"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   exit 0
@@ -17,5 +17,5 @@ python3 -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet "$torch_spec"
 fi
-"$venv/bin/python" -m pip install --quiet -e ".[test,bench]"
+"$venv/bin/python" -m pip install --quiet -e ".[test,bench]" -e clients/python
 echo "$wanted" > "$stamp"

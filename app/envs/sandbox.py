@@ -153,6 +153,11 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             await _kill_group(process.pid)
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+            # Read the pipe to its end (the writers are dead), so its transport closes now.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(2.0):
+                    while await process.stdout.read(1 << 16):
+                        pass
             await process.wait()
     output = b"".join(chunks)
     truncated = len(output) > limits.max_output_bytes

@@ -72,13 +72,9 @@ ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
-def error_body(status_code: int, message: str, type: str, param: str | None) -> dict[str, object]:
-    info = ErrorInfo(message=message, type=type, param=param, code=status_code)
-    return ErrorResponse(error=info).model_dump()
-
-
 def _json(exc: APIError) -> JSONResponse:
-    body = error_body(exc.status_code, exc.message, exc.type, exc.param)
+    info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.status_code)
+    body = ErrorResponse(error=info).model_dump()
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 

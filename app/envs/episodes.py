@@ -107,6 +107,20 @@ def reset(
     state["rows"], state["started"] = rows, True
 
 
+def prompt_tokens(config: EnvConfig, row: Row, preparer: InputPreparer) -> list[int]:
+    """The ids to generate from (chat: templated with the generation prompt)."""
+    if config.kind == "chat":
+        return preparer.template(row["history"], generation_prompt=True).ids
+    return preparer.encode(row["text"]) if config.kind == "text" else list(row["tokens"])
+
+
+def turn_tokens(config: EnvConfig, row: Row, preparer: InputPreparer) -> list[int]:
+    """The ids of the row through its last action (chat: without a generation prompt)."""
+    if config.kind == "chat":
+        return preparer.template(row["history"], generation_prompt=False).ids
+    return prompt_tokens(config, row, preparer)
+
+
 def observation(config: EnvConfig, row: Row, preparer: InputPreparer) -> Observation:
     if config.kind == "chat":
         prepared = preparer.template(row["history"], generation_prompt=True)

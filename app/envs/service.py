@@ -182,13 +182,11 @@ class EnvService:
         """Apply one row's action, run its tools and score it (without the KL penalty)."""
         if action is None:
             return None
-        prompt_tokens = episodes.observation(config, row, preparer).prompt_tokens
+        # Token ids of the turn are needed only to score its KL penalty.
+        with_kl = config.kl is not None
+        prompt = episodes.prompt_tokens(config, row, preparer) if with_kl else []
         text = episodes.apply_action(config, row, action, preparer)
-        full_tokens = (
-            preparer.template(row["history"], generation_prompt=False).ids
-            if config.kind == "chat"
-            else episodes.observation(config, row, preparer).prompt_tokens
-        )
+        full = episodes.turn_tokens(config, row, preparer) if with_kl else []
         info: dict[str, object] = {}
         if "python" in config.tools:
             results = await run_python_blocks(text, self.sandbox)
@@ -199,8 +197,8 @@ class EnvService:
         if row["answer"] is not None and config.reward != "none":
             info["answer"] = row["answer"]
         return Turn(
-            prompt=prompt_tokens,
-            full=full_tokens,
+            prompt=prompt,
+            full=full,
             reward=result.reward,
             ends_episode=result.ends_episode,
             breakdown={"task": result.reward, **result.info},

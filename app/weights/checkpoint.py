@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +81,6 @@ def check_layout(update: Layout, model: Layout) -> None:
             )
         if dtype != want_dtype:
             raise invalid("weights", f"'{name}' has dtype {dtype}, the model's is {want_dtype}")
-
-
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """One tensor at a time, so memory holds at most one tensor beyond the model."""
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                yield name, f.get_tensor(name)
 
 
 def _header(path: Path) -> tuple[int, dict[str, Any]]:

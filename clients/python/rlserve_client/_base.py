@@ -46,8 +46,27 @@ def retry_delay(attempt: int, response: httpx.Response | None) -> float:
     return backoff * (0.75 + random.random() / 2)
 
 
-def should_retry(response: httpx.Response) -> bool:
-    return response.status_code in RETRY_STATUSES
+def next_delay(
+    attempt: int, max_retries: int, response: httpx.Response | None = None
+) -> float | None:
+    """Seconds to wait before retrying, or None to stop. `response` None means the request got
+    no answer (a connection error or timeout), which is always worth a retry."""
+    if attempt >= max_retries:
+        return None
+    if response is not None and response.status_code not in RETRY_STATUSES:
+        return None
+    return retry_delay(attempt, response)
+
+
+def request_arguments(call: Call, timeout: Any) -> dict[str, Any]:
+    return {
+        "method": call.method,
+        "url": call.path,
+        "json": call.json,
+        "params": call.params,
+        "content": call.content,
+        "timeout": timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+    }
 
 
 def inputs(

@@ -5,6 +5,7 @@ connection errors, 408, 429 and 503 (never on other 4xx)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
@@ -14,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 
 from rlserve_client import _routes as routes
-from rlserve_client._base import DEFAULT_TIMEOUT, Call, retry_delay, settings, should_retry
+from rlserve_client._base import DEFAULT_TIMEOUT, Call, next_delay, request_arguments, settings
 from rlserve_client._exceptions import APIConnectionError, APITimeoutError, status_error
 
 R = TypeVar("R")
@@ -185,6 +186,12 @@ class _Methods(ABC, Generic[R]):
         return self._send(routes.delete_env(env_id), timeout)
 
 
+def _no_answer(exc: httpx.TransportError) -> APIConnectionError:
+    if isinstance(exc, httpx.TimeoutException):
+        return APITimeoutError(str(exc) or "timed out", request=exc.request)
+    return APIConnectionError(str(exc), request=exc.request)
+
+
 def _result(response: httpx.Response) -> Json:
     if response.status_code >= 400:
         raise status_error(response)
@@ -213,31 +220,18 @@ class Client(_Methods[Json]):
         )
 
     def _send(self, call: Call, timeout: Timeout) -> Json:
-        for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
+        for attempt in itertools.count():
             try:
-                response = self._http.request(
-                    call.method,
-                    call.path,
-                    json=call.json,
-                    params=call.params,
-                    content=call.content,
-                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                )
-            except httpx.TimeoutException as exc:
-                if last:
-                    raise APITimeoutError(str(exc) or "timed out", request=exc.request) from exc
-                time.sleep(retry_delay(attempt, None))
-                continue
+                response = self._http.request(**request_arguments(call, timeout))
             except httpx.TransportError as exc:
-                if last:
-                    raise APIConnectionError(str(exc), request=exc.request) from exc
-                time.sleep(retry_delay(attempt, None))
-                continue
-            if should_retry(response) and not last:
-                time.sleep(retry_delay(attempt, response))
-                continue
-            return _result(response)
+                delay = next_delay(attempt, self.max_retries)
+                if delay is None:
+                    raise _no_answer(exc) from exc
+            else:
+                delay = next_delay(attempt, self.max_retries, response)
+                if delay is None:
+                    return _result(response)
+            time.sleep(delay)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -272,31 +266,18 @@ class AsyncClient(_Methods[Coroutine[Any, Any, Json]]):
         return self._send_async(call, timeout)
 
     async def _send_async(self, call: Call, timeout: Timeout) -> Json:
-        for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
+        for attempt in itertools.count():
             try:
-                response = await self._http.request(
-                    call.method,
-                    call.path,
-                    json=call.json,
-                    params=call.params,
-                    content=call.content,
-                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-                )
-            except httpx.TimeoutException as exc:
-                if last:
-                    raise APITimeoutError(str(exc) or "timed out", request=exc.request) from exc
-                await asyncio.sleep(retry_delay(attempt, None))
-                continue
+                response = await self._http.request(**request_arguments(call, timeout))
             except httpx.TransportError as exc:
-                if last:
-                    raise APIConnectionError(str(exc), request=exc.request) from exc
-                await asyncio.sleep(retry_delay(attempt, None))
-                continue
-            if should_retry(response) and not last:
-                await asyncio.sleep(retry_delay(attempt, response))
-                continue
-            return _result(response)
+                delay = next_delay(attempt, self.max_retries)
+                if delay is None:
+                    raise _no_answer(exc) from exc
+            else:
+                delay = next_delay(attempt, self.max_retries, response)
+                if delay is None:
+                    return _result(response)
+            await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
     async def aclose(self) -> None:

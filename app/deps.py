@@ -11,6 +11,7 @@ from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
 from app.generation.serving import GenerationService
 from app.kl.serving import KLService
+from app.rollouts.serving import RolloutService
 from app.scoring.serving import ScoringService
 from app.weights.service import WeightsService
 
@@ -42,6 +43,10 @@ def _envs(request: Request) -> EnvService:
     return envs
 
 
+def _rollouts(request: Request) -> RolloutService:
+    return RolloutService(_envs(request), _generation(request))
+
+
 def _weights(request: Request) -> WeightsService:
     return WeightsService(_registry(request), _settings(request))
 
@@ -52,4 +57,5 @@ GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]
 KLDep = Annotated[KLService, Depends(_kl)]
 EnvsDep = Annotated[EnvService, Depends(_envs)]
+RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsService, Depends(_weights)]

@@ -22,6 +22,7 @@ from app.errors import install_error_handlers
 from app.generation.router import router as generation_router
 from app.kl.router import router as kl_router
 from app.ops.router import router as ops_router
+from app.rollouts.router import router as rollouts_router
 from app.scoring.router import router as scoring_router
 from app.weights.router import router as weights_router
 
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         scoring_router,
         kl_router,
         envs_router,
+        rollouts_router,
         weights_router,
         ops_router,
     ):

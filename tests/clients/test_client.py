@@ -13,33 +13,30 @@ from rlserve_client import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
+from rlserve_client.types import GenerateResult
 
 from tests.conftest import assert_close
 
 
-@pytest.fixture
-async def api(app) -> AsyncClient:  # type: ignore[no-untyped-def]
-    async with AsyncClient(
-        base_url="http://rlserve", transport=httpx.ASGITransport(app=app)
-    ) as client:
-        yield client
-
-
 async def test_routes_through_the_async_client(api, reference_log_probs):
     generated = await api.generate(tokens=[[1, 2, 3]], max_tokens=4, temperature=0, ignore_eos=True)
-    full = generated["outputs"][0][0]["tokens"]["full"]
+    full = generated.outputs[0][0].tokens.full
+    assert isinstance(generated, GenerateResult) and full is not None
     scored = await api.logprobs(tokens=[full])
-    assert_close(scored["outputs"][0]["log_probs"]["full"], reference_log_probs(full), 1e-5)
+    assert scored.outputs[0].log_probs is not None
+    assert_close(scored.outputs[0].log_probs.full or [], reference_log_probs(full), 1e-5)
     kl = await api.kl(prompt_tokens=[[1, 2]], response_tokens=[[3, 4]], estimator="k2")
-    assert kl["outputs"][0]["kl"] == [0.0] * 4
-    assert (await api.weights_version())["policy_version"] == 0
-    assert [m["name"] for m in (await api.models())["models"]] == ["policy", "reference"]
-    env = (await api.create_env(batch_size=1, max_turns=1))["env_id"]
+    assert kl.outputs[0].kl == [0.0] * 4
+    assert (await api.weights_version()).policy_version == 0
+    assert [m.name for m in (await api.models()).models] == ["policy", "reference"]
+    env = (await api.create_env(batch_size=1, max_turns=1)).env_id
     await api.reset_env(env, query=["hi"])
     step = await api.step_env(env, actions=[{"text": "yo"}])
-    assert step["outputs"][0]["truncated"] is True
-    assert (await api.get_env(env))["rows"][0]["turns"] == 1
-    assert await api.delete_env(env) == {}
+    assert step.outputs[0].truncated is True
+    assert (await api.get_env(env)).rows[0].turns == 1
+    await api.delete_env(env)
+    with pytest.raises(NotFoundError):
+        await api.get_env(env)
 
 
 async def test_status_codes_become_typed_errors(api):
@@ -49,7 +46,7 @@ async def test_status_codes_become_typed_errors(api):
     assert error.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(NotFoundError):
         await api.get_env("env-missing")
-    env = (await api.create_env(max_turns=1))["env_id"]
+    env = (await api.create_env(max_turns=1)).env_id
     await api.reset_env(env, query=["q"])
     await api.step_env(env, actions=[{"text": "a"}])
     with pytest.raises(ConflictError):
@@ -77,7 +74,7 @@ def flaky(fail_times: int, status: int, seen: list[httpx.Request], retry_after: 
 def test_retries_on_503_then_succeeds():
     seen: list[httpx.Request] = []
     client = Client(base_url="http://x", transport=httpx.MockTransport(flaky(2, 503, seen)))
-    assert client.health()["status"] == "ok"
+    assert client.health().status == "ok"
     assert len(seen) == 3
 
 

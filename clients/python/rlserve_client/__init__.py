@@ -1,4 +1,5 @@
-"""Python client for rlserve: `Client` and `AsyncClient` over every route, typed errors, retries."""
+"""Python client for rlserve: `Client` and `AsyncClient` over every route (typed results,
+typed errors, retries), remote TorchRL pieces and episode collection."""
 
 from rlserve_client._client import AsyncClient, Client
 from rlserve_client._exceptions import (
@@ -16,12 +17,16 @@ from rlserve_client._exceptions import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
+from rlserve_client.advantages import group_advantages
+from rlserve_client.collect import collect
+from rlserve_client.remote import AsyncRemoteChatEnv, RemoteChatEnv, RemotePolicy
 
 __all__ = [
     "APIConnectionError",
     "APIStatusError",
     "APITimeoutError",
     "AsyncClient",
+    "AsyncRemoteChatEnv",
     "AuthenticationError",
     "BadRequestError",
     "Client",
@@ -30,7 +35,11 @@ __all__ = [
     "NotFoundError",
     "RLServeError",
     "RateLimitError",
+    "RemoteChatEnv",
+    "RemotePolicy",
     "RequestTooLargeError",
     "ServiceUnavailableError",
     "UnprocessableEntityError",
+    "collect",
+    "group_advantages",
 ]

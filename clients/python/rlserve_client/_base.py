@@ -1,29 +1,43 @@
-"""What the sync and async clients share: configuration, request building and retry policy."""
+"""What the sync and async clients share: configuration, the call description, retry policy."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
+
+from rlserve_client.types import Result
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 RETRY_STATUSES = frozenset({408, 429, 503})
 MAX_BACKOFF_S = 8.0
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+T = TypeVar("T", bound=Result)
+Timeout = float | httpx.Timeout | None
 
 
 @dataclass(frozen=True)
-class Call:
-    """One API call, independent of the transport that sends it."""
+class Call(Generic[T]):
+    """One API call and the model of its result, independent of the transport."""
 
     method: str
     path: str
+    result: type[T]
     json: Any = None
     params: dict[str, Any] = field(default_factory=dict)
     content: bytes | None = None
+    progress: bool | None = False
+    timeout: Timeout = None
+
+    def parse(self, response: httpx.Response) -> T:
+        body = response.json() if response.content else {}
+        return self.result.model_validate(body)
 
 
 def settings(base_url: str | None, api_key: str | None) -> tuple[str, dict[str, str]]:
@@ -58,20 +72,37 @@ def next_delay(
     return retry_delay(attempt, response)
 
 
-def request_arguments(call: Call, timeout: Any) -> dict[str, Any]:
+def request_arguments(call: Call[Any], *, asynchronous: bool = False) -> dict[str, Any]:
+    """httpx.request keywords. Uploads go in 1 MiB chunks with an explicit length, so a
+    progress bar can follow them; every attempt gets fresh chunks."""
+    headers: dict[str, str] = {}
+    content: Any = call.content
+    if call.content is not None and call.progress is not False:
+        headers["Content-Length"] = str(len(call.content))
+        content = _chunks(call.content, call.progress, asynchronous)
     return {
         "method": call.method,
         "url": call.path,
         "json": call.json,
         "params": call.params,
-        "content": call.content,
-        "timeout": timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        "content": content,
+        "headers": headers,
+        "timeout": call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
     }
 
 
-def inputs(
-    messages: Any = None, text: Any = None, tokens: Any = None, **more: Any
-) -> dict[str, Any]:
-    """The request body without the arguments that were not given."""
-    body = {"messages": messages, "text": text, "tokens": tokens, **more}
-    return {k: v for k, v in body.items() if v is not None}
+def _chunks(data: bytes, progress: bool | None, asynchronous: bool) -> Any:
+    from rlserve_client.progress import progress_bar
+
+    def chunks() -> Iterator[bytes]:
+        with progress_bar(total=len(data), unit="B", desc="upload", enabled=progress) as bar:
+            for start in range(0, len(data), UPLOAD_CHUNK_BYTES):
+                chunk = data[start : start + UPLOAD_CHUNK_BYTES]
+                bar.update(len(chunk))
+                yield chunk
+
+    async def async_chunks() -> AsyncIterator[bytes]:
+        for chunk in chunks():
+            yield chunk
+
+    return async_chunks() if asynchronous else chunks()

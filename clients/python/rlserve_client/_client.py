@@ -1,189 +1,76 @@
-"""`Client` and `AsyncClient`: the same keyword-only methods (defined once, in `_Methods`) over a
-sync or an async transport, with connection pooling, per-call timeouts and bounded retries on
-connection errors, 408, 429 and 503 (never on other 4xx)."""
+"""`Client` and `AsyncClient`: every route of `_routes` as a method of both (bound through
+`_Route`, so each signature is written once), with connection pooling, per-call timeouts and
+bounded retries on connection errors, 408, 429 and 503 (never on other 4xx)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Coroutine
-from pathlib import Path
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import httpx
 
 from rlserve_client import _routes as routes
 from rlserve_client._base import DEFAULT_TIMEOUT, Call, next_delay, request_arguments, settings
 from rlserve_client._exceptions import APIConnectionError, APITimeoutError, status_error
+from rlserve_client.types import Result
 
-R = TypeVar("R")
-Json = dict[str, Any]
-Timeout = float | httpx.Timeout | None
+P = ParamSpec("P")
+T = TypeVar("T", bound=Result)
 
 
-class _Methods(ABC, Generic[R]):
-    """Every route once; `R` is `dict` for `Client` and an awaitable of it for `AsyncClient`."""
+class _Route(Generic[P, T]):
+    """A route function bound as a method: `Client` returns its result, `AsyncClient` an
+    awaitable of it, both with the route function's exact keyword-only signature."""
 
-    @abstractmethod
-    def _send(self, call: Call, timeout: Timeout) -> R: ...
+    def __init__(self, build: Callable[P, Call[T]]) -> None:
+        self._build = build
+        self.__doc__ = build.__doc__
 
-    def generate(
-        self,
-        *,
-        messages: Any = None,
-        text: Any = None,
-        tokens: Any = None,
-        model: str = "policy",
-        timeout: Timeout = None,
-        **params: Any,
-    ) -> R:
-        """`params`: max_new_tokens/max_tokens, n, temperature, top_p, top_k, seed, stop, ..."""
-        call = routes.generate(
-            messages=messages, text=text, tokens=tokens, model=model, params=params
-        )
-        return self._send(call, timeout)
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> _Route[P, T]: ...
 
-    def logprobs(
-        self,
-        *,
-        messages: Any = None,
-        text: Any = None,
-        tokens: Any = None,
-        prompt_text: Any = None,
-        response_text: Any = None,
-        prompt_tokens: Any = None,
-        response_tokens: Any = None,
-        model: str = "policy",
-        timeout: Timeout = None,
-    ) -> R:
-        split = {
-            "prompt_text": prompt_text,
-            "response_text": response_text,
-            "prompt_tokens": prompt_tokens,
-            "response_tokens": response_tokens,
-        }
-        call = routes.logprobs(
-            messages=messages, text=text, tokens=tokens, model=model, split=split
-        )
-        return self._send(call, timeout)
+    @overload
+    def __get__(self, client: Client, owner: type[Any]) -> Callable[P, T]: ...
 
-    def kl(
-        self,
-        *,
-        messages: Any = None,
-        text: Any = None,
-        tokens: Any = None,
-        prompt_tokens: Any = None,
-        response_tokens: Any = None,
-        prompt_text: Any = None,
-        response_text: Any = None,
-        policy_log_probs: Any = None,
-        estimator: str | None = None,
-        assistant_only: bool | None = None,
-        coeff: float | None = None,
-        rewards: Any = None,
-        reward_placement: str | None = None,
-        timeout: Timeout = None,
-    ) -> R:
-        options = {
-            "prompt_tokens": prompt_tokens,
-            "response_tokens": response_tokens,
-            "prompt_text": prompt_text,
-            "response_text": response_text,
-            "policy_log_probs": policy_log_probs,
-            "estimator": estimator,
-            "assistant_only": assistant_only,
-            "coeff": coeff,
-            "rewards": rewards,
-            "reward_placement": reward_placement,
-        }
-        options = {k: v for k, v in options.items() if v is not None}
-        return self._send(
-            routes.kl(messages=messages, text=text, tokens=tokens, options=options), timeout
-        )
+    @overload
+    def __get__(
+        self, client: AsyncClient, owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, T]]: ...
 
-    def models(self, *, timeout: Timeout = None) -> R:
-        return self._send(routes.get("/v1/models"), timeout)
+    def __get__(self, client: Any, owner: type[Any]) -> Any:
+        if client is None:
+            return self
+        build = self._build
 
-    def health(self, *, timeout: Timeout = None) -> R:
-        return self._send(routes.get("/health"), timeout)
+        def method(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return client._send(build(*args, **kwargs))
 
-    def ready(self, *, timeout: Timeout = None) -> R:
-        return self._send(routes.get("/ready"), timeout)
+        method.__doc__ = build.__doc__
+        method.__name__ = build.__name__
+        return method
 
-    def batching(self, *, timeout: Timeout = None) -> R:
-        return self._send(routes.get("/v1/batching"), timeout)
 
-    def weights_version(self, *, timeout: Timeout = None) -> R:
-        return self._send(routes.get("/v1/weights/version"), timeout)
-
-    def load_weights(self, *, path: str, model: str = "policy", timeout: Timeout = None) -> R:
-        return self._send(routes.load_weights(path=path, model=model), timeout)
-
-    def upload_weights(
-        self, *, payload: bytes | Path, model: str = "policy", timeout: Timeout = None
-    ) -> R:
-        """`payload`: a safetensors file's bytes, or its path."""
-        data = payload.read_bytes() if isinstance(payload, Path) else payload
-        return self._send(routes.upload_weights(payload=data, model=model), timeout)
-
-    def create_env(
-        self,
-        *,
-        kind: str | None = None,
-        system_prompt: str | None = None,
-        batch_size: int | None = None,
-        max_turns: int | None = None,
-        reward: str | None = None,
-        tools: list[str] | None = None,
-        dataset: str | None = None,
-        repeats: int | None = None,
-        seed: int | None = None,
-        kl: dict[str, Any] | None = None,
-        hashing: bool | None = None,
-        timeout: Timeout = None,
-    ) -> R:
-        config = {
-            "kind": kind,
-            "system_prompt": system_prompt,
-            "batch_size": batch_size,
-            "max_turns": max_turns,
-            "reward": reward,
-            "tools": tools,
-            "dataset": dataset,
-            "repeats": repeats,
-            "seed": seed,
-            "kl": kl,
-            "hashing": hashing,
-        }
-        return self._send(routes.create_env(config), timeout)
-
-    def reset_env(
-        self,
-        env_id: str,
-        *,
-        query: list[str] | None = None,
-        answer: list[str | None] | None = None,
-        messages: Any = None,
-        tokens: Any = None,
-        timeout: Timeout = None,
-    ) -> R:
-        body = {"query": query, "answer": answer, "messages": messages, "tokens": tokens}
-        return self._send(routes.reset_env(env_id, body), timeout)
-
-    def step_env(self, env_id: str, *, actions: list[Any], timeout: Timeout = None) -> R:
-        return self._send(routes.step_env(env_id, actions), timeout)
-
-    def get_env(self, env_id: str, *, timeout: Timeout = None) -> R:
-        return self._send(routes.get(f"/v1/envs/{env_id}"), timeout)
-
-    def list_envs(self, *, offset: int = 0, limit: int = 50, timeout: Timeout = None) -> R:
-        return self._send(routes.get("/v1/envs", offset=offset, limit=limit), timeout)
-
-    def delete_env(self, env_id: str, *, timeout: Timeout = None) -> R:
-        return self._send(routes.delete_env(env_id), timeout)
+class _Methods:
+    generate = _Route(routes.generate)
+    logprobs = _Route(routes.logprobs)
+    kl = _Route(routes.kl)
+    models = _Route(routes.models)
+    health = _Route(routes.health)
+    ready = _Route(routes.ready)
+    batching = _Route(routes.batching)
+    weights_version = _Route(routes.weights_version)
+    load_weights = _Route(routes.load_weights)
+    upload_weights = _Route(routes.upload_weights)
+    create_env = _Route(routes.create_env)
+    reset_env = _Route(routes.reset_env)
+    step_env = _Route(routes.step_env)
+    get_env = _Route(routes.get_env)
+    list_envs = _Route(routes.list_envs)
+    delete_env = _Route(routes.delete_env)
+    rollouts = _Route(routes.rollouts)
 
 
 def _no_answer(exc: httpx.TransportError) -> APIConnectionError:
@@ -192,16 +79,13 @@ def _no_answer(exc: httpx.TransportError) -> APIConnectionError:
     return APIConnectionError(str(exc), request=exc.request)
 
 
-def _result(response: httpx.Response) -> Json:
+def _result(call: Call[T], response: httpx.Response) -> T:
     if response.status_code >= 400:
         raise status_error(response)
-    if response.status_code == 204 or not response.content:
-        return {}
-    result: Json = response.json()
-    return result
+    return call.parse(response)
 
 
-class Client(_Methods[Json]):
+class Client(_Methods):
     """Synchronous client. `base_url` and `api_key` default to RLSERVE_URL / RLSERVE_API_KEY."""
 
     def __init__(
@@ -214,15 +98,16 @@ class Client(_Methods[Json]):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         url, headers = settings(base_url, api_key)
+        self.base_url = url
         self.max_retries = max_retries
         self._http = httpx.Client(
             base_url=url, headers=headers, timeout=timeout, transport=transport
         )
 
-    def _send(self, call: Call, timeout: Timeout) -> Json:
+    def _send(self, call: Call[T]) -> T:
         for attempt in itertools.count():
             try:
-                response = self._http.request(**request_arguments(call, timeout))
+                response = self._http.request(**request_arguments(call))
             except httpx.TransportError as exc:
                 delay = next_delay(attempt, self.max_retries)
                 if delay is None:
@@ -230,7 +115,7 @@ class Client(_Methods[Json]):
             else:
                 delay = next_delay(attempt, self.max_retries, response)
                 if delay is None:
-                    return _result(response)
+                    return _result(call, response)
             time.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -244,7 +129,7 @@ class Client(_Methods[Json]):
         self.close()
 
 
-class AsyncClient(_Methods[Coroutine[Any, Any, Json]]):
+class AsyncClient(_Methods):
     """Asynchronous twin of `Client`: the same methods, awaited."""
 
     def __init__(
@@ -255,20 +140,20 @@ class AsyncClient(_Methods[Coroutine[Any, Any, Json]]):
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         max_retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 100,
     ) -> None:
         url, headers = settings(base_url, api_key)
+        self.base_url = url
         self.max_retries = max_retries
+        limits = httpx.Limits(max_connections=max_connections)
         self._http = httpx.AsyncClient(
-            base_url=url, headers=headers, timeout=timeout, transport=transport
+            base_url=url, headers=headers, timeout=timeout, transport=transport, limits=limits
         )
 
-    def _send(self, call: Call, timeout: Timeout) -> Coroutine[Any, Any, Json]:
-        return self._send_async(call, timeout)
-
-    async def _send_async(self, call: Call, timeout: Timeout) -> Json:
+    async def _send(self, call: Call[T]) -> T:
         for attempt in itertools.count():
             try:
-                response = await self._http.request(**request_arguments(call, timeout))
+                response = await self._http.request(**request_arguments(call, asynchronous=True))
             except httpx.TransportError as exc:
                 delay = next_delay(attempt, self.max_retries)
                 if delay is None:
@@ -276,7 +161,7 @@ class AsyncClient(_Methods[Coroutine[Any, Any, Json]]):
             else:
                 delay = next_delay(attempt, self.max_retries, response)
                 if delay is None:
-                    return _result(response)
+                    return _result(call, response)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -1,49 +1,230 @@
-"""Every route as a `Call`; the clients only send them. Keyword-only, like the clients."""
+"""Every route once, as a keyword-only function building a `Call`: these signatures are the
+methods of both `Client` and `AsyncClient` (see `_client._Route`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from rlserve_client._base import Call, inputs
+from rlserve_client import types
+from rlserve_client._base import Call, Timeout
 
 
-def generate(*, messages: Any, text: Any, tokens: Any, model: str, params: dict[str, Any]) -> Call:
-    return Call("POST", "/v1/generate", inputs(messages, text, tokens, model=model, **params))
+def _given(**fields: Any) -> dict[str, Any]:
+    """A body without the arguments that were not given."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
-def logprobs(*, messages: Any, text: Any, tokens: Any, model: str, split: dict[str, Any]) -> Call:
-    return Call("POST", "/v1/logprobs", inputs(messages, text, tokens, model=model, **split))
+def generate(
+    *,
+    messages: Any = None,
+    text: Any = None,
+    tokens: Any = None,
+    model: str = "policy",
+    timeout: Timeout = None,
+    **params: Any,
+) -> Call[types.GenerateResult]:
+    """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
+    top_k, repetition_penalty, seed, stop, return_prompt_log_probs, ..."""
+    body = _given(messages=messages, text=text, tokens=tokens, model=model, **params)
+    return Call("POST", "/v1/generate", types.GenerateResult, json=body, timeout=timeout)
 
 
-def kl(*, messages: Any, text: Any, tokens: Any, options: dict[str, Any]) -> Call:
-    return Call("POST", "/v1/kl", inputs(messages, text, tokens, **options))
+def logprobs(
+    *,
+    messages: Any = None,
+    text: Any = None,
+    tokens: Any = None,
+    prompt_text: Any = None,
+    response_text: Any = None,
+    prompt_tokens: Any = None,
+    response_tokens: Any = None,
+    model: str = "policy",
+    timeout: Timeout = None,
+) -> Call[types.LogProbsResult]:
+    """Score given sequences: `log_probs.full` (and prompt/response with a split)."""
+    body = _given(
+        messages=messages,
+        text=text,
+        tokens=tokens,
+        prompt_text=prompt_text,
+        response_text=response_text,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        model=model,
+    )
+    return Call("POST", "/v1/logprobs", types.LogProbsResult, json=body, timeout=timeout)
 
 
-def get(path: str, **params: Any) -> Call:
-    return Call("GET", path, params={k: v for k, v in params.items() if v is not None})
+def kl(
+    *,
+    messages: Any = None,
+    text: Any = None,
+    tokens: Any = None,
+    prompt_tokens: Any = None,
+    response_tokens: Any = None,
+    prompt_text: Any = None,
+    response_text: Any = None,
+    policy_log_probs: Any = None,
+    estimator: str | None = None,
+    assistant_only: bool | None = None,
+    coeff: float | None = None,
+    rewards: Any = None,
+    reward_placement: str | None = None,
+    timeout: Timeout = None,
+) -> Call[types.KLResult]:
+    """Per-token KL(policy || reference), optionally shaping `rewards`."""
+    body = _given(
+        messages=messages,
+        text=text,
+        tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        prompt_text=prompt_text,
+        response_text=response_text,
+        policy_log_probs=policy_log_probs,
+        estimator=estimator,
+        assistant_only=assistant_only,
+        coeff=coeff,
+        rewards=rewards,
+        reward_placement=reward_placement,
+    )
+    return Call("POST", "/v1/kl", types.KLResult, json=body, timeout=timeout)
 
 
-def load_weights(*, path: str, model: str) -> Call:
-    return Call("POST", "/v1/weights/load", {"path": path, "model": model})
+def models(*, timeout: Timeout = None) -> Call[types.Models]:
+    return Call("GET", "/v1/models", types.Models, timeout=timeout)
 
 
-def upload_weights(*, payload: bytes, model: str) -> Call:
-    return Call("PUT", "/v1/weights", params={"model": model}, content=payload)
+def health(*, timeout: Timeout = None) -> Call[types.Health]:
+    return Call("GET", "/health", types.Health, timeout=timeout)
 
 
-def create_env(config: dict[str, Any]) -> Call:
-    return Call("POST", "/v1/envs", {k: v for k, v in config.items() if v is not None})
+def ready(*, timeout: Timeout = None) -> Call[types.Ready]:
+    """Raises `ServiceUnavailableError` (after retries) while the models load."""
+    return Call("GET", "/ready", types.Ready, timeout=timeout)
 
 
-def reset_env(env_id: str, body: dict[str, Any]) -> Call:
+def batching(*, timeout: Timeout = None) -> Call[types.Json]:
+    return Call("GET", "/v1/batching", types.Json, timeout=timeout)
+
+
+def weights_version(*, timeout: Timeout = None) -> Call[types.WeightsVersion]:
+    return Call("GET", "/v1/weights/version", types.WeightsVersion, timeout=timeout)
+
+
+def load_weights(
+    *, path: str, model: str = "policy", timeout: Timeout = None
+) -> Call[types.WeightsUpdated]:
+    """Load a safetensors checkpoint from a path the server can read."""
+    body = {"path": path, "model": model}
+    return Call("POST", "/v1/weights/load", types.WeightsUpdated, json=body, timeout=timeout)
+
+
+def upload_weights(
+    *,
+    payload: bytes | Path,
+    model: str = "policy",
+    progress: bool | None = None,
+    timeout: Timeout = None,
+) -> Call[types.WeightsUpdated]:
+    """Upload a safetensors file (its bytes or its path); any subset of the parameters.
+    `progress`: a progress bar; None shows one when stderr is a terminal."""
+    data = payload.read_bytes() if isinstance(payload, Path) else payload
     return Call(
-        "POST", f"/v1/envs/{env_id}/reset", {k: v for k, v in body.items() if v is not None}
+        "PUT",
+        "/v1/weights",
+        types.WeightsUpdated,
+        params={"model": model},
+        content=data,
+        progress=progress,
+        timeout=timeout,
     )
 
 
-def step_env(env_id: str, actions: list[Any]) -> Call:
-    return Call("POST", f"/v1/envs/{env_id}/step", {"actions": actions})
+def create_env(
+    *,
+    kind: str | None = None,
+    system_prompt: str | None = None,
+    batch_size: int | None = None,
+    max_turns: int | None = None,
+    reward: str | None = None,
+    tools: list[str] | None = None,
+    dataset: str | None = None,
+    repeats: int | None = None,
+    seed: int | None = None,
+    kl: dict[str, Any] | None = None,
+    hashing: bool | None = None,
+    timeout: Timeout = None,
+) -> Call[types.EnvCreated]:
+    body = _given(
+        kind=kind,
+        system_prompt=system_prompt,
+        batch_size=batch_size,
+        max_turns=max_turns,
+        reward=reward,
+        tools=tools,
+        dataset=dataset,
+        repeats=repeats,
+        seed=seed,
+        kl=kl,
+        hashing=hashing,
+    )
+    return Call("POST", "/v1/envs", types.EnvCreated, json=body, timeout=timeout)
 
 
-def delete_env(env_id: str) -> Call:
-    return Call("DELETE", f"/v1/envs/{env_id}")
+def reset_env(
+    env_id: str,
+    /,
+    *,
+    query: list[str] | None = None,
+    answer: list[str | None] | None = None,
+    messages: Any = None,
+    tokens: Any = None,
+    timeout: Timeout = None,
+) -> Call[types.ResetResult]:
+    """Start new episodes; with no inputs the rows draw from the session's dataset."""
+    body = _given(query=query, answer=answer, messages=messages, tokens=tokens)
+    return Call("POST", f"/v1/envs/{env_id}/reset", types.ResetResult, json=body, timeout=timeout)
+
+
+def step_env(
+    env_id: str, /, *, actions: list[Any], timeout: Timeout = None
+) -> Call[types.StepResult]:
+    """One action per row (`{"text": ...}` or `{"tokens": [...]}`), None for finished rows."""
+    body = {"actions": actions}
+    return Call("POST", f"/v1/envs/{env_id}/step", types.StepResult, json=body, timeout=timeout)
+
+
+def get_env(env_id: str, /, *, timeout: Timeout = None) -> Call[types.EnvState]:
+    return Call("GET", f"/v1/envs/{env_id}", types.EnvState, timeout=timeout)
+
+
+def list_envs(*, offset: int = 0, limit: int = 50, timeout: Timeout = None) -> Call[types.EnvList]:
+    params = {"offset": offset, "limit": limit}
+    return Call("GET", "/v1/envs", types.EnvList, params=params, timeout=timeout)
+
+
+def delete_env(env_id: str, /, *, timeout: Timeout = None) -> Call[types.Json]:
+    return Call("DELETE", f"/v1/envs/{env_id}", types.Json, timeout=timeout)
+
+
+def rollouts(
+    *,
+    num_episodes: int,
+    env: dict[str, Any] | None = None,
+    env_id: str | None = None,
+    num_envs: int | None = None,
+    generation: dict[str, Any] | None = None,
+    timeout: Timeout = None,
+) -> Call[types.RolloutResult]:
+    """Whole episodes run on the server (`env` config, or an existing `env_id`); the same
+    trajectories `collect` yields, with GRPO advantages when `repeats` > 1."""
+    body = _given(
+        num_episodes=num_episodes,
+        env=env,
+        env_id=env_id,
+        num_envs=num_envs,
+        generation=generation,
+    )
+    return Call("POST", "/v1/rollouts", types.RolloutResult, json=body, timeout=timeout)

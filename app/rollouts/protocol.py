@@ -1,0 +1,96 @@
+"""Wire models of `POST /v1/rollouts`: the server runs the generate -> step loop itself."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from app.common.protocol import (
+    LogProbFields,
+    Masks,
+    Message,
+    TextFields,
+    TokenFields,
+    WireModel,
+    field_error,
+)
+from app.envs.protocol import EnvConfig
+from app.generation.protocol import StopList
+
+
+class RolloutGeneration(WireModel):
+    """Sampling parameters of every turn (the generate route's names and rules)."""
+
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    temperature: float | None = Field(default=None, ge=0, description="Default 1.0; 0 is greedy.")
+    top_p: float = Field(default=1.0, ge=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    stop: StopList | None = None
+    seed: int | None = Field(
+        default=None, ge=0, description="Makes the whole rollout reproducible (per turn and row)."
+    )
+
+
+class RolloutRequest(WireModel):
+    """Run `num_episodes` episodes: in `num_envs` temporary sessions made from `env`, or in the
+    existing session `env_id`. Episodes draw their prompts from the session's dataset."""
+
+    env: EnvConfig | None = None
+    env_id: str | None = None
+    num_episodes: int = Field(
+        ge=1, le=4096, description="A multiple of the environment's batch_size."
+    )
+    num_envs: int = Field(
+        default=1, ge=1, le=64, description="Sessions run concurrently (env only)."
+    )
+    generation: RolloutGeneration = Field(default_factory=RolloutGeneration)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutRequest:
+        if (self.env is None) == (self.env_id is None):
+            raise field_error("env", "give exactly one of env and env_id")
+        if self.env_id is not None and self.num_envs != 1:
+            raise field_error("num_envs", "must be 1 with env_id (one session runs in order)")
+        return self
+
+
+class RolloutStep(WireModel):
+    """One dialog turn of one episode, in TorchRL's container layout."""
+
+    text: TextFields = Field(description="response: the generated text.")
+    tokens: TokenFields = Field(
+        description="prompt: the observation's ids; full = prompt+response."
+    )
+    log_probs: LogProbFields = Field(description="response: raw model log-probs of the sample.")
+    masks: Masks = Field(description="Over tokens.full; all_assistant_mask is 1 on the response.")
+    reward: float
+    done: bool
+    terminated: bool
+    truncated: bool
+    policy_version: int = Field(description="The weights that generated this turn's response.")
+    finish_reason: Literal["stop", "length"]
+    info: dict[str, object]
+
+
+class Trajectory(WireModel):
+    env_id: str
+    row: int = Field(description="The row of the session that ran the episode.")
+    steps: Annotated[list[RolloutStep], Field(min_length=1)]
+    reward: float = Field(description="Sum of the steps' rewards.")
+    group: int | None = Field(
+        default=None, description="GRPO group (repeats > 1): episodes on the same prompt."
+    )
+    advantage: float | None = Field(
+        default=None,
+        description="repeats > 1: (reward - group mean) / group std (unbiased, clamped at "
+        "1e-6), as TorchRL's MCAdvantage computes it.",
+    )
+    history: list[Message] | None = Field(default=None, description="Chat: the final history.")
+
+
+class RolloutResponse(WireModel):
+    trajectories: list[Trajectory]
+    num_dialog_turns: int
+    policy_version: int = Field(description="The policy version when the rollout finished.")

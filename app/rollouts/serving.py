@@ -1,0 +1,158 @@
+"""Server-side rollouts: the generate -> step loop of `collect`, without a round trip per turn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from app.common.protocol import LogProbFields, Masks, TextFields, TokenFields
+from app.engine.sampling import row_seed
+from app.envs.protocol import Action, EnvConfig, ResetRequest, StepOutput, StepRequest
+from app.envs.service import EnvService
+from app.errors import invalid
+from app.generation.protocol import GeneratedSample, GenerateRequest
+from app.generation.serving import GenerationService
+from app.rollouts.advantages import group_advantages
+from app.rollouts.protocol import (
+    RolloutGeneration,
+    RolloutRequest,
+    RolloutResponse,
+    RolloutStep,
+    Trajectory,
+)
+
+_TURN_SEED_STRIDE = 1 << 20
+
+
+class RolloutService:
+    def __init__(self, envs: EnvService, generation: GenerationService) -> None:
+        self.envs = envs
+        self.generation = generation
+
+    async def run(self, request: RolloutRequest) -> RolloutResponse:
+        config = request.env or (await self.envs.get(request.env_id or "")).config
+        _check(config, request.num_episodes, given_env=request.env is not None)
+        num_rounds = request.num_episodes // config.batch_size
+        async with self._sessions(request, config) as env_ids:
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            for index in range(num_rounds):
+                queue.put_nowait(index)
+            results: dict[int, list[Trajectory]] = {}
+
+            async def worker(env_id: str) -> None:
+                while not queue.empty():
+                    index = queue.get_nowait()
+                    results[index] = await self._round(env_id, config, request.generation, index)
+
+            await asyncio.gather(*(worker(env_id) for env_id in env_ids))
+        trajectories = [t for index in sorted(results) for t in results[index]]
+        if config.repeats > 1:
+            advantages = group_advantages([t.reward for t in trajectories], config.repeats)
+            for i, (trajectory, advantage) in enumerate(zip(trajectories, advantages, strict=True)):
+                trajectory.group = i // config.repeats
+                trajectory.advantage = advantage
+        return RolloutResponse(
+            trajectories=trajectories,
+            num_dialog_turns=sum(len(t.steps) for t in trajectories),
+            policy_version=self.envs.registry.policy_version,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _sessions(
+        self, request: RolloutRequest, config: EnvConfig
+    ) -> AsyncIterator[list[str]]:
+        """The existing session, or temporary ones deleted afterwards (also on failure)."""
+        if request.env_id is not None:
+            yield [request.env_id]
+            return
+        num_rounds = request.num_episodes // config.batch_size
+        created: list[str] = []
+        try:
+            for _ in range(min(request.num_envs, num_rounds)):
+                created.append((await self.envs.create(config)).env_id)
+            yield created
+        finally:
+            for env_id in created:
+                with contextlib.suppress(Exception):
+                    await self.envs.delete(env_id)
+
+    async def _round(
+        self, env_id: str, config: EnvConfig, generation: RolloutGeneration, index: int
+    ) -> list[Trajectory]:
+        """One batch of episodes in one session: reset from the dataset, then turns until
+        every row is done."""
+        observations = (await self.envs.reset(env_id, ResetRequest())).observations
+        steps: list[list[RolloutStep]] = [[] for _ in observations]
+        live = list(range(len(observations)))
+        turn = 0
+        while live:
+            seed = None
+            if generation.seed is not None:
+                seed = row_seed(generation.seed, index * _TURN_SEED_STRIDE + turn)
+            generated = await self.generation.generate(
+                GenerateRequest(
+                    tokens=[observations[i].prompt_tokens for i in live],
+                    **generation.model_dump(exclude_none=True, exclude={"seed"}),
+                    seed=seed,
+                )
+            )
+            samples = dict(zip(live, (out[0] for out in generated.outputs), strict=True))
+            actions = [
+                Action(tokens=samples[i].tokens.response or []) if i in samples else None
+                for i in range(len(observations))
+            ]
+            stepped = await self.envs.step(env_id, StepRequest(actions=actions))
+            for i, sample in samples.items():
+                output = stepped.outputs[i]
+                steps[i].append(_step(sample, output, generated.policy_version))
+                observations[i] = output.observation
+            live = [i for i in live if not stepped.outputs[i].done]
+            turn += 1
+        return [
+            Trajectory(
+                env_id=env_id,
+                row=row,
+                steps=row_steps,
+                reward=sum(s.reward for s in row_steps),
+                history=observations[row].history,
+            )
+            for row, row_steps in enumerate(steps)
+        ]
+
+
+def _check(config: EnvConfig, num_episodes: int, *, given_env: bool) -> None:
+    def where(name: str) -> str:
+        return f"env.{name}" if given_env else "env_id"
+
+    if config.dataset is None:
+        raise invalid(where("dataset"), "rollouts draw prompts from a dataset; there is none")
+    if config.max_turns is None:
+        raise invalid(where("max_turns"), "rollouts need episodes that end: set max_turns")
+    if num_episodes % config.batch_size:
+        raise invalid(
+            "num_episodes",
+            f"{num_episodes} is not a multiple of the environment's batch_size "
+            f"({config.batch_size})",
+        )
+
+
+def _step(sample: GeneratedSample, output: StepOutput, version: int) -> RolloutStep:
+    prompt = sample.tokens.prompt or []
+    response = sample.tokens.response or []
+    return RolloutStep(
+        text=TextFields(response=sample.text.response if sample.text else None),
+        tokens=TokenFields(prompt=prompt, response=response, full=prompt + response),
+        log_probs=LogProbFields(response=sample.log_probs.response if sample.log_probs else []),
+        masks=Masks(
+            all_attention_mask=[1] * (len(prompt) + len(response)),
+            all_assistant_mask=[0] * len(prompt) + [1] * len(response),
+        ),
+        reward=output.reward,
+        done=output.done,
+        terminated=output.terminated,
+        truncated=output.truncated,
+        policy_version=version,
+        finish_reason=sample.finish_reason,
+        info=output.info,
+    )

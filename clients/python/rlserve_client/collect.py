@@ -1,0 +1,218 @@
+"""`collect`: TorchRL `LLMCollector` semantics over HTTP. Environment sessions run
+concurrently; each turn generates for all live rows of a session from the observations'
+exact prompt tokens (no re-tokenization) and steps the session with the response tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rlserve_client._client import AsyncClient
+from rlserve_client.advantages import group_advantages
+from rlserve_client.progress import progress_bar
+from rlserve_client.types import (
+    GenerateResult,
+    LogProbs,
+    Masks,
+    Observation,
+    RolloutResult,
+    Sample,
+    Step,
+    StepOutput,
+    Text,
+    Tokens,
+    Trajectory,
+)
+
+_ROUND_SEED_STRIDE = 1 << 20
+
+
+async def collect(
+    client: AsyncClient,
+    *,
+    total_dialog_turns: int,
+    env: dict[str, Any] | None = None,
+    env_id: str | None = None,
+    num_envs: int = 1,
+    dialog_turns_per_batch: int | None = None,
+    generation: dict[str, Any] | None = None,
+    progress: bool | None = None,
+) -> AsyncIterator[RolloutResult]:
+    """Yield completed trajectories until at least `total_dialog_turns` steps are collected.
+
+    `env`: a session config (the `create_env` arguments; `num_envs` sessions are created and
+    deleted afterwards), or `env_id`: an existing session. Episodes draw prompts from the
+    session's dataset and must end (`max_turns`). Without `dialog_turns_per_batch`, each
+    session's finished batch of episodes is yielded as it completes (GRPO groups whole, with
+    their advantages); with it, finished trajectories are held back until at least that many
+    steps are ready (trajectories are never split). Rounds already running finish, so the
+    total can exceed `total_dialog_turns` by what they add; a round starts only while the turns
+    done plus one per running row stay below it. `generation`: sampling
+    parameters of every turn (`seed` makes the run reproducible). Sessions it created are
+    deleted when it finishes; to stop early, iterate inside `contextlib.aclosing(collect(...))`
+    so that happens at once."""
+    if (env is None) == (env_id is None):
+        raise ValueError("give exactly one of env and env_id")
+    config = env if env is not None else (await client.get_env(env_id or "")).config
+    if config.get("max_turns") is None or config.get("dataset") is None:
+        raise ValueError("collect needs an environment with a dataset and max_turns")
+    repeats = int(config.get("repeats") or 1)
+    async with _sessions(client, env, env_id, num_envs) as env_ids:
+        runner = _Runner(client, dict(generation or {}), repeats, total_dialog_turns)
+        with progress_bar(total=total_dialog_turns, enabled=progress, unit="turn") as bar:
+            runner.on_turns = bar.update
+            async for batch in runner.run(env_ids, dialog_turns_per_batch):
+                yield batch
+
+
+@contextlib.asynccontextmanager
+async def _sessions(
+    client: AsyncClient, env: dict[str, Any] | None, env_id: str | None, num_envs: int
+) -> AsyncIterator[list[str]]:
+    if env_id is not None:
+        yield [env_id]
+        return
+    created: list[str] = []
+    try:
+        for _ in range(num_envs):
+            created.append((await client.create_env(**(env or {}))).env_id)
+        yield created
+    finally:
+        for session in created:
+            with contextlib.suppress(Exception):
+                await client.delete_env(session)
+
+
+class _Runner:
+    """Sessions as concurrent workers feeding a queue of finished rounds."""
+
+    def __init__(
+        self, client: AsyncClient, generation: dict[str, Any], repeats: int, total: int
+    ) -> None:
+        self.client = client
+        self.generation = generation
+        self.repeats = repeats
+        self.total = total
+        self.num_turns = 0
+        self.num_live_rows = 0  # rows of running rounds: each will take at least one more turn
+        self.num_rounds = 0
+        self.num_groups = 0
+        self.on_turns: Any = lambda n: None
+
+    async def run(
+        self, env_ids: list[str], turns_per_batch: int | None
+    ) -> AsyncIterator[RolloutResult]:
+        finished: asyncio.Queue[list[Trajectory] | BaseException | None] = asyncio.Queue()
+        workers = [asyncio.create_task(self._work(e, finished)) for e in env_ids]
+        pending: list[Trajectory] = []
+        try:
+            for _ in workers:
+                while (item := await finished.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    pending.extend(item)
+                    ready = sum(len(t.steps) for t in pending)
+                    if turns_per_batch is None or ready >= turns_per_batch:
+                        yield await self._result(pending)
+                        pending = []
+            if pending:
+                yield await self._result(pending)
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _work(
+        self, env_id: str, finished: asyncio.Queue[list[Trajectory] | BaseException | None]
+    ) -> None:
+        try:
+            while self.num_turns + self.num_live_rows < self.total:
+                index = self.num_rounds
+                self.num_rounds += 1
+                trajectories = await self._round(env_id, index)
+                self._group(trajectories)
+                await finished.put(trajectories)
+        except Exception as error:
+            await finished.put(error)
+        await finished.put(None)
+
+    def _group(self, trajectories: list[Trajectory]) -> None:
+        if self.repeats < 2:
+            return
+        advantages = group_advantages([t.reward for t in trajectories], self.repeats)
+        for i, (trajectory, advantage) in enumerate(zip(trajectories, advantages, strict=True)):
+            trajectory.group = self.num_groups + i // self.repeats
+            trajectory.advantage = advantage
+        self.num_groups += len(trajectories) // self.repeats
+
+    async def _result(self, trajectories: list[Trajectory]) -> RolloutResult:
+        version = (await self.client.weights_version()).policy_version
+        return RolloutResult(
+            trajectories=trajectories,
+            num_dialog_turns=sum(len(t.steps) for t in trajectories),
+            policy_version=version,
+        )
+
+    async def _round(self, env_id: str, index: int) -> list[Trajectory]:
+        """Reset from the dataset, then generate and step until every row is done."""
+        observations: list[Observation] = (await self.client.reset_env(env_id)).observations
+        steps: list[list[Step]] = [[] for _ in observations]
+        live = list(range(len(observations)))
+        self.num_live_rows += len(live)
+        turn = 0
+        while live:
+            generated = await self._generate([observations[i] for i in live], index, turn)
+            samples = dict(zip(live, generated.samples, strict=True))
+            actions = [
+                {"tokens": samples[i].tokens.response or []} if i in samples else None
+                for i in range(len(observations))
+            ]
+            stepped = await self.client.step_env(env_id, actions=actions)
+            for i, sample in samples.items():
+                output = stepped.outputs[i]
+                steps[i].append(_step(sample, output, generated.policy_version))
+                observations[i] = output.observation
+            live = [i for i in live if not stepped.outputs[i].done]
+            self.num_live_rows -= len(samples) - len(live)
+            self.num_turns += len(samples)
+            self.on_turns(len(samples))
+            turn += 1
+        return [
+            Trajectory(
+                env_id=env_id,
+                row=row,
+                steps=row_steps,
+                reward=sum(s.reward for s in row_steps),
+                history=observations[row].history,
+            )
+            for row, row_steps in enumerate(steps)
+        ]
+
+    async def _generate(self, rows: list[Observation], index: int, turn: int) -> GenerateResult:
+        params = dict(self.generation)
+        if params.get("seed") is not None:
+            params["seed"] = params["seed"] + index * _ROUND_SEED_STRIDE + turn
+        return await self.client.generate(tokens=[o.prompt_tokens for o in rows], n=1, **params)
+
+
+def _step(sample: Sample, output: StepOutput, version: int) -> Step:
+    prompt = sample.tokens.prompt or []
+    response = sample.tokens.response or []
+    return Step(
+        text=Text(response=sample.text.response if sample.text else None),
+        tokens=Tokens(prompt=prompt, response=response, full=prompt + response),
+        log_probs=LogProbs(response=sample.log_probs.response if sample.log_probs else []),
+        masks=Masks(
+            all_attention_mask=[1] * (len(prompt) + len(response)),
+            all_assistant_mask=[0] * len(prompt) + [1] * len(response),
+        ),
+        reward=output.reward,
+        done=output.done,
+        terminated=output.terminated,
+        truncated=output.truncated,
+        policy_version=version,
+        finish_reason=sample.finish_reason,
+        info=output.info,
+    )

@@ -1,0 +1,248 @@
+"""Typed results: the response bodies as pydantic models mirroring TorchRL's containers
+(text / tokens / masks / log_probs / history, each with prompt / response / full).
+
+Unknown fields are kept (a newer server never breaks an older client); `.to_tensordict()`
+needs the `[torch]` extra."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
+
+class Result(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Message(Result):
+    role: str
+    content: str
+
+
+class Text(Result):
+    prompt: str | None = None
+    response: str | None = None
+    full: str | None = None
+
+
+class Tokens(Result):
+    prompt: list[int] | None = None
+    response: list[int] | None = None
+    full: list[int] | None = None
+
+
+class LogProbs(Result):
+    prompt: list[float] | None = None
+    response: list[float] | None = None
+    response_processed: list[float] | None = None
+    full: list[float] | None = None
+
+
+class Masks(Result):
+    all_attention_mask: list[int] | None = None
+    all_assistant_mask: list[int] | None = None
+
+
+class History(Result):
+    prompt: list[Message] | None = None
+    response: list[Message] | None = None
+    full: list[Message] | None = None
+
+
+class Sample(Result):
+    """One generated or scored sequence."""
+
+    text: Text | None = None
+    tokens: Tokens
+    masks: Masks
+    log_probs: LogProbs | None = None
+    history: History | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: str | None = None
+
+
+def _to_tensordict(samples: Sequence[Sample], padded: bool) -> TensorDictBase:
+    from rlserve_client.tensordicts import samples_to_tensordict
+
+    return samples_to_tensordict(samples, padded=padded)
+
+
+class GenerateResult(Result):
+    policy_version: int
+    model: str
+    outputs: list[list[Sample]]
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample, input by input (the `n` samples of an input are adjacent)."""
+        return [sample for group in self.outputs for sample in group]
+
+    def to_tensordict(self, *, padded: bool = True) -> TensorDictBase:
+        """Batch `[num_inputs * n]`; see `rlserve_client.tensordicts` for the layout."""
+        return _to_tensordict(self.samples, padded)
+
+
+class LogProbsResult(Result):
+    policy_version: int
+    model: str
+    outputs: list[Sample]
+
+    def to_tensordict(self, *, padded: bool = True) -> TensorDictBase:
+        return _to_tensordict(self.outputs, padded)
+
+
+class KLSample(Result):
+    tokens: Tokens
+    mask: list[int]
+    kl: list[float]
+    policy_log_probs: list[float]
+    ref_log_probs: list[float]
+    kl_sum: float
+    kl_mean: float
+    num_counted: int
+    shaped_rewards: list[float] | None = None
+
+
+class KLResult(Result):
+    policy_version: int
+    estimator: str
+    outputs: list[KLSample]
+
+
+class Health(Result):
+    status: str
+    model_status: str
+
+
+class Ready(Result):
+    ready: bool
+    policy_version: int
+
+
+class ModelCard(Result):
+    name: str
+    source: str
+    backend: str
+    dtype: str
+    device: str
+    max_model_len: int
+    vocab_size: int
+    builtin: bool
+
+
+class Models(Result):
+    models: list[ModelCard]
+    policy_version: int
+
+
+class WeightsVersion(Result):
+    policy_version: int
+    reference_version: int
+
+
+class WeightsUpdated(WeightsVersion):
+    model: str
+    num_tensors: int
+    num_bytes: int
+
+
+class EnvCreated(Result):
+    env_id: str
+    config: dict[str, Any]
+
+
+class Observation(Result):
+    history: list[Message] | None = None
+    text: str | None = None
+    prompt_text: str
+    prompt_tokens: list[int]
+    hash: int | None = None
+
+
+class ResetResult(Result):
+    env_id: str
+    observations: list[Observation]
+
+
+class StepOutput(Result):
+    observation: Observation
+    reward: float
+    done: bool
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+
+class StepResult(Result):
+    env_id: str
+    policy_version: int
+    outputs: list[StepOutput]
+
+
+class RowState(Result):
+    turns: int
+    done: bool
+    terminated: bool
+    truncated: bool
+    total_reward: float
+
+
+class EnvState(Result):
+    env_id: str
+    config: dict[str, Any]
+    started: bool
+    rows: list[RowState]
+    created_at: float
+    updated_at: float
+
+
+class EnvList(Result):
+    envs: list[EnvState]
+    total: int
+    offset: int
+    limit: int
+
+
+class Step(Sample):
+    """One dialog turn: the observation's tokens as `tokens.prompt`, the generated reply as
+    `tokens.response`, its raw log-probs, the env's reward and flags, and the policy version
+    that generated it."""
+
+    reward: float
+    done: bool
+    terminated: bool
+    truncated: bool
+    policy_version: int
+    info: dict[str, Any] = {}
+
+
+class Trajectory(Result):
+    """One episode. `advantage` and `group` are set for GRPO groups (repeats > 1)."""
+
+    env_id: str
+    row: int
+    steps: list[Step]
+    reward: float
+    group: int | None = None
+    advantage: float | None = None
+    history: list[Message] | None = None
+
+
+class RolloutResult(Result):
+    trajectories: list[Trajectory]
+    num_dialog_turns: int
+    policy_version: int
+
+    def to_tensordict(self, *, padded: bool = True) -> TensorDictBase:
+        from rlserve_client.tensordicts import trajectories_to_tensordict
+
+        return trajectories_to_tensordict(self.trajectories, padded=padded)
+
+
+class Json(Result):
+    """A body without a dedicated model (e.g. `/v1/batching`): its fields as attributes."""

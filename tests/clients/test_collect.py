@@ -1,0 +1,78 @@
+"""`collect`: LLMCollector semantics over the client, in-process."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from rlserve_client import collect
+from rlserve_client.types import RolloutResult
+
+from tests.conftest import assert_close
+
+ENV = {"dataset": "arithmetic", "reward": "gsm8k", "batch_size": 4, "max_turns": 2}
+
+
+async def gather(api, **options) -> list[RolloutResult]:  # type: ignore[no-untyped-def]
+    return [batch async for batch in collect(api, progress=False, **options)]
+
+
+async def test_collect_yields_finished_trajectories_with_server_log_probs(api):
+    before = (await api.list_envs()).total
+    batches = await gather(
+        api, env=ENV, num_envs=2, total_dialog_turns=16, generation={"max_new_tokens": 6}
+    )
+    trajectories = [t for b in batches for t in b.trajectories]
+    assert all(len(b.trajectories) == 4 for b in batches)
+    # rounds in flight finish: at most one extra round per other session
+    assert 16 <= sum(b.num_dialog_turns for b in batches) <= 16 + 8
+    for trajectory in trajectories:
+        assert [(s.done, s.truncated) for s in trajectory.steps] == [(False, False), (True, True)]
+        for step in trajectory.steps:
+            assert step.policy_version == 0
+            assert step.tokens.full == (step.tokens.prompt or []) + (step.tokens.response or [])
+            scored = await api.logprobs(
+                prompt_tokens=[step.tokens.prompt], response_tokens=[step.tokens.response]
+            )
+            assert scored.outputs[0].log_probs is not None and step.log_probs is not None
+            expected = scored.outputs[0].log_probs.response or []
+            assert_close(step.log_probs.response or [], expected, 1e-4)
+    assert (await api.list_envs()).total == before
+
+
+async def test_collect_groups_get_advantages_and_match_the_rollouts_shape(api):
+    env = {**ENV, "batch_size": 4, "repeats": 2, "max_turns": 1}
+    (batch,) = await gather(api, env=env, total_dialog_turns=4, generation={"max_new_tokens": 4})
+    assert [t.group for t in batch.trajectories] == [0, 0, 1, 1]
+    assert all(t.advantage == 0.0 for t in batch.trajectories)  # equal rewards: std clamped
+    served = await api.rollouts(env=env, num_episodes=4, generation={"max_new_tokens": 4})
+    mine, theirs = batch.trajectories[0], served.trajectories[0]
+    assert mine.model_dump().keys() == theirs.model_dump().keys()
+    assert mine.steps[0].model_dump(exclude_none=True).keys() == (
+        theirs.steps[0].model_dump(exclude_none=True).keys()
+    )
+    td = batch.to_tensordict()
+    assert td.batch_size == torch.Size([4])
+    assert td["next", "reward"].shape == (4, 1) and td["advantage"].shape == (4, 1)
+    assert td["trajectory"].tolist() == [0, 1, 2, 3]
+
+
+async def test_batches_hold_at_least_dialog_turns_per_batch(api):
+    env = {**ENV, "batch_size": 2, "max_turns": 1}
+    batches = await gather(api, env=env, total_dialog_turns=8, dialog_turns_per_batch=3)
+    assert [b.num_dialog_turns for b in batches] == [4, 4]
+
+
+async def test_stopping_early_still_deletes_the_sessions(api):
+    before = (await api.list_envs()).total
+    batches = collect(api, env=ENV, num_envs=2, total_dialog_turns=1000, progress=False)
+    async with contextlib.aclosing(batches):
+        async for _ in batches:
+            break
+    assert (await api.list_envs()).total == before
+
+
+async def test_collect_refuses_episodes_that_never_end(api):
+    with pytest.raises(ValueError, match="max_turns"):
+        await gather(api, env={"dataset": "arithmetic"}, total_dialog_turns=1)

@@ -1,0 +1,82 @@
+"""TensorDict conversion: TorchRL's padding layout, and back again without loss."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from rlserve_client.tensordicts import samples_from_tensordict, samples_to_tensordict
+from rlserve_client.types import GenerateResult, Sample
+
+SAMPLES = [
+    {
+        "text": {"prompt": "ab", "response": "c", "full": "abc"},
+        "tokens": {"prompt": [1, 2], "response": [3], "full": [1, 2, 3]},
+        "masks": {"all_attention_mask": [1, 1, 1], "all_assistant_mask": [0, 0, 1]},
+        "log_probs": {"response": [-0.5]},
+        "history": {"full": [{"role": "user", "content": "ab"}]},
+        "finish_reason": "length",
+    },
+    {
+        "text": {"prompt": "d", "response": "efg", "full": "defg"},
+        "tokens": {"prompt": [4], "response": [5, 6, 7], "full": [4, 5, 6, 7]},
+        "masks": {"all_attention_mask": [1, 1, 1, 1], "all_assistant_mask": [0, 1, 1, 1]},
+        "log_probs": {"response": [-1.0, -2.0, -3.0]},
+        "history": {"full": [{"role": "user", "content": "d"}]},
+        "finish_reason": "stop",
+    },
+]
+
+
+def samples() -> list[Sample]:
+    return GenerateResult.model_validate(
+        {"policy_version": 3, "model": "policy", "outputs": [[s] for s in SAMPLES]}
+    ).samples
+
+
+def test_padded_layout_is_left_padded_prompts_and_right_padded_responses():
+    td = samples_to_tensordict(samples(), pad_token_id=9)
+    assert td.batch_size == torch.Size([2])
+    assert td["tokens", "prompt"].tolist() == [[1, 2], [9, 4]]
+    assert td["tokens", "response"].tolist() == [[3, 9, 9], [5, 6, 7]]
+    assert td["tokens", "full"].tolist() == [[1, 2, 3, 9, 9], [9, 4, 5, 6, 7]]
+    assert td["masks", "all_attention_mask"].tolist() == [
+        [True, True, True, False, False],
+        [False, True, True, True, True],
+    ]
+    assert td["masks", "all_assistant_mask"].tolist() == [
+        [False, False, True, False, False],
+        [False, False, True, True, True],
+    ]
+    assert td["log_probs", "response"].tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]]
+    assert td["masks", "all_attention_mask"].dtype == torch.bool
+    assert td["text", "response"] == ["c", "efg"]
+    assert td["history", "full"][1] == [{"role": "user", "content": "d"}]
+
+
+def test_unpadded_is_a_lazy_stack_with_each_samples_own_lengths():
+    td = samples_to_tensordict(samples(), padded=False)
+    assert [row["tokens", "full"].tolist() for row in td.unbind(0)] == [[1, 2, 3], [4, 5, 6, 7]]
+    assert td[1]["log_probs", "response"].tolist() == [-1.0, -2.0, -3.0]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_round_trip_recovers_every_field(padded):
+    original = samples()
+    back = samples_from_tensordict(samples_to_tensordict(original, padded=padded))
+    for before, after in zip(original, back, strict=True):
+        assert after.tokens == before.tokens
+        assert after.masks == before.masks
+        assert after.text == before.text
+        assert after.history is not None and before.history is not None
+        assert after.history.full == before.history.full
+        assert after.log_probs is not None and before.log_probs is not None
+        assert after.log_probs.response == before.log_probs.response
+
+
+def test_the_core_client_does_not_import_torch():
+    code = "import sys, rlserve_client; print('torch' in sys.modules, 'tensordict' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -17,5 +17,5 @@ python3 -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet "$torch_spec"
 fi
-"$venv/bin/python" -m pip install --quiet -e ".[test,bench]" -e clients/python
+"$venv/bin/python" -m pip install --quiet -e ".[test,bench]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

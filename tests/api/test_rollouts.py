@@ -54,8 +54,9 @@ async def test_episodes_run_to_the_end_with_exact_tokens_and_log_probs(client, r
             expected = reference_log_probs(tokens["full"])[num_prompt:]
             assert_close(step["log_probs"]["response"], expected, 1e-4)
         # the second turn's prompt continues the first turn's conversation
-        assert steps[1]["tokens"]["prompt"][: len(steps[0]["tokens"]["prompt"])] == (
-            steps[0]["tokens"]["prompt"]
+        assert (
+            steps[1]["tokens"]["prompt"][: len(steps[0]["tokens"]["prompt"])]
+            == (steps[0]["tokens"]["prompt"])
         )
         assert [m["role"] for m in trajectory["history"]] == ["user", "assistant", "assistant"]
         replies = [m["content"] for m in trajectory["history"][1:]]  # what the env rewarded

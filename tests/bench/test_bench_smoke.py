@@ -30,3 +30,18 @@ def test_batching_benchmark_quick(tmp_path):
     assert report["in_process"]["generate"]["requests_per_s"] > 0
     assert (tmp_path / "batching-quick.png").stat().st_size > 0
     assert "| /v1/generate | 8 |" in (tmp_path / "batching-quick.md").read_text()
+
+
+def test_rollouts_benchmark_quick(tmp_path):
+    subprocess.run(
+        [sys.executable, "bench/rollouts.py", "--quick", "--output", str(tmp_path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    report = json.loads((tmp_path / "rollouts-quick.json").read_text())
+    for parallel in ("2", "4"):
+        row = report["parallel_episodes"][parallel]
+        assert row["collect"]["episodes"] == row["rollouts"]["episodes"] == int(parallel)
+        assert row["rollouts"]["dialog_turns"] == 2 * int(parallel)

@@ -6,7 +6,6 @@ import httpx
 import pytest
 from rlserve_client import (
     APIConnectionError,
-    AsyncClient,
     Client,
     ConflictError,
     NotFoundError,

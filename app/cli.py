@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from app.config import Settings
     from app.main import create_app
+    from app.ops.logs import configure_logging
 
     overrides = {
         key: value
@@ -32,16 +32,15 @@ def _serve(args: argparse.Namespace) -> int:
         if value is not None
     }
     settings = Settings(**overrides)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings.log_level, settings.log_format)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=30,
+        log_config=None,  # keep configure_logging's handlers
+        access_log=False,  # the service's access log carries the request id
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
     return 0
 

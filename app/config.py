@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.batching import BatchingConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+CommaList = Annotated[list[str], NoDecode]
 
 
 def _default_cache_dir() -> Path:
@@ -92,6 +93,36 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(default=4096, gt=0)
     default_max_new_tokens: int = Field(default=256, gt=0)
 
+    max_rollout_turns: int = Field(
+        default=8192, gt=0, description="num_episodes x max_turns of one /v1/rollouts request."
+    )
+    max_body_bytes: int = Field(
+        default=64 << 20, gt=0, description="Largest request body (weight uploads excepted): 413."
+    )
+
+    # Operations
+    api_keys: CommaList = Field(
+        default_factory=list,
+        repr=False,
+        description="Comma-separated; when set, every route but /health, /ready (and /metrics "
+        "unless metrics_auth) needs `Authorization: Bearer KEY`.",
+    )
+    admin_api_keys: CommaList = Field(
+        default_factory=list,
+        repr=False,
+        description="When set, only these keys may change weights (they also pass as api keys).",
+    )
+    metrics_auth: bool = Field(default=False, description="Require a key for /metrics too.")
+    cors_origins: CommaList = Field(
+        default_factory=list, description="Allowed CORS origins (comma-separated); none: off."
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per log line."
+    )
+    shutdown_timeout_s: int = Field(
+        default=30, gt=0, description="On SIGTERM, in-flight requests get this long to finish."
+    )
+
     # Batching (see app/batching.py)
     batching: bool = Field(default=True, description="Let concurrent requests share model calls.")
     min_batch_size: int = Field(
@@ -105,6 +136,18 @@ class Settings(BaseSettings):
         default=65536, gt=0, description="Padded-token budget (rows x longest) per model call."
     )
     max_queue: int = Field(default=1024, gt=0, description="Requests waiting; beyond it 503.")
+
+    @field_validator("model", "ref_model", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:

@@ -56,6 +56,7 @@ def invalid(param: str, message: str) -> APIError:
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in (
+        (401, "Missing or invalid API key (when RLSERVE_API_KEYS is set)"),
         (413, "Request too large"),
         (422, "Invalid request"),
         (500, "Internal error"),
@@ -63,6 +64,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     )
 }
 
+
+PUBLIC_ERROR_RESPONSES = {k: v for k, v in ERROR_RESPONSES.items() if k != 401}
+"""For the routes that never ask for a key (/ready, /metrics)."""
 
 ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
@@ -72,7 +76,7 @@ ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
-def _json(exc: APIError) -> JSONResponse:
+def error_response(exc: APIError) -> JSONResponse:
     info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.status_code)
     body = ErrorResponse(error=info).model_dump()
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
@@ -105,20 +109,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _json(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _json(_validation_error(exc))
+        return error_response(_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json(APIError(exc.status_code, str(exc.detail), type=kind))
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return _json(
+        return error_response(
             APIError(
                 503,
                 f"server overloaded, retry later ({exc})",
@@ -129,9 +133,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BackendCallError)
     async def _backend_failed(_: Request, exc: BackendCallError) -> JSONResponse:
-        return _json(APIError(500, f"model call failed: {exc}", type="backend_error"))
+        return error_response(APIError(500, f"model call failed: {exc}", type="backend_error"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _json(APIError(500, f"internal error: {type(exc).__name__}", type="internal_error"))
+        return error_response(
+            APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
+        )

@@ -8,8 +8,11 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 
 from app import __version__
 from app.config import Settings
@@ -21,6 +24,8 @@ from app.envs.store import SQLiteSessionStore
 from app.errors import install_error_handlers
 from app.generation.router import router as generation_router
 from app.kl.router import router as kl_router
+from app.ops.metrics import Metrics
+from app.ops.middleware import PUBLIC_PATHS, ServiceMiddleware
 from app.ops.router import router as ops_router
 from app.rollouts.router import router as rollouts_router
 from app.scoring.router import router as scoring_router
@@ -56,6 +61,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = ModelRegistry(settings)
         app.state.registry = registry
+        metrics.watch(registry)
         store = SQLiteSessionStore(settings.data_dir / "sessions.sqlite3")
         datasets = DatasetRegistry(settings.data_dir / "datasets")
         app.state.envs = EnvService(store, registry, datasets, settings)
@@ -78,8 +84,10 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         lifespan=lifespan,
     )
     app.state.settings = settings
+    metrics = Metrics()
+    app.state.metrics = metrics
     install_error_handlers(app)
-    for router in (
+    routers = (
         generation_router,
         scoring_router,
         kl_router,
@@ -87,6 +95,45 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         rollouts_router,
         weights_router,
         ops_router,
-    ):
+    )
+    routes = [route for router in routers for route in router.routes]
+    app.add_middleware(ServiceMiddleware, settings=settings, metrics=metrics, routes=routes)
+    if settings.cors_origins:  # added last: it runs first, answering preflights itself
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-ID"],
+        )
+    for router in routers:
         app.include_router(router)
+    app.openapi = lambda: openapi_with_auth(app)  # type: ignore[method-assign]
     return app
+
+
+def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the Bearer scheme: required everywhere but the public routes
+    (/metrics is documented as public, its default)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            summary=app.summary,
+            routes=app.routes,
+        )
+        schema.setdefault("components", {})["securitySchemes"] = {
+            "bearerAuth": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "An RLSERVE_API_KEYS key (weight routes: RLSERVE_ADMIN_API_KEYS "
+                "when set). Not required when the server has no keys configured.",
+            }
+        }
+        schema["security"] = [{"bearerAuth": []}]
+        for path, operations in schema["paths"].items():
+            if path in PUBLIC_PATHS or path == "/metrics":
+                for operation in operations.values():
+                    operation["security"] = []
+        app.openapi_schema = schema
+    return app.openapi_schema

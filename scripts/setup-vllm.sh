@@ -16,5 +16,5 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "$vllm_spec" torch==2.13.0
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-"$venv/bin/python" -m pip install --quiet -e ".[test]" -e clients/python
+"$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

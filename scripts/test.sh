@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/lint.sh
+./scripts/check-docker.sh
 .venv/bin/python -m pytest "$@"
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then
   ./scripts/test-vllm.sh

@@ -23,6 +23,17 @@ def test_every_route_declares_the_error_body():
         for method, operation in methods.items():
             if path == "/health":
                 continue
-            for code in ("422", "500", "503"):
+            public = path in ("/ready", "/metrics")
+            codes = ("422", "500", "503") if public else ("401", "422", "500", "503")
+            for code in codes:
                 schema = operation["responses"][code]["content"]["application/json"]["schema"]
                 assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path)
+            assert ("401" in operation["responses"]) is not public, (method, path)
+            assert (operation.get("security") == []) is public, (method, path)
+
+
+def test_the_spec_declares_bearer_auth():
+    spec = json.loads(SPEC.read_text())
+    assert spec["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
+    assert spec["security"] == [{"bearerAuth": []}]
+    assert spec["paths"]["/health"]["get"]["security"] == []

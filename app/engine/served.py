@@ -25,6 +25,8 @@ class ServedModel:
         self.name = backend.info.name
         self.backend = backend
         self.preparer = preparer
+        self.num_tokens_scored = 0
+        self.num_tokens_generated = 0
         self.scoring: Batcher[Sequence[int], list[float]] | None = None
         self.generation: Batcher[GenerateItem, Generation] | None = None
         if batching is not None:
@@ -42,13 +44,19 @@ class ServedModel:
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         if self.scoring is None:
-            return await _direct(self.backend.score(sequences))
-        return await self.scoring.submit(sequences)
+            scored = await _direct(self.backend.score(sequences))
+        else:
+            scored = await self.scoring.submit(sequences)
+        self.num_tokens_scored += sum(len(s) for s in sequences)
+        return scored
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
         if self.generation is None:
-            return await _direct(self.backend.generate(items))
-        return await self.generation.submit(items)
+            generations = await _direct(self.backend.generate(items))
+        else:
+            generations = await self.generation.submit(items)
+        self.num_tokens_generated += sum(len(g.token_ids) for g in generations)
+        return generations
 
     async def aclose(self) -> None:
         for batcher in (self.scoring, self.generation):

@@ -26,7 +26,7 @@ async def create_env(config: EnvConfig, envs: EnvsDep) -> EnvCreated:
 @router.get("/v1/envs", response_model=EnvList, summary="List sessions")
 async def list_envs(
     envs: EnvsDep,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> EnvList:
     return await envs.page(offset, limit)

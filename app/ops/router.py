@@ -1,9 +1,10 @@
 from dataclasses import asdict
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import RegistryDep, SettingsDep
-from app.errors import ERROR_RESPONSES, APIError
+from app.deps import EnvsDep, RegistryDep, SettingsDep
+from app.errors import ERROR_RESPONSES, PUBLIC_ERROR_RESPONSES, APIError
 from app.ops.protocol import (
     BatcherState,
     BatchingConfigOut,
@@ -24,7 +25,10 @@ async def health(registry: RegistryDep) -> HealthResponse:
 
 
 @router.get(
-    "/ready", response_model=ReadyResponse, responses=ERROR_RESPONSES, summary="Models loaded"
+    "/ready",
+    response_model=ReadyResponse,
+    responses=PUBLIC_ERROR_RESPONSES,
+    summary="Models loaded",
 )
 async def ready(registry: RegistryDep) -> ReadyResponse:
     if registry.status != "ready":
@@ -74,3 +78,20 @@ async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResp
         max_queue=settings.max_queue,
     )
     return BatchingResponse(enabled=settings.batching, config=config, models=models)
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        **PUBLIC_ERROR_RESPONSES,
+        200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+    },
+    summary="Prometheus metrics",
+)
+async def metrics(request: Request, envs: EnvsDep) -> Response:
+    """Requests by route and status, latency histograms, queue depth, batch sizes, tokens
+    generated and scored, live environment sessions and the current policy version."""
+    registry = request.app.state.metrics
+    registry.env_sessions.set(await envs.store.count())
+    return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -33,6 +33,13 @@ class RolloutService:
     async def run(self, request: RolloutRequest) -> RolloutResponse:
         config = request.env or (await self.envs.get(request.env_id or "")).config
         _check(config, request.num_episodes, given_env=request.env is not None)
+        limit = self.generation.settings.max_rollout_turns
+        if request.num_episodes * (config.max_turns or 1) > limit:
+            raise invalid(
+                "num_episodes",
+                f"{request.num_episodes} episodes of up to {config.max_turns} turns exceed the "
+                f"server's limit of {limit} turns per request",
+            )
         num_rounds = request.num_episodes // config.batch_size
         async with self._sessions(request, config) as env_ids:
             queue: asyncio.Queue[int] = asyncio.Queue()

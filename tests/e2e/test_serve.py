@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -43,3 +45,30 @@ def test_serve_exits_when_the_model_cannot_load(tmp_path):
     ):
         pass
     assert "failed to load" in (tmp_path / "server.log").read_text()
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path):
+    env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache"), "RLSERVE_DATA_DIR": str(tmp_path / "data")}
+    with running_server(env=env, log=tmp_path / "server.log") as server:
+        body = {"tokens": [[1, 2, 3]] * 8, "max_tokens": 400, "ignore_eos": True}
+        result: dict[str, httpx.Response] = {}  # and "finished": its end time
+
+        def slow_request() -> None:
+            result["response"] = httpx.post(f"{server.url}/v1/generate", json=body, timeout=120)
+            result["finished"] = time.monotonic()  # type: ignore[assignment]
+
+        worker = threading.Thread(target=slow_request)
+        worker.start()
+        time.sleep(0.5)  # the request is being served
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.3)
+        with pytest.raises(httpx.TransportError):  # no new connections once shutting down
+            httpx.get(f"{server.url}/health", timeout=2)
+        worker.join(timeout=120)
+        response = result["response"]
+        assert response.status_code == 200
+        assert result["finished"] > signalled  # type: ignore[operator]  # it was in flight
+        assert all(len(s[0]["tokens"]["response"]) == 400 for s in response.json()["outputs"])
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in (tmp_path / "server.log").read_text()

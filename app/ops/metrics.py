@@ -1,0 +1,83 @@
+"""Prometheus metrics (`GET /metrics`, names prefixed `rlserve_`), one registry per app.
+
+Request counts and latencies are recorded by the middleware; the model-side figures (queues,
+batches, tokens, policy version) are read from the model registry at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.engine.registry import ModelRegistry
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "rlserve_requests",
+            "HTTP requests by route template, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "rlserve_request_duration_seconds",
+            "HTTP request latency by route template and method.",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.env_sessions = Gauge(
+            "rlserve_env_sessions", "Live environment sessions.", registry=self.registry
+        )
+
+    def watch(self, models: ModelRegistry) -> None:
+        self.registry.register(ModelCollector(models))
+
+
+class ModelCollector(Collector):
+    """Queue depth, batches, tokens and versions of the served models, read when scraped."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        version = GaugeMetricFamily(
+            "rlserve_policy_version", "Weight version of each model.", labels=["model"]
+        )
+        queued = GaugeMetricFamily(
+            "rlserve_queue_items", "Items waiting in a batcher.", labels=["model", "kind"]
+        )
+        batches = CounterMetricFamily(
+            "rlserve_batches", "Model calls made by the batchers.", labels=["model", "kind"]
+        )
+        items = CounterMetricFamily(
+            "rlserve_batch_items",
+            "Items in those calls (over rlserve_batches_total: the mean batch size).",
+            labels=["model", "kind"],
+        )
+        last = GaugeMetricFamily(
+            "rlserve_last_batch_size", "Size of the latest model call.", labels=["model", "kind"]
+        )
+        generated = CounterMetricFamily(
+            "rlserve_tokens_generated", "Tokens generated.", labels=["model"]
+        )
+        scored = CounterMetricFamily("rlserve_tokens_scored", "Tokens scored.", labels=["model"])
+        for name, served in self.models.models.items():
+            version.add_metric([name], self.models.versions.get(name, 0))
+            generated.add_metric([name], served.num_tokens_generated)
+            scored.add_metric([name], served.num_tokens_scored)
+            for kind, batcher in (("score", served.scoring), ("generate", served.generation)):
+                if batcher is None:
+                    continue
+                stats = batcher.stats()
+                queued.add_metric([name, kind], stats.queued_items)
+                batches.add_metric([name, kind], stats.num_calls)
+                items.add_metric([name, kind], stats.num_items)
+                last.add_metric([name, kind], (stats.last_batch_sizes or [0])[-1])
+        yield from (version, queued, batches, items, last, generated, scored)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install rlserve into a virtual environment: the one set of install steps shared by
+# scripts/setup.sh (development and CI) and docker/Dockerfile.cpu (the CPU image).
+#
+#   scripts/install.sh VENV [EXTRAS] [--editable]
+#
+# torch is pinned to the CPU build (RLSERVE_TORCH overrides), installed first so the
+# project's `torch>=2.4` requirement does not pull the CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=$1
+extras=${2:-}
+editable=${3:-}
+torch_spec=${RLSERVE_TORCH:-torch==2.13.0}
+target="."
+if [ -n "$extras" ]; then
+  target=".[$extras]"
+fi
+
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  "$venv/bin/python" -m pip install --quiet "$torch_spec"
+fi
+if [ "$editable" = "--editable" ]; then
+  "$venv/bin/python" -m pip install --quiet -e "$target"
+else
+  "$venv/bin/python" -m pip install --quiet "$target"
+fi

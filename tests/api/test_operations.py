@@ -1,0 +1,172 @@
+"""Request ids, metrics, auth, body limits, CORS and structured logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.config import Settings
+from app.main import create_app
+from app.ops.logs import JsonFormatter
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_every_response_carries_a_request_id(client):
+    made = await client.get("/health")
+    assert len(made.headers["x-request-id"]) == 32
+    echoed = await client.post(
+        "/v1/generate",
+        json={"text": ["a"], "top_p": 2},
+        headers={"X-Request-ID": "trainer-7:step-3"},
+    )
+    assert echoed.status_code == 422 and echoed.headers["x-request-id"] == "trainer-7:step-3"
+    unsafe = await client.get("/health", headers={"X-Request-ID": "bad id\twith spaces"})
+    assert unsafe.headers["x-request-id"] != "bad id\twith spaces"
+
+
+async def test_metrics_count_requests_tokens_sessions_and_versions(client):
+    before = samples((await client.get("/metrics")).text)
+    body = {"tokens": [[1, 2, 3]], "max_tokens": 5, "ignore_eos": True, "n": 2}
+    generated = (await client.post("/v1/generate", json=body)).json()
+    scored = await client.post("/v1/logprobs", json={"tokens": [[1, 2, 3, 4]]})
+    assert scored.status_code == 200
+    response = await client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    after = samples(response.text)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    new_tokens = sum(len(s["tokens"]["response"]) for s in generated["outputs"][0])
+    assert delta("rlserve_tokens_generated_total", model="policy") == new_tokens == 10
+    assert delta("rlserve_tokens_scored_total", model="policy") == 4
+    ok = {"route": "/v1/generate", "method": "POST", "status": "200"}
+    assert delta("rlserve_requests_total", **ok) == 1
+    latency = {"route": "/v1/generate", "method": "POST"}
+    assert delta("rlserve_request_duration_seconds_count", **latency) == 1
+    assert delta("rlserve_batch_items_total", model="policy", kind="generate") == 2
+    version = (await client.get("/v1/weights/version")).json()["policy_version"]
+    assert after[("rlserve_policy_version", (("model", "policy"),))] == version
+    live = (await client.get("/v1/envs")).json()["total"]
+    assert after[("rlserve_env_sessions", ())] == live
+    assert ("rlserve_queue_items", (("kind", "score"), ("model", "policy"))) in after
+
+
+@pytest.fixture
+async def guarded(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An app with keys, an admin key, a small body limit and CORS for one origin."""
+    app: FastAPI = create_app(
+        settings.model_copy(
+            update={
+                "api_keys": ["user-key"],
+                "admin_api_keys": ["admin-key"],
+                "max_body_bytes": 1000,
+                "cors_origins": ["http://dashboard"],
+            }
+        ),
+        load_models=False,
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://rlserve") as c:
+            yield c
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_keys_guard_every_route_but_health_ready_and_metrics(guarded):
+    for headers in ({}, bearer("wrong"), {"Authorization": "Basic user-key"}):
+        refused = await guarded.get("/v1/weights/version", headers=headers)
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json()["error"]["type"] == "authentication_error"
+        assert "x-request-id" in refused.headers
+    assert (await guarded.get("/v1/weights/version", headers=bearer("user-key"))).status_code == 200
+    assert (
+        await guarded.get("/v1/weights/version", headers=bearer("admin-key"))
+    ).status_code == 200
+    assert (await guarded.get("/health")).status_code == 200
+    assert (await guarded.get("/ready")).status_code == 503  # public, just not loaded
+    assert (await guarded.get("/metrics")).status_code == 200
+
+
+async def test_weight_routes_need_the_admin_key(guarded):
+    body = {"path": "/nowhere.safetensors"}
+    user = await guarded.post("/v1/weights/load", json=body, headers=bearer("user-key"))
+    assert user.status_code == 403 and user.json()["error"]["type"] == "permission_error"
+    admin = await guarded.post("/v1/weights/load", json=body, headers=bearer("admin-key"))
+    assert admin.status_code == 422 and admin.json()["error"]["param"] == "path"
+
+
+async def test_metrics_can_require_a_key(settings):
+    app = create_app(
+        settings.model_copy(update={"api_keys": ["k"], "metrics_auth": True}), load_models=False
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://rlserve") as c:
+            assert (await c.get("/metrics")).status_code == 401
+            assert (await c.get("/metrics", headers=bearer("k"))).status_code == 200
+
+
+async def test_bodies_over_the_limit_are_413(guarded):
+    headers = bearer("user-key")
+    declared = await guarded.post("/v1/logprobs", json={"text": ["a" * 2000]}, headers=headers)
+    assert declared.status_code == 413
+    assert declared.json()["error"] == {
+        "message": "request body exceeds 1000 bytes",
+        "type": "request_too_large",
+        "param": None,
+        "code": 413,
+    }
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"text": ["'
+        yield b"a" * 2000
+        yield b'"]}'
+
+    streamed = await guarded.post(
+        "/v1/logprobs", content=chunks(), headers={**headers, "content-type": "application/json"}
+    )
+    assert streamed.status_code == 413
+    # weight uploads have their own, larger limit
+    upload = await guarded.put("/v1/weights", content=b"x" * 5000, headers=bearer("admin-key"))
+    assert upload.status_code != 413
+
+
+async def test_cors_is_off_unless_configured(client, guarded):
+    preflight = {"Origin": "http://dashboard", "Access-Control-Request-Method": "POST"}
+    assert (
+        "access-control-allow-origin"
+        not in (await client.options("/v1/generate", headers=preflight)).headers
+    )
+    allowed = await guarded.options("/v1/generate", headers=preflight)
+    assert allowed.headers["access-control-allow-origin"] == "http://dashboard"
+    other = await guarded.options("/v1/generate", headers={**preflight, "Origin": "http://evil"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+async def test_access_log_is_structured(client, caplog):
+    with caplog.at_level(logging.INFO, logger="rlserve.access"):
+        response = await client.get("/v1/models", headers={"X-Request-ID": "abc-123"})
+    (record,) = [r for r in caplog.records if r.name == "rlserve.access"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "abc-123" == response.headers["x-request-id"]
+    assert (line["route"], line["status"], line["method"]) == ("/v1/models", 200, "GET")
+    assert line["latency_ms"] >= 0 and line["level"] == "info"

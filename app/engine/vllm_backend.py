@@ -61,7 +61,14 @@ class VLLMBackend(Backend):
         """Start the engine (its worker processes included) and wait until it answers."""
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs, AsyncLLMEngine
+        from vllm.platforms import current_platform
 
+        options = dict(engine_options or {})
+        if current_platform.is_cpu():
+            # vLLM's CPU worker cannot rewind a seeded request's generator after a partial
+            # prefill ("CPU Generator does not use offset") and the engine dies, so prompts
+            # are never split across engine steps there.
+            options.setdefault("enable_chunked_prefill", False)
         args = AsyncEngineArgs(
             model=source,
             dtype=dtype,
@@ -69,7 +76,7 @@ class VLLMBackend(Backend):
             trust_remote_code=trust_remote_code,
             seed=0,
             worker_extension_cls="app.engine.vllm_worker.WeightLoaderExtension",
-            **(engine_options or {}),
+            **options,
         )
         engine = AsyncLLMEngine.from_engine_args(args)
         try:

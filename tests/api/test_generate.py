@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import torch
@@ -217,3 +219,18 @@ async def test_too_many_sequences(client, settings):
     assert (
         await client.post("/v1/generate", json={"text": ["a"], "max_tokens": 1})
     ).status_code == 200
+
+
+async def test_seeded_prompts_longer_than_one_engine_step_all_generate(client):
+    """Eight 600-token seeded prompts at once: more prompt tokens than vLLM schedules in one
+    step (2048), which on CPU used to kill the engine when a prompt was split."""
+    prompts = [[(i * 7 + j) % 250 + 1 for j in range(600)] for i in range(8)]
+    responses = await asyncio.gather(
+        *(
+            generate(client, tokens=[p], max_tokens=3, seed=i, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert [len(r["outputs"][0][0]["tokens"]["response"]) for r in responses] == [3] * 8
+    again = await generate(client, tokens=[prompts[0]], max_tokens=3, seed=0, ignore_eos=True)
+    assert again["outputs"][0][0]["tokens"] == responses[0]["outputs"][0][0]["tokens"]

@@ -76,3 +76,12 @@ async def test_stopping_early_still_deletes_the_sessions(api):
 async def test_collect_refuses_episodes_that_never_end(api):
     with pytest.raises(ValueError, match="max_turns"):
         await gather(api, env={"dataset": "arithmetic"}, total_dialog_turns=1)
+
+
+@pytest.mark.parametrize(("progress", "shown"), [(True, True), (False, False), (None, False)])
+async def test_progress_bar_shows_on_request_or_on_a_terminal(api, capsys, progress, shown):
+    env = {**ENV, "batch_size": 2, "max_turns": 1}
+    async for _ in collect(api, env=env, total_dialog_turns=2, progress=progress):
+        pass
+    # pytest's captured stderr is not a terminal, so None (the default) stays quiet here
+    assert ("turn" in capsys.readouterr().err) is shown

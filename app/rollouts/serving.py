@@ -32,26 +32,17 @@ class RolloutService:
 
     async def run(self, request: RolloutRequest) -> RolloutResponse:
         config = request.env or (await self.envs.get(request.env_id or "")).config
-        _check(config, request.num_episodes, given_env=request.env is not None)
         limit = self.generation.settings.max_rollout_turns
-        if request.num_episodes * (config.max_turns or 1) > limit:
-            raise invalid(
-                "num_episodes",
-                f"{request.num_episodes} episodes of up to {config.max_turns} turns exceed the "
-                f"server's limit of {limit} turns per request",
-            )
+        _check(config, request.num_episodes, limit, given_env=request.env is not None)
         num_rounds = request.num_episodes // config.batch_size
-        async with self._sessions(request, config) as env_ids:
-            queue: asyncio.Queue[int] = asyncio.Queue()
-            for index in range(num_rounds):
-                queue.put_nowait(index)
-            results: dict[int, list[Trajectory]] = {}
+        rounds = iter(range(num_rounds))  # shared: each session takes the next round it can
+        results: dict[int, list[Trajectory]] = {}
 
-            async def worker(env_id: str) -> None:
-                while not queue.empty():
-                    index = queue.get_nowait()
-                    results[index] = await self._round(env_id, config, request.generation, index)
+        async def worker(env_id: str) -> None:
+            for index in rounds:
+                results[index] = await self._round(env_id, config, request.generation, index)
 
+        async with self._sessions(request, config, num_rounds) as env_ids:
             await asyncio.gather(*(worker(env_id) for env_id in env_ids))
         trajectories = [t for index in sorted(results) for t in results[index]]
         if config.repeats > 1:
@@ -67,13 +58,12 @@ class RolloutService:
 
     @contextlib.asynccontextmanager
     async def _sessions(
-        self, request: RolloutRequest, config: EnvConfig
+        self, request: RolloutRequest, config: EnvConfig, num_rounds: int
     ) -> AsyncIterator[list[str]]:
         """The existing session, or temporary ones deleted afterwards (also on failure)."""
         if request.env_id is not None:
             yield [request.env_id]
             return
-        num_rounds = request.num_episodes // config.batch_size
         created: list[str] = []
         try:
             for _ in range(min(request.num_envs, num_rounds)):
@@ -128,7 +118,7 @@ class RolloutService:
         ]
 
 
-def _check(config: EnvConfig, num_episodes: int, *, given_env: bool) -> None:
+def _check(config: EnvConfig, num_episodes: int, max_turns: int, *, given_env: bool) -> None:
     def where(name: str) -> str:
         return f"env.{name}" if given_env else "env_id"
 
@@ -141,6 +131,12 @@ def _check(config: EnvConfig, num_episodes: int, *, given_env: bool) -> None:
             "num_episodes",
             f"{num_episodes} is not a multiple of the environment's batch_size "
             f"({config.batch_size})",
+        )
+    if num_episodes * config.max_turns > max_turns:
+        raise invalid(
+            "num_episodes",
+            f"{num_episodes} episodes of up to {config.max_turns} turns exceed the server's "
+            f"limit of {max_turns} turns per request",
         )
 
 

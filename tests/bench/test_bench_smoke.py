@@ -13,15 +13,15 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+def run_quick(bench: str, output: Path) -> dict:  # type: ignore[type-arg]
+    """`bench/BENCH.py --quick` into `output`; its JSON report."""
+    command = [sys.executable, f"bench/{bench}.py", "--quick", "--output", str(output)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    return json.loads((output / f"{bench}-quick.json").read_text())
+
+
 def test_batching_benchmark_quick(tmp_path):
-    subprocess.run(
-        [sys.executable, "bench/batching.py", "--quick", "--output", str(tmp_path)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    report = json.loads((tmp_path / "batching-quick.json").read_text())
+    report = run_quick("batching", tmp_path)
     assert set(report["http"]) == {"on", "off"}
     for mode in ("on", "off"):
         for route in ("logprobs", "generate"):
@@ -33,14 +33,7 @@ def test_batching_benchmark_quick(tmp_path):
 
 
 def test_rollouts_benchmark_quick(tmp_path):
-    subprocess.run(
-        [sys.executable, "bench/rollouts.py", "--quick", "--output", str(tmp_path)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    report = json.loads((tmp_path / "rollouts-quick.json").read_text())
+    report = run_quick("rollouts", tmp_path)
     for parallel in ("2", "4"):
         row = report["parallel_episodes"][parallel]
         assert row["collect"]["episodes"] == row["rollouts"]["episodes"] == int(parallel)

@@ -95,9 +95,10 @@ def samples_to_tensordict(
             ]
         )
     prompt_lens = [len(s.tokens.prompt or []) for s in samples]
-    tail_lens = [len(s.tokens.full or []) - p for s, p in zip(samples, prompt_lens, strict=True)]
-    if any(s.tokens.full is None for s in samples):
-        tail_lens = [len(s.tokens.response or []) for s in samples]
+    tail_lens = [  # what follows the prompt in the padded layout
+        len(s.tokens.response or []) if s.tokens.full is None else len(s.tokens.full) - p
+        for s, p in zip(samples, prompt_lens, strict=True)
+    ]
     max_prompt, max_tail = max(prompt_lens), max(tail_lens)
     columns: dict[tuple[str, str], torch.Tensor] = {}
     for key in keys:

@@ -112,6 +112,28 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+@pytest.fixture(scope="session")
+async def two_model_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """A server whose reference is another built-in model (seed 1), so KL is not zero."""
+    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
+    app: FastAPI = create_app(
+        settings.model_copy(
+            update={"ref_model": str(ref_dir), "data_dir": settings.data_dir / "two-models"}
+        )
+    )
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            yield client
+
+
+@pytest.fixture(scope="session")
+def ref_model(settings: Settings) -> torch.nn.Module:
+    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
+    return AutoModelForCausalLM.from_pretrained(ref_dir).eval()
+
+
 def assert_close(actual: list[float], expected: list[float], tol: float) -> None:
     assert len(actual) == len(expected)
     worst = max((abs(a - b) for a, b in zip(actual, expected, strict=True)), default=0.0)

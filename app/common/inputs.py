@@ -36,6 +36,7 @@ class InputPreparer:
         template = getattr(tokenizer, "chat_template", None) or ""
         self.has_chat_template = bool(template)
         self.has_generation_tags = bool(_GENERATION_TAG.search(template))
+        self.special_ids: set[int] = set(getattr(tokenizer, "all_special_ids", None) or [])
 
     # -- text and templates -------------------------------------------------------------
 

@@ -1,24 +1,72 @@
-"""Episode state transitions (TorchRL ChatEnv / LLMEnv semantics), free of HTTP and storage.
-
-State is plain JSON: {"started", "cursor", "rows": [{history | text | tokens, answer, turns,
-done, terminated, truncated, total_reward}]}."""
+"""Episode state and its transitions (TorchRL ChatEnv / LLMEnv semantics), free of HTTP and
+storage. Every row keeps its exact token history: a token action enters it as sent, and the
+next prompt is the previous prompt + the action + what the chat template adds after it
+(`app.common.turns`), never a re-encoding of decoded text."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.common.inputs import InputPreparer
+from app.common.inputs import Conversation, InputPreparer
+from app.common.turns import continuation_ids, continuation_text
 from app.envs.datasets import Problem
 from app.envs.hashing import chain_hash
 from app.envs.protocol import Action, EnvConfig, Message, Observation, ResetRequest
 from app.errors import invalid
 
-Row = dict[str, Any]
+
+@dataclass
+class Row:
+    """One episode. `ids` is the exact token history: the prompt of the next turn."""
+
+    ids: list[int]
+    answer: str | None = None
+    history: Conversation | None = None  # chat environments
+    text: str | None = None  # text environments
+    turns: int = 0
+    done: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    total_reward: float = 0.0
 
 
-def new_state() -> dict[str, Any]:
-    return {"started": False, "cursor": 0, "rows": []}
+@dataclass
+class EpisodeState:
+    """A session's episodes; serialized only by the session store (`to_json`/`from_json`)."""
+
+    started: bool = False
+    cursor: int = 0
+    rows: list[Row] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EpisodeState:
+        rows = data.get("rows", [])
+        if any("ids" not in row for row in rows):  # stored before token histories: reset it
+            return cls(started=False, cursor=int(data.get("cursor", 0)))
+        return cls(
+            started=bool(data["started"]),
+            cursor=int(data["cursor"]),
+            rows=[Row(**row) for row in rows],
+        )
+
+
+@dataclass(frozen=True)
+class ActionTokens:
+    """A row's action: its exact ids, its text (what rewards and tools read), and the prompt
+    it answered."""
+
+    prompt: list[int]
+    ids: list[int]
+    text: str
+
+    @property
+    def full(self) -> list[int]:
+        return self.prompt + self.ids
 
 
 def _fresh_row(
@@ -26,32 +74,26 @@ def _fresh_row(
     preparer: InputPreparer,
     *,
     query: str | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: Conversation | None = None,
     tokens: list[int] | None = None,
     answer: str | None = None,
 ) -> Row:
-    row: Row = {
-        "answer": answer,
-        "turns": 0,
-        "done": False,
-        "terminated": False,
-        "truncated": False,
-        "total_reward": 0.0,
-    }
     if config.kind == "chat":
         system = (
             [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
         )
         if messages is not None:
-            has_system = messages[0]["role"] == "system"
-            row["history"] = messages if has_system else system + messages
+            history = messages if messages[0]["role"] == "system" else system + messages
         else:
-            row["history"] = [*system, {"role": "user", "content": query or ""}]
-    elif config.kind == "text":
-        row["text"] = query if query is not None else preparer.decode(tokens or [])
-    else:
-        row["tokens"] = tokens if tokens is not None else preparer.encode(query or "")
-    return row
+            history = [*system, {"role": "user", "content": query or ""}]
+        ids = preparer.template(history, generation_prompt=True).ids
+        return Row(ids=ids, answer=answer, history=history)
+    if config.kind == "text":
+        text = query if query is not None else preparer.decode(tokens or [])
+        ids = list(tokens) if tokens is not None else preparer.encode(text)
+        return Row(ids=ids, answer=answer, text=text)
+    ids = list(tokens) if tokens is not None else preparer.encode(query or "")
+    return Row(ids=ids, answer=answer)
 
 
 def dataset_problems(config: EnvConfig, problems: list[Problem], cursor: int) -> list[Problem]:
@@ -65,7 +107,7 @@ def dataset_problems(config: EnvConfig, problems: list[Problem], cursor: int) ->
 
 def reset(
     config: EnvConfig,
-    state: dict[str, Any],
+    state: EpisodeState,
     request: ResetRequest,
     preparer: InputPreparer,
     problems: list[Problem] | None,
@@ -82,7 +124,6 @@ def reset(
         raise invalid("messages", f"needs kind 'chat', this environment is '{config.kind}'")
     if request.tokens is not None and config.kind == "chat":
         raise invalid("tokens", "a chat environment takes query or messages")
-    rows: list[Row]
     if request.query is not None:
         rows = [
             _fresh_row(config, preparer, query=q, answer=answers[i] if answers else None)
@@ -101,75 +142,60 @@ def reset(
     else:
         if problems is None:
             raise invalid("query", "required: this environment has no dataset to draw from")
-        drawn = dataset_problems(config, problems, state["cursor"])
-        state["cursor"] += size // config.repeats
+        drawn = dataset_problems(config, problems, state.cursor)
+        state.cursor += size // config.repeats
         rows = [_fresh_row(config, preparer, query=p.query, answer=p.answer) for p in drawn]
-    state["rows"], state["started"] = rows, True
-
-
-def prompt_tokens(config: EnvConfig, row: Row, preparer: InputPreparer) -> list[int]:
-    """The ids to generate from (chat: templated with the generation prompt)."""
-    if config.kind == "chat":
-        return preparer.template(row["history"], generation_prompt=True).ids
-    return preparer.encode(row["text"]) if config.kind == "text" else list(row["tokens"])
-
-
-def turn_tokens(config: EnvConfig, row: Row, preparer: InputPreparer) -> list[int]:
-    """The ids of the row through its last action (chat: without a generation prompt)."""
-    if config.kind == "chat":
-        return preparer.template(row["history"], generation_prompt=False).ids
-    return prompt_tokens(config, row, preparer)
+    state.rows, state.started = rows, True
 
 
 def observation(config: EnvConfig, row: Row, preparer: InputPreparer) -> Observation:
-    if config.kind == "chat":
-        prepared = preparer.template(row["history"], generation_prompt=True)
-        prompt_text, prompt_tokens = prepared.text or "", prepared.ids
-        history: list[Message] | None = [Message(**m) for m in row["history"]]
-        text = None
-    elif config.kind == "text":
-        prompt_text, prompt_tokens = row["text"], preparer.encode(row["text"])
-        history, text = None, row["text"]
-    else:
-        prompt_tokens = row["tokens"]
-        prompt_text = preparer.decode(prompt_tokens)
-        history, text = None, prompt_text
+    history = [Message(**m) for m in row.history] if row.history is not None else None
+    prompt_text = preparer.decode(row.ids)
+    text = None if config.kind == "chat" else row.text if row.text is not None else prompt_text
     return Observation(
         history=history,
         text=text,
         prompt_text=prompt_text,
-        prompt_tokens=prompt_tokens,
-        hash=chain_hash(prompt_tokens) if config.hashing else None,
+        prompt_tokens=row.ids,
+        hash=chain_hash(row.ids) if config.hashing else None,
     )
 
 
-def action_text(action: Action, preparer: InputPreparer) -> str:
-    if action.text is not None:
-        return action.text
-    return preparer.decode(list(action.tokens or []), skip_special=True)
+def action_tokens(row: Row, action: Action, preparer: InputPreparer) -> ActionTokens:
+    """The action as exact ids (token actions as sent; text actions encoded once, without
+    special tokens) and as text (token actions decoded without special tokens)."""
+    if action.tokens is not None:
+        ids = list(action.tokens)
+        return ActionTokens(list(row.ids), ids, preparer.decode(ids, skip_special=True))
+    text = action.text or ""
+    return ActionTokens(list(row.ids), preparer.encode(text, special=False), text)
 
 
-def apply_action(config: EnvConfig, row: Row, action: Action, preparer: InputPreparer) -> str:
-    """Append the action to the row's observation; return the action as text."""
-    text = action_text(action, preparer)
+def apply_action(
+    config: EnvConfig,
+    row: Row,
+    action: ActionTokens,
+    preparer: InputPreparer,
+    following: Conversation | None = None,
+) -> None:
+    """Append the action, then (chat) the `following` messages (tool results) and the next
+    generation prompt, as the chat template writes them."""
+    row.ids = action.full
     if config.kind == "chat":
-        row["history"].append({"role": "assistant", "content": text})
+        history = row.history or []
+        after = following or []
+        text = continuation_text(preparer, history, action.text, after)
+        row.ids += continuation_ids(preparer, action.ids, text, preparer.special_ids)
+        row.history = [*history, {"role": "assistant", "content": action.text}, *after]
     elif config.kind == "text":
-        row["text"] += text
-    else:
-        row["tokens"] += (
-            list(action.tokens)
-            if action.tokens is not None
-            else preparer.encode(text, special=False)
-        )
-    return text
+        row.text = (row.text or "") + action.text
 
 
 def finish_turn(config: EnvConfig, row: Row, reward: float, ends_episode: bool) -> None:
-    row["turns"] += 1
-    row["total_reward"] += reward
-    row["terminated"] = ends_episode
-    row["truncated"] = (
-        not ends_episode and config.max_turns is not None and row["turns"] >= config.max_turns
+    row.turns += 1
+    row.total_reward += reward
+    row.terminated = ends_episode
+    row.truncated = (
+        not ends_episode and config.max_turns is not None and row.turns >= config.max_turns
     )
-    row["done"] = row["terminated"] or row["truncated"]
+    row.done = row.terminated or row.truncated

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -31,6 +31,11 @@ class EnvConfig(WireModel):
         default=None, ge=1, description="Episodes are truncated after this many steps."
     )
     reward: str = Field(default="none", description="A registered reward: none, gsm8k, ...")
+    reward_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The reward's options, e.g. gsm8k: answer_tag (first | last), "
+        "correct_reward, format_reward.",
+    )
     tools: list[Literal["python"]] = Field(
         default_factory=list, description="python: run fenced python blocks, sandboxed."
     )

@@ -24,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 logger = logging.getLogger(__name__)
 UNPRIVILEGED_UID = 65534  # "nobody"
@@ -52,11 +53,18 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class SandboxResult:
     ok: bool
-    output: str
+    stdout: str
+    stderr: str
     exit_code: int | None
     timed_out: bool
     truncated: bool
     network_isolated: bool
+
+    @property
+    def output(self) -> str:
+        """What the tool reports, as TorchRL's PythonInterpreter does: stdout when the code
+        succeeded, stderr when it failed (each stream keeps the order the program wrote it)."""
+        return self.stdout if self.ok else self.stderr
 
 
 CLONE_NEWNET = 0x40000000
@@ -107,15 +115,46 @@ def _probe_network_namespace() -> bool:
     return probe.returncode == 0
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int, chunks: list[bytes]) -> None:
-    """Read into `chunks` until EOF or just past `cap` bytes (kept on timeout too)."""
-    size = 0
-    while size <= cap:
-        chunk = await stream.read(1 << 16)
-        if not chunk:
-            return
-        chunks.append(chunk)
-        size += len(chunk)
+@dataclass
+class _Capture:
+    """Both output streams, read concurrently under one shared byte cap."""
+
+    cap: int
+    stdout: list[bytes] = field(default_factory=list)
+    stderr: list[bytes] = field(default_factory=list)
+    size: int = 0
+    overflowed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def full(self) -> bool:
+        return self.size > self.cap
+
+    async def read(self, stream: asyncio.StreamReader, chunks: list[bytes]) -> None:
+        """Read into `chunks` until EOF or until the cap is passed (kept on timeout too)."""
+        while not self.full:
+            chunk = await stream.read(1 << 16)
+            if not chunk:
+                return
+            chunks.append(chunk)
+            self.size += len(chunk)
+        self.overflowed.set()
+
+    async def read_both(self, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader) -> None:
+        """Until both streams end, or one passes the cap (the process is killed then)."""
+        readers: asyncio.Future[Any] = asyncio.gather(
+            self.read(stdout, self.stdout), self.read(stderr, self.stderr)
+        )
+        overflow: asyncio.Future[Any] = asyncio.ensure_future(self.overflowed.wait())
+        try:
+            await asyncio.wait([readers, overflow], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (readers, overflow):
+                task.cancel()
+            await asyncio.gather(readers, overflow, return_exceptions=True)
+
+    def text(self, chunks: list[bytes], budget: int) -> tuple[str, int]:
+        data = b"".join(chunks)[:budget]
+        return data.decode("utf-8", errors="replace"), budget - len(data)
 
 
 async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -135,17 +174,17 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+            stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             preexec_fn=lambda: _limit(limits, isolate, drop),
         )
-        assert process.stdout is not None
+        assert process.stdout is not None and process.stderr is not None
         timed_out = False
-        chunks: list[bytes] = []
+        capture = _Capture(limits.max_output_bytes)
         try:
             async with asyncio.timeout(limits.timeout_s):
-                await _read_capped(process.stdout, limits.max_output_bytes, chunks)
-                if sum(map(len, chunks)) <= limits.max_output_bytes:
+                await capture.read_both(process.stdout, process.stderr)
+                if not capture.full:
                     await process.wait()
         except TimeoutError:
             timed_out = True
@@ -153,26 +192,30 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
             await _kill_group(process.pid)
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-            # Read the pipe to its end (the writers are dead), so its transport closes now.
+            # Read the pipes to their end (the writers are dead), so their transports close.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2.0):
-                    while await process.stdout.read(1 << 16):
-                        pass
+                    for stream in (process.stdout, process.stderr):
+                        while await stream.read(1 << 16):
+                            pass
             await process.wait()
-    output = b"".join(chunks)
-    truncated = len(output) > limits.max_output_bytes
-    text = output[: limits.max_output_bytes].decode("utf-8", errors="replace")
-    if truncated:
-        text += f"\n[output truncated at {limits.max_output_bytes} bytes]"
-    if timed_out:
-        text += f"\n[killed: exceeded the {limits.timeout_s:g} s time limit]"
     exit_code = process.returncode
+    ok = not timed_out and exit_code == 0 and not capture.full
+    stdout, left = capture.text(capture.stdout, limits.max_output_bytes)
+    stderr, _ = capture.text(capture.stderr, left)
+    notes = ""
+    if capture.full:
+        notes += f"\n[output truncated at {limits.max_output_bytes} bytes]"
+    if timed_out:
+        notes += f"\n[killed: exceeded the {limits.timeout_s:g} s time limit]"
+    # The notes go where the tool's message reads from: stdout on success, stderr otherwise.
     return SandboxResult(
-        ok=not timed_out and exit_code == 0,
-        output=text,
+        ok=ok,
+        stdout=stdout + (notes if ok else ""),
+        stderr=stderr + ("" if ok else notes),
         exit_code=exit_code,
         timed_out=timed_out,
-        truncated=truncated,
+        truncated=capture.full,
         network_isolated=isolate,
     )
 

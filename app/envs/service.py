@@ -28,10 +28,10 @@ from app.envs.protocol import (
     StepRequest,
     StepResponse,
 )
-from app.envs.rewards import REWARDS
+from app.envs.rewards import REWARDS, parse_options, score_reward
 from app.envs.sandbox import SandboxLimits
 from app.envs.store import SessionRecord, SessionStore, now
-from app.envs.tools import run_python_blocks, tool_message
+from app.envs.tools import run_python_blocks, tool_messages
 from app.errors import APIError, invalid
 from app.kl.estimators import per_token_kl
 
@@ -63,6 +63,7 @@ class EnvService:
     async def create(self, config: EnvConfig) -> EnvCreated:
         if config.reward not in REWARDS:
             raise invalid("reward", f"unknown reward '{config.reward}' (have {sorted(REWARDS)})")
+        parse_options(config.reward, config.reward_options)
         if config.dataset is not None and self.datasets.get(config.dataset) is None:
             raise invalid(
                 "dataset", f"unknown dataset '{config.dataset}' (have {self.datasets.names()})"
@@ -77,7 +78,8 @@ class EnvService:
             )
         env_id = f"env-{uuid.uuid4().hex}"
         stamp = now()
-        record = SessionRecord(env_id, config.model_dump(), episodes.new_state(), stamp, stamp)
+        state = episodes.EpisodeState().to_json()
+        record = SessionRecord(env_id, config.model_dump(), state, stamp, stamp)
         await self.store.put(record)
         return EnvCreated(env_id=env_id, config=config)
 
@@ -97,12 +99,17 @@ class EnvService:
         return await self.store.delete(env_id)
 
     @contextlib.asynccontextmanager
-    async def _session(self, env_id: str) -> AsyncIterator[SessionRecord]:
-        """The session under its lock; saved when the block completes without error."""
+    async def _session(
+        self, env_id: str
+    ) -> AsyncIterator[tuple[SessionRecord, episodes.EpisodeState]]:
+        """The session and its episodes under its lock; saved when the block completes
+        without error (a failed step changes nothing)."""
         lock = self._locks.setdefault(env_id, asyncio.Lock())
         async with lock:
             record = await self._load(env_id)
-            yield record
+            state = episodes.EpisodeState.from_json(record.state)
+            yield record, state
+            record.state = state.to_json()
             record.updated_at = now()
             await self.store.put(record)
 
@@ -127,21 +134,19 @@ class EnvService:
 
     async def reset(self, env_id: str, request: ResetRequest) -> ResetResponse:
         preparer = self.registry.get("policy").preparer
-        async with self._session(env_id) as record:
+        async with self._session(env_id) as (record, state):
             config = EnvConfig(**record.config)
             problems = self.datasets.get(config.dataset) if config.dataset else None
-            episodes.reset(config, record.state, request, preparer, problems)
-            observations = [
-                episodes.observation(config, row, preparer) for row in record.state["rows"]
-            ]
+            episodes.reset(config, state, request, preparer, problems)
+            observations = [episodes.observation(config, row, preparer) for row in state.rows]
         return ResetResponse(env_id=env_id, observations=observations)
 
     async def step(self, env_id: str, request: StepRequest) -> StepResponse:
         preparer = self.registry.get("policy").preparer
-        async with self._session(env_id) as record:
+        async with self._session(env_id) as (record, state):
             config = EnvConfig(**record.config)
-            rows = record.state["rows"]
-            if not record.state["started"]:
+            rows = state.rows
+            if not state.started:
                 raise APIError(
                     409, f"environment '{env_id}' has not been reset", type="conflict_error"
                 )
@@ -150,14 +155,14 @@ class EnvService:
                     "actions", f"has {len(request.actions)} entries for batch_size {len(rows)}"
                 )
             for i, (row, action) in enumerate(zip(rows, request.actions, strict=True)):
-                if action is not None and row["done"]:
+                if action is not None and row.done:
                     raise APIError(
                         409,
                         f"actions[{i}]: row {i}'s episode is done; send null or reset",
                         type="conflict_error",
                         param=f"actions[{i}]",
                     )
-                if action is None and not row["done"]:
+                if action is None and not row.done:
                     raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
             turns = await asyncio.gather(
                 *(
@@ -177,28 +182,25 @@ class EnvService:
         return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
 
     async def _act(
-        self, config: EnvConfig, row: dict[str, Any], action: Action | None, preparer: Any
+        self, config: EnvConfig, row: episodes.Row, action: Action | None, preparer: Any
     ) -> Turn | None:
         """Apply one row's action, run its tools and score it (without the KL penalty)."""
         if action is None:
             return None
-        # Token ids of the turn are needed only to score its KL penalty.
-        with_kl = config.kl is not None
-        prompt = episodes.prompt_tokens(config, row, preparer) if with_kl else []
-        text = episodes.apply_action(config, row, action, preparer)
-        full = episodes.turn_tokens(config, row, preparer) if with_kl else []
+        act = episodes.action_tokens(row, action, preparer)
         info: dict[str, object] = {}
+        following: list[dict[str, str]] = []
         if "python" in config.tools:
-            results = await run_python_blocks(text, self.sandbox)
+            results = await run_python_blocks(act.text, self.sandbox)
             if results:
-                row["history"].append({"role": "tool", "content": tool_message(results)})
+                following = tool_messages(results)
                 info["tool_results"] = [r.model_dump() for r in results]
-        result = REWARDS[config.reward](text, row["answer"])
-        if row["answer"] is not None and config.reward != "none":
-            info["answer"] = row["answer"]
+        episodes.apply_action(config, row, act, preparer, following)
+        result = score_reward(config.reward, config.reward_options, act.text, row.answer)
+        if row.answer is not None and config.reward != "none":
+            info["answer"] = row.answer
         return Turn(
-            prompt=prompt,
-            full=full,
+            action=act,
             reward=result.reward,
             ends_episode=result.ends_episode,
             breakdown={"task": result.reward, **result.info},
@@ -206,14 +208,15 @@ class EnvService:
         )
 
     async def _penalise_kl(self, config: EnvConfig, turns: list[Turn]) -> int:
-        """Subtract coeff * KL(policy||reference) over each turn's tokens, in one batched call
-        under a read lease (tools ran before it, so they never hold up a weight update)."""
+        """Subtract coeff * KL(policy||reference) over exactly the tokens of each action, in one
+        batched call under a read lease (tools ran before it, so they never hold up a weight
+        update). Equal to `/v1/kl` with prompt_tokens/response_tokens on the same ids."""
         if config.kl is None or not turns:
             return self.registry.policy_version
         async with self.registry.reading() as version:
-            scored = await self.registry.get_pair().score([t.full for t in turns])
+            scored = await self.registry.get_pair().score([t.action.full for t in turns])
         for turn, (policy, reference) in zip(turns, scored, strict=True):
-            mask = [0] * len(turn.prompt) + [1] * (len(turn.full) - len(turn.prompt))
+            mask = [0] * len(turn.action.prompt) + [1] * len(turn.action.ids)
             kl = sum(per_token_kl(policy, reference, mask, config.kl.estimator))
             turn.reward -= config.kl.coeff * kl
             turn.breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}
@@ -224,8 +227,7 @@ class EnvService:
 class Turn:
     """One row's step before its episode flags are updated."""
 
-    prompt: list[int]
-    full: list[int]
+    action: episodes.ActionTokens
     reward: float
     ends_episode: bool
     breakdown: dict[str, object]
@@ -233,33 +235,34 @@ class Turn:
 
 
 def _output(
-    config: EnvConfig, row: dict[str, Any], preparer: Any, reward: float, info: dict[str, object]
+    config: EnvConfig, row: episodes.Row, preparer: Any, reward: float, info: dict[str, object]
 ) -> StepOutput:
     return StepOutput(
         observation=episodes.observation(config, row, preparer),
         reward=reward,
-        done=row["done"],
-        terminated=row["terminated"],
-        truncated=row["truncated"],
+        done=row.done,
+        terminated=row.terminated,
+        truncated=row.truncated,
         info=info,
     )
 
 
 def _state(record: SessionRecord) -> EnvState:
+    state = episodes.EpisodeState.from_json(record.state)
     rows = [
         RowState(
-            turns=r["turns"],
-            done=r["done"],
-            terminated=r["terminated"],
-            truncated=r["truncated"],
-            total_reward=r["total_reward"],
+            turns=r.turns,
+            done=r.done,
+            terminated=r.terminated,
+            truncated=r.truncated,
+            total_reward=r.total_reward,
         )
-        for r in record.state["rows"]
+        for r in state.rows
     ]
     return EnvState(
         env_id=record.env_id,
         config=EnvConfig(**record.config),
-        started=record.state["started"],
+        started=state.started,
         rows=rows,
         created_at=record.created_at,
         updated_at=record.updated_at,

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import torch
-from fastapi import FastAPI
-from transformers import AutoModelForCausalLM
 
-from app.config import Settings
-from app.engine.loader import builtin_model_dir
-from app.main import create_app
-from tests.conftest import forward_log_probs, started
+from tests.conftest import forward_log_probs
 
 CONVERSATION = [
     {"role": "user", "content": "What is 6*7?"},
@@ -26,23 +19,6 @@ FORMULAS = {
     "k2": lambda d: d * d / 2,
     "k3": lambda d: math.exp(-d) + d - 1,
 }
-
-
-@pytest.fixture(scope="module")
-async def two_model_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
-    app: FastAPI = create_app(settings.model_copy(update={"ref_model": str(ref_dir)}))
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            yield client
-
-
-@pytest.fixture(scope="module")
-def ref_model(settings: Settings) -> torch.nn.Module:
-    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
-    return AutoModelForCausalLM.from_pretrained(ref_dir).eval()
 
 
 async def kl(client: httpx.AsyncClient, **body: object) -> dict:  # type: ignore[type-arg]

@@ -7,31 +7,66 @@ import json
 import pytest
 
 from app.envs.datasets import DatasetRegistry, arithmetic_problems
-from app.envs.rewards import REWARDS, ground_truth, gsm8k_reward, normalize_number, register_reward
+from app.envs.rewards import (
+    REWARDS,
+    RewardResult,
+    ground_truth,
+    normalize_number,
+    parse_options,
+    register_reward,
+    score_reward,
+)
+from app.errors import APIError
 
 
 @pytest.mark.parametrize(
-    ("response", "answer", "reward"),
+    ("response", "answer", "reward", "ends"),
     [
-        ("so <answer>42</answer>", "6*7 = 42\n#### 42", 1.0),
-        ("<answer>41</answer>", "#### 42", 0.1),
-        ("the answer is 42", "#### 42", 0.0),
-        ("<answer>1,000.00</answer>", "#### 1000", 1.0),
-        ("<answer>$1,000.</answer>", "#### 1000", 1.0),
-        ("<answer>50%</answer>", "#### 50", 1.0),
-        ("<answer> 7.50 </answer>", "#### 7.5", 1.0),
-        ("<answer>3</answer> then <answer>4</answer>", "#### 4", 1.0),
+        ("so <answer>42</answer>", "6*7 = 42\n#### 42", 1.0, True),
+        ("<answer>41</answer>", "#### 42", 0.1, True),
+        ("the answer is 42", "#### 42", 0.0, False),
+        ("<answer>1,000.00</answer>", "#### 1000", 1.0, True),
+        ("<answer>$1,000.</answer>", "#### 1000", 1.0, True),
+        ("<answer>50%</answer>", "#### 50", 1.0, True),
+        ("<answer> 7.50 </answer>", "#### 7.5", 1.0, True),
+        # TorchRL scores the first tag; so do we by default
+        ("<answer>3</answer> then <answer>4</answer>", "#### 4", 0.1, True),
+        ("<answer>4</answer> then <answer>3</answer>", "#### 4", 1.0, True),
+        # an empty tag is no answer: no format reward, the episode goes on
+        ("<answer></answer>", "#### 4", 0.0, False),
+        ("<answer>  </answer>", "#### 4", 0.0, False),
+        # TorchRL keeps the space left after removing "$" and fails this one (its bug)
+        ("<answer>$ 12</answer>", "#### 12", 1.0, True),
+        ("<answer>12 %</answer>", "#### 12", 1.0, True),
     ],
 )
-def test_gsm8k_reward(response, answer, reward):
-    result = gsm8k_reward(response, answer)
+def test_gsm8k_reward(response, answer, reward, ends):
+    result = score_reward("gsm8k", {}, response, answer)
     assert result.reward == reward
-    assert result.ends_episode == ("<answer>" in response)
+    assert result.ends_episode is ends
+    assert result.info["answer_given"] is ends
+    assert result.info["success"] is (reward == 1.0)
+
+
+def test_gsm8k_options_pick_the_last_tag_and_set_the_values():
+    options = {"answer_tag": "last", "correct_reward": 2.0, "format_reward": 0.25}
+    both = "<answer>3</answer> then <answer>4</answer>"
+    assert score_reward("gsm8k", options, both, "#### 4").reward == 2.0
+    assert score_reward("gsm8k", options, both, "#### 3").reward == 0.25
+    thought = score_reward("gsm8k", {}, "<think>hm</think><answer>4</answer>", "#### 4")
+    assert thought.info["think"] is True and thought.info["right"] == 1.0
+    with pytest.raises(APIError) as bad:
+        parse_options("gsm8k", {"answer_tag": "middle"})
+    assert bad.value.param == "reward_options.answer_tag"
+    with pytest.raises(APIError) as unknown:
+        parse_options("none", {"x": 1})
+    assert unknown.value.param == "reward_options.x"
 
 
 def test_normalisation_rules():
     assert normalize_number("1,234.500") == "1234.5"
     assert normalize_number("$12.") == "12"
+    assert normalize_number("$ 12") == "12"
     assert normalize_number("10.0") == "10"
     assert normalize_number("100") == "100"  # integer zeros stay
     assert ground_truth("steps\n#### 1,000") == "1000"
@@ -40,12 +75,10 @@ def test_normalisation_rules():
 def test_adding_a_reward_is_one_function():
     @register_reward("length")
     def length(response, answer):  # type: ignore[no-untyped-def]
-        from app.envs.rewards import RewardResult
-
         return RewardResult(float(len(response)))
 
     try:
-        assert REWARDS["length"]("abc", None).reward == 3.0
+        assert score_reward("length", {}, "abc", None).reward == 3.0
     finally:
         del REWARDS["length"]
 

@@ -51,10 +51,20 @@ async def test_server_environment_is_not_visible(monkeypatch):
 
 async def test_huge_print_is_truncated():
     result = await run_python("print('x' * 10_000_000)", LIMITS)
-    assert result.truncated
-    assert result.output.startswith("x" * 1000)
-    assert "[output truncated at 1000 bytes]" in result.output
-    assert len(result.output) < 1100
+    assert result.truncated and not result.ok
+    assert result.stdout == "x" * 1000
+    assert result.output == "\n[output truncated at 1000 bytes]"
+
+
+async def test_streams_keep_their_own_order_and_failures_report_stderr():
+    code = "import sys\nprint('out 1')\nprint('err 1', file=sys.stderr)\nprint('out 2')\n"
+    ok = await run_python(code, LIMITS)
+    assert ok.ok
+    assert (ok.stdout, ok.stderr, ok.output) == ("out 1\nout 2\n", "err 1\n", "out 1\nout 2\n")
+    failed = await run_python(code + "raise SystemExit('bad')", LIMITS)
+    assert not failed.ok and failed.exit_code == 1
+    assert failed.output == "err 1\nbad\n"
+    assert failed.stdout == "out 1\nout 2\n"
 
 
 async def test_fork_bomb_is_contained():

@@ -17,6 +17,7 @@ from app.common.protocol import (
 )
 from app.envs.protocol import EnvConfig
 from app.generation.protocol import StopList
+from app.rollouts.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn
 
 
 class RolloutGeneration(WireModel):
@@ -46,6 +47,12 @@ class RolloutRequest(WireModel):
         default=1, ge=1, le=64, description="Sessions run concurrently (env only)."
     )
     generation: RolloutGeneration = Field(default_factory=RolloutGeneration)
+    trajectory_return: TrajectoryReturn = Field(
+        default=DEFAULT_TRAJECTORY_RETURN,
+        description="GRPO groups (repeats > 1): what is normalised across the group. sum "
+        "(default), mean, max or last: one return per trajectory, its advantage on every step; "
+        "steps (TorchRL MCAdvantage's default): every step reward normalised together.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutRequest:
@@ -72,6 +79,9 @@ class RolloutStep(WireModel):
     policy_version: int = Field(description="The weights that generated this turn's response.")
     finish_reason: Literal["stop", "length"]
     info: dict[str, object]
+    advantage: float | None = Field(
+        default=None, description="GRPO groups: this step's advantage (see trajectory_return)."
+    )
 
 
 class Trajectory(WireModel):
@@ -84,8 +94,8 @@ class Trajectory(WireModel):
     )
     advantage: float | None = Field(
         default=None,
-        description="repeats > 1: (reward - group mean) / group std (unbiased, clamped at "
-        "1e-6), as TorchRL's MCAdvantage computes it.",
+        description="repeats > 1, unless trajectory_return is steps: (return - group mean) / "
+        "group std (unbiased, clamped at 1e-6), as TorchRL's MCAdvantage computes it.",
     )
     history: list[Message] | None = Field(default=None, description="Chat: the final history.")
 

@@ -7,13 +7,13 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from app.common.protocol import LogProbFields, Masks, TextFields, TokenFields
-from app.engine.sampling import row_seed
+from app.engine.sampling import turn_seed
 from app.envs.protocol import Action, EnvConfig, ResetRequest, StepOutput, StepRequest
 from app.envs.service import EnvService
 from app.errors import invalid
 from app.generation.protocol import GeneratedSample, GenerateRequest
 from app.generation.serving import GenerationService
-from app.rollouts.advantages import group_advantages
+from app.rollouts.advantages import TrajectoryReturn, group_advantages
 from app.rollouts.protocol import (
     RolloutGeneration,
     RolloutRequest,
@@ -21,8 +21,6 @@ from app.rollouts.protocol import (
     RolloutStep,
     Trajectory,
 )
-
-_TURN_SEED_STRIDE = 1 << 20
 
 
 class RolloutService:
@@ -46,10 +44,7 @@ class RolloutService:
             await asyncio.gather(*(worker(env_id) for env_id in env_ids))
         trajectories = [t for index in sorted(results) for t in results[index]]
         if config.repeats > 1:
-            advantages = group_advantages([t.reward for t in trajectories], config.repeats)
-            for i, (trajectory, advantage) in enumerate(zip(trajectories, advantages, strict=True)):
-                trajectory.group = i // config.repeats
-                trajectory.advantage = advantage
+            assign_advantages(trajectories, config.repeats, request.trajectory_return)
         return RolloutResponse(
             trajectories=trajectories,
             num_dialog_turns=sum(len(t.steps) for t in trajectories),
@@ -84,9 +79,7 @@ class RolloutService:
         live = list(range(len(observations)))
         turn = 0
         while live:
-            seed = None
-            if generation.seed is not None:
-                seed = row_seed(generation.seed, index * _TURN_SEED_STRIDE + turn)
+            seed = None if generation.seed is None else turn_seed(generation.seed, index, turn)
             generated = await self.generation.generate(
                 GenerateRequest(
                     tokens=[observations[i].prompt_tokens for i in live],
@@ -116,6 +109,19 @@ class RolloutService:
             )
             for row, row_steps in enumerate(steps)
         ]
+
+
+def assign_advantages(
+    trajectories: list[Trajectory], group_size: int, how: TrajectoryReturn
+) -> None:
+    """Group ids and advantages of consecutive groups of `group_size` trajectories."""
+    rewards = [[step.reward for step in t.steps] for t in trajectories]
+    advantages = group_advantages(rewards, group_size, how)
+    for i, (trajectory, values) in enumerate(zip(trajectories, advantages, strict=True)):
+        trajectory.group = i // group_size
+        trajectory.advantage = None if how == "steps" else values[0]
+        for step, value in zip(trajectory.steps, values, strict=True):
+            step.advantage = value
 
 
 def _check(config: EnvConfig, num_episodes: int, max_turns: int, *, given_env: bool) -> None:

@@ -73,6 +73,9 @@ async def test_grpo_groups_get_mc_advantages(client):
     mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True).clamp_min(1e-6)
     expected = ((rewards - mean) / std).flatten().tolist()
     assert_close([t["advantage"] for t in trajectories], expected, 1e-9)
+    assert [s["advantage"] for t in trajectories for s in t["steps"]] == [
+        t["advantage"] for t in trajectories
+    ]
     assert rewards.std(1).max() > 0  # the check above is not all zeros
     for group in range(4):  # a group shares its prompt
         prompts = {tuple(t["steps"][0]["tokens"]["prompt"]) for t in trajectories[group * 4 :][:4]}
@@ -117,3 +120,42 @@ async def test_an_existing_session_runs_the_episodes_and_stays(client):
 async def test_bad_rollout_requests_name_the_field(client, body, status, param):
     error = (await rollouts(client, status=status, **body))["error"]
     assert error["param"] == param
+
+
+def torch_advantages(rewards: list[list[float]], group_size: int, how: str) -> list[list[float]]:
+    """TorchRL MCAdvantage's arithmetic, written with torch: per-step over the group's steps
+    ("steps"), or one reduced return per trajectory broadcast to its steps."""
+    out: list[list[float]] = []
+    for start in range(0, len(rewards), group_size):
+        group = [torch.tensor(r, dtype=torch.float64) for r in rewards[start : start + group_size]]
+        if how == "steps":
+            flat = torch.cat(group)
+            normed = ((flat - flat.mean()) / flat.std().clamp_min(1e-6)).split(
+                [len(g) for g in group]
+            )
+            out.extend(n.tolist() for n in normed)
+            continue
+        reduce = {"sum": torch.sum, "mean": torch.mean, "max": torch.max, "last": lambda g: g[-1]}
+        returns = torch.stack([reduce[how](g) for g in group])
+        advantage = (returns - returns.mean()) / returns.std().clamp_min(1e-6)
+        out.extend([float(a)] * len(g) for a, g in zip(advantage, group, strict=True))
+    return out
+
+
+@pytest.mark.parametrize("how", ["steps", "sum", "mean", "max", "last"])
+async def test_multi_turn_advantages_follow_the_chosen_return(client, how):
+    env = {**ENV, "repeats": 4, "batch_size": 4, "max_turns": 3}
+    out = await rollouts(
+        client, env=env, num_episodes=8, generation={**GENERATION, "seed": 5}, trajectory_return=how
+    )
+    rewards = [[s["reward"] for s in t["steps"]] for t in out["trajectories"]]
+    assert all(len(r) == 3 for r in rewards)
+    expected = torch_advantages(rewards, 4, how)
+    got = [[s["advantage"] for s in t["steps"]] for t in out["trajectories"]]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert_close(mine, theirs, 1e-9)
+    if how == "steps":
+        assert all("advantage" not in t for t in out["trajectories"])
+    else:
+        assert [t["advantage"] for t in out["trajectories"]] == [g[0] for g in got]
+    assert any(len(set(g)) > 1 for g in got) or how != "steps"  # steps differ within a trajectory

@@ -85,3 +85,39 @@ async def test_progress_bar_shows_on_request_or_on_a_terminal(api, capsys, progr
         pass
     # pytest's captured stderr is not a terminal, so None (the default) stays quiet here
     assert ("turn" in capsys.readouterr().err) is shown
+
+
+async def test_the_same_seed_gives_the_same_trajectories_as_rollouts(api):
+    env = {**ENV, "batch_size": 2, "repeats": 2, "max_turns": 2, "seed": 3}
+    generation = {"max_new_tokens": 5, "seed": 21, "temperature": 1.0}
+    batches = await gather(api, env=env, total_dialog_turns=8, generation=generation)
+    mine = [t for b in batches for t in b.trajectories]
+    served = (await api.rollouts(env=env, num_episodes=4, generation=generation)).trajectories
+    assert len(mine) == len(served) == 4
+
+    def essence(trajectory):  # type: ignore[no-untyped-def]
+        return [
+            (s.tokens.full, s.reward, s.done, s.advantage) for s in trajectory.steps
+        ], trajectory.group
+
+    assert [essence(t) for t in mine] == [essence(t) for t in served]
+    # a different seed samples other tokens
+    other = await api.rollouts(env=env, num_episodes=4, generation={**generation, "seed": 22})
+    assert [essence(t) for t in other.trajectories] != [essence(t) for t in served]
+
+
+def test_client_twins_agree_with_the_server():
+    import random
+
+    from rlserve_client.advantages import group_advantages as client_advantages
+    from rlserve_client.seeds import turn_seed as client_seed
+
+    from app.engine.sampling import turn_seed as server_seed
+    from app.rollouts.advantages import group_advantages as server_advantages
+
+    rng = random.Random(0)
+    rewards = [[rng.choice([0.0, 0.1, 1.0]) for _ in range(rng.randint(1, 4))] for _ in range(12)]
+    for how in ("steps", "sum", "mean", "max", "last"):
+        assert client_advantages(rewards, 3, how) == server_advantages(rewards, 3, how)  # type: ignore[arg-type]
+    for seed, index, turn in [(0, 0, 0), (7, 3, 2), (2**40, 1, 9)]:
+        assert client_seed(seed, index, turn) == server_seed(seed, index, turn)

@@ -1,19 +1,60 @@
-"""Group-normalised advantages (GRPO), as TorchRL's `MCAdvantage` computes them."""
+"""Group-normalised advantages (GRPO), with TorchRL `MCAdvantage`'s choices of return.
+
+`trajectory_return`:
+- "steps" (TorchRL's default, `trajectory_return=None`): every step reward of the group's
+  trajectories is normalised together; each step gets its own advantage.
+- "sum" (rlserve's default), "mean", "max" (TorchRL's options) and "last" (the final step's
+  reward): each trajectory is reduced to one return, the returns are normalised across the
+  group, and the trajectory's advantage is broadcast to its steps.
+
+Normalisation is (x - mean) / std with the unbiased std clamped at 1e-6, as in TorchRL. For
+single-turn episodes every choice gives the same advantages. Twin of the server's
+`app.rollouts.advantages` (the client does not depend on the server; tests check they agree)."""
 
 from __future__ import annotations
 
 import statistics
+from typing import Literal
+
+TrajectoryReturn = Literal["steps", "sum", "mean", "max", "last"]
+DEFAULT_TRAJECTORY_RETURN: TrajectoryReturn = "sum"
 
 
-def group_advantages(rewards: list[float], group_size: int) -> list[float]:
-    """(r - group mean) / group std over consecutive groups of `group_size` (unbiased std,
-    clamped at 1e-6: a group of equal rewards gets advantage 0)."""
-    if group_size < 2 or len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
-    advantages: list[float] = []
-    for start in range(0, len(rewards), group_size):
-        group = rewards[start : start + group_size]
-        mean = statistics.fmean(group)
-        std = max(statistics.stdev(group), 1e-6)
-        advantages.extend((r - mean) / std for r in group)
-    return advantages
+def _normalise(values: list[float]) -> list[float]:
+    mean = statistics.fmean(values)
+    std = max(statistics.stdev(values), 1e-6) if len(values) > 1 else 1e-6
+    return [(v - mean) / std for v in values]
+
+
+def trajectory_return(rewards: list[float], how: TrajectoryReturn) -> float:
+    if how == "mean":
+        return statistics.fmean(rewards)
+    if how == "max":
+        return max(rewards)
+    if how == "last":
+        return rewards[-1]
+    return sum(rewards)
+
+
+def group_advantages(
+    step_rewards: list[list[float]],
+    group_size: int,
+    how: TrajectoryReturn = DEFAULT_TRAJECTORY_RETURN,
+) -> list[list[float]]:
+    """Per trajectory, the advantage of each step, for consecutive groups of `group_size`."""
+    if group_size < 2 or len(step_rewards) % group_size:
+        raise ValueError(
+            f"{len(step_rewards)} trajectories do not split into groups of {group_size}"
+        )
+    out: list[list[float]] = []
+    for start in range(0, len(step_rewards), group_size):
+        group = step_rewards[start : start + group_size]
+        if how == "steps":
+            flat = _normalise([r for rewards in group for r in rewards])
+            for rewards in group:
+                out.append(flat[: len(rewards)])
+                flat = flat[len(rewards) :]
+        else:
+            returns = _normalise([trajectory_return(rewards, how) for rewards in group])
+            out.extend([a] * len(rewards) for a, rewards in zip(returns, group, strict=True))
+    return out

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rlserve_client._client import AsyncClient
-from rlserve_client.advantages import group_advantages
+from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, group_advantages
 from rlserve_client.progress import progress_bar
+from rlserve_client.seeds import turn_seed
 from rlserve_client.types import (
     GenerateResult,
     LogProbs,
@@ -26,8 +27,6 @@ from rlserve_client.types import (
     Trajectory,
 )
 
-_ROUND_SEED_STRIDE = 1 << 20
-
 
 async def collect(
     client: AsyncClient,
@@ -38,6 +37,7 @@ async def collect(
     num_envs: int = 1,
     dialog_turns_per_batch: int | None = None,
     generation: dict[str, Any] | None = None,
+    trajectory_return: TrajectoryReturn = DEFAULT_TRAJECTORY_RETURN,
     progress: bool | None = None,
 ) -> AsyncIterator[RolloutResult]:
     """Yield completed trajectories until at least `total_dialog_turns` steps are collected.
@@ -50,7 +50,9 @@ async def collect(
     steps are ready (trajectories are never split). Rounds already running finish, so the
     total can exceed `total_dialog_turns` by what they add; a round starts only while the turns
     done plus one per running row stay below it. `generation`: sampling
-    parameters of every turn (`seed` makes the run reproducible). Sessions it created are
+    parameters of every turn (`seed` makes the run reproducible, with the same trajectories as
+    `/v1/rollouts` given the same seed). `trajectory_return`: what GRPO groups normalise, as
+    in `/v1/rollouts` (sum, mean, max, last, or steps). Sessions it created are
     deleted when it finishes; to stop early, iterate inside `contextlib.aclosing(collect(...))`
     so that happens at once."""
     if (env is None) == (env_id is None):
@@ -61,6 +63,7 @@ async def collect(
     repeats = int(config.get("repeats") or 1)
     async with _sessions(client, env, env_id, num_envs) as env_ids:
         runner = _Runner(client, dict(generation or {}), repeats, total_dialog_turns)
+        runner.trajectory_return = trajectory_return
         with progress_bar(total=total_dialog_turns, enabled=progress, unit="turn") as bar:
             runner.on_turns = bar.update
             async for batch in runner.run(env_ids, dialog_turns_per_batch):
@@ -99,6 +102,7 @@ class _Runner:
         self.num_live_rows = 0  # rows of running rounds: each will take at least one more turn
         self.num_rounds = 0
         self.num_groups = 0
+        self.trajectory_return: TrajectoryReturn = DEFAULT_TRAJECTORY_RETURN
         self.on_turns: Any = lambda n: None
 
     async def run(
@@ -141,10 +145,14 @@ class _Runner:
     def _group(self, trajectories: list[Trajectory]) -> None:
         if self.repeats < 2:
             return
-        advantages = group_advantages([t.reward for t in trajectories], self.repeats)
-        for i, (trajectory, advantage) in enumerate(zip(trajectories, advantages, strict=True)):
+        how = self.trajectory_return
+        rewards = [[step.reward for step in t.steps] for t in trajectories]
+        advantages = group_advantages(rewards, self.repeats, how)
+        for i, (trajectory, values) in enumerate(zip(trajectories, advantages, strict=True)):
             trajectory.group = self.num_groups + i // self.repeats
-            trajectory.advantage = advantage
+            trajectory.advantage = None if how == "steps" else values[0]
+            for step, value in zip(trajectory.steps, values, strict=True):
+                step.advantage = value
         self.num_groups += len(trajectories) // self.repeats
 
     async def _result(self, trajectories: list[Trajectory]) -> RolloutResult:
@@ -193,7 +201,7 @@ class _Runner:
     async def _generate(self, rows: list[Observation], index: int, turn: int) -> GenerateResult:
         params = dict(self.generation)
         if params.get("seed") is not None:
-            params["seed"] = params["seed"] + index * _ROUND_SEED_STRIDE + turn
+            params["seed"] = turn_seed(params["seed"], index, turn)
         return await self.client.generate(tokens=[o.prompt_tokens for o in rows], n=1, **params)
 
 

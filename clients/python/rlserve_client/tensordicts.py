@@ -195,9 +195,9 @@ def trajectories_to_tensordict(
         "policy_version": torch.tensor([s.policy_version for s in steps]),
         "trajectory": torch.tensor(index),
     }
-    if all(t.advantage is not None for t in trajectories):
-        advantages = [trajectories[i].advantage for i in index]
-        scalars["advantage"] = torch.tensor([[a] for a in advantages], dtype=torch.float32)
+    if all(s.advantage is not None for s in steps):
+        advantages = [[s.advantage] for s in steps]
+        scalars["advantage"] = torch.tensor(advantages, dtype=torch.float32)
     for key, value in scalars.items():
         td.set(key, value)
     return td

@@ -219,6 +219,7 @@ class Step(Sample):
     truncated: bool
     policy_version: int
     info: dict[str, Any] = {}
+    advantage: float | None = None
 
 
 class Trajectory(Result):

@@ -89,12 +89,11 @@ def backend_name(request: pytest.FixtureRequest) -> str:
 
 
 def backend_settings(settings: Settings, backend: str) -> Settings:
-    """The vLLM engines run the same built-in model in float32 with a small KV cache each."""
+    """The vLLM engines run the same built-in model with a small KV cache each, at the default
+    dtype: `auto` resolves to the checkpoint's float32 for both backends."""
     if backend == "transformers":
         return settings.model_copy(update={"backend": "transformers"})
-    return settings.model_copy(
-        update={"backend": "vllm", "dtype": "float32", "kv_cache_memory_bytes": 256 << 20}
-    )
+    return settings.model_copy(update={"backend": "vllm", "kv_cache_memory_bytes": 256 << 20})
 
 
 @pytest.fixture(scope="session")

@@ -68,12 +68,48 @@ def resolve_backend(settings: Settings) -> str:
     return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
 
 
+_CHECKPOINT_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+def resolve_dtype(setting: str, source: str, *, cuda: bool, trust_remote_code: bool) -> str:
+    """`auto` resolved once, from the checkpoint, the same for every backend: the checkpoint's
+    dtype (float32 when it names none), except float16 on CPU, which runs as float32 (slow and
+    inexact there). So both backends serve a float32 checkpoint in float32 by default."""
+    if setting != "auto":
+        return setting
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(stored).removeprefix("torch.") if stored is not None else "float32"
+    checkpoint = name if name in _CHECKPOINT_DTYPES else "float32"
+    resolved = "float32" if checkpoint == "float16" and not cuda else checkpoint
+    logger.info(
+        "dtype auto: %s (the checkpoint stores %s%s)",
+        resolved,
+        name,
+        "; float16 runs as float32 on CPU" if resolved != checkpoint else "",
+    )
+    return resolved
+
+
 async def load_backend(
     settings: Settings, *, name: str, source: str, builtin: bool, num_engines: int = 1
 ) -> Backend:
     """Load one model with the configured backend, off the event loop where it blocks."""
     kind = resolve_backend(settings)
-    logger.info("loading %s model from %s (backend=%s)", name, source, kind)
+    import torch
+
+    on_gpu = settings.device.startswith("cuda") or settings.device == "auto"
+    cuda = on_gpu and torch.cuda.is_available()
+    dtype = await asyncio.to_thread(
+        resolve_dtype,
+        settings.dtype,
+        source,
+        cuda=cuda,
+        trust_remote_code=settings.trust_remote_code,
+    )
+    logger.info("loading %s model from %s (backend=%s, dtype=%s)", name, source, kind, dtype)
     if kind == "vllm":
         from app.engine.vllm_backend import VLLMBackend
 
@@ -89,7 +125,7 @@ async def load_backend(
         return await VLLMBackend.start(
             source,
             name=name,
-            dtype=settings.dtype,
+            dtype=dtype,
             max_model_len=settings.max_model_len,
             trust_remote_code=settings.trust_remote_code,
             builtin=builtin,
@@ -102,7 +138,7 @@ async def load_backend(
         TransformersBackend.load,
         source,
         name=name,
-        dtype=settings.dtype,
+        dtype=dtype,
         device=settings.device,
         max_model_len=settings.max_model_len,
         trust_remote_code=settings.trust_remote_code,

@@ -28,13 +28,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    # The checkpoint's own dtype on GPU; float32 on CPU, where half precision is slow and inexact.
-    return "auto" if device.type == "cuda" else torch.float32
-
-
 class TransformersBackend(Backend):
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo) -> None:
         self.model = model
@@ -61,7 +54,9 @@ class TransformersBackend(Backend):
         target = resolve_device(device)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=resolve_dtype(dtype, target), trust_remote_code=trust_remote_code
+            source,
+            dtype=_DTYPES[dtype] if dtype != "auto" else "auto",
+            trust_remote_code=trust_remote_code,
         )
         model = model.to(device=target).eval()  # type: ignore[call-arg]
         model.requires_grad_(False)

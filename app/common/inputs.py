@@ -37,6 +37,10 @@ class InputPreparer:
         self.has_chat_template = bool(template)
         self.has_generation_tags = bool(_GENERATION_TAG.search(template))
         self.special_ids: set[int] = set(getattr(tokenizer, "all_special_ids", None) or [])
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None)
+        self.pad_token_id: int = int(pad) if pad is not None else 0
 
     # -- text and templates -------------------------------------------------------------
 

@@ -104,6 +104,7 @@ class GeneratedSample(Sample):
 class GenerateResponse(WireModel):
     policy_version: int
     model: ModelName
+    pad_token_id: int = Field(description="The model's padding token (for padded layouts).")
     outputs: list[list[GeneratedSample]] = Field(
         description="One list per input, with num_return_sequences samples each."
     )

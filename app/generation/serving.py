@@ -59,7 +59,12 @@ class GenerationService:
                     for gen in row
                 ]
             )
-        return GenerateResponse(policy_version=version, model=request.model, outputs=outputs)
+        return GenerateResponse(
+            policy_version=version,
+            model=request.model,
+            pad_token_id=served.preparer.pad_token_id,
+            outputs=outputs,
+        )
 
 
 def generated_sample(

@@ -26,6 +26,7 @@ class ModelCard(WireModel):
     max_model_len: int
     vocab_size: int
     builtin: bool
+    pad_token_id: int
 
 
 class ModelsResponse(WireModel):

@@ -47,7 +47,7 @@ async def models(registry: RegistryDep) -> ModelsResponse:
     for served in registry.models.values():
         fields = asdict(served.backend.info)
         fields.pop("extra")
-        cards.append(ModelCard(**fields))
+        cards.append(ModelCard(**fields, pad_token_id=served.preparer.pad_token_id))
     return ModelsResponse(models=cards, policy_version=registry.policy_version)
 
 

@@ -104,3 +104,4 @@ class RolloutResponse(WireModel):
     trajectories: list[Trajectory]
     num_dialog_turns: int
     policy_version: int = Field(description="The policy version when the rollout finished.")
+    pad_token_id: int = Field(description="The policy's padding token (for padded layouts).")

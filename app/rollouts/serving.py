@@ -49,6 +49,7 @@ class RolloutService:
             trajectories=trajectories,
             num_dialog_turns=sum(len(t.steps) for t in trajectories),
             policy_version=self.envs.registry.policy_version,
+            pad_token_id=self.envs.registry.get("policy").preparer.pad_token_id,
         )
 
     @contextlib.asynccontextmanager

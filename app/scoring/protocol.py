@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from app.common.protocol import ModelName, Sample, SplitInputFields, WireModel
 
 
@@ -14,4 +16,5 @@ class LogProbsRequest(SplitInputFields):
 class LogProbsResponse(WireModel):
     policy_version: int
     model: ModelName
+    pad_token_id: int = Field(description="The model's padding token (for padded layouts).")
     outputs: list[Sample]

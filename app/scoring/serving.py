@@ -27,4 +27,9 @@ class ScoringService:
             scored_sample(item, lps, served.preparer, with_text=with_text)
             for item, lps in zip(prepared, values, strict=True)
         ]
-        return LogProbsResponse(policy_version=version, model=request.model, outputs=outputs)
+        return LogProbsResponse(
+            policy_version=version,
+            model=request.model,
+            pad_token_id=served.preparer.pad_token_id,
+            outputs=outputs,
+        )

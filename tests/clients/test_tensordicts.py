@@ -57,7 +57,7 @@ def test_padded_layout_is_left_padded_prompts_and_right_padded_responses():
 
 
 def test_unpadded_is_a_lazy_stack_with_each_samples_own_lengths():
-    td = samples_to_tensordict(samples(), padded=False)
+    td = samples_to_tensordict(samples(), padded=False, pad_token_id=9)
     assert [row["tokens", "full"].tolist() for row in td.unbind(0)] == [[1, 2, 3], [4, 5, 6, 7]]
     assert td[1]["log_probs", "response"].tolist() == [-1.0, -2.0, -3.0]
 
@@ -65,7 +65,7 @@ def test_unpadded_is_a_lazy_stack_with_each_samples_own_lengths():
 @pytest.mark.parametrize("padded", [True, False])
 def test_round_trip_recovers_every_field(padded):
     original = samples()
-    back = samples_from_tensordict(samples_to_tensordict(original, padded=padded))
+    back = samples_from_tensordict(samples_to_tensordict(original, padded=padded, pad_token_id=9))
     for before, after in zip(original, back, strict=True):
         assert after.tokens == before.tokens
         assert after.masks == before.masks
@@ -80,3 +80,23 @@ def test_the_core_client_does_not_import_torch():
     code = "import sys, rlserve_client; print('torch' in sys.modules, 'tensordict' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+async def test_padding_uses_the_models_pad_token_reported_by_the_server(api, hf_tokenizer):
+    pad = hf_tokenizer.pad_token_id
+    assert pad is not None and pad != 0 and pad in hf_tokenizer.all_special_ids
+    card = (await api.models()).models[0]
+    assert card.pad_token_id == pad
+    generated = await api.generate(
+        tokens=[[1, 2, 3], [4]], max_tokens=3, temperature=0, ignore_eos=True
+    )
+    assert generated.pad_token_id == pad
+    td = generated.to_tensordict()
+    # [4] is left-padded by two positions: the model's pad token, not token 0 (a real byte)
+    assert td["tokens", "full"][1, :2].tolist() == [pad, pad]
+    assert td["tokens", "prompt"][1].tolist() == [pad, pad, 4]
+    scored = await api.logprobs(tokens=[[5, 6, 7], [8]])
+    assert scored.to_tensordict()["tokens", "full"][1].tolist() == [8, pad, pad]
+    assert scored.to_tensordict(pad_token_id=0)["tokens", "full"][1].tolist() == [8, 0, 0]
+    with pytest.raises(ValueError, match="pad_token_id"):
+        scored.model_copy(update={"pad_token_id": None}).to_tensordict()

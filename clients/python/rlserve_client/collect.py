@@ -103,6 +103,7 @@ class _Runner:
         self.num_rounds = 0
         self.num_groups = 0
         self.trajectory_return: TrajectoryReturn = DEFAULT_TRAJECTORY_RETURN
+        self.pad_token_id: int | None = None
         self.on_turns: Any = lambda n: None
 
     async def run(
@@ -161,6 +162,7 @@ class _Runner:
             trajectories=trajectories,
             num_dialog_turns=sum(len(t.steps) for t in trajectories),
             policy_version=version,
+            pad_token_id=self.pad_token_id,
         )
 
     async def _round(self, env_id: str, index: int) -> list[Trajectory]:
@@ -172,6 +174,7 @@ class _Runner:
         turn = 0
         while live:
             generated = await self._generate([observations[i] for i in live], index, turn)
+            self.pad_token_id = generated.pad_token_id
             samples = dict(zip(live, generated.samples, strict=True))
             actions = [
                 {"tokens": samples[i].tokens.response or []} if i in samples else None

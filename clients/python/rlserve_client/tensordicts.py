@@ -80,7 +80,7 @@ def _pad_row(key: tuple[str, str], value: list[Any], left: int, right: int, pad:
 
 
 def samples_to_tensordict(
-    samples: Sequence[Sample], *, padded: bool = True, pad_token_id: int = 0
+    samples: Sequence[Sample], *, padded: bool = True, pad_token_id: int
 ) -> TensorDictBase:
     if not samples:
         raise ValueError("no samples to convert")
@@ -179,7 +179,7 @@ def _sample(fields: dict[tuple[str, str], Any]) -> Sample:
 
 
 def trajectories_to_tensordict(
-    trajectories: Sequence[Trajectory], *, padded: bool = True, pad_token_id: int = 0
+    trajectories: Sequence[Trajectory], *, padded: bool = True, pad_token_id: int
 ) -> TensorDictBase:
     """Every step of every trajectory, batch `[num_steps]`, with the sample keys plus
     ("next", "reward"|"done"|"terminated"|"truncated") of shape [num_steps, 1] (TorchRL's

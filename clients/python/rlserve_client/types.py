@@ -66,15 +66,25 @@ class Sample(Result):
     stop_reason: str | None = None
 
 
-def _to_tensordict(samples: Sequence[Sample], padded: bool) -> TensorDictBase:
+def _pad_id(given: int | None, served: int | None) -> int:
+    """The pad token: the caller's, else the one the server reported (never a guessed id)."""
+    if given is not None:
+        return given
+    if served is None:
+        raise ValueError("the server did not report pad_token_id: pass pad_token_id=")
+    return served
+
+
+def _to_tensordict(samples: Sequence[Sample], padded: bool, pad_token_id: int) -> TensorDictBase:
     from rlserve_client.tensordicts import samples_to_tensordict
 
-    return samples_to_tensordict(samples, padded=padded)
+    return samples_to_tensordict(samples, padded=padded, pad_token_id=pad_token_id)
 
 
 class GenerateResult(Result):
     policy_version: int
     model: str
+    pad_token_id: int | None = None
     outputs: list[list[Sample]]
 
     @property
@@ -82,18 +92,26 @@ class GenerateResult(Result):
         """Every sample, input by input (the `n` samples of an input are adjacent)."""
         return [sample for group in self.outputs for sample in group]
 
-    def to_tensordict(self, *, padded: bool = True) -> TensorDictBase:
-        """Batch `[num_inputs * n]`; see `rlserve_client.tensordicts` for the layout."""
-        return _to_tensordict(self.samples, padded)
+    def to_tensordict(
+        self, *, padded: bool = True, pad_token_id: int | None = None
+    ) -> TensorDictBase:
+        """Batch `[num_inputs * n]`; see `rlserve_client.tensordicts` for the layout. Tokens
+        pad with the model's pad token, as the server reports it."""
+        pad = _pad_id(pad_token_id, self.pad_token_id)
+        return _to_tensordict(self.samples, padded, pad)
 
 
 class LogProbsResult(Result):
     policy_version: int
     model: str
     outputs: list[Sample]
+    pad_token_id: int | None = None
 
-    def to_tensordict(self, *, padded: bool = True) -> TensorDictBase:
-        return _to_tensordict(self.outputs, padded)
+    def to_tensordict(
+        self, *, padded: bool = True, pad_token_id: int | None = None
+    ) -> TensorDictBase:
+        pad = _pad_id(pad_token_id, self.pad_token_id)
+        return _to_tensordict(self.outputs, padded, pad)
 
 
 class KLSample(Result):
@@ -238,11 +256,15 @@ class RolloutResult(Result):
     trajectories: list[Trajectory]
     num_dialog_turns: int
     policy_version: int
+    pad_token_id: int | None = None
 
-    def to_tensordict(self, *, padded: bool = True) -> TensorDictBase:
+    def to_tensordict(
+        self, *, padded: bool = True, pad_token_id: int | None = None
+    ) -> TensorDictBase:
         from rlserve_client.tensordicts import trajectories_to_tensordict
 
-        return trajectories_to_tensordict(self.trajectories, padded=padded)
+        pad = _pad_id(pad_token_id, self.pad_token_id)
+        return trajectories_to_tensordict(self.trajectories, padded=padded, pad_token_id=pad)
 
 
 class Json(Result):

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from app.common.masks import assistant_spans, assistant_spans_by_prefixes
 from app.errors import APIError, invalid
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -72,18 +73,15 @@ class InputPreparer:
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:
             ids = self.encode(text, special=False)
-            mask = self._mask_from_offsets(conversation, text)
+            mask = self._mask_from_offsets(conversation, text, generation_prompt)
         return Prepared(ids=ids, assistant_mask=mask, text=text, history=conversation)
 
-    def _mask_from_offsets(self, conversation: Conversation, text: str) -> list[int]:
-        spans = []
-        for i, message in enumerate(conversation):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(conversation[:i], generation_prompt=True) if i else ""
-            through = self.render(conversation[: i + 1], generation_prompt=False).rstrip()
-            if text.startswith(before) and text.startswith(through):
-                spans.append((len(before), len(through)))
+    def _mask_from_offsets(
+        self, conversation: Conversation, text: str, generation_prompt: bool
+    ) -> list[int]:
+        spans = assistant_spans(self, conversation, text, generation_prompt=generation_prompt)
+        if spans is None:  # the template rewrote the marked conversation: one render per turn
+            spans = assistant_spans_by_prefixes(self, conversation, text)
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return [int(any(s < b and a < e for s, e in spans)) for a, b in encoded["offset_mapping"]]
 

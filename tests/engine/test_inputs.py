@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from transformers import AutoTokenizer
 
 from app.common.inputs import InputPreparer
+from app.common.masks import assistant_spans_by_prefixes
 
 CONVERSATION = [
     {"role": "system", "content": "sys"},
@@ -29,3 +31,134 @@ def test_offset_mask_equals_generation_tag_mask(model_dir):
     assert a.ids == b.ids
     assert b.assistant_mask == a.assistant_mask
     assert sum(a.assistant_mask or []) == len("yo yo") + 1 + len("fine") + 1
+
+
+# Templates written the way real models ship them: no generation tags.
+QWEN_LIKE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m['content'] }}"
+    "{{- '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Reasoning of assistant turns before the last user message is dropped.
+REASONING_LIKE = (
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- set content = m['content'] %}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA_LIKE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+AGENT_TURNS = [
+    {"role": "user", "content": "What is 17*23? Use the tool."},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "python", "code": "17*23"}\n</tool_call>',
+    },
+    {"role": "tool", "content": "391"},
+    {"role": "assistant", "content": "It is 391."},
+    {"role": "user", "content": "And 2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def preparer_with(model_dir, template: str) -> InputPreparer:  # type: ignore[no-untyped-def]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = template
+    return InputPreparer(tokenizer, vocab_size=259, max_model_len=1 << 16)
+
+
+def prefix_method_mask(preparer: InputPreparer, conversation, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    spans = assistant_spans_by_prefixes(preparer, conversation, text)
+    encoded = preparer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [int(any(s < b and a < e for s, e in spans)) for a, b in encoded["offset_mapping"]]
+
+
+@pytest.mark.parametrize("template", [QWEN_LIKE, LLAMA_LIKE], ids=["qwen-like", "llama-like"])
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_linear_mask_equals_the_per_turn_prefix_mask(model_dir, template, generation_prompt):
+    preparer = preparer_with(model_dir, template)
+    conversation = AGENT_TURNS if not generation_prompt else AGENT_TURNS[:-1]
+    prepared = preparer.template(conversation, generation_prompt=generation_prompt)
+    expected = prefix_method_mask(preparer, conversation, prepared.text or "")
+    assert prepared.assistant_mask == expected
+    # every assistant message is covered, and nothing else is
+    text = prepared.text or ""
+    masked = "".join(
+        text[a:b]
+        for (a, b), m in zip(
+            preparer.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
+                "offset_mapping"
+            ],
+            expected,
+            strict=True,
+        )
+        if m
+    )
+    contents = [m["content"] for m in conversation if m["role"] == "assistant"]
+    end = "<|im_end|>" if template == QWEN_LIKE else "<|eot_id|>"
+    assert masked == "".join(c + end for c in contents)
+
+
+def test_masks_take_a_constant_number_of_renders(model_dir):
+    preparer = preparer_with(model_dir, QWEN_LIKE)
+    calls = 0
+    render = preparer.render
+
+    def counting(conversation, *, generation_prompt):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return render(conversation, generation_prompt=generation_prompt)
+
+    preparer.render = counting  # type: ignore[method-assign]
+    for num_turns in (2, 40):
+        calls = 0
+        conversation = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+            for i in range(num_turns)
+        ]
+        prepared = preparer.template(conversation, generation_prompt=False)
+        assert sum(prepared.assistant_mask or []) == sum(
+            len(f"turn {i}") + 1 for i in range(1, num_turns, 2)
+        )
+        assert calls <= 5, f"{calls} renders for {num_turns} turns"
+
+
+def test_turns_whose_reasoning_the_template_drops(model_dir):
+    preparer = preparer_with(model_dir, REASONING_LIKE)
+    conversation = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "<think>\nagain\n</think>\n6"},
+    ]
+    prepared = preparer.template(conversation, generation_prompt=False)
+    text = prepared.text or ""
+    assert "add them" not in text and "again" in text  # the template dropped the first reasoning
+    ids = prepared.ids
+    masked = preparer.decode(
+        [t for t, m in zip(ids, prepared.assistant_mask or [], strict=True) if m]
+    )
+    assert masked == "4<|im_end|>" + "<think>\nagain\n</think>\n6<|im_end|>"

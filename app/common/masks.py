@@ -1,0 +1,109 @@
+"""Assistant spans of a templated conversation whose chat template has no generation tags
+(most real ones: Qwen, Llama), as character ranges of the rendered text.
+
+Linear: the conversation is rendered once more with every assistant message wrapped in
+private-use markers; the markers' positions give the spans once they are removed, and the
+marker-free text must equal the real rendering (else the template rewrote the content and the
+per-turn prefix method below is used). A span covers the message as rendered plus the
+template's end-of-turn marker (e.g. `<|im_end|>`): the policy writes it, so it is trained on.
+A turn whose head the template dropped (reasoning removed from earlier turns) starts after its
+assistant header."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.common.inputs import Conversation, InputPreparer
+
+Spans = list[tuple[int, int]]
+_OPEN, _CLOSE, _END = "\ue000", "\ue001", "\ue002"
+_PROBE = "\ue003"
+
+
+def _marker(kind: str, index: int) -> str:
+    return f"{kind}{index}{_END}"
+
+
+def _template_framing(preparer: InputPreparer) -> tuple[str, str]:
+    """(assistant header, end-of-turn marker) of the template, from a probe conversation."""
+    user = [{"role": "user", "content": _PROBE}]
+    opened = preparer.render(user, generation_prompt=True)
+    header = opened[len(preparer.render(user, generation_prompt=False)) :]
+    closed = preparer.render(
+        [*user, {"role": "assistant", "content": _PROBE}], generation_prompt=False
+    )
+    end_of_turn = closed[closed.rindex(_PROBE) + len(_PROBE) :].rstrip()
+    return header, end_of_turn
+
+
+def assistant_spans(
+    preparer: InputPreparer, conversation: Conversation, text: str, *, generation_prompt: bool
+) -> Spans | None:
+    """Spans from one marked rendering; None when the markers cannot be trusted."""
+    if any(c in m["content"] for m in conversation for c in (_OPEN, _CLOSE, _END, _PROBE)):
+        return None
+    marked = [
+        {**m, "content": _marker(_OPEN, i) + m["content"] + _marker(_CLOSE, i)}
+        if m["role"] == "assistant"
+        else m
+        for i, m in enumerate(conversation)
+    ]
+    rendered = preparer.render(marked, generation_prompt=generation_prompt)
+    clean, places = _strip_markers(rendered)
+    if clean != text:
+        return None
+    header, end_of_turn = _template_framing(preparer)
+    spans: Spans = []
+    for i, message in enumerate(conversation):
+        if message["role"] != "assistant" or ("close", i) not in places:
+            continue
+        end = places["close", i]
+        start = places.get(("open", i))
+        if start is None:  # head dropped by the template: start after the assistant header
+            found = clean.rfind(header, 0, end) if header else -1
+            if found < 0:
+                continue
+            start = found + len(header)
+        if end_of_turn and clean.startswith(end_of_turn, end):
+            end += len(end_of_turn)
+        spans.append((start, end))
+    return spans
+
+
+def _strip_markers(rendered: str) -> tuple[str, dict[tuple[str, int], int]]:
+    """The text without markers, and where each marker stood in it."""
+    parts: list[str] = []
+    places: dict[tuple[str, int], int] = {}
+    length, cursor = 0, 0
+    while True:
+        starts = [
+            p for p in (rendered.find(_OPEN, cursor), rendered.find(_CLOSE, cursor)) if p >= 0
+        ]
+        if not starts:
+            parts.append(rendered[cursor:])
+            return "".join(parts), places
+        at = min(starts)
+        parts.append(rendered[cursor:at])
+        length += at - cursor
+        stop = rendered.find(_END, at)
+        if stop < 0 or not rendered[at + 1 : stop].isdigit():
+            return rendered, {}
+        kind = "open" if rendered[at] == _OPEN else "close"
+        places[kind, int(rendered[at + 1 : stop])] = length
+        cursor = stop + 1
+
+
+def assistant_spans_by_prefixes(
+    preparer: InputPreparer, conversation: Conversation, text: str
+) -> Spans:
+    """Two renders per assistant turn (quadratic); for templates that rewrite content."""
+    spans: Spans = []
+    for i, message in enumerate(conversation):
+        if message["role"] != "assistant":
+            continue
+        before = preparer.render(conversation[:i], generation_prompt=True) if i else ""
+        through = preparer.render(conversation[: i + 1], generation_prompt=False).rstrip()
+        if text.startswith(before) and text.startswith(through):
+            spans.append((len(before), len(through)))
+    return spans

@@ -143,7 +143,10 @@ async def main() -> None:
             trajectories = [t for b in batches for t in b.trajectories][:batch_size]
             rewards = torch.tensor([shaped_reward(t) for t in trajectories])
             result = RolloutResult(
-                trajectories=trajectories, num_dialog_turns=batch_size, policy_version=version
+                trajectories=trajectories,
+                num_dialog_turns=batch_size,
+                policy_version=version,
+                pad_token_id=batches[0].pad_token_id,
             )
             td = result.to_tensordict()
             td["advantage"] = advantages(rewards, args.group_size)[:, None]

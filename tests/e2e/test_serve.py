@@ -50,7 +50,8 @@ def test_serve_exits_when_the_model_cannot_load(tmp_path):
 def test_sigterm_lets_in_flight_requests_finish(tmp_path):
     env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache"), "RLSERVE_DATA_DIR": str(tmp_path / "data")}
     with running_server(env=env, log=tmp_path / "server.log") as server:
-        body = {"tokens": [[1, 2, 3]] * 8, "max_tokens": 400, "ignore_eos": True}
+        # Long enough to still be running when the signal comes, even on a loaded machine.
+        body = {"tokens": [[1, 2, 3]] * 32, "max_tokens": 1500, "ignore_eos": True}
         result: dict[str, httpx.Response] = {}  # and "finished": its end time
 
         def slow_request() -> None:
@@ -69,6 +70,6 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         response = result["response"]
         assert response.status_code == 200
         assert result["finished"] > signalled  # type: ignore[operator]  # it was in flight
-        assert all(len(s[0]["tokens"]["response"]) == 400 for s in response.json()["outputs"])
+        assert all(len(s[0]["tokens"]["response"]) == 1500 for s in response.json()["outputs"])
         assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in (tmp_path / "server.log").read_text()

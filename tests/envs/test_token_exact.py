@@ -113,3 +113,13 @@ async def test_one_tool_message_per_block_in_torchrl_wording(client, hf_tokenize
         + action_ids
         + chatml_ids(hf_tokenizer, rendered[len(prompt + action) :])
     )
+
+
+async def test_token_actions_outside_the_vocabulary_are_422(client):
+    env = await create(client)
+    await call(client, f"/v1/envs/{env}/reset", {"query": ["hi"]})
+    bad = await client.post(f"/v1/envs/{env}/step", json={"actions": [{"tokens": [65, 10**6]}]})
+    assert bad.status_code == 422
+    assert bad.json()["error"]["param"] == "actions[0].tokens"
+    ok = await call(client, f"/v1/envs/{env}/step", {"actions": [{"tokens": [65]}]})
+    assert ok["outputs"][0]["observation"]["history"][-1]["content"] == "A"

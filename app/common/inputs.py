@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-from app.common.masks import assistant_spans, assistant_spans_by_prefixes
+from app.common.masks import (
+    TemplateFraming,
+    assistant_spans,
+    assistant_spans_by_prefixes,
+    template_framing,
+)
 from app.errors import APIError, invalid
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -44,6 +50,11 @@ class InputPreparer:
         self.pad_token_id: int = int(pad) if pad is not None else 0
 
     # -- text and templates -------------------------------------------------------------
+
+    @cached_property
+    def framing(self) -> TemplateFraming:
+        """The chat template's assistant header and end-of-turn marker (probed once)."""
+        return template_framing(self)
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -136,19 +147,23 @@ class InputPreparer:
         if not self.has_chat_template:
             raise invalid(field, "this model's tokenizer has no chat template; send text or tokens")
 
+    def check_vocabulary(self, ids: list[int], field: str) -> None:
+        """422 naming `field` for the first id outside the vocabulary."""
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise invalid(
+                field,
+                f"token id {bad} at position {ids.index(bad)} is outside the "
+                f"vocabulary (ids must be below {self.vocab_size})",
+            )
+
     def check(self, prepared: list[Prepared], field: str, *, max_new_tokens: int = 0) -> None:
         """422 for empty sequences, ids outside the vocabulary and over-long sequences."""
         for i, item in enumerate(prepared):
             name = f"{field}[{i}]"
             if not item.ids:
                 raise invalid(name, "the sequence has no tokens")
-            bad = next((t for t in item.ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise invalid(
-                    name,
-                    f"token id {bad} at position {item.ids.index(bad)} is outside the "
-                    f"vocabulary (ids must be below {self.vocab_size})",
-                )
+            self.check_vocabulary(item.ids, name)
             if len(item.ids) > self.max_model_len:
                 raise invalid(
                     name,

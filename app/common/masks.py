@@ -11,7 +11,7 @@ assistant header."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from app.common.inputs import Conversation, InputPreparer
@@ -25,8 +25,13 @@ def _marker(kind: str, index: int) -> str:
     return f"{kind}{index}{_END}"
 
 
-def _template_framing(preparer: InputPreparer) -> tuple[str, str]:
-    """(assistant header, end-of-turn marker) of the template, from a probe conversation."""
+class TemplateFraming(NamedTuple):
+    header: str  # what opens an assistant turn (the generation prompt)
+    end_of_turn: str  # what closes it, trailing whitespace excluded
+
+
+def template_framing(preparer: InputPreparer) -> TemplateFraming:
+    """The template's assistant framing, from a probe conversation (cached by the preparer)."""
     user = [{"role": "user", "content": _PROBE}]
     opened = preparer.render(user, generation_prompt=True)
     header = opened[len(preparer.render(user, generation_prompt=False)) :]
@@ -34,7 +39,7 @@ def _template_framing(preparer: InputPreparer) -> tuple[str, str]:
         [*user, {"role": "assistant", "content": _PROBE}], generation_prompt=False
     )
     end_of_turn = closed[closed.rindex(_PROBE) + len(_PROBE) :].rstrip()
-    return header, end_of_turn
+    return TemplateFraming(header, end_of_turn)
 
 
 def assistant_spans(
@@ -53,7 +58,7 @@ def assistant_spans(
     clean, places = _strip_markers(rendered)
     if clean != text:
         return None
-    header, end_of_turn = _template_framing(preparer)
+    header, end_of_turn = preparer.framing
     spans: Spans = []
     for i, message in enumerate(conversation):
         if message["role"] != "assistant" or ("close", i) not in places:

@@ -44,13 +44,11 @@ def probe_continuation(preparer: InputPreparer, following: Conversation) -> str:
     return after[after.rindex(_PROBE) + len(_PROBE) :]
 
 
-def continuation_ids(
-    preparer: InputPreparer, action: list[int], text: str, special_ids: set[int]
-) -> list[int]:
+def continuation_ids(preparer: InputPreparer, action: list[int], text: str) -> list[int]:
     """`text` (from `continuation_text`) as ids, less the leading ids the action already ends
     with when the action ends with a special token (the policy wrote its own end of turn)."""
     ids = preparer.encode(text, special=False)
-    if not action or action[-1] not in special_ids:
+    if not action or action[-1] not in preparer.special_ids:
         return ids
     for overlap in range(min(len(action), len(ids)), 0, -1):
         if action[-overlap:] == ids[:overlap]:

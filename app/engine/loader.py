@@ -98,10 +98,9 @@ async def load_backend(
 ) -> Backend:
     """Load one model with the configured backend, off the event loop where it blocks."""
     kind = resolve_backend(settings)
-    import torch
+    from app.engine.transformers_backend import resolve_device
 
-    on_gpu = settings.device.startswith("cuda") or settings.device == "auto"
-    cuda = on_gpu and torch.cuda.is_available()
+    cuda = resolve_device(settings.device).type == "cuda"
     dtype = await asyncio.to_thread(
         resolve_dtype,
         settings.dtype,

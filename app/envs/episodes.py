@@ -185,7 +185,7 @@ def apply_action(
         history = row.history or []
         after = following or []
         text = continuation_text(preparer, history, action.text, after)
-        row.ids += continuation_ids(preparer, action.ids, text, preparer.special_ids)
+        row.ids += continuation_ids(preparer, action.ids, text)
         row.history = [*history, {"role": "assistant", "content": action.text}, *after]
     elif config.kind == "text":
         row.text = (row.text or "") + action.text

@@ -164,14 +164,8 @@ class EnvService:
                     )
                 if action is None and not row.done:
                     raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
-                tokens = (action.tokens if action is not None else None) or []
-                bad = next((t for t in tokens if t >= preparer.vocab_size), None)
-                if bad is not None:
-                    raise invalid(
-                        f"actions[{i}].tokens",
-                        f"token id {bad} is outside the vocabulary (ids must be below "
-                        f"{preparer.vocab_size})",
-                    )
+                if action is not None and action.tokens is not None:
+                    preparer.check_vocabulary(action.tokens, f"actions[{i}].tokens")
             turns = await asyncio.gather(
                 *(
                     self._act(config, row, action, preparer)

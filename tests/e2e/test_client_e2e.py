@@ -21,7 +21,6 @@ from rlserve_client import (
     UnprocessableEntityError,
     collect,
 )
-from rlserve_client.tensordicts import samples_from_tensordict
 from safetensors.torch import save
 from tensordict import NonTensorStack, TensorDict
 
@@ -101,29 +100,34 @@ def test_retries_reach_a_server_that_fails_twice(tmp_path):
             client.ready()
 
 
-def test_tensordict_round_trip_and_remote_policy(client, reference_log_probs):
+def test_remote_policy_without_torchrl(client, reference_log_probs, hf_tokenizer):
+    """Plain TensorDicts in TorchRL's key layout where torchrl is not installed."""
     prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "what is 2+2"}]]
     td = TensorDict({"history": {"prompt": NonTensorStack.from_list(prompts)}}, batch_size=[2])
-    policy = RemotePolicy(client, generate_kwargs={"max_tokens": 5, "seed": 1})
+    policy = RemotePolicy(client, pad_output=True, generate_kwargs={"max_tokens": 5, "seed": 1})
     out = policy(td)
-    assert out["tokens", "full"].shape[0] == 2
-    for row, sample in enumerate(samples_from_tensordict(out)):
-        assert sample.history is not None and sample.history.prompt is not None
-        assert [m.model_dump() for m in sample.history.prompt] == prompts[row]
-        full = sample.tokens.full or []
-        prompt_len = len(sample.tokens.prompt or [])
-        expected = reference_log_probs(full)[prompt_len:]
-        assert_close(sample.log_probs.response or [], expected, 1e-4)  # type: ignore[union-attr]
-    # log-prob mode on the padded output keeps its layout
-    scorer = RemotePolicy(client, input_mode="tokens", generate=False)
-    scored = scorer(out.select(("tokens", "full"), ("masks", "all_attention_mask")))
+    pad = hf_tokenizer.pad_token_id
     mask = out["masks", "all_attention_mask"]
     for row in range(2):
+        assert out[row]["history", "prompt"] == prompts[row]
+        prompt = [t for t in out["tokens", "prompt"][row].tolist() if t != pad]
+        full = out["tokens", "full"][row][mask[row]].tolist()
+        response = full[len(prompt) :]
+        assert out["tokens", "response"][row].tolist()[: len(response)] == response
+        expected = reference_log_probs(full)[len(prompt) :]
+        got = out["log_probs", "response"][row].tolist()[: len(response)]
+        assert_close(got, expected, 1e-4)
+    # scoring the padded output: TorchRL's layout, sequences padded on the left
+    scorer = policy.get_new_version(input_mode="tokens", generate=False)
+    scored = scorer(out.select(("tokens", "full"), ("masks", "all_attention_mask")))
+    scored_mask = scored["masks", "all_attention_mask"]
+    for row in range(2):
         ids = out["tokens", "full"][row][mask[row]].tolist()
-        assert_close(
-            scored["log_probs", "full"][row][mask[row]].tolist(), reference_log_probs(ids), 1e-4
-        )
-        assert torch.all(scored["log_probs", "full"][row][~mask[row]] == 0)
+        assert scored["tokens", "full"][row][scored_mask[row]].tolist() == ids
+        values = scored["log_probs", "full"][row]
+        assert_close(values[scored_mask[row]].tolist(), reference_log_probs(ids), 1e-4)
+        assert torch.all(values[~scored_mask[row]] == 0)
+        assert not scored_mask[row][-1:].logical_not().any()  # left padding
 
 
 def test_collect_log_probs_equal_the_logprobs_route(server: Server):

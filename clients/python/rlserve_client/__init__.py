@@ -19,7 +19,21 @@ from rlserve_client._exceptions import (
 )
 from rlserve_client.advantages import group_advantages
 from rlserve_client.collect import collect
-from rlserve_client.remote import AsyncRemoteChatEnv, RemoteChatEnv, RemotePolicy
+from rlserve_client.remote import AsyncRemoteChatEnv, RemoteChatEnv
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from rlserve_client.policy import RemotePolicy
+
+
+def __getattr__(name: str) -> object:
+    """`RemotePolicy` imports torch (and torchrl when present) on first use only."""
+    if name == "RemotePolicy":
+        from rlserve_client.policy import RemotePolicy
+
+        return RemotePolicy
+    raise AttributeError(f"module 'rlserve_client' has no attribute {name!r}")
+
 
 __all__ = [
     "APIConnectionError",

@@ -1,0 +1,422 @@
+"""`RemotePolicy`: TorchRL's LLM wrapper interface, with the model on an rlserve server.
+
+Where torchrl is importable, `RemotePolicy` is an `LLMWrapperBase` and writes TorchRL's own
+containers (`Text`, `Tokens`, `Masks`, `LogProbs`, `ChatHistory` of `History`), so it drops
+into `ChatEnv`, `LLMCollector`, `RetrieveKL` and `KLRewardTransform` where
+`TransformersWrapper` or `vLLMWrapper` would go. Without torchrl the same keys hold plain
+TensorDicts (needs the `[torch]` extra either way).
+
+Layout, as TorchRL's wrappers lay it out: batch `[B]`, or `[B, num_samples]` when
+`num_samples` is set. `pad_output=False` gives a lazy stack with each row's own lengths;
+`pad_output=True` pads tokens with the model's pad token (log-probs 0.0, masks False):
+generated prompts on the left and responses on the right, scored sequences on the left."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+try:
+    import torch
+    from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
+    from tensordict import set_list_to_stack as _set_list_to_stack
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "RemotePolicy needs torch and tensordict: pip install 'rlserve-client[torch]'"
+    ) from error
+
+try:
+    from torchrl.data.llm import History as _History
+    from torchrl.modules.llm.policies import ChatHistory as _ChatHistory
+    from torchrl.modules.llm.policies import LLMWrapperBase as _Base
+    from torchrl.modules.llm.policies import LogProbs as _LogProbs
+    from torchrl.modules.llm.policies import Masks as _Masks
+    from torchrl.modules.llm.policies import Text as _Text
+    from torchrl.modules.llm.policies import Tokens as _Tokens
+
+    HAS_TORCHRL = True
+except ImportError:  # plain TensorDicts in TorchRL's key layout
+    HAS_TORCHRL = False
+
+    class _Base:  # type: ignore[no-redef]
+        def __call__(self, tensordict: TensorDictBase, **kwargs: Any) -> TensorDictBase:
+            return self.forward(tensordict, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
+from rlserve_client._client import Client
+from rlserve_client.seeds import turn_seed
+from rlserve_client.types import Sample
+
+InputMode = Literal["history", "text", "tokens"]
+Chat = list[dict[str, str]]
+
+# Generation keywords the server takes as they are (TorchRL's common names and vLLM's).
+_GENERATE_KWARGS = frozenset(
+    {
+        "max_new_tokens",
+        "max_tokens",
+        "num_return_sequences",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "do_sample",
+        "stop_sequences",
+        "stop",
+        "ignore_eos",
+        "skip_special_tokens",
+        "seed",
+    }
+)
+_IGNORED_KWARGS = frozenset({"logprobs", "return_dict_in_generate", "output_scores"})
+
+
+class RemotePolicy(_Base):  # type: ignore[misc]
+    """Called on a TensorDict like TorchRL's `TransformersWrapper`/`vLLMWrapper`, with the same
+    keyword arguments where they make sense for a served model (`model` names the served
+    model, "policy" or "reference"). `generate=True` reads `(input_mode, "prompt")` and writes
+    text/tokens/masks/log_probs (and history in history mode); `generate=False` reads
+    `(input_mode, "full")` and writes `(log_probs_key, "full")` with the assistant mask.
+
+    Deliberate differences: the chat template is the served model's (no `chat_template`);
+    `log_probs.response[0]` of a generation is the real log-prob of the first generated token
+    (TorchRL's transformers path writes 0.0); the assistant mask also covers the end-of-turn
+    token the assistant wrote. A `seed` in `generate_kwargs` makes a run reproducible: call k
+    of the policy samples with the seed's k-th derived stream (a fixed seed per call would
+    give every call the same samples)."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        model: str = "policy",
+        tokenizer: Any = None,
+        input_mode: InputMode = "history",
+        input_key: Any = None,
+        attention_mask_key: str = "attention_mask",
+        generate: bool = True,
+        generate_kwargs: dict[str, Any] | None = None,
+        pad_output: bool = False,
+        inplace: Literal[True, False, "empty"] | None = None,
+        device: Any = None,
+        layout: Any = None,
+        num_samples: int | None = None,
+        return_log_probs: bool | None = None,
+        history_key: Any = "history",
+        text_key: Any = "text",
+        tokens_key: Any = "tokens",
+        masks_key: Any = "masks",
+        log_probs_key: Any = "log_probs",
+        **unsupported: Any,
+    ) -> None:
+        super().__init__()
+        given = {k: v for k, v in unsupported.items() if v is not None}
+        if given:
+            raise ValueError(
+                f"RemotePolicy does not take {sorted(given)}: the server applies its own "
+                "model's chat template and batching"
+            )
+        if input_mode not in ("history", "text", "tokens"):
+            raise ValueError(f"input_mode must be history, text or tokens, got {input_mode!r}")
+        if not generate and return_log_probs is False:
+            raise ValueError("return_log_probs must be True when generate=False")
+        kwargs = dict(generate_kwargs or {})
+        unknown = set(kwargs) - _GENERATE_KWARGS - _IGNORED_KWARGS
+        if unknown:
+            raise ValueError(f"generate_kwargs not supported by the server: {sorted(unknown)}")
+        n = kwargs.pop("n", kwargs.pop("num_return_sequences", None))
+        if n is not None and num_samples is not None and n != num_samples:
+            raise ValueError("num_samples differs from generate_kwargs['n']")
+        num_samples = num_samples if num_samples is not None else n
+        if num_samples is not None:
+            if inplace in (True, "empty"):
+                raise ValueError("inplace must be False (or None) with num_samples")
+            inplace = False
+        elif inplace is None:
+            inplace = True
+        self.client = client
+        self.model = model
+        self.tokenizer = tokenizer
+        self.input_mode = input_mode
+        self.attention_mask_key = attention_mask_key
+        self.generate = generate
+        self.generate_kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
+        self.pad_output = pad_output
+        self.inplace = inplace
+        self._device = device
+        self.layout = layout if layout is not None or pad_output else torch.strided
+        self.num_samples = num_samples
+        self.return_log_probs = True if return_log_probs is None else return_log_probs
+        self.history_key = history_key
+        self.text_key = text_key
+        self.tokens_key = tokens_key
+        self.masks_key = masks_key
+        self.log_probs_key = log_probs_key
+        self._min_batch_size = None
+        self._max_batch_size = None
+        self._batching_lock = None
+        self._batching_timeout = None
+        self._calls = 0  # with a seed, call k samples from the seed's k-th derived stream
+        part = "prompt" if generate else "full"
+        self.in_keys = [(input_mode, part) if input_key is None else input_key]
+        self.input_key = self.in_keys[0]
+        self.out_keys = [
+            *([text_key] if input_mode in ("text", "history") else []),
+            masks_key,
+            tokens_key,
+            *([log_probs_key] if self.return_log_probs else []),
+            *([history_key] if input_mode == "history" else []),
+        ]
+
+    def get_new_version(self, **kwargs: Any) -> RemotePolicy:
+        """A copy with some constructor arguments changed (TorchRL's protocol: e.g.
+        `generate=False, log_probs_key=...` for the scoring twin of a generating policy)."""
+        current = {
+            "model": self.model,
+            "tokenizer": self.tokenizer,
+            "input_mode": self.input_mode,
+            "input_key": self.input_key,
+            "attention_mask_key": self.attention_mask_key,
+            "generate": self.generate,
+            "generate_kwargs": dict(self.generate_kwargs),
+            "pad_output": self.pad_output,
+            "inplace": self.inplace,
+            "device": self._device,
+            "layout": self.layout,
+            "num_samples": self.num_samples,
+            "return_log_probs": self.return_log_probs,
+            "history_key": self.history_key,
+            "text_key": self.text_key,
+            "tokens_key": self.tokens_key,
+            "masks_key": self.masks_key,
+            "log_probs_key": self.log_probs_key,
+        }
+        if "input_mode" in kwargs and "input_key" not in kwargs:
+            current["input_key"] = None
+        if "generate" in kwargs and "input_key" not in kwargs:
+            current["input_key"] = None
+        if kwargs.get("generate") is False or "num_samples" in kwargs:
+            current["inplace"] = None
+            if kwargs.get("generate") is False:
+                current["num_samples"] = None
+        current.update(kwargs)
+        client = current.pop("client", self.client)
+        return type(self)(client, **current)
+
+    def forward(
+        self,
+        tensordict: TensorDictBase,
+        *,
+        tensordict_out: TensorDictBase | None = None,
+        **kwargs: Any,
+    ) -> TensorDictBase:
+        if tensordict.ndim == 0:
+            return self.forward(lazy_stack([tensordict]))[0]
+        if tensordict.ndim > 1:
+            flat = self.forward(tensordict.reshape(-1))
+            viewed: TensorDictBase = flat.view(*tensordict.shape, *flat.shape[1:])
+            return viewed
+        with _set_list_to_stack(True):
+            out = self._outputs(tensordict, kwargs)
+            return self._merge(tensordict, out, tensordict_out)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _outputs(self, td: TensorDictBase, kwargs: dict[str, Any]) -> TensorDictBase:
+        rows = _read_rows(td, self.input_key, self.input_mode, self.attention_mask_key)
+        field = {"history": "messages", "text": "text", "tokens": "tokens"}[self.input_mode]
+        inputs: dict[str, Any] = {field: rows}
+        if self.generate:
+            params = {**self.generate_kwargs, **kwargs}
+            if params.get("seed") is not None:
+                params["seed"] = turn_seed(params["seed"], 0, self._calls)
+                self._calls += 1
+            if self.num_samples is not None:
+                params["n"] = self.num_samples
+            result = self.client.generate(model=self.model, **inputs, **params)
+            pad = _pad_token(result.pad_token_id)
+            groups = result.outputs
+        else:
+            scored = self.client.logprobs(model=self.model, **inputs)
+            pad = _pad_token(scored.pad_token_id)
+            groups = [[sample] for sample in scored.outputs]
+        samples = [s for group in groups for s in group]
+        widths = _widths(samples, generated=self.generate) if self.pad_output else None
+        built = [self._row(s, pad, widths) for s in samples]
+        if self.num_samples is None:
+            return lazy_stack(built)
+        n = self.num_samples
+        return lazy_stack([lazy_stack(built[i * n : (i + 1) * n]) for i in range(len(groups))])
+
+    def _merge(
+        self, td: TensorDictBase, out: TensorDictBase, tensordict_out: TensorDictBase | None
+    ) -> TensorDictBase:
+        """TorchRL's `inplace` rules: write into the input, return the outputs alone, or an
+        empty copy of the input holding the outputs."""
+        if tensordict_out is None:
+            if self.inplace is True:
+                tensordict_out = td
+            elif self.inplace == "empty":
+                tensordict_out = td.empty()
+            else:
+                return out.select(*self.out_keys)
+        if isinstance(out, LazyStackedTensorDict) and not isinstance(
+            tensordict_out, LazyStackedTensorDict
+        ):
+            tensordict_out = tensordict_out.to_lazystack(0)
+        result = tensordict_out.exclude(*self.out_keys, inplace=True)
+        result.update(out, keys_to_update=self.out_keys)
+        return result
+
+    # -- one row -------------------------------------------------------------------------
+
+    def _row(self, sample: Sample, pad: int, widths: tuple[int, int] | None) -> TensorDict:
+        """One sample as TorchRL containers (padded to `widths` = (prompt, rest) if given)."""
+        generated = self.generate
+        tokens = sample.tokens
+        full = tokens.full or []
+        prompt_len = len(tokens.prompt) if tokens.prompt is not None else None
+        lay = _Layout(widths, prompt_len, len(full), generated)
+        row = TensorDict({}, batch_size=[])
+        token_fields: dict[str, Any] = {"full": lay.full(full, pad, torch.long)}
+        if generated:
+            token_fields["prompt"] = lay.prompt(tokens.prompt or [], pad, torch.long)
+            token_fields["response"] = lay.response(tokens.response or [], pad, torch.long)
+        row.set(self.tokens_key, _container("Tokens", token_fields, self.pad_output))
+        mask_fields = {"all_attention_mask": lay.full([True] * len(full), False, torch.bool)}
+        if sample.masks.all_assistant_mask is not None:
+            mask = [bool(m) for m in sample.masks.all_assistant_mask]
+            mask_fields["all_assistant_mask"] = lay.full(mask, False, torch.bool)
+        row.set(self.masks_key, _container("Masks", mask_fields, self.pad_output))
+        if self.return_log_probs and sample.log_probs is not None:
+            lp = sample.log_probs
+            lp_fields: dict[str, Any] = {}
+            if lp.full is not None:
+                lp_fields["full"] = lay.full(lp.full, 0.0, torch.float32)
+            if generated and lp.response is not None:
+                lp_fields["response"] = lay.response(lp.response, 0.0, torch.float32)
+            if generated and lp.prompt is not None:
+                lp_fields["prompt"] = lay.prompt(lp.prompt, 0.0, torch.float32)
+            row.set(self.log_probs_key, _container("LogProbs", lp_fields, self.pad_output))
+        if self.input_mode in ("text", "history") and sample.text is not None:
+            text = {k: v for k, v in sample.text.model_dump().items() if v is not None}
+            row.set(self.text_key, _container("Text", text, None))
+        if self.input_mode == "history" and sample.history is not None:
+            row.set(self.history_key, _chat_history(sample))
+        return row
+
+
+class _Layout:
+    """Where one row's values sit in the padded layout (or as they are, unpadded)."""
+
+    def __init__(
+        self, widths: tuple[int, int] | None, prompt_len: int | None, full_len: int, gen: bool
+    ) -> None:
+        self.widths = widths
+        self.prompt_len = prompt_len or 0
+        self.full_len = full_len
+        self.generated = gen
+
+    def prompt(self, values: list[Any], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+        left = self.widths[0] - len(values) if self.widths else 0
+        return torch.tensor([pad] * left + list(values), dtype=dtype)
+
+    def response(self, values: list[Any], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+        right = self.widths[1] - len(values) if self.widths else 0
+        return torch.tensor(list(values) + [pad] * right, dtype=dtype)
+
+    def full(self, values: list[Any], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+        if self.widths is None:
+            return torch.tensor(list(values), dtype=dtype)
+        if not self.generated:  # scored sequences: left padding
+            return torch.tensor([pad] * (self.widths[1] - len(values)) + list(values), dtype=dtype)
+        left = self.widths[0] - self.prompt_len
+        right = self.widths[1] - (self.full_len - self.prompt_len)
+        return torch.tensor([pad] * left + list(values) + [pad] * right, dtype=dtype)
+
+
+def _widths(samples: Sequence[Sample], *, generated: bool) -> tuple[int, int]:
+    """(longest prompt, longest response) for generations; (0, longest sequence) for scores."""
+    if not generated:
+        return 0, max(len(s.tokens.full or []) for s in samples)
+    return (
+        max(len(s.tokens.prompt or []) for s in samples),
+        max(len(s.tokens.response or []) for s in samples),
+    )
+
+
+def _container(kind: str, fields: dict[str, Any], padded: bool | None) -> Any:
+    """A TorchRL container when torchrl is importable, else a TensorDict with the same keys."""
+    if HAS_TORCHRL:
+        cls = {
+            "Tokens": _Tokens,
+            "Masks": _Masks,
+            "LogProbs": _LogProbs,
+            "Text": _Text,
+        }[kind]
+        extra = {} if padded is None else {"padded": padded}
+        return cls(**fields, **extra, batch_size=[])
+    return TensorDict(fields, batch_size=[])
+
+
+def _chat_history(sample: Sample) -> Any:
+    history = sample.history
+    assert history is not None
+    prompt = [m.model_dump() for m in history.prompt or []]
+    response = [m.model_dump() for m in history.response or []]
+    # A reply is complete when it ended on the end-of-sequence token (not a length cap or a
+    # stop string), as TorchRL's History.is_complete says.
+    complete = sample.finish_reason != "length" and sample.stop_reason is None
+    response = [{**m, "is_complete": complete} for m in response]
+    parts = {"prompt": prompt, "response": response, "full": prompt + response}
+    if not HAS_TORCHRL:
+        plain = TensorDict({}, batch_size=[])
+        for name, messages in parts.items():
+            plain.set_non_tensor(name, messages)
+        return plain
+    built = {k: _History.from_chats(v) for k, v in parts.items() if v}
+    return _ChatHistory(**built, batch_size=[])
+
+
+def _pad_token(served: int | None) -> int:
+    if served is None:
+        raise ValueError("the server did not report pad_token_id (upgrade the server)")
+    return served
+
+
+def _read_rows(td: TensorDictBase, key: Any, mode: str, attention_mask_key: str) -> list[Any]:
+    """Per-row request inputs: message lists, strings or unpadded token-id lists."""
+    rows = td.unbind(0)
+    if mode == "tokens":
+        return [_unpadded_tokens(row, key, attention_mask_key) for row in rows]
+    values = [row.get(key) if mode == "history" else row.get_non_tensor(key) for row in rows]
+    if mode == "text":
+        return [str(v) for v in values]
+    return [_chat(v) for v in values]
+
+
+def _unpadded_tokens(row: TensorDictBase, key: Any, attention_mask_key: str) -> list[int]:
+    tokens = row.get(key)
+    for mask_key in (("masks", "all_attention_mask"), attention_mask_key):
+        mask = row.get(mask_key, None)
+        if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape:
+            return [int(t) for t in tokens[mask.bool()].tolist()]
+    return [int(t) for t in tokens.tolist()]
+
+
+def _chat(value: Any) -> Chat:
+    """A conversation from a TorchRL History (or a list of messages)."""
+    if hasattr(value, "unbind") and hasattr(value, "role"):
+        return [
+            {"role": str(m.role), "content": str(m.content)}
+            for m in (value.unbind(0) if value.ndim else [value])
+        ]
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return [
+        {"role": m["role"], "content": m["content"]}
+        if isinstance(m, dict)
+        else {"role": m.role, "content": m.content}
+        for m in value
+    ]

@@ -14,6 +14,7 @@ from app.common.masks import (
     assistant_spans_by_prefixes,
     template_framing,
 )
+from app.common.sequences import SequenceSplit
 from app.errors import APIError, invalid
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -31,6 +32,9 @@ class Prepared:
     prompt_text: str | None = None
     history: Conversation | None = None
     prompt_history: Conversation | None = None
+
+    def split(self) -> SequenceSplit:
+        return SequenceSplit.scored(self.ids, self.prompt_len, self.assistant_mask)
 
 
 class InputPreparer:

@@ -3,15 +3,7 @@
 from __future__ import annotations
 
 from app.common.inputs import InputPreparer, Prepared
-from app.common.protocol import (
-    HistoryFields,
-    LogProbFields,
-    Masks,
-    Message,
-    Sample,
-    TextFields,
-    TokenFields,
-)
+from app.common.protocol import HistoryFields, Message, Sample, TextFields
 
 
 def messages(conversation: list[dict[str, str]] | None) -> list[Message] | None:
@@ -22,17 +14,13 @@ def scored_sample(
     item: Prepared, values: list[float], preparer: InputPreparer, *, with_text: bool
 ) -> Sample:
     """A scored sequence; prompt/response fields appear when the split is known."""
-    cut = item.prompt_len
-    split = cut is not None
-    mask = item.assistant_mask
-    if mask is None and split:
-        mask = [0] * cut + [1] * (len(item.ids) - cut)  # type: ignore[operator]
+    split = item.split()
     text = None
     if with_text:
         text = TextFields(
             full=preparer.decode(item.ids),
-            prompt=preparer.decode(item.ids[:cut]) if split else None,
-            response=preparer.decode(item.ids[cut:]) if split else None,
+            prompt=None if split.prompt is None else preparer.decode(split.prompt),
+            response=None if split.response is None else preparer.decode(split.response),
         )
     history = None
     if item.history is not None:
@@ -42,16 +30,8 @@ def scored_sample(
             history.response = messages(item.history[len(item.prompt_history) :])
     return Sample(
         text=text,
-        tokens=TokenFields(
-            full=item.ids,
-            prompt=item.ids[:cut] if split else None,
-            response=item.ids[cut:] if split else None,
-        ),
-        masks=Masks(all_attention_mask=[1] * len(item.ids), all_assistant_mask=mask),
-        log_probs=LogProbFields(
-            full=values,
-            prompt=values[:cut] if split else None,
-            response=values[cut:] if split else None,
-        ),
+        tokens=split.tokens(),
+        masks=split.masks(),
+        log_probs=split.log_probs(full=values),
         history=history,
     )

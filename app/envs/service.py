@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from app.common.sequences import SequenceSplit
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.envs import episodes
@@ -218,7 +219,7 @@ class EnvService:
         async with self.registry.reading() as version:
             scored = await self.registry.get_pair().score([t.action.full for t in turns])
         for turn, (policy, reference) in zip(turns, scored, strict=True):
-            mask = [0] * len(turn.action.prompt) + [1] * len(turn.action.ids)
+            mask = SequenceSplit.generated(turn.action.prompt, turn.action.ids).counted()
             kl = sum(per_token_kl(policy, reference, mask, config.kl.estimator))
             turn.reward -= config.kl.coeff * kl
             turn.breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from app.common.inputs import InputPreparer, Prepared, check_num_items
-from app.common.protocol import HistoryFields, LogProbFields, Masks, TextFields, TokenFields
+from app.common.protocol import HistoryFields, TextFields
 from app.common.samples import messages
+from app.common.sequences import SequenceSplit
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
@@ -77,16 +78,14 @@ def generated_sample(
 ) -> GeneratedSample:
     """One generated sample in TorchRL's layout."""
     response = generation.token_ids
-    full = prompt.ids + response
-    prompt_mask = prompt.assistant_mask or [0] * len(prompt.ids)
+    split = SequenceSplit.generated(prompt.ids, response)
     log_probs = None
     if with_log_probs:
-        log_probs = LogProbFields(
-            response=generation.log_probs, response_processed=generation.processed_log_probs
+        log_probs = split.log_probs(
+            response=generation.log_probs,
+            prompt=generation.prompt_log_probs,
+            response_processed=generation.processed_log_probs,
         )
-        if generation.prompt_log_probs is not None:
-            log_probs.prompt = generation.prompt_log_probs
-            log_probs.full = generation.prompt_log_probs + generation.log_probs
     history = None
     if prompt.history is not None:
         content = preparer.decode(response, skip_special=True)
@@ -100,13 +99,10 @@ def generated_sample(
         text=TextFields(
             prompt=preparer.decode(prompt.ids),
             response=preparer.decode(response, skip_special=skip_special_tokens),
-            full=preparer.decode(full),
+            full=preparer.decode(split.ids),
         ),
-        tokens=TokenFields(prompt=prompt.ids, response=response, full=full),
-        masks=Masks(
-            all_attention_mask=[1] * len(full),
-            all_assistant_mask=prompt_mask + [1] * len(response),
-        ),
+        tokens=split.tokens(),
+        masks=split.masks(),
         log_probs=log_probs,
         history=history,
         finish_reason=generation.finish_reason,

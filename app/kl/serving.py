@@ -50,15 +50,6 @@ class KLService:
         return KLResponse(policy_version=version, estimator=request.estimator, outputs=outputs)
 
 
-def counted_mask(item: Prepared, assistant_only: bool) -> list[int]:
-    if not assistant_only:
-        return [0] + [1] * (len(item.ids) - 1)
-    if item.assistant_mask is not None:
-        return item.assistant_mask
-    cut = item.prompt_len or 0
-    return [0] * cut + [1] * (len(item.ids) - cut)
-
-
 def _sample(
     item: Prepared,
     policy: list[float],
@@ -66,7 +57,7 @@ def _sample(
     request: KLRequest,
     reward: float | None,
 ) -> KLSample:
-    mask = counted_mask(item, request.assistant_only)
+    mask = item.split().counted(assistant_only=request.assistant_only)
     kl = per_token_kl(policy, reference, mask, request.estimator)
     num_counted = sum(mask)
     total = sum(kl)

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from app.common.protocol import LogProbFields, Masks, TextFields, TokenFields
+from app.common.protocol import LogProbFields, TextFields
+from app.common.sequences import SequenceSplit
 from app.engine.sampling import turn_seed
 from app.envs.protocol import Action, EnvConfig, ResetRequest, StepOutput, StepRequest
 from app.envs.service import EnvService
@@ -148,16 +149,12 @@ def _check(config: EnvConfig, num_episodes: int, max_turns: int, *, given_env: b
 
 
 def _step(sample: GeneratedSample, output: StepOutput, version: int) -> RolloutStep:
-    prompt = sample.tokens.prompt or []
-    response = sample.tokens.response or []
+    split = SequenceSplit.generated(sample.tokens.prompt or [], sample.tokens.response or [])
     return RolloutStep(
         text=TextFields(response=sample.text.response if sample.text else None),
-        tokens=TokenFields(prompt=prompt, response=response, full=prompt + response),
+        tokens=split.tokens(),
         log_probs=LogProbFields(response=sample.log_probs.response if sample.log_probs else []),
-        masks=Masks(
-            all_attention_mask=[1] * (len(prompt) + len(response)),
-            all_assistant_mask=[0] * len(prompt) + [1] * len(response),
-        ),
+        masks=split.masks(),
         reward=output.reward,
         done=output.done,
         terminated=output.terminated,

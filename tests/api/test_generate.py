@@ -236,3 +236,20 @@ async def test_seeded_prompts_longer_than_one_engine_step_all_generate(client):
     assert [len(r["outputs"][0][0]["tokens"]["response"]) for r in responses] == [3] * 8
     again = await generate(client, tokens=[prompts[0]], max_tokens=3, seed=0, ignore_eos=True)
     assert again["outputs"][0][0]["tokens"] == responses[0]["outputs"][0][0]["tokens"]
+
+
+async def test_generated_samples_mask_only_what_they_generated(client):
+    """One assistant-mask rule for generated samples (as in env steps and rollouts): an earlier
+    assistant turn in the prompt is context, 0; `/v1/logprobs` on the same conversation marks
+    every assistant turn, as TorchRL's all_assistant_mask does."""
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again"},
+    ]
+    body = await generate(client, messages=[conversation], max_tokens=4, seed=0)
+    sample = body["outputs"][0][0]
+    num_prompt, num_response = len(sample["tokens"]["prompt"]), len(sample["tokens"]["response"])
+    assert sample["masks"]["all_assistant_mask"] == [0] * num_prompt + [1] * num_response
+    scored = await client.post("/v1/logprobs", json={"messages": [conversation[:2]]})
+    assert sum(scored.json()["outputs"][0]["masks"]["all_assistant_mask"]) > 0

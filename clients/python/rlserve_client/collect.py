@@ -10,20 +10,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rlserve_client._client import AsyncClient
+from rlserve_client._sequences import generated
 from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, group_advantages
 from rlserve_client.progress import progress_bar
 from rlserve_client.seeds import turn_seed
 from rlserve_client.types import (
     GenerateResult,
     LogProbs,
-    Masks,
     Observation,
     RolloutResult,
     Sample,
     Step,
     StepOutput,
     Text,
-    Tokens,
     Trajectory,
 )
 
@@ -209,16 +208,12 @@ class _Runner:
 
 
 def _step(sample: Sample, output: StepOutput, version: int) -> Step:
-    prompt = sample.tokens.prompt or []
-    response = sample.tokens.response or []
+    tokens, masks = generated(sample.tokens.prompt or [], sample.tokens.response or [])
     return Step(
         text=Text(response=sample.text.response if sample.text else None),
-        tokens=Tokens(prompt=prompt, response=response, full=prompt + response),
+        tokens=tokens,
         log_probs=LogProbs(response=sample.log_probs.response if sample.log_probs else []),
-        masks=Masks(
-            all_attention_mask=[1] * (len(prompt) + len(response)),
-            all_assistant_mask=[0] * len(prompt) + [1] * len(response),
-        ),
+        masks=masks,
         reward=output.reward,
         done=output.done,
         terminated=output.terminated,

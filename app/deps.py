@@ -27,15 +27,18 @@ def _registry(request: Request) -> ModelRegistry:
 
 
 def _generation(request: Request) -> GenerationService:
-    return GenerationService(_registry(request), _settings(request))
+    generation: GenerationService = request.app.state.generation
+    return generation
 
 
 def _scoring(request: Request) -> ScoringService:
-    return ScoringService(_registry(request), _settings(request))
+    scoring: ScoringService = request.app.state.scoring
+    return scoring
 
 
 def _kl(request: Request) -> KLService:
-    return KLService(_registry(request), _settings(request))
+    kl: KLService = request.app.state.kl
+    return kl
 
 
 def _envs(request: Request) -> EnvService:
@@ -44,11 +47,13 @@ def _envs(request: Request) -> EnvService:
 
 
 def _rollouts(request: Request) -> RolloutService:
-    return RolloutService(_envs(request), _generation(request))
+    rollouts: RolloutService = request.app.state.rollouts
+    return rollouts
 
 
 def _weights(request: Request) -> WeightsService:
-    return WeightsService(_registry(request), _settings(request))
+    weights: WeightsService = request.app.state.weights
+    return weights
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]

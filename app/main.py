@@ -23,13 +23,18 @@ from app.envs.service import EnvService
 from app.envs.store import SQLiteSessionStore
 from app.errors import install_error_handlers
 from app.generation.router import router as generation_router
+from app.generation.serving import GenerationService
 from app.kl.router import router as kl_router
+from app.kl.serving import KLService
 from app.ops.metrics import Metrics
 from app.ops.middleware import PUBLIC_PATHS, ServiceMiddleware
 from app.ops.router import router as ops_router
 from app.rollouts.router import router as rollouts_router
+from app.rollouts.serving import RolloutService
 from app.scoring.router import router as scoring_router
+from app.scoring.serving import ScoringService
 from app.weights.router import router as weights_router
+from app.weights.service import WeightsService
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,18 @@ async def reap_forever(envs: EnvService, ttl_s: float) -> None:
             logger.exception("reaping environment sessions failed")
 
 
+def build_services(app: FastAPI, registry: ModelRegistry, envs: EnvService) -> None:
+    """The services, built once per app on `app.state`: routes reach them through `app.deps`
+    and convert wire models to their typed domain calls."""
+    settings: Settings = app.state.settings
+    app.state.envs = envs
+    app.state.generation = generation = GenerationService(registry, settings)
+    app.state.scoring = ScoringService(registry, settings)
+    app.state.kl = KLService(registry, settings)
+    app.state.rollouts = RolloutService(envs, generation)
+    app.state.weights = WeightsService(registry, settings)
+
+
 def create_app(settings: Settings | None = None, *, load_models: bool = True) -> FastAPI:
     """Build the FastAPI app. Models load in the background once the app starts, so `/health`
     answers at once and `/ready` turns true when loading is done."""
@@ -64,7 +81,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         metrics.watch(registry)
         store = SQLiteSessionStore(settings.data_dir / "sessions.sqlite3")
         datasets = DatasetRegistry(settings.data_dir / "datasets")
-        app.state.envs = EnvService(store, registry, datasets, settings)
+        build_services(app, registry, EnvService(store, registry, datasets, settings))
         loading = asyncio.create_task(load_or_exit(registry)) if load_models else None
         app.state.loading = loading
         reaper = asyncio.create_task(reap_forever(app.state.envs, settings.env_ttl_s))

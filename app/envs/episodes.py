@@ -161,7 +161,19 @@ def observation(config: EnvConfig, row: Row, preparer: InputPreparer) -> Observa
     )
 
 
-def action_tokens(row: Row, action: Action, preparer: InputPreparer) -> ActionTokens:
+@dataclass(frozen=True)
+class Act:
+    """One row's action as the services take it: text, or exact token ids."""
+
+    text: str | None = None
+    tokens: list[int] | None = None
+
+    @classmethod
+    def from_wire(cls, action: Action | None) -> Act | None:
+        return None if action is None else cls(action.text, action.tokens)
+
+
+def action_tokens(row: Row, action: Act, preparer: InputPreparer) -> ActionTokens:
     """The action as exact ids (token actions as sent; text actions encoded once, without
     special tokens) and as text (token actions decoded without special tokens)."""
     if action.tokens is not None:

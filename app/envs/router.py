@@ -3,6 +3,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from app.deps import EnvsDep
+from app.envs.episodes import Act
 from app.envs.protocol import (
     EnvConfig,
     EnvCreated,
@@ -60,4 +61,4 @@ async def reset_env(env_id: str, request: ResetRequest, envs: EnvsDep) -> ResetR
     summary="Apply one assistant action per row",
 )
 async def step_env(env_id: str, request: StepRequest, envs: EnvsDep) -> StepResponse:
-    return await envs.step(env_id, request)
+    return await envs.step(env_id, [Act.from_wire(a) for a in request.actions])

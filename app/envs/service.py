@@ -17,7 +17,6 @@ from app.engine.registry import ModelRegistry
 from app.envs import episodes
 from app.envs.datasets import DatasetRegistry
 from app.envs.protocol import (
-    Action,
     EnvConfig,
     EnvCreated,
     EnvList,
@@ -26,7 +25,6 @@ from app.envs.protocol import (
     ResetResponse,
     RowState,
     StepOutput,
-    StepRequest,
     StepResponse,
 )
 from app.envs.rewards import REWARDS, parse_options, score_reward
@@ -142,7 +140,7 @@ class EnvService:
             observations = [episodes.observation(config, row, preparer) for row in state.rows]
         return ResetResponse(env_id=env_id, observations=observations)
 
-    async def step(self, env_id: str, request: StepRequest) -> StepResponse:
+    async def step(self, env_id: str, actions: list[episodes.Act | None]) -> StepResponse:
         preparer = self.registry.get("policy").preparer
         async with self._session(env_id) as (record, state):
             config = EnvConfig(**record.config)
@@ -151,11 +149,9 @@ class EnvService:
                 raise APIError(
                     409, f"environment '{env_id}' has not been reset", type="conflict_error"
                 )
-            if len(request.actions) != len(rows):
-                raise invalid(
-                    "actions", f"has {len(request.actions)} entries for batch_size {len(rows)}"
-                )
-            for i, (row, action) in enumerate(zip(rows, request.actions, strict=True)):
+            if len(actions) != len(rows):
+                raise invalid("actions", f"has {len(actions)} entries for batch_size {len(rows)}")
+            for i, (row, action) in enumerate(zip(rows, actions, strict=True)):
                 if action is not None and row.done:
                     raise APIError(
                         409,
@@ -170,7 +166,7 @@ class EnvService:
             turns = await asyncio.gather(
                 *(
                     self._act(config, row, action, preparer)
-                    for row, action in zip(rows, request.actions, strict=True)
+                    for row, action in zip(rows, actions, strict=True)
                 )
             )
             version = await self._penalise_kl(config, [t for t in turns if t is not None])
@@ -185,7 +181,7 @@ class EnvService:
         return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
 
     async def _act(
-        self, config: EnvConfig, row: episodes.Row, action: Action | None, preparer: Any
+        self, config: EnvConfig, row: episodes.Row, action: episodes.Act | None, preparer: Any
     ) -> Turn | None:
         """Apply one row's action, run its tools and score it (without the KL penalty)."""
         if action is None:

@@ -75,9 +75,6 @@ class GenerateRequest(InputFields):
     def wants_log_probs(self) -> bool:
         return self.return_log_probs if self.logprobs is None else self.logprobs
 
-    def requested_max_new_tokens(self, default: int) -> int:
-        return self.max_tokens or self.max_new_tokens or default
-
     def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
         greedy = self.do_sample is False or self.temperature == 0
         stops = self.stop if self.stop is not None else self.stop_sequences

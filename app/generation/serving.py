@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.common.protocol import HistoryFields, TextFields
 from app.common.samples import messages
@@ -9,9 +11,18 @@ from app.common.sequences import SequenceSplit
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
-from app.engine.types import GenerateItem, Generation
+from app.engine.types import GenerateItem, Generation, SamplingConfig
 from app.errors import invalid
 from app.generation.protocol import GeneratedSample, GenerateRequest, GenerateResponse
+
+
+@dataclass
+class Sampled:
+    """Generations of prepared prompts, `n` per prompt (adjacent), on one policy version."""
+
+    version: int
+    prompts: list[Prepared]
+    generations: list[Generation]
 
 
 class GenerationService:
@@ -19,13 +30,42 @@ class GenerationService:
         self.registry = registry
         self.settings = settings
 
-    def _max_new_tokens(self, request: GenerateRequest) -> int:
-        value = request.requested_max_new_tokens(self.settings.default_max_new_tokens)
+    def max_new_tokens(self, requested: int | None, field: str = "max_new_tokens") -> int:
+        value = requested or self.settings.default_max_new_tokens
         limit = self.settings.max_new_tokens_limit
         if value > limit:
-            name = "max_tokens" if request.max_tokens else "max_new_tokens"
-            raise invalid(name, f"{value} exceeds the server's limit of {limit}")
+            raise invalid(field, f"{value} exceeds the server's limit of {limit}")
         return value
+
+    async def sample(
+        self,
+        model: str,
+        prompts: list[Prepared],
+        config: SamplingConfig,
+        *,
+        n: int = 1,
+        seed: int | None = None,
+    ) -> Sampled:
+        """The domain API: checked prompts in, `n` generations each out. Row k's random stream
+        is `row_seed(seed, k)`, whatever else is batched with it."""
+        served = self.registry.get(model)
+        items = [
+            GenerateItem(tuple(p.ids), config, row_seed(seed, i * n + j))
+            for i, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        async with self.registry.reading() as version:
+            generations = await served.generate(items)
+        return Sampled(version, prompts, generations)
+
+    async def sample_tokens(
+        self, prompts: list[list[int]], config: SamplingConfig, *, seed: int | None = None
+    ) -> Sampled:
+        """One policy generation per token prompt (env observations), checked as `tokens`."""
+        preparer = self.registry.get("policy").preparer
+        prepared = preparer.prompts(None, None, prompts, "tokens")
+        preparer.check(prepared, "tokens", max_new_tokens=config.max_new_tokens)
+        return await self.sample("policy", prepared, config, seed=seed)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         served = self.registry.get(request.model)
@@ -34,17 +74,17 @@ class GenerationService:
         check_num_items(
             request.num_items() * num_samples, self.settings.max_items_per_request, field
         )
-        max_new_tokens = self._max_new_tokens(request)
+        max_new_tokens = self.max_new_tokens(
+            request.max_tokens or request.max_new_tokens,
+            "max_tokens" if request.max_tokens else "max_new_tokens",
+        )
         prompts = served.preparer.prompts(request.messages, request.text, request.tokens, field)
         served.preparer.check(prompts, field, max_new_tokens=max_new_tokens)
         config = request.to_sampling_config(max_new_tokens)
-        items = [
-            GenerateItem(tuple(p.ids), config, row_seed(request.seed, i * num_samples + j))
-            for i, p in enumerate(prompts)
-            for j in range(num_samples)
-        ]
-        async with self.registry.reading() as version:
-            generations = await served.generate(items)
+        sampled = await self.sample(
+            request.model, prompts, config, n=num_samples, seed=request.seed
+        )
+        generations = sampled.generations
         outputs: list[list[GeneratedSample]] = []
         for i, prompt in enumerate(prompts):
             row = generations[i * num_samples : (i + 1) * num_samples]
@@ -61,7 +101,7 @@ class GenerationService:
                 ]
             )
         return GenerateResponse(
-            policy_version=version,
+            policy_version=sampled.version,
             model=request.model,
             pad_token_id=served.preparer.pad_token_id,
             outputs=outputs,

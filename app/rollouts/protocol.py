@@ -15,6 +15,7 @@ from app.common.protocol import (
     WireModel,
     field_error,
 )
+from app.engine.types import SamplingConfig
 from app.envs.protocol import EnvConfig
 from app.generation.protocol import StopList
 from app.rollouts.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn
@@ -32,6 +33,18 @@ class RolloutGeneration(WireModel):
     seed: int | None = Field(
         default=None, ge=0, description="Makes the whole rollout reproducible (per turn and row)."
     )
+
+    def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
+        greedy = self.temperature == 0
+        return SamplingConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=1.0 if greedy or self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            stop_sequences=tuple(self.stop or ()),
+        )
 
 
 class RolloutRequest(WireModel):

@@ -6,13 +6,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from app.common.protocol import LogProbFields, TextFields
+from app.common.inputs import InputPreparer
+from app.common.protocol import TextFields
 from app.common.sequences import SequenceSplit
 from app.engine.sampling import turn_seed
-from app.envs.protocol import Action, EnvConfig, ResetRequest, StepOutput, StepRequest
+from app.engine.types import Generation
+from app.envs.episodes import Act
+from app.envs.protocol import EnvConfig, ResetRequest, StepOutput
 from app.envs.service import EnvService
 from app.errors import invalid
-from app.generation.protocol import GeneratedSample, GenerateRequest
 from app.generation.serving import GenerationService
 from app.rollouts.advantages import TrajectoryReturn, group_advantages
 from app.rollouts.protocol import (
@@ -79,25 +81,25 @@ class RolloutService:
         observations = (await self.envs.reset(env_id, ResetRequest())).observations
         steps: list[list[RolloutStep]] = [[] for _ in observations]
         live = list(range(len(observations)))
+        sampling = generation.to_sampling_config(
+            self.generation.max_new_tokens(generation.max_new_tokens, "generation.max_new_tokens")
+        )
+        preparer = self.envs.registry.get("policy").preparer
         turn = 0
         while live:
             seed = None if generation.seed is None else turn_seed(generation.seed, index, turn)
-            generated = await self.generation.generate(
-                GenerateRequest(
-                    tokens=[observations[i].prompt_tokens for i in live],
-                    **generation.model_dump(exclude_none=True, exclude={"seed"}),
-                    seed=seed,
-                )
-            )
-            samples = dict(zip(live, (out[0] for out in generated.outputs), strict=True))
+            prompts = [observations[i].prompt_tokens for i in live]
+            sampled = await self.generation.sample_tokens(prompts, sampling, seed=seed)
+            made = dict(zip(live, sampled.generations, strict=True))
             actions = [
-                Action(tokens=samples[i].tokens.response or []) if i in samples else None
+                Act(tokens=made[i].token_ids) if i in made else None
                 for i in range(len(observations))
             ]
-            stepped = await self.envs.step(env_id, StepRequest(actions=actions))
-            for i, sample in samples.items():
+            stepped = await self.envs.step(env_id, actions)
+            for i, made_i in made.items():
                 output = stepped.outputs[i]
-                steps[i].append(_step(sample, output, generated.policy_version))
+                prompt = observations[i].prompt_tokens
+                steps[i].append(_step(prompt, made_i, output, sampled.version, preparer))
                 observations[i] = output.observation
             live = [i for i in live if not stepped.outputs[i].done]
             turn += 1
@@ -148,18 +150,24 @@ def _check(config: EnvConfig, num_episodes: int, max_turns: int, *, given_env: b
         )
 
 
-def _step(sample: GeneratedSample, output: StepOutput, version: int) -> RolloutStep:
-    split = SequenceSplit.generated(sample.tokens.prompt or [], sample.tokens.response or [])
+def _step(
+    prompt: list[int],
+    generation: Generation,
+    output: StepOutput,
+    version: int,
+    preparer: InputPreparer,
+) -> RolloutStep:
+    split = SequenceSplit.generated(prompt, generation.token_ids)
     return RolloutStep(
-        text=TextFields(response=sample.text.response if sample.text else None),
+        text=TextFields(response=preparer.decode(generation.token_ids)),
         tokens=split.tokens(),
-        log_probs=LogProbFields(response=sample.log_probs.response if sample.log_probs else []),
+        log_probs=split.log_probs(response=generation.log_probs),
         masks=split.masks(),
         reward=output.reward,
         done=output.done,
         terminated=output.terminated,
         truncated=output.truncated,
         policy_version=version,
-        finish_reason=sample.finish_reason,
+        finish_reason=generation.finish_reason,
         info=output.info,
     )

@@ -23,6 +23,9 @@ access_log = logging.getLogger("rlserve.access")
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
 ADMIN_ROUTES = frozenset({("POST", "/v1/weights/load"), ("PUT", "/v1/weights")})
 _REQUEST_ID = re.compile(r"[\w.:/=+-]{1,128}")
+# A route's regex ends in `$`, which also matches before a trailing newline: a path with
+# control characters could reach a route that a string compare of the raw path would miss.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ServiceMiddleware:
@@ -74,14 +77,19 @@ class ServiceMiddleware:
             self._record(scope, request_id, status, time.perf_counter() - started)
 
     def _refuse(self, scope: Scope, headers: dict[str, bytes]) -> APIError | None:
-        """The auth decision (401/403) and the declared-size check (413), if either refuses."""
+        """The path check (400), the auth decision (401/403) and the declared-size check (413),
+        if one refuses. Auth decides on the route the router will match, never on the raw
+        path, so the check and the router always judge the same thing."""
+        if _CONTROL.search(scope["path"]):
+            return APIError(400, "path: contains control characters", param="path")
+        route = self._route_path(scope)
         length = headers.get("content-length")
         declared = int(length) if length is not None and length.isdigit() else 0
         if declared > self.settings.max_body_bytes and not self._unlimited(scope):
             return self._too_large()
-        if not self.keys or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+        if not self.keys or route in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             return None
-        if scope["path"] == "/metrics" and not self.settings.metrics_auth:
+        if route == "/metrics" and not self.settings.metrics_auth:
             return None
         scheme, _, token = headers.get("authorization", b"").decode("latin-1").partition(" ")
         key = token.strip().encode("latin-1", "replace")
@@ -92,14 +100,20 @@ class ServiceMiddleware:
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        route = (scope["method"], scope["path"])
-        if self.admin_keys and route in ADMIN_ROUTES and not _matches(key, self.admin_keys):
+        guarded = (scope["method"], route) in ADMIN_ROUTES
+        if self.admin_keys and guarded and not _matches(key, self.admin_keys):
             return APIError(403, "changing weights needs an admin key", type="permission_error")
         return None
 
     def _unlimited(self, scope: Scope) -> bool:
         """Weight uploads have their own limit (max_weights_bytes), checked while streaming."""
-        return (scope["method"], scope["path"]) == ("PUT", "/v1/weights")
+        return (scope["method"], self._route_path(scope)) == ("PUT", "/v1/weights")
+
+    def _route_path(self, scope: Scope) -> str:
+        """The path template of the route this request will reach (the raw path if none)."""
+        route = self._match(scope)
+        template = getattr(route, "path", None)
+        return str(template) if template is not None else str(scope["path"])
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -134,7 +148,7 @@ class ServiceMiddleware:
         return counted
 
     def _match(self, scope: Scope) -> BaseRoute | None:
-        """The route a refused request was for (it never reached the router)."""
+        """The route the router will match for this request (method and path)."""
         for route in self.routes:
             if route.matches(scope)[0] == Match.FULL:
                 return route

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings
 from app.main import create_app
+from app.ops.middleware import ADMIN_ROUTES
 from app.ops.logs import JsonFormatter
 
 
@@ -112,6 +113,40 @@ async def test_weight_routes_need_the_admin_key(guarded):
     assert user.status_code == 403 and user.json()["error"]["type"] == "permission_error"
     admin = await guarded.post("/v1/weights/load", json=body, headers=bearer("admin-key"))
     assert admin.status_code == 422 and admin.json()["error"]["param"] == "path"
+
+
+SUFFIXES = ["%0A", "%0D", "%09", "%00", "%0D%0A", "%7F", "%0A%0A"]
+VARIANTS = [
+    *(lambda p, s=s: p + s for s in SUFFIXES),
+    lambda p: p + "/",
+    lambda p: "/" + p,
+    lambda p: p.upper(),
+    lambda p: p.replace("/weights", "//weights"),
+    lambda p: p.replace("/weights", "/./weights"),
+    lambda p: p + "%20",
+]
+
+
+@pytest.mark.parametrize(("method", "path"), sorted(ADMIN_ROUTES))
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+async def test_no_path_variant_of_a_weight_route_passes_without_the_admin_key(
+    guarded, method, path, variant
+):
+    """The admin check judges the route the router matches: a variant of a weight route's
+    path either reaches no route or meets the same 403 (control characters are a 400)."""
+    url = VARIANTS[variant](path)
+    user = await guarded.request(
+        method, url, json={"path": "/nowhere.safetensors"}, headers=bearer("user-key")
+    )
+    assert user.status_code in (400, 403, 404, 405, 307), (url, user.status_code, user.text)
+    if user.status_code == 307:  # a redirect to the canonical path, which is guarded
+        target = user.headers["location"]
+        again = await guarded.request(
+            method, target, json={"path": "/x"}, headers=bearer("user-key")
+        )
+        assert again.status_code in (403, 404, 405)
+    if any(url.endswith(s) for s in SUFFIXES):
+        assert user.status_code == 400 and user.json()["error"]["param"] == "path"
 
 
 async def test_metrics_can_require_a_key(settings):

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings
 from app.main import create_app
-from app.ops.middleware import ADMIN_ROUTES
 from app.ops.logs import JsonFormatter
+from app.ops.middleware import ADMIN_ROUTES
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

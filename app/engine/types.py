@@ -22,6 +22,34 @@ class SamplingConfig:
     ignore_eos: bool = False
     return_prompt_log_probs: bool = False
 
+    @classmethod
+    def resolve(
+        cls,
+        max_new_tokens: int,
+        *,
+        greedy: bool,
+        temperature: float | None,
+        stops: list[str] | None = None,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        repetition_penalty: float = 1.0,
+        ignore_eos: bool = False,
+        return_prompt_log_probs: bool = False,
+    ) -> SamplingConfig:
+        """The request rule, in one place: greedy rows score at temperature 1; otherwise the
+        temperature defaults to 1."""
+        return cls(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=1.0 if greedy or temperature is None else temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            stop_sequences=tuple(stops or ()),
+            ignore_eos=ignore_eos,
+            return_prompt_log_probs=return_prompt_log_probs,
+        )
+
 
 @dataclass(frozen=True)
 class GenerateItem:

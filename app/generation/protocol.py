@@ -76,16 +76,14 @@ class GenerateRequest(InputFields):
         return self.return_log_probs if self.logprobs is None else self.logprobs
 
     def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
-        greedy = self.do_sample is False or self.temperature == 0
-        stops = self.stop if self.stop is not None else self.stop_sequences
-        return SamplingConfig(
-            max_new_tokens=max_new_tokens,
-            do_sample=not greedy,
-            temperature=1.0 if greedy or self.temperature is None else self.temperature,
+        return SamplingConfig.resolve(
+            max_new_tokens,
+            greedy=self.do_sample is False or self.temperature == 0,
+            temperature=self.temperature,
+            stops=self.stop if self.stop is not None else self.stop_sequences,
             top_p=self.top_p,
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
-            stop_sequences=tuple(stops or ()),
             ignore_eos=self.ignore_eos,
             return_prompt_log_probs=self.return_prompt_log_probs,
         )

@@ -66,26 +66,26 @@ class ServiceMiddleware:
             await error_response(self._too_large())(scope, receive, send_with_id)
             refused = True
 
+        route = self._route_path(scope)
         try:
-            problem = self._refuse(scope, headers)
+            problem = self._refuse(scope, route, headers)
             if problem is not None:
                 await error_response(problem)(scope, receive, send_with_id)
             else:
-                limited = self._limited(scope, headers, receive, refuse_body)
+                limited = self._limited(scope, route, headers, receive, refuse_body)
                 await self.app(scope, limited, send_with_id)
         finally:
             self._record(scope, request_id, status, time.perf_counter() - started)
 
-    def _refuse(self, scope: Scope, headers: dict[str, bytes]) -> APIError | None:
+    def _refuse(self, scope: Scope, route: str, headers: dict[str, bytes]) -> APIError | None:
         """The path check (400), the auth decision (401/403) and the declared-size check (413),
         if one refuses. Auth decides on the route the router will match, never on the raw
         path, so the check and the router always judge the same thing."""
         if _CONTROL.search(scope["path"]):
             return APIError(400, "path: contains control characters", param="path")
-        route = self._route_path(scope)
         length = headers.get("content-length")
         declared = int(length) if length is not None and length.isdigit() else 0
-        if declared > self.settings.max_body_bytes and not self._unlimited(scope):
+        if declared > self.settings.max_body_bytes and not _unlimited(scope, route):
             return self._too_large()
         if not self.keys or route in PUBLIC_PATHS or scope["method"] == "OPTIONS":
             return None
@@ -105,10 +105,6 @@ class ServiceMiddleware:
             return APIError(403, "changing weights needs an admin key", type="permission_error")
         return None
 
-    def _unlimited(self, scope: Scope) -> bool:
-        """Weight uploads have their own limit (max_weights_bytes), checked while streaming."""
-        return (scope["method"], self._route_path(scope)) == ("PUT", "/v1/weights")
-
     def _route_path(self, scope: Scope) -> str:
         """The path template of the route this request will reach (the raw path if none)."""
         route = self._match(scope)
@@ -125,13 +121,14 @@ class ServiceMiddleware:
     def _limited(
         self,
         scope: Scope,
+        route: str,
         headers: dict[str, bytes],
         receive: Receive,
         refuse: Callable[[], Awaitable[None]],
     ) -> Receive:
         """`receive` for bodies without a declared size: once one grows past the limit, the
         client gets a 413 and the app sees the client go away."""
-        if self._unlimited(scope) or "content-length" in headers:
+        if _unlimited(scope, route) or "content-length" in headers:
             return receive
         limit, seen = self.settings.max_body_bytes, 0
 
@@ -175,6 +172,11 @@ class ServiceMiddleware:
                 "latency_ms": round(seconds * 1000, 3),
             },
         )
+
+
+def _unlimited(scope: Scope, route: str) -> bool:
+    """Weight uploads have their own limit (max_weights_bytes), checked while streaming."""
+    return (scope["method"], route) == ("PUT", "/v1/weights")
 
 
 def _matches(key: bytes, keys: list[bytes]) -> bool:

@@ -35,15 +35,14 @@ class RolloutGeneration(WireModel):
     )
 
     def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
-        greedy = self.temperature == 0
-        return SamplingConfig(
-            max_new_tokens=max_new_tokens,
-            do_sample=not greedy,
-            temperature=1.0 if greedy or self.temperature is None else self.temperature,
+        return SamplingConfig.resolve(
+            max_new_tokens,
+            greedy=self.temperature == 0,
+            temperature=self.temperature,
+            stops=self.stop,
             top_p=self.top_p,
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
-            stop_sequences=tuple(self.stop or ()),
         )
 
 

@@ -3,7 +3,6 @@ rollout versions, advantages) tested against numbers known by construction, with
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -79,4 +78,3 @@ async def fake_app(
         registry.pair = ModelPair(registry.models["policy"], registry.models["reference"], None)
         registry.status = "ready"
         yield app
-        await asyncio.sleep(0)

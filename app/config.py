@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     )
     env_ttl_s: float = Field(default=3600, gt=0, description="Idle sessions expire after this.")
     max_env_sessions: int = Field(default=1024, gt=0, description="Live sessions; beyond: 429.")
+    max_env_sessions_per_key: int = Field(
+        default=256, gt=0, description="Live sessions of one API key; beyond: 429."
+    )
     tool_timeout_s: float = Field(default=5.0, gt=0, description="Wall clock per python block.")
     tool_memory_mb: int = Field(default=512, gt=0, description="Address space per python block.")
     tool_max_output_bytes: int = Field(default=16384, gt=0)

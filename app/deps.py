@@ -21,6 +21,12 @@ def _settings(request: Request) -> Settings:
     return settings
 
 
+def _owner(request: Request) -> str:
+    """Who is calling: the middleware's id for the request's API key ("" without keys)."""
+    owner: str = getattr(request.state, "owner", "")
+    return owner
+
+
 def _registry(request: Request) -> ModelRegistry:
     registry: ModelRegistry = request.app.state.registry
     return registry
@@ -56,6 +62,7 @@ def _weights(request: Request) -> WeightsService:
     return weights
 
 
+OwnerDep = Annotated[str, Depends(_owner)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
 GenerationDep = Annotated[GenerationService, Depends(_generation)]

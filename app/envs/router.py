@@ -2,7 +2,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from app.deps import EnvsDep
+from app.deps import EnvsDep, OwnerDep
 from app.envs.episodes import Act
 from app.envs.protocol import (
     EnvConfig,
@@ -20,27 +20,28 @@ router = APIRouter(tags=["environments"], responses=ENV_ERROR_RESPONSES)
 
 
 @router.post("/v1/envs", response_model=EnvCreated, status_code=201, summary="Create a session")
-async def create_env(config: EnvConfig, envs: EnvsDep) -> EnvCreated:
-    return await envs.create(config)
+async def create_env(config: EnvConfig, envs: EnvsDep, owner: OwnerDep) -> EnvCreated:
+    return await envs.create(config, owner)
 
 
 @router.get("/v1/envs", response_model=EnvList, summary="List sessions")
 async def list_envs(
     envs: EnvsDep,
+    owner: OwnerDep,
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> EnvList:
-    return await envs.page(offset, limit)
+    return await envs.page(owner, offset, limit)
 
 
 @router.get("/v1/envs/{env_id}", response_model=EnvState, summary="Session config and state")
-async def get_env(env_id: str, envs: EnvsDep) -> EnvState:
-    return await envs.get(env_id)
+async def get_env(env_id: str, envs: EnvsDep, owner: OwnerDep) -> EnvState:
+    return await envs.get(env_id, owner)
 
 
 @router.delete("/v1/envs/{env_id}", status_code=204, summary="Delete a session")
-async def delete_env(env_id: str, envs: EnvsDep) -> Response:
-    await envs.delete(env_id)
+async def delete_env(env_id: str, envs: EnvsDep, owner: OwnerDep) -> Response:
+    await envs.delete(env_id, owner)
     return Response(status_code=204)
 
 
@@ -50,8 +51,10 @@ async def delete_env(env_id: str, envs: EnvsDep) -> Response:
     response_model_exclude_none=True,
     summary="Start new episodes",
 )
-async def reset_env(env_id: str, request: ResetRequest, envs: EnvsDep) -> ResetResponse:
-    return await envs.reset(env_id, request)
+async def reset_env(
+    env_id: str, request: ResetRequest, envs: EnvsDep, owner: OwnerDep
+) -> ResetResponse:
+    return await envs.reset(env_id, owner, request)
 
 
 @router.post(
@@ -60,5 +63,7 @@ async def reset_env(env_id: str, request: ResetRequest, envs: EnvsDep) -> ResetR
     response_model_exclude_none=True,
     summary="Apply one assistant action per row",
 )
-async def step_env(env_id: str, request: StepRequest, envs: EnvsDep) -> StepResponse:
-    return await envs.step(env_id, [Act.from_wire(a) for a in request.actions])
+async def step_env(
+    env_id: str, request: StepRequest, envs: EnvsDep, owner: OwnerDep
+) -> StepResponse:
+    return await envs.step(env_id, owner, [Act.from_wire(a) for a in request.actions])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -59,13 +60,21 @@ class EnvService:
 
     # -- sessions -----------------------------------------------------------------------
 
-    async def create(self, config: EnvConfig) -> EnvCreated:
+    async def create(self, config: EnvConfig, owner: str) -> EnvCreated:
         if config.reward not in REWARDS:
             raise invalid("reward", f"unknown reward '{config.reward}' (have {sorted(REWARDS)})")
         parse_options(config.reward, config.reward_options)
         if config.dataset is not None and self.datasets.get(config.dataset) is None:
             raise invalid(
                 "dataset", f"unknown dataset '{config.dataset}' (have {self.datasets.names()})"
+            )
+        if await self.store.count(owner) >= self.settings.max_env_sessions_per_key:
+            raise APIError(
+                429,
+                f"this API key has {self.settings.max_env_sessions_per_key} live environment "
+                "sessions; delete one or wait for idle ones to expire",
+                type="rate_limit_error",
+                headers={"Retry-After": "5"},
             )
         if await self.store.count() >= self.settings.max_env_sessions:
             raise APIError(
@@ -78,16 +87,17 @@ class EnvService:
         env_id = f"env-{uuid.uuid4().hex}"
         stamp = now()
         state = episodes.EpisodeState().to_json()
-        record = SessionRecord(env_id, config.model_dump(), state, stamp, stamp)
+        record = SessionRecord(env_id, config.model_dump(), state, stamp, stamp, owner)
         await self.store.put(record)
         return EnvCreated(env_id=env_id, config=config)
 
-    async def _load(self, env_id: str) -> SessionRecord:
+    async def _load(self, env_id: str, owner: str) -> SessionRecord:
+        """The owner's session; another key's session is absent to this one (404 alike)."""
         record = await self.store.get(env_id)
         if record is not None and record.updated_at < now() - self.settings.env_ttl_s:
             await self._forget(env_id)
             record = None
-        if record is None:
+        if record is None or not hmac.compare_digest(record.owner, owner):
             raise APIError(
                 404, f"environment '{env_id}' does not exist or expired", type="not_found_error"
             )
@@ -99,28 +109,29 @@ class EnvService:
 
     @contextlib.asynccontextmanager
     async def _session(
-        self, env_id: str
+        self, env_id: str, owner: str
     ) -> AsyncIterator[tuple[SessionRecord, episodes.EpisodeState]]:
         """The session and its episodes under its lock; saved when the block completes
         without error (a failed step changes nothing)."""
+        await self._load(env_id, owner)  # no lock is made for ids that do not exist
         lock = self._locks.setdefault(env_id, asyncio.Lock())
         async with lock:
-            record = await self._load(env_id)
+            record = await self._load(env_id, owner)
             state = episodes.EpisodeState.from_json(record.state)
             yield record, state
             record.state = state.to_json()
             record.updated_at = now()
             await self.store.put(record)
 
-    async def get(self, env_id: str) -> EnvState:
-        return _state(await self._load(env_id))
+    async def get(self, env_id: str, owner: str) -> EnvState:
+        return _state(await self._load(env_id, owner))
 
-    async def delete(self, env_id: str) -> None:
-        await self._load(env_id)
+    async def delete(self, env_id: str, owner: str) -> None:
+        await self._load(env_id, owner)
         await self._forget(env_id)
 
-    async def page(self, offset: int, limit: int) -> EnvList:
-        records, total = await self.store.page(offset, limit)
+    async def page(self, owner: str, offset: int, limit: int) -> EnvList:
+        records, total = await self.store.page(owner, offset, limit)
         return EnvList(envs=[_state(r) for r in records], total=total, offset=offset, limit=limit)
 
     async def reap(self) -> int:
@@ -131,18 +142,20 @@ class EnvService:
 
     # -- episodes -----------------------------------------------------------------------
 
-    async def reset(self, env_id: str, request: ResetRequest) -> ResetResponse:
+    async def reset(self, env_id: str, owner: str, request: ResetRequest) -> ResetResponse:
         preparer = self.registry.get("policy").preparer
-        async with self._session(env_id) as (record, state):
+        async with self._session(env_id, owner) as (record, state):
             config = EnvConfig(**record.config)
             problems = self.datasets.get(config.dataset) if config.dataset else None
             episodes.reset(config, state, request, preparer, problems)
             observations = [episodes.observation(config, row, preparer) for row in state.rows]
         return ResetResponse(env_id=env_id, observations=observations)
 
-    async def step(self, env_id: str, actions: list[episodes.Act | None]) -> StepResponse:
+    async def step(
+        self, env_id: str, owner: str, actions: list[episodes.Act | None]
+    ) -> StepResponse:
         preparer = self.registry.get("policy").preparer
-        async with self._session(env_id) as (record, state):
+        async with self._session(env_id, owner) as (record, state):
             config = EnvConfig(**record.config)
             rows = state.rows
             if not state.started:

@@ -24,6 +24,7 @@ class SessionRecord:
     state: dict[str, Any]
     created_at: float
     updated_at: float
+    owner: str = ""  # who created it (app.ops.auth.owner_of); "" when the server has no keys
 
 
 class SessionStore(ABC):
@@ -38,11 +39,12 @@ class SessionStore(ABC):
     async def delete(self, env_id: str) -> bool: ...
 
     @abstractmethod
-    async def page(self, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
-        """Sessions by creation time, and the total count."""
+    async def page(self, owner: str, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
+        """One owner's sessions by creation time, and their count."""
 
     @abstractmethod
-    async def count(self) -> int: ...
+    async def count(self, owner: str | None = None) -> int:
+        """Sessions of one owner, or of all when `owner` is None."""
 
     @abstractmethod
     async def expire(self, idle_since: float) -> list[str]:
@@ -58,10 +60,12 @@ CREATE TABLE IF NOT EXISTS sessions (
     config TEXT NOT NULL,
     state TEXT NOT NULL,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sessions_updated ON sessions (updated_at);
 """
+_COLUMNS = "env_id, config, state, created_at, updated_at, owner"
 
 
 class SQLiteSessionStore(SessionStore):
@@ -71,9 +75,15 @@ class SQLiteSessionStore(SessionStore):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sessions")
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        # Freed pages go back to the file system after deletes (see _shrink).
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        if "owner" not in columns:  # a store written before sessions had owners
+            self._db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        self._db.execute("CREATE INDEX IF NOT EXISTS sessions_owner ON sessions (owner)")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -85,39 +95,55 @@ class SQLiteSessionStore(SessionStore):
             json.dumps(record.state),
             record.created_at,
             record.updated_at,
+            record.owner,
         )
         await self._run(
-            self._db.execute, "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)", row
+            self._db.execute,
+            f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+            row,
         )
 
     async def get(self, env_id: str) -> SessionRecord | None:
         def query() -> Any:
-            return self._db.execute("SELECT * FROM sessions WHERE env_id = ?", (env_id,)).fetchone()
+            return self._db.execute(
+                f"SELECT {_COLUMNS} FROM sessions WHERE env_id = ?", (env_id,)
+            ).fetchone()
 
         row = await self._run(query)
         return None if row is None else _record(row)
 
     async def delete(self, env_id: str) -> bool:
         def query() -> int:
-            return self._db.execute("DELETE FROM sessions WHERE env_id = ?", (env_id,)).rowcount
+            deleted = self._db.execute("DELETE FROM sessions WHERE env_id = ?", (env_id,)).rowcount
+            self._shrink()
+            return deleted
 
         return bool(await self._run(query))
 
-    async def page(self, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
+    async def page(self, owner: str, offset: int, limit: int) -> tuple[list[SessionRecord], int]:
         def query() -> tuple[list[Any], int]:
             rows = self._db.execute(
-                "SELECT * FROM sessions ORDER BY created_at, env_id LIMIT ? OFFSET ?",
-                (limit, offset),
+                f"SELECT {_COLUMNS} FROM sessions WHERE owner = ? "
+                "ORDER BY created_at, env_id LIMIT ? OFFSET ?",
+                (owner, limit, offset),
             ).fetchall()
-            (total,) = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()
+            (total,) = self._db.execute(
+                "SELECT COUNT(*) FROM sessions WHERE owner = ?", (owner,)
+            ).fetchone()
             return rows, int(total)
 
         rows, total = await self._run(query)
         return [_record(row) for row in rows], total
 
-    async def count(self) -> int:
+    async def count(self, owner: str | None = None) -> int:
         def query() -> int:
-            return int(self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+            if owner is None:
+                return int(self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+            return int(
+                self._db.execute(
+                    "SELECT COUNT(*) FROM sessions WHERE owner = ?", (owner,)
+                ).fetchone()[0]
+            )
 
         return int(await self._run(query))
 
@@ -130,9 +156,15 @@ class SQLiteSessionStore(SessionStore):
                 )
             ]
             self._db.execute("DELETE FROM sessions WHERE updated_at < ?", (idle_since,))
+            self._shrink()
             return ids
 
         return list(await self._run(query))
+
+    def _shrink(self) -> None:
+        """Return the pages of deleted sessions to the file system (in the worker thread)."""
+        # executescript steps the pragma to its end (execute would free a single page)
+        self._db.executescript("PRAGMA incremental_vacuum")
 
     async def aclose(self) -> None:
         await self._run(self._db.close)
@@ -140,8 +172,10 @@ class SQLiteSessionStore(SessionStore):
 
 
 def _record(row: Any) -> SessionRecord:
-    env_id, config, state, created_at, updated_at = row
-    return SessionRecord(env_id, json.loads(config), json.loads(state), created_at, updated_at)
+    env_id, config, state, created_at, updated_at, owner = row
+    return SessionRecord(
+        env_id, json.loads(config), json.loads(state), created_at, updated_at, owner
+    )
 
 
 def now() -> float:

@@ -3,7 +3,6 @@ Bearer auth, the body-size limit, the access log line and the request metrics.""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import time
@@ -16,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.config import Settings
 from app.errors import APIError, error_response
+from app.ops.auth import ANONYMOUS, matches, owner_of
 from app.ops.metrics import Metrics
 
 access_log = logging.getLogger("rlserve.access")
@@ -46,7 +46,9 @@ class ServiceMiddleware:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         given = headers.get("x-request-id", b"").decode("latin-1")
         request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["owner"] = ANONYMOUS
         started = time.perf_counter()
         status = 500
         refused = False  # a body outgrew the limit: we answered, the app's reply is dropped
@@ -93,7 +95,7 @@ class ServiceMiddleware:
             return None
         scheme, _, token = headers.get("authorization", b"").decode("latin-1").partition(" ")
         key = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not _matches(key, self.keys):
+        if scheme.lower() != "bearer" or not matches(key, self.keys):
             return APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -101,8 +103,9 @@ class ServiceMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         guarded = (scope["method"], route) in ADMIN_ROUTES
-        if self.admin_keys and guarded and not _matches(key, self.admin_keys):
+        if self.admin_keys and guarded and not matches(key, self.admin_keys):
             return APIError(403, "changing weights needs an admin key", type="permission_error")
+        scope["state"]["owner"] = owner_of(key)
         return None
 
     def _route_path(self, scope: Scope) -> str:
@@ -178,10 +181,3 @@ def _unlimited(scope: Scope, route: str) -> bool:
     """Weight uploads have their own limit (max_weights_bytes), checked while streaming."""
     return (scope["method"], route) == ("PUT", "/v1/weights")
 
-
-def _matches(key: bytes, keys: list[bytes]) -> bool:
-    """Compare with every key in constant time (no early exit on the first match)."""
-    found = False
-    for candidate in keys:
-        found |= hmac.compare_digest(key, candidate)
-    return found

@@ -31,8 +31,9 @@ class RolloutService:
         self.envs = envs
         self.generation = generation
 
-    async def run(self, request: RolloutRequest) -> RolloutResponse:
-        config = request.env or (await self.envs.get(request.env_id or "")).config
+    async def run(self, request: RolloutRequest, owner: str) -> RolloutResponse:
+        """Episodes in the caller's session (`env_id`) or in temporary sessions it owns."""
+        config = request.env or (await self.envs.get(request.env_id or "", owner)).config
         limit = self.generation.settings.max_rollout_turns
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
         num_rounds = request.num_episodes // config.batch_size
@@ -41,9 +42,11 @@ class RolloutService:
 
         async def worker(env_id: str) -> None:
             for index in rounds:
-                results[index] = await self._round(env_id, config, request.generation, index)
+                results[index] = await self._round(
+                    env_id, owner, config, request.generation, index
+                )
 
-        async with self._sessions(request, config, num_rounds) as env_ids:
+        async with self._sessions(request, owner, config, num_rounds) as env_ids:
             await asyncio.gather(*(worker(env_id) for env_id in env_ids))
         trajectories = [t for index in sorted(results) for t in results[index]]
         if config.repeats > 1:
@@ -57,7 +60,7 @@ class RolloutService:
 
     @contextlib.asynccontextmanager
     async def _sessions(
-        self, request: RolloutRequest, config: EnvConfig, num_rounds: int
+        self, request: RolloutRequest, owner: str, config: EnvConfig, num_rounds: int
     ) -> AsyncIterator[list[str]]:
         """The existing session, or temporary ones deleted afterwards (also on failure)."""
         if request.env_id is not None:
@@ -66,19 +69,24 @@ class RolloutService:
         created: list[str] = []
         try:
             for _ in range(min(request.num_envs, num_rounds)):
-                created.append((await self.envs.create(config)).env_id)
+                created.append((await self.envs.create(config, owner)).env_id)
             yield created
         finally:
             for env_id in created:
                 with contextlib.suppress(Exception):
-                    await self.envs.delete(env_id)
+                    await self.envs.delete(env_id, owner)
 
     async def _round(
-        self, env_id: str, config: EnvConfig, generation: RolloutGeneration, index: int
+        self,
+        env_id: str,
+        owner: str,
+        config: EnvConfig,
+        generation: RolloutGeneration,
+        index: int,
     ) -> list[Trajectory]:
         """One batch of episodes in one session: reset from the dataset, then turns until
         every row is done."""
-        observations = (await self.envs.reset(env_id, ResetRequest())).observations
+        observations = (await self.envs.reset(env_id, owner, ResetRequest())).observations
         steps: list[list[RolloutStep]] = [[] for _ in observations]
         live = list(range(len(observations)))
         sampling = generation.to_sampling_config(
@@ -95,7 +103,7 @@ class RolloutService:
                 Act(tokens=made[i].token_ids) if i in made else None
                 for i in range(len(observations))
             ]
-            stepped = await self.envs.step(env_id, actions)
+            stepped = await self.envs.step(env_id, owner, actions)
             for i, made_i in made.items():
                 output = stepped.outputs[i]
                 prompt = observations[i].prompt_tokens

@@ -161,8 +161,10 @@ async def test_kl_penalty_against_the_frozen_reference_is_zero(client):
     await call(client, f"/v1/envs/{env}/reset", {"query": ["q"], "answer": ["#### 1"]})
     step = await call(client, f"/v1/envs/{env}/step", {"actions": [{"text": "<answer>1</answer>"}]})
     out = step["outputs"][0]
-    assert out["info"]["reward"]["kl"] == 0.0
-    assert out["reward"] == 1.0
+    # Zero up to float noise: the two forwards may run at once and split their matmuls
+    # differently over the CPU threads (2e-6 seen), so they are not always bit-equal.
+    assert abs(out["info"]["reward"]["kl"]) < 1e-4
+    assert out["reward"] == pytest.approx(1.0, abs=1e-4)
 
 
 async def test_errors(client):

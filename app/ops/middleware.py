@@ -180,4 +180,3 @@ class ServiceMiddleware:
 def _unlimited(scope: Scope, route: str) -> bool:
     """Weight uploads have their own limit (max_weights_bytes), checked while streaming."""
     return (scope["method"], route) == ("PUT", "/v1/weights")
-

@@ -42,9 +42,7 @@ class RolloutService:
 
         async def worker(env_id: str) -> None:
             for index in rounds:
-                results[index] = await self._round(
-                    env_id, owner, config, request.generation, index
-                )
+                results[index] = await self._round(env_id, owner, config, request.generation, index)
 
         async with self._sessions(request, owner, config, num_rounds) as env_ids:
             await asyncio.gather(*(worker(env_id) for env_id in env_ids))

@@ -42,7 +42,8 @@ async def create(client: httpx.AsyncClient, key: str) -> str:
 async def test_another_keys_session_is_absent_to_every_route(client: httpx.AsyncClient) -> None:
     alice, bob = KEYS  # bob holds the admin key: admin rights are about weights, not sessions
     env_id = await create(client, alice)
-    assert (await client.post(f"/v1/envs/{env_id}/reset", json={}, headers=bearer(alice))).is_success
+    reset = await client.post(f"/v1/envs/{env_id}/reset", json={}, headers=bearer(alice))
+    assert reset.is_success
     missing = f"env-{'0' * 32}"
     attempts = [
         ("GET", f"/v1/envs/{env_id}", None),

@@ -4,9 +4,9 @@ rollout versions, advantages) tested against numbers known by construction, with
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -70,9 +70,7 @@ async def fake_app(
     tmp: Path, policy: FakeBackend, reference: FakeBackend, **settings_: Any
 ) -> AsyncIterator[FastAPI]:
     """The real app and services with the fake models in place of loaded ones."""
-    settings = Settings(
-        cache_dir=tmp / "cache", data_dir=tmp / "data", batching=False, **settings_
-    )
+    settings = Settings(cache_dir=tmp / "cache", data_dir=tmp / "data", batching=False, **settings_)
     app = create_app(settings, load_models=False)
     async with app.router.lifespan_context(app):
         registry = app.state.registry

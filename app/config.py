@@ -84,9 +84,40 @@ class Settings(BaseSettings):
     max_env_sessions_per_key: int = Field(
         default=256, gt=0, description="Live sessions of one API key; beyond: 429."
     )
-    tool_timeout_s: float = Field(default=5.0, gt=0, description="Wall clock per python block.")
-    tool_memory_mb: int = Field(default=512, gt=0, description="Address space per python block.")
-    tool_max_output_bytes: int = Field(default=16384, gt=0)
+    tool_timeout_s: float = Field(
+        default=5.0, gt=0, le=3600, description="Wall clock per python block."
+    )
+    tool_memory_mb: int = Field(
+        default=512, gt=0, le=1 << 20, description="Address space of each sandboxed process."
+    )
+    tool_max_output_bytes: int = Field(default=16384, gt=0, le=64 << 20)
+    tool_isolation: Literal["bwrap", "none"] = Field(
+        default="bwrap",
+        description="'bwrap': every python run in its own namespaces (bubblewrap); the tool "
+        "is refused where that does not work. 'none': an explicit, logged opt-out (rlimits "
+        "only, the host's network and processes visible).",
+    )
+    tool_max_concurrent: int = Field(
+        default=4, gt=0, le=1024, description="Python runs at once, server-wide; more wait."
+    )
+    tool_max_processes: int = Field(
+        default=16, ge=2, le=4096, description="Processes of one python run (its init counts)."
+    )
+    tool_tmpfs_mb: int = Field(
+        default=64, gt=0, le=1 << 20, description="Size of each private /tmp, /var/tmp, /dev/shm."
+    )
+    tool_step_budget_s: float = Field(
+        default=30.0, gt=0, le=3600, description="Tool wall clock of one step, all rows together."
+    )
+    tool_max_blocks: int = Field(
+        default=8, gt=0, le=1024, description="Code blocks run per message; more are refused."
+    )
+    tool_uid_base: int = Field(
+        default=200_000,
+        gt=0,
+        lt=1 << 31,
+        description="As root, python runs use host uids tool_uid_base + slot (never root).",
+    )
 
     # Weight updates
     max_weights_bytes: int = Field(default=256 << 30, gt=0, description="Largest weight upload.")

@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         store = SQLiteSessionStore(settings.data_dir / "sessions.sqlite3")
         datasets = DatasetRegistry(settings.data_dir / "datasets")
         build_services(app, registry, EnvService(store, registry, datasets, settings))
+        await asyncio.to_thread(app.state.envs.sandbox.probe)
         loading = asyncio.create_task(load_or_exit(registry)) if load_models else None
         app.state.loading = loading
         reaper = asyncio.create_task(reap_forever(app.state.envs, settings.env_ttl_s))

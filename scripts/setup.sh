@@ -3,6 +3,7 @@
 # pyproject.toml changed. CPU machines get the CPU build of torch (RLSERVE_TORCH overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/system-deps.sh
 
 venv=${RLSERVE_VENV:-.venv}
 torch_spec=${RLSERVE_TORCH:-torch==2.13.0}  # what scripts/install.sh installs

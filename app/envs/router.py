@@ -1,7 +1,8 @@
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 
+from app.common.disconnect import cancel_on_disconnect
 from app.deps import EnvsDep, OwnerDep
 from app.envs.episodes import Act
 from app.envs.protocol import (
@@ -64,6 +65,8 @@ async def reset_env(
     summary="Apply one assistant action per row",
 )
 async def step_env(
-    env_id: str, request: StepRequest, envs: EnvsDep, owner: OwnerDep
+    env_id: str, request: StepRequest, envs: EnvsDep, owner: OwnerDep, http_request: Request
 ) -> StepResponse:
-    return await envs.step(env_id, owner, [Act.from_wire(a) for a in request.actions])
+    """A step whose client goes away is cancelled with its tool runs, and changes nothing."""
+    actions = [Act.from_wire(a) for a in request.actions]
+    return await cancel_on_disconnect(http_request, envs.step(env_id, owner, actions))

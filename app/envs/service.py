@@ -29,9 +29,9 @@ from app.envs.protocol import (
     StepResponse,
 )
 from app.envs.rewards import REWARDS, parse_options, score_reward
-from app.envs.sandbox import SandboxLimits
+from app.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from app.envs.store import SessionRecord, SessionStore, now
-from app.envs.tools import run_python_blocks, tool_messages
+from app.envs.tools import ToolBudget, run_python_blocks, tool_messages
 from app.errors import APIError, invalid
 from app.kl.estimators import per_token_kl
 
@@ -50,11 +50,19 @@ class EnvService:
         self.registry = registry
         self.datasets = datasets
         self.settings = settings
-        self.sandbox = SandboxLimits(
+        limits = SandboxLimits(
             timeout_s=settings.tool_timeout_s,
             cpu_seconds=max(int(settings.tool_timeout_s), 1),
             memory_bytes=settings.tool_memory_mb << 20,
             max_output_bytes=settings.tool_max_output_bytes,
+            max_processes=settings.tool_max_processes,
+            tmpfs_bytes=settings.tool_tmpfs_mb << 20,
+        )
+        self.sandbox = Sandbox(
+            limits,
+            isolation=settings.tool_isolation,
+            max_concurrent=settings.tool_max_concurrent,
+            uid_base=settings.tool_uid_base,
         )
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -64,6 +72,8 @@ class EnvService:
         if config.reward not in REWARDS:
             raise invalid("reward", f"unknown reward '{config.reward}' (have {sorted(REWARDS)})")
         parse_options(config.reward, config.reward_options)
+        if "python" in config.tools and self.sandbox.problem is not None:
+            raise invalid("tools", f"the python tool is disabled here: {self.sandbox.problem}")
         if config.dataset is not None and self.datasets.get(config.dataset) is None:
             raise invalid(
                 "dataset", f"unknown dataset '{config.dataset}' (have {self.datasets.names()})"
@@ -176,9 +186,13 @@ class EnvService:
                     raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
                 if action is not None and action.tokens is not None:
                     preparer.check_vocabulary(action.tokens, f"actions[{i}].tokens")
+            budget = ToolBudget(
+                deadline=asyncio.get_running_loop().time() + self.settings.tool_step_budget_s,
+                max_blocks=self.settings.tool_max_blocks,
+            )
             turns = await asyncio.gather(
                 *(
-                    self._act(config, row, action, preparer)
+                    self._act(config, row, action, preparer, budget)
                     for row, action in zip(rows, actions, strict=True)
                 )
             )
@@ -194,7 +208,12 @@ class EnvService:
         return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
 
     async def _act(
-        self, config: EnvConfig, row: episodes.Row, action: episodes.Act | None, preparer: Any
+        self,
+        config: EnvConfig,
+        row: episodes.Row,
+        action: episodes.Act | None,
+        preparer: Any,
+        budget: ToolBudget,
     ) -> Turn | None:
         """Apply one row's action, run its tools and score it (without the KL penalty)."""
         if action is None:
@@ -203,7 +222,12 @@ class EnvService:
         info: dict[str, object] = {}
         following: list[dict[str, str]] = []
         if "python" in config.tools:
-            results = await run_python_blocks(act.text, self.sandbox)
+            try:
+                results = await run_python_blocks(act.text, self.sandbox, budget)
+            except SandboxUnavailable as error:
+                raise APIError(
+                    503, f"the python tool is disabled here: {error}", type="unavailable_error"
+                ) from error
             if results:
                 following = tool_messages(results)
                 info["tool_results"] = [r.model_dump() for r in results]

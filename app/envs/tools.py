@@ -8,10 +8,12 @@ never in the server's own interpreter."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from dataclasses import dataclass
 
 from app.envs.protocol import ToolResult
-from app.envs.sandbox import SandboxLimits, run_python
+from app.envs.sandbox import Sandbox
 
 _PYTHON_BLOCK = re.compile(r"```python\n(.*?)\n```", re.DOTALL)
 
@@ -20,11 +22,31 @@ def python_blocks(text: str) -> list[str]:
     return list(_PYTHON_BLOCK.findall(text))
 
 
-async def run_python_blocks(text: str, limits: SandboxLimits) -> list[ToolResult]:
+@dataclass(frozen=True)
+class ToolBudget:
+    """What one step may spend on tools, across all of its rows: a wall-clock deadline
+    (`loop.time()`) and a number of code blocks per message."""
+
+    deadline: float
+    max_blocks: int
+
+
+async def run_python_blocks(text: str, sandbox: Sandbox, budget: ToolBudget) -> list[ToolResult]:
+    """Run the message's blocks in order; blocks past the message's cap, or left when the
+    step's tool time is spent, are reported as failed and not run."""
+    loop = asyncio.get_running_loop()
     results = []
     for number, code in enumerate(python_blocks(text), start=1):
-        run = await run_python(code, limits)
-        results.append(ToolResult(block=number, ok=run.ok, output=run.output))
+        left = budget.deadline - loop.time()
+        if number > budget.max_blocks:
+            reason = f"a message may run at most {budget.max_blocks} code blocks"
+        elif left <= 0:
+            reason = "the step's tool time budget is spent"
+        else:
+            run = await sandbox.run(code, deadline=budget.deadline)
+            results.append(ToolResult(block=number, ok=run.ok, output=run.output))
+            continue
+        results.append(ToolResult(block=number, ok=False, output=f"[not run: {reason}]"))
     return results
 
 

@@ -1,0 +1,294 @@
+"""The deployment we ship: a server running as a non-root user (as both Docker images run it),
+attacked through the python tool by model-written code. Each attack here got through before
+the tool ran under bubblewrap: reading the API keys from the server's /proc environ, calling
+the API, rewriting the session store, killing the server, leaving processes behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.envs.sandbox import Sandbox, SandboxLimits
+from tests.e2e.server import Server, free_port, running_process
+
+UNPRIVILEGED = 65534
+USER_KEY, ADMIN_KEY = "user-secret-8d1f", "admin-secret-77c2"
+HEADERS = {"Authorization": f"Bearer {USER_KEY}"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _unprivileged_can_run_the_server() -> str | None:
+    """Why this host cannot run the server as an unprivileged user, if it cannot."""
+    problem = Sandbox(SandboxLimits()).probe()
+    if problem is not None and os.environ.get("CI") != "true":  # CI installs bubblewrap
+        return f"no bubblewrap isolation here: {problem}"
+    if os.geteuid() != 0:
+        return None  # this test process is already the non-root server's user
+    for path in (REPO, Path(sys.executable).resolve().parent):
+        if not os.access(path, os.R_OK | os.X_OK) or (os.stat(path).st_mode & 0o005) != 0o005:
+            return f"{path} is not readable by an unprivileged user"
+    return None
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif((why := _unprivileged_can_run_the_server()) is not None, reason=why or ""),
+]
+
+
+def _owned_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, UNPRIVILEGED, UNPRIVILEGED)
+    return path
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """A directory the unprivileged user can reach (pytest's tmp_path sits under a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="rlserve-unprivileged-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def server(home: Path) -> Iterator[Server]:
+    with unprivileged_server(home) as running:
+        yield running
+
+
+@contextmanager
+def unprivileged_server(tmp_path: Path, **extra: str) -> Iterator[Server]:
+    """`rlserve serve` with keys, as an unprivileged user when this test runs as root."""
+    home = _owned_dir(tmp_path / "home")
+    env = {
+        "HOME": str(home),
+        "RLSERVE_CACHE_DIR": str(_owned_dir(tmp_path / "cache")),
+        "RLSERVE_DATA_DIR": str(_owned_dir(tmp_path / "data")),
+        "RLSERVE_API_KEYS": USER_KEY,
+        "RLSERVE_ADMIN_API_KEYS": ADMIN_KEY,
+        "RLSERVE_TOOL_TIMEOUT_S": "20",
+        **extra,
+    }
+    port = free_port()
+    command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port)]
+    if os.geteuid() == 0:
+        drop = f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups"
+        command = ["setpriv", *drop, *command]
+    with running_process(command, port, "/ready", env=env, log=tmp_path / "server.log") as s:
+        yield s
+
+
+def tool_env(server: Server, batch_size: int = 1) -> str:
+    body = {"tools": ["python"], "batch_size": batch_size, "max_turns": 4}
+    created = httpx.post(f"{server.url}/v1/envs", json=body, headers=HEADERS)
+    assert created.status_code == 201, created.text
+    env_id: str = created.json()["env_id"]
+    reset = {"query": [f"q{i}" for i in range(batch_size)]}
+    httpx.post(f"{server.url}/v1/envs/{env_id}/reset", json=reset, headers=HEADERS)
+    return env_id
+
+
+def run_tool(server: Server, env_id: str, code: str, timeout: float = 60) -> str:
+    action = {"text": f"```python\n{code}\n```"}
+    step = httpx.post(
+        f"{server.url}/v1/envs/{env_id}/step",
+        json={"actions": [action]},
+        headers=HEADERS,
+        timeout=timeout,
+    )
+    assert step.status_code == 200, step.text
+    (result,) = step.json()["outputs"][0]["info"]["tool_results"]
+    output: str = result["output"]
+    return output
+
+
+def host_processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if marker.encode() in cmdline.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_the_non_root_server_is_out_of_reach_of_tool_code(server: Server, home: Path) -> None:
+    assert os.stat(f"/proc/{server.process.pid}").st_uid != 0 or os.geteuid() != 0
+    victim = tool_env(server)
+    attacker = tool_env(server)
+    store = home / "data" / "sessions.sqlite3"
+    port = server.url.rsplit(":", 1)[1]
+    keys = [k.encode()[::-1].hex() for k in (USER_KEY, ADMIN_KEY)]
+    attack = f"""
+import json, os, signal, socket, sqlite3
+found = {{}}
+blobs = []
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    for name in ('environ', 'cmdline'):
+        try:
+            blobs.append(open(f'/proc/{{pid}}/{{name}}', 'rb').read())
+        except OSError:
+            pass
+keys = [bytes.fromhex(k)[::-1] for k in {keys!r}]  # not the keys' own bytes: this is argv
+found['key_seen'] = any(k in b''.join(blobs) for k in keys)
+found['pids'] = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+s = socket.socket(); s.settimeout(2)
+found['api_reachable'] = s.connect_ex(('127.0.0.1', {port})) == 0
+try:
+    sqlite3.connect('file:{store}?mode=rw', uri=True).execute(
+        "UPDATE sessions SET state = '{{}}'")
+    found['store'] = 'written'
+except Exception as error:
+    found['store'] = type(error).__name__
+killed = []
+for pid in range(1, 4096):
+    if pid != os.getpid():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+found['killed'] = killed
+print(json.dumps(found))
+"""
+    report = json.loads(run_tool(server, attacker, attack).strip().splitlines()[-1])
+    assert report["key_seen"] is False
+    assert report["pids"] == [1, 2]  # bwrap's init and the code itself: nothing else is there
+    assert report["api_reachable"] is False
+    assert report["store"] == "OperationalError"  # the store's path does not exist in there
+    assert report["killed"] in ([], [1])  # at most its own init, which ends only its own run
+    assert server.process.poll() is None
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    state = httpx.get(f"{server.url}/v1/envs/{victim}", headers=HEADERS).json()
+    assert state["started"] is True and state["rows"][0]["turns"] == 0
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT COUNT(*) FROM sessions WHERE state = '{}'").fetchone()[0] == 0
+
+
+def test_escaped_processes_end_with_the_step(server: Server) -> None:
+    env_id = tool_env(server)
+    marker = f"rlserve-escape-{uuid.uuid4().hex}"
+    code = f"""
+import os, sys
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(120)', '{marker}'])
+    os._exit(0)
+print('left behind')
+"""
+    assert run_tool(server, env_id, code).strip() == "left behind"
+    deadline = time.monotonic() + 3
+    while host_processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_processes_with(marker) == []
+
+
+def test_health_answers_during_a_64_row_tool_step(server: Server) -> None:
+    env_id = tool_env(server, batch_size=64)
+    action = {"text": "```python\nimport time\ntime.sleep(0.2)\nprint('done')\n```"}
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        step = httpx.post(
+            f"{server.url}/v1/envs/{env_id}/step",
+            json={"actions": [action] * 64},
+            headers=HEADERS,
+            timeout=120,
+        )
+    finally:
+        stop.set()
+        prober.join()
+    assert step.status_code == 200, step.text
+    results = [o["info"]["tool_results"][0] for o in step.json()["outputs"]]
+    assert all(r["ok"] and r["output"] == "done\n" for r in results)
+    print(f"/health during a 64-row tool step: max {max(latencies) * 1000:.1f} ms")
+    assert max(latencies) < 1.0  # a stalled event loop would hold it for the whole step
+
+
+def test_a_killed_server_leaves_no_tool_process(home: Path) -> None:
+    marker = f"rlserve-orphan-{uuid.uuid4().hex}"
+    argv = f"[sys.executable, '-c', 'import time; time.sleep(120)', '{marker}']"
+    code = f"import os, sys\nos.execv(sys.executable, {argv})"
+    with unprivileged_server(home) as server:
+        env_id = tool_env(server)
+        action = {"text": f"```python\n{code}\n```"}
+        client = httpx.Client(timeout=60)
+        pending = threading.Thread(
+            target=lambda: _ignore(
+                lambda: client.post(
+                    f"{server.url}/v1/envs/{env_id}/step",
+                    json={"actions": [action]},
+                    headers=HEADERS,
+                )
+            )
+        )
+        pending.start()
+        deadline = time.monotonic() + 20
+        while not host_processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert host_processes_with(marker)
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while host_processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert host_processes_with(marker) == []
+        pending.join(timeout=60)
+
+
+def _ignore(call: Callable[[], object]) -> None:
+    with suppress(httpx.HTTPError):
+        call()
+
+
+def test_a_client_that_goes_away_cancels_its_tool_run_and_changes_nothing(
+    server: Server,
+) -> None:
+    env_id = tool_env(server)
+    marker = f"rlserve-gone-{uuid.uuid4().hex}"
+    argv = f"[sys.executable, '-c', 'import time; time.sleep(120)', '{marker}']"
+    action = {"text": f"```python\nimport os, sys\nos.execv(sys.executable, {argv})\n```"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(
+            f"{server.url}/v1/envs/{env_id}/step",
+            json={"actions": [action]},
+            headers=HEADERS,
+            timeout=httpx.Timeout(10, read=1.5),
+        )
+    deadline = time.monotonic() + 5
+    while host_processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_processes_with(marker) == []  # 20 s before its own timeout would end it
+    state = httpx.get(f"{server.url}/v1/envs/{env_id}", headers=HEADERS).json()
+    assert state["rows"][0]["turns"] == 0

@@ -120,7 +120,14 @@ class Settings(BaseSettings):
     )
 
     # Weight updates
-    max_weights_bytes: int = Field(default=256 << 30, gt=0, description="Largest weight upload.")
+    max_weights_bytes: int = Field(
+        default=256 << 30,
+        gt=0,
+        description="Largest weight upload (also never more than the free disk space).",
+    )
+    weights_io_timeout_s: float = Field(
+        default=600, gt=0, description="Reading a checkpoint's files; beyond it the load is 504."
+    )
 
     # Request limits
     max_items_per_request: int = Field(default=256, gt=0)

@@ -56,6 +56,7 @@ def invalid(param: str, message: str) -> APIError:
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in (
+        (400, "Malformed request (e.g. control characters in the path)"),
         (401, "Missing or invalid API key (when RLSERVE_API_KEYS is set)"),
         (413, "Request too large"),
         (422, "Invalid request"),
@@ -64,6 +65,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     )
 }
 
+
+WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    400: {"model": ErrorResponse, "description": "Not a valid safetensors checkpoint"},
+    403: {"model": ErrorResponse, "description": "Changing weights needs an admin key"},
+    504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
+}
 
 PUBLIC_ERROR_RESPONSES = {k: v for k, v in ERROR_RESPONSES.items() if k != 401}
 """For the routes that never ask for a key (/ready, /metrics)."""

@@ -83,6 +83,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         datasets = DatasetRegistry(settings.data_dir / "datasets")
         build_services(app, registry, EnvService(store, registry, datasets, settings))
         await asyncio.to_thread(app.state.envs.sandbox.probe)
+        await asyncio.to_thread(app.state.weights.clean_uploads)
         loading = asyncio.create_task(load_or_exit(registry)) if load_models else None
         app.state.loading = loading
         reaper = asyncio.create_task(reap_forever(app.state.envs, settings.env_ttl_s))

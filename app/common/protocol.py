@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 ModelName = Literal["policy", "reference"]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
@@ -21,9 +21,65 @@ def field_error(field: str, message: str) -> PydanticCustomError:
 
 
 class WireModel(BaseModel):
-    """Base of every request and response body. Unknown request fields are rejected."""
+    """Base of every request and response body. Unknown request fields are rejected, so are
+    NaN and infinities (a number is a finite number, in and out) and strings that are not
+    valid Unicode (lone surrogates: nothing could store or print them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: object) -> object:
+        if isinstance(data, dict):
+            where = _lone_surrogate(data, "")
+            if where is not None:
+                raise field_error(where or "body", "contains a lone surrogate (not valid Unicode)")
+        return data
+
+
+def _lone_surrogate(value: object, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _lone_surrogate(key, inner) is not None:
+                return inner
+            found = _lone_surrogate(item, inner)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str | dict | list):  # numbers (token ids) need no call
+                found = _lone_surrogate(item, f"{path}[{i}]")
+                if found is not None:
+                    return found
+    return None
+
+
+def _not_too_cold(value: float | None) -> float | None:
+    if value is not None and 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {value}")
+    return value
+
+
+# Sampling parameters with the bounds inside which the model call stays finite (logits divided
+# by 1e-320 or scaled by a penalty of 1e-300 overflow to inf, and a top_k past int64 fails).
+MIN_TEMPERATURE = 0.01
+Temperature = Annotated[
+    float | None,
+    Field(default=None, ge=0, le=1e4, description="Default 1.0; 0 is greedy."),
+    AfterValidator(_not_too_cold),
+]
+TopP = Annotated[float, Field(default=1.0, ge=0, le=1)]
+TopK = Annotated[int | None, Field(default=None, gt=0, le=1 << 30)]
+RepetitionPenalty = Annotated[float, Field(default=1.0, ge=0.01, le=100)]
+Seed = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 
 
 class Message(WireModel):

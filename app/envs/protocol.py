@@ -6,14 +6,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from app.common.protocol import Message, TokenId, WireModel, field_error
+from app.common.protocol import Message, Seed, TokenId, WireModel, field_error
 from app.kl.estimators import Estimator
 
 EnvKind = Literal["chat", "text", "tokens"]
 
 
 class KLPenalty(WireModel):
-    coeff: float = Field(default=0.1, ge=0)
+    coeff: float = Field(default=0.1, ge=0, le=1e6)
     estimator: Estimator = "k1"
 
 
@@ -43,7 +43,7 @@ class EnvConfig(WireModel):
     repeats: int = Field(
         default=1, ge=1, description="Each dataset prompt fills this many rows in a row (GRPO)."
     )
-    seed: int | None = Field(default=None, description="Shuffles the dataset's order.")
+    seed: Seed | None = Field(default=None, description="Shuffles the dataset's order.")
     kl: KLPenalty | None = Field(
         default=None, description="Add -coeff * KL(policy||reference) of each turn to its reward."
     )

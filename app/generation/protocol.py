@@ -9,7 +9,12 @@ from pydantic import Field, model_validator
 from app.common.protocol import (
     InputFields,
     ModelName,
+    RepetitionPenalty,
     Sample,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
     WireModel,
     check_exactly_one,
     field_error,
@@ -29,10 +34,10 @@ class GenerateRequest(InputFields):
     max_tokens: int | None = Field(default=None, gt=0, description="Alias of max_new_tokens; wins.")
     num_return_sequences: int | None = Field(default=None, gt=0)
     n: int | None = Field(default=None, gt=0, description="Alias of num_return_sequences; wins.")
-    temperature: float | None = Field(default=None, ge=0, description="Default 1.0; 0 is greedy.")
-    top_p: float = Field(default=1.0, ge=0, le=1)
-    top_k: int | None = Field(default=None, gt=0)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    temperature: Temperature = None
+    top_p: TopP = 1.0
+    top_k: TopK = None
+    repetition_penalty: RepetitionPenalty = 1.0
     do_sample: bool | None = Field(
         default=None, description="Default: sample unless temperature is 0."
     )
@@ -42,9 +47,8 @@ class GenerateRequest(InputFields):
     skip_special_tokens: bool = Field(
         default=False, description="Drop special tokens from text.response (tokens keep them)."
     )
-    seed: int | None = Field(
+    seed: Seed | None = Field(
         default=None,
-        ge=0,
         description="Seeds each returned sequence's own random stream: results do not depend "
         "on what else is batched with the request.",
     )

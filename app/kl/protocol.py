@@ -25,7 +25,7 @@ class KLRequest(SplitInputFields):
         description="Count only assistant tokens (messages) or response tokens (a split). "
         "When false, every token but the first (which has no prediction) counts.",
     )
-    coeff: float = Field(default=1.0, ge=0, description="KL penalty coefficient.")
+    coeff: float = Field(default=1.0, ge=0, le=1e6, description="KL penalty coefficient.")
     rewards: list[float] | None = Field(
         default=None, description="One sequence-level reward per sequence, to shape."
     )

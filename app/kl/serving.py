@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from app.common.inputs import Prepared, check_num_items
 from app.common.protocol import TokenFields
 from app.config import Settings
@@ -44,23 +46,39 @@ class KLService:
             else:
                 policy, reference = given, await pair.reference.score(sequences)
         outputs = [
-            _sample(item, p, q, request, None if request.rewards is None else request.rewards[i])
+            _sample(i, item, p, q, request)
             for i, (item, p, q) in enumerate(zip(prepared, policy, reference, strict=True))
         ]
         return KLResponse(policy_version=version, estimator=request.estimator, outputs=outputs)
 
 
 def _sample(
+    index: int,
     item: Prepared,
     policy: list[float],
     reference: list[float],
     request: KLRequest,
-    reward: float | None,
 ) -> KLSample:
+    """One sequence's answer; every number in it finite, or a 422 naming the input that
+    overflowed (given log-probs, or the reward with the coefficient)."""
     mask = item.split().counted(assistant_only=request.assistant_only)
-    kl = per_token_kl(policy, reference, mask, request.estimator)
+    try:
+        kl = per_token_kl(policy, reference, mask, request.estimator)
+    except OverflowError:
+        kl = [math.inf]
     num_counted = sum(mask)
     total = sum(kl)
+    if not math.isfinite(total) or not all(map(math.isfinite, kl)):
+        raise invalid(
+            f"policy_log_probs[{index}]",
+            "the KL estimate overflows a float for these log-probs (log p - log q too large)",
+        )
+    shaped = None
+    if request.rewards is not None:
+        reward = request.rewards[index]
+        shaped = shape_rewards(kl, mask, reward, request.coeff, request.reward_placement)
+        if not all(map(math.isfinite, shaped)):
+            raise invalid(f"rewards[{index}]", "reward - coeff * KL overflows a float")
     return KLSample(
         tokens=TokenFields(full=item.ids),
         mask=mask,
@@ -70,7 +88,5 @@ def _sample(
         kl_sum=total,
         kl_mean=total / num_counted if num_counted else 0.0,
         num_counted=num_counted,
-        shaped_rewards=None
-        if reward is None
-        else shape_rewards(kl, mask, reward, request.coeff, request.reward_placement),
+        shaped_rewards=shaped,
     )

@@ -10,8 +10,13 @@ from app.common.protocol import (
     LogProbFields,
     Masks,
     Message,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
     TextFields,
     TokenFields,
+    TopK,
+    TopP,
     WireModel,
     field_error,
 )
@@ -25,13 +30,13 @@ class RolloutGeneration(WireModel):
     """Sampling parameters of every turn (the generate route's names and rules)."""
 
     max_new_tokens: int | None = Field(default=None, gt=0)
-    temperature: float | None = Field(default=None, ge=0, description="Default 1.0; 0 is greedy.")
-    top_p: float = Field(default=1.0, ge=0, le=1)
-    top_k: int | None = Field(default=None, gt=0)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    temperature: Temperature = None
+    top_p: TopP = 1.0
+    top_k: TopK = None
+    repetition_penalty: RepetitionPenalty = 1.0
     stop: StopList | None = None
-    seed: int | None = Field(
-        default=None, ge=0, description="Makes the whole rollout reproducible (per turn and row)."
+    seed: Seed | None = Field(
+        default=None, description="Makes the whole rollout reproducible (per turn and row)."
     )
 
     def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +37,27 @@ def layout_of_state(state: dict[str, torch.Tensor]) -> Layout:
 
 
 def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
-    """The `*.safetensors` files of an HF checkpoint directory (or a single file)."""
+    """The `*.safetensors` files of an HF checkpoint directory (or a single file). Only
+    regular files: a FIFO or device named like a checkpoint would block the reader forever."""
     if not directory.exists():
         raise invalid(param, f"{directory} does not exist on the server")
-    if directory.is_file():
-        return [directory]
-    files = sorted(directory.glob("*.safetensors"))
+    files = [directory] if not directory.is_dir() else sorted(directory.glob("*.safetensors"))
     if not files:
         raise invalid(param, f"{directory} holds no .safetensors files")
+    for path in files:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise invalid(param, f"{path} is not a regular file")
     return files
+
+
+def check_finite(files: list[Path], param: str) -> None:
+    """Refuse NaN and infinities in floating-point tensors (read tensor by tensor)."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise invalid(param, f"tensor '{name}' holds NaN or infinite values")
 
 
 def read_layout(files: list[Path], param: str) -> Layout:

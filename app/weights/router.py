@@ -4,10 +4,10 @@ from fastapi import APIRouter, Query, Request
 
 from app.common.protocol import ModelName
 from app.deps import WeightsDep
-from app.errors import ERROR_RESPONSES
+from app.errors import WEIGHTS_ERROR_RESPONSES
 from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVersion
 
-router = APIRouter(tags=["weights"], responses=ERROR_RESPONSES)
+router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
 
 
 @router.get("/v1/weights/version", response_model=WeightsVersion, summary="Current versions")

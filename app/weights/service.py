@@ -3,19 +3,23 @@ while all model work is paused; the version goes up only when the update succeed
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.errors import APIError
-from app.weights.checkpoint import check_layout, checkpoint_files, read_layout
+from app.weights.checkpoint import check_finite, check_layout, checkpoint_files, read_layout
 from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVersion
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WeightsService:
@@ -29,36 +33,63 @@ class WeightsService:
             policy_version=versions["policy"], reference_version=versions["reference"]
         )
 
+    @property
+    def uploads(self) -> Path:
+        return self.settings.data_dir / "uploads"
+
+    def clean_uploads(self) -> None:
+        """Remove uploads a killed server left behind (at start-up, before any upload)."""
+        for leftover in self.uploads.glob("*.safetensors"):
+            leftover.unlink(missing_ok=True)
+
     async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
-        files = checkpoint_files(Path(request.path))
+        files = await self._file_work(checkpoint_files, Path(request.path))
         return await self._apply(files, request.model, "path")
 
     async def upload(self, chunks: AsyncIterator[bytes], model: str) -> WeightsUpdated:
-        """Stream the body to a file on disk (memory stays bounded), then apply it."""
-        uploads = self.settings.data_dir / "uploads"
-        uploads.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=uploads, suffix=".safetensors") as sink:
+        """Stream the body to a file on disk (memory stays bounded; writes in a thread), then
+        apply it. The file is gone afterwards, whatever happened (a client that went away
+        included); the limit is max_weights_bytes or the free disk space, the smaller."""
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.uploads).free
+        limit = min(self.settings.max_weights_bytes, free - (64 << 20))
+        with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             size = 0
             async for chunk in chunks:
                 size += len(chunk)
-                if size > self.settings.max_weights_bytes:
+                if size > limit:
                     raise APIError(
                         413,
-                        f"body: the upload exceeds {self.settings.max_weights_bytes} bytes",
+                        f"body: the upload exceeds {max(limit, 0)} bytes "
+                        f"(max_weights_bytes {self.settings.max_weights_bytes}, "
+                        f"free disk {free})",
                         param="body",
                     )
-                sink.write(chunk)
-            sink.flush()
+                await asyncio.to_thread(sink.write, chunk)
+            await asyncio.to_thread(sink.flush)
             if size == 0:
                 raise APIError(400, "body: the upload is empty", param="body")
             return await self._apply([Path(sink.name)], model, "body")
 
+    async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
+        """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a
+        hung network mount) costs a 504, never the event loop."""
+        timeout = self.settings.weights_io_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.to_thread(work, *args)
+        except TimeoutError:
+            raise APIError(
+                504, f"reading the checkpoint took over {timeout:g} s", type="timeout_error"
+            ) from None
+
     async def _apply(self, files: list[Path], model: str, param: str) -> WeightsUpdated:
-        update = read_layout(files, param)
+        update = await self._file_work(read_layout, files, param)
         served = self.registry.get(model)
         expected = served.backend.weight_layout()
         if expected is not None:
             check_layout(update, expected)
+        await self._file_work(check_finite, files, param)
         num_bytes = sum(f.stat().st_size for f in files)
         async with self.registry.writing(model) as target:
             start = time.perf_counter()

@@ -140,7 +140,10 @@ class Sandbox:
             return "bubblewrap (bwrap) is not installed; install it, or set tool_isolation=none"
         if os.geteuid() == 0 and shutil.which("setpriv") is None:
             return "setpriv (util-linux) is needed to run the tool as a non-root user"
-        self._hidden = self._site_directories()
+        try:
+            self._hidden = self._site_directories()
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"the interpreter {self.limits.interpreter} does not run: {error}"
         argv = self._argv("import os; print(os.getpid())", slot=0, timeout_s=30)
         try:
             done = subprocess.run(argv, capture_output=True, timeout=30, check=False)

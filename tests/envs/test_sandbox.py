@@ -288,3 +288,9 @@ async def test_the_explicit_opt_out_still_limits_and_cleans(unisolated: Sandbox)
     assert result.ok and not result.isolated
     bomb = await unisolated.run("x = bytearray(2 << 30)")
     assert "MemoryError" in bomb.output
+
+
+def test_a_missing_interpreter_is_a_reason_not_a_crash() -> None:
+    sandbox = Sandbox(SandboxLimits(interpreter="/nonexistent/python3"))
+    problem = sandbox.probe()
+    assert problem is not None and "/nonexistent/python3" in problem

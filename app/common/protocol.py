@@ -53,13 +53,15 @@ def _lone_surrogate(value: object, path: str) -> str | None:
             found = _lone_surrogate(item, inner)
             if found is not None:
                 return found
-    elif isinstance(value, list):
+    elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # token ids: skip
         for i, item in enumerate(value):
-            if isinstance(item, str | dict | list):  # numbers (token ids) need no call
-                found = _lone_surrogate(item, f"{path}[{i}]")
-                if found is not None:
-                    return found
+            found = _lone_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
     return None
+
+
+_SCALARS = {int, float, bool, type(None)}
 
 
 def _not_too_cold(value: float | None) -> float | None:

@@ -123,8 +123,10 @@ class EnvService:
     ) -> AsyncIterator[tuple[SessionRecord, episodes.EpisodeState]]:
         """The session and its episodes under its lock; saved when the block completes
         without error (a failed step changes nothing)."""
-        await self._load(env_id, owner)  # no lock is made for ids that do not exist
-        lock = self._locks.setdefault(env_id, asyncio.Lock())
+        lock = self._locks.get(env_id)
+        if lock is None:  # only sessions that exist get a lock (unknown ids leave nothing)
+            await self._load(env_id, owner)
+            lock = self._locks.setdefault(env_id, asyncio.Lock())
         async with lock:
             record = await self._load(env_id, owner)
             state = episodes.EpisodeState.from_json(record.state)

@@ -8,7 +8,6 @@ never in the server's own interpreter."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 
@@ -32,21 +31,16 @@ class ToolBudget:
 
 
 async def run_python_blocks(text: str, sandbox: Sandbox, budget: ToolBudget) -> list[ToolResult]:
-    """Run the message's blocks in order; blocks past the message's cap, or left when the
-    step's tool time is spent, are reported as failed and not run."""
-    loop = asyncio.get_running_loop()
+    """Run the message's blocks in order; blocks past the message's cap are reported as failed
+    and not run, and so are those the sandbox cannot start before the step's deadline."""
     results = []
     for number, code in enumerate(python_blocks(text), start=1):
-        left = budget.deadline - loop.time()
         if number > budget.max_blocks:
-            reason = f"a message may run at most {budget.max_blocks} code blocks"
-        elif left <= 0:
-            reason = "the step's tool time budget is spent"
-        else:
-            run = await sandbox.run(code, deadline=budget.deadline)
-            results.append(ToolResult(block=number, ok=run.ok, output=run.output))
+            output = f"[not run: a message may run at most {budget.max_blocks} code blocks]"
+            results.append(ToolResult(block=number, ok=False, output=output))
             continue
-        results.append(ToolResult(block=number, ok=False, output=f"[not run: {reason}]"))
+        run = await sandbox.run(code, deadline=budget.deadline)
+        results.append(ToolResult(block=number, ok=run.ok, output=run.output))
     return results
 
 

@@ -20,6 +20,7 @@ from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_WRITE_BATCH_BYTES = 8 << 20
 
 
 class WeightsService:
@@ -54,7 +55,8 @@ class WeightsService:
         free = shutil.disk_usage(self.uploads).free
         limit = min(self.settings.max_weights_bytes, free - (64 << 20))
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
-            size = 0
+            size = written = 0
+            pending: list[bytes] = []  # written in ~8 MiB batches: one thread hop each
             async for chunk in chunks:
                 size += len(chunk)
                 if size > limit:
@@ -65,8 +67,11 @@ class WeightsService:
                         f"free disk {free})",
                         param="body",
                     )
-                await asyncio.to_thread(sink.write, chunk)
-            await asyncio.to_thread(sink.flush)
+                pending.append(chunk)
+                if size - written >= _WRITE_BATCH_BYTES:
+                    await asyncio.to_thread(sink.writelines, pending)
+                    pending, written = [], size
+            await asyncio.to_thread(_write_and_flush, sink, pending)
             if size == 0:
                 raise APIError(400, "body: the upload is empty", param="body")
             return await self._apply([Path(sink.name)], model, "body")
@@ -107,3 +112,8 @@ class WeightsService:
             num_bytes=num_bytes,
             seconds=paused,
         )
+
+
+def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:
+    sink.writelines(chunks)
+    sink.flush()

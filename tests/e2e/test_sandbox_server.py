@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.envs.sandbox import Sandbox, SandboxLimits
 from tests.e2e.server import Server, free_port, running_process
+from tests.sandboxing import host_processes_with, isolation_problem, sleeper
 
 UNPRIVILEGED = 65534
 USER_KEY, ADMIN_KEY = "user-secret-8d1f", "admin-secret-77c2"
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _unprivileged_can_run_the_server() -> str | None:
     """Why this host cannot run the server as an unprivileged user, if it cannot."""
-    problem = Sandbox(SandboxLimits()).probe()
+    problem = isolation_problem()
     if problem is not None and os.environ.get("CI") != "true":  # CI installs bubblewrap
         return f"no bubblewrap isolation here: {problem}"
     if os.geteuid() != 0:
@@ -120,16 +120,12 @@ def run_tool(server: Server, env_id: str, code: str, timeout: float = 60) -> str
     return output
 
 
-def host_processes_with(marker: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if marker.encode() in cmdline.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
+def left_running(marker: str, within_s: float = 5) -> list[int]:
+    """The marked processes still alive once they had `within_s` to end."""
+    deadline = time.monotonic() + within_s
+    while host_processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return host_processes_with(marker)
 
 
 def test_the_non_root_server_is_out_of_reach_of_tool_code(server: Server, home: Path) -> None:
@@ -198,10 +194,7 @@ if os.fork() == 0:
 print('left behind')
 """
     assert run_tool(server, env_id, code).strip() == "left behind"
-    deadline = time.monotonic() + 3
-    while host_processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert host_processes_with(marker) == []
+    assert left_running(marker, within_s=3) == []
 
 
 def test_health_answers_during_a_64_row_tool_step(server: Server) -> None:
@@ -238,8 +231,7 @@ def test_health_answers_during_a_64_row_tool_step(server: Server) -> None:
 
 def test_a_killed_server_leaves_no_tool_process(home: Path) -> None:
     marker = f"rlserve-orphan-{uuid.uuid4().hex}"
-    argv = f"[sys.executable, '-c', 'import time; time.sleep(120)', '{marker}']"
-    code = f"import os, sys\nos.execv(sys.executable, {argv})"
+    code = sleeper(marker, seconds=120)
     with unprivileged_server(home) as server:
         env_id = tool_env(server)
         action = {"text": f"```python\n{code}\n```"}
@@ -260,10 +252,7 @@ def test_a_killed_server_leaves_no_tool_process(home: Path) -> None:
         assert host_processes_with(marker)
         server.process.send_signal(signal.SIGKILL)
         server.process.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while host_processes_with(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert host_processes_with(marker) == []
+        assert left_running(marker) == []
         pending.join(timeout=60)
 
 
@@ -277,8 +266,7 @@ def test_a_client_that_goes_away_cancels_its_tool_run_and_changes_nothing(
 ) -> None:
     env_id = tool_env(server)
     marker = f"rlserve-gone-{uuid.uuid4().hex}"
-    argv = f"[sys.executable, '-c', 'import time; time.sleep(120)', '{marker}']"
-    action = {"text": f"```python\nimport os, sys\nos.execv(sys.executable, {argv})\n```"}
+    action = {"text": f"```python\n{sleeper(marker, seconds=120)}\n```"}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(
             f"{server.url}/v1/envs/{env_id}/step",
@@ -286,9 +274,6 @@ def test_a_client_that_goes_away_cancels_its_tool_run_and_changes_nothing(
             headers=HEADERS,
             timeout=httpx.Timeout(10, read=1.5),
         )
-    deadline = time.monotonic() + 5
-    while host_processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert host_processes_with(marker) == []  # 20 s before its own timeout would end it
+    assert left_running(marker) == []  # 20 s before its own timeout would end it
     state = httpx.get(f"{server.url}/v1/envs/{env_id}", headers=HEADERS).json()
     assert state["rows"][0]["turns"] == 0

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from app.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from tests.sandboxing import host_processes_with, needs_isolation, sleeper
 
 LIMITS = SandboxLimits(
     timeout_s=3.0, cpu_seconds=3, memory_bytes=256 << 20, max_output_bytes=1000, max_processes=8
@@ -27,39 +28,13 @@ def _sandbox(**options: object) -> Sandbox:
 
 
 ISOLATED = _sandbox()
-# CI installs bubblewrap (scripts/system-deps.sh): there these tests never skip.
-pytestmark = pytest.mark.skipif(
-    ISOLATED.problem is not None and os.environ.get("CI") != "true",
-    reason=f"no bubblewrap isolation here: {ISOLATED.problem}",
-)
+pytestmark = needs_isolation
 
 
 async def run(code: str, sandbox: Sandbox = ISOLATED) -> str:
     result = await sandbox.run(code)
     assert result.isolated == (sandbox.isolation == "bwrap")
     return result.output
-
-
-def sleeper(marker: str) -> str:
-    """Code that becomes a long sleep whose command line carries `marker`."""
-    argv = f"[sys.executable, '-c', 'import time; time.sleep(60)', '{marker}']"
-    return f"import os, sys\nos.execv(sys.executable, {argv})"
-
-
-def host_processes_with(marker: str) -> list[str]:
-    """Live (not zombie) host processes whose command line holds `marker`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if marker.encode() not in cmdline.read():
-                    continue
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
 
 
 async def test_plain_code_runs_and_failures_report_stderr() -> None:

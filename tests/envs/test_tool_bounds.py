@@ -3,7 +3,6 @@ and a tool that refuses to run without the isolation it was configured for. Fake
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,13 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.envs.sandbox import Sandbox, SandboxLimits
 from tests.fake.backend import FakeBackend, fake_app
+from tests.sandboxing import needs_isolation
 
-pytestmark = pytest.mark.skipif(
-    Sandbox(SandboxLimits()).probe() is not None and os.environ.get("CI") != "true",
-    reason="no bubblewrap isolation here",
-)
+pytestmark = needs_isolation
 
 
 @asynccontextmanager

@@ -5,7 +5,6 @@ the built-in model with another seed, so KL is not zero). Runs in `.venv-torchrl
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -13,13 +12,9 @@ import torch
 
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import Server, running_server
+from tests.torchrl import torchrl_only
 
-pytestmark = [
-    pytest.mark.torchrl,
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchrl") is None, reason="torchrl is not installed here"
-    ),
-]
+pytestmark = torchrl_only
 
 ROWS = [
     {"query": "What is 6*7?", "answer": "#### 42"},

@@ -4,20 +4,14 @@ reward parser and advantage transform must agree with what rlserve returns. Runs
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import pytest
 import torch
 
 from tests.conftest import assert_close
+from tests.torchrl import torchrl_only
 
-pytestmark = [
-    pytest.mark.torchrl,
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchrl") is None, reason="torchrl is not installed here"
-    ),
-]
+pytestmark = torchrl_only
 
 CONVERSATIONS = [
     [

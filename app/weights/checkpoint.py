@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ TORCH_TO_SAFETENSORS = {
 }
 
 
+SAFETENSORS_TO_TORCH = {name: dtype for dtype, name in TORCH_TO_SAFETENSORS.items()}
+
+
 def layout_of_state(state: dict[str, torch.Tensor]) -> Layout:
     return {
         name: (TORCH_TO_SAFETENSORS.get(t.dtype, str(t.dtype)), tuple(t.shape))
@@ -48,16 +52,6 @@ def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
         if not stat.S_ISREG(path.stat().st_mode):
             raise invalid(param, f"{path} is not a regular file")
     return files
-
-
-def check_finite(files: list[Path], param: str) -> None:
-    """Refuse NaN and infinities in floating-point tensors (read tensor by tensor)."""
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensor = f.get_tensor(name)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise invalid(param, f"tensor '{name}' holds NaN or infinite values")
 
 
 def read_layout(files: list[Path], param: str) -> Layout:
@@ -105,27 +99,44 @@ def _header(path: Path) -> tuple[int, dict[str, Any]]:
 
 
 def copy_into(state: dict[str, torch.Tensor], files: list[Path]) -> None:
-    """Copy every tensor of (already checked) files into `state`, reading each through one
-    reused staging buffer with plain file reads: memory grows by the largest tensor only,
-    not by the payload (no mmap, no per-tensor allocations left behind)."""
+    """Copy every tensor of (already checked) files into `state`."""
+    for name, _, data in _tensor_bytes(files):
+        target = state[name]
+        with torch.no_grad():
+            target.copy_(data.view(target.dtype).view(target.shape))
+
+
+def check_finite(files: list[Path], param: str) -> None:
+    """Refuse NaN and infinities in floating-point tensors."""
+    for name, dtype, data in _tensor_bytes(files):
+        torch_dtype = SAFETENSORS_TO_TORCH.get(dtype)
+        if torch_dtype is None or not torch_dtype.is_floating_point:
+            continue
+        if not bool(torch.isfinite(data.view(torch_dtype)).all()):
+            raise invalid(param, f"tensor '{name}' holds NaN or infinite values")
+
+
+def _tensor_bytes(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(name, safetensors dtype, raw bytes) of every non-empty tensor, read through one reused
+    staging buffer per file with plain file reads: memory grows by the largest tensor only,
+    not by the payload (no mmap, no per-tensor allocations left behind). Each byte tensor is
+    valid until the next one is read."""
     for path in files:
         header_size, header = _header(path)
         spans = sorted(
-            (meta["data_offsets"][0], meta["data_offsets"][1], name)
+            (meta["data_offsets"][0], meta["data_offsets"][1], name, meta["dtype"])
             for name, meta in header.items()
         )
-        largest = max(end - begin for begin, end, _ in spans)
+        largest = max(end - begin for begin, end, _, _ in spans)
         staging = torch.empty(largest, dtype=torch.uint8)
         with path.open("rb", buffering=0) as f:
-            for begin, end, name in spans:
-                target = state[name]
+            for begin, end, name, dtype in spans:
                 if end == begin:
                     continue
                 f.seek(8 + header_size + begin)
-                _read_exactly(f, memoryview(staging[: end - begin].numpy()))  # type: ignore[arg-type]
-                source = staging[: end - begin].view(target.dtype).view(target.shape)
-                with torch.no_grad():
-                    target.copy_(source)
+                data = staging[: end - begin]
+                _read_exactly(f, memoryview(data.numpy()))  # type: ignore[arg-type]
+                yield name, dtype, data
 
 
 def _read_exactly(f: Any, buffer: memoryview) -> None:

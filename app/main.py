@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from app import __version__
 from app.config import Settings
+from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.datasets import DatasetRegistry
 from app.envs.router import router as envs_router
@@ -26,8 +27,11 @@ from app.generation.router import router as generation_router
 from app.generation.serving import GenerationService
 from app.kl.router import router as kl_router
 from app.kl.serving import KLService
+from app.ops.access import Access, policy_of
+from app.ops.auth import AuthMiddleware
+from app.ops.context import RequestContextMiddleware
+from app.ops.limits import BodyLimitMiddleware
 from app.ops.metrics import Metrics
-from app.ops.middleware import PUBLIC_PATHS, ServiceMiddleware
 from app.ops.router import router as ops_router
 from app.rollouts.router import router as rollouts_router
 from app.rollouts.serving import RolloutService
@@ -78,6 +82,11 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = ModelRegistry(settings)
         app.state.registry = registry
+        app.state.probe = EngineProbe(
+            registry,
+            interval_s=settings.ready_probe_interval_s,
+            timeout_s=settings.ready_probe_timeout_s,
+        )
         metrics.watch(registry)
         store = SQLiteSessionStore(settings.data_dir / "sessions.sqlite3")
         datasets = DatasetRegistry(settings.data_dir / "datasets")
@@ -116,7 +125,11 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         ops_router,
     )
     routes = [route for router in routers for route in router.routes]
-    app.add_middleware(ServiceMiddleware, settings=settings, metrics=metrics, routes=routes)
+    app.state.routes = routes  # flat, with each route's declared policy (app.ops.access)
+    # Added innermost first: the request context wraps auth, which wraps the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, settings=settings)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, routes=routes)
     if settings.cors_origins:  # added last: it runs first, answering preflights itself
         app.add_middleware(
             CORSMiddleware,
@@ -132,8 +145,8 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
 
 
 def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the Bearer scheme: required everywhere but the public routes
-    (/metrics is documented as public, its default)."""
+    """FastAPI's schema plus the Bearer scheme, required on each operation as its route's
+    declared policy says (/metrics is documented as public, its default)."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title,
@@ -150,9 +163,27 @@ def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
             }
         }
         schema["security"] = [{"bearerAuth": []}]
-        for path, operations in schema["paths"].items():
-            if path in PUBLIC_PATHS or path == "/metrics":
-                for operation in operations.values():
-                    operation["security"] = []
+        for route in app.state.routes:
+            level = policy_of(route).access
+            for method in getattr(route, "methods", ()):
+                operation = schema["paths"][route.path].get(method.lower())
+                if operation is not None:
+                    declare_access(operation, level)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def declare_access(operation: dict[str, Any], level: Access) -> None:
+    """An operation's security and auth statuses, as its route's declared policy says."""
+    responses = operation.setdefault("responses", {})
+    if level in (Access.PUBLIC, Access.METRICS):
+        operation["security"] = []
+    if level is Access.PUBLIC:
+        responses.pop("401", None)
+    if level is Access.ADMIN:
+        responses["403"] = {
+            "description": "Needs an admin key (when RLSERVE_ADMIN_API_KEYS is set)",
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+            },
+        }

@@ -1,4 +1,5 @@
-"""API keys: checking one in constant time, and the owner id it stands for.
+"""API keys: the auth middleware, checking a key in constant time, and the owner id a key
+stands for.
 
 Sessions (and everything else a caller creates) belong to an owner: a digest of the key that
 created them, never the key itself, so the store holds nothing that would authenticate."""
@@ -7,6 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.config import Settings
+from app.errors import APIError, error_response
+from app.ops.access import Access, matched_route, policy_of
 
 ANONYMOUS = ""  # the owner of everything when the server has no keys
 
@@ -21,3 +28,43 @@ def matches(key: bytes, keys: list[bytes]) -> bool:
 
 def owner_of(key: bytes) -> str:
     return "key-" + hashlib.sha256(b"rlserve-owner:" + key).hexdigest()[:32]
+
+
+class AuthMiddleware:
+    """Bearer keys, judged on the policy the matched route declares (`app.ops.access`): 401
+    without a valid key, 403 for a non-admin key on an admin route. Sets the request's owner."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.keys = [k.encode() for k in settings.api_keys + settings.admin_api_keys]
+        self.admin_keys = [k.encode() for k in settings.admin_api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            problem = self._refuse(scope)
+            if problem is not None:
+                await error_response(problem)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refuse(self, scope: Scope) -> APIError | None:
+        level = policy_of(matched_route(scope)).access
+        if not self.keys or level is Access.PUBLIC or scope["method"] == "OPTIONS":
+            return None
+        if level is Access.METRICS and not self.settings.metrics_auth:
+            return None
+        header = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        key = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not matches(key, self.keys):
+            return APIError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if level is Access.ADMIN and self.admin_keys and not matches(key, self.admin_keys):
+            return APIError(403, "this route needs an admin key", type="permission_error")
+        scope["state"]["owner"] = owner_of(key)
+        return None

@@ -3,8 +3,10 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import EnvsDep, RegistryDep, SettingsDep
-from app.errors import ERROR_RESPONSES, PUBLIC_ERROR_RESPONSES, APIError
+from app.common.failures import NotReady
+from app.deps import EnvsDep, ProbeDep, RegistryDep, SettingsDep
+from app.errors import ERROR_RESPONSES
+from app.ops.access import Access, access
 from app.ops.protocol import (
     BatcherState,
     BatchingConfigOut,
@@ -19,7 +21,12 @@ from app.ops.protocol import (
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/health", response_model=HealthResponse, summary="Process is up")
+@router.get(
+    "/health",
+    response_model=HealthResponse,
+    summary="Process is up",
+    openapi_extra=access(Access.PUBLIC),
+)
 async def health(registry: RegistryDep) -> HealthResponse:
     return HealthResponse(status="ok", model_status=registry.status)
 
@@ -27,15 +34,16 @@ async def health(registry: RegistryDep) -> HealthResponse:
 @router.get(
     "/ready",
     response_model=ReadyResponse,
-    responses=PUBLIC_ERROR_RESPONSES,
+    responses=ERROR_RESPONSES,
     summary="Models loaded",
+    openapi_extra=access(Access.PUBLIC),
 )
-async def ready(registry: RegistryDep) -> ReadyResponse:
-    if registry.status != "ready":
-        detail = f": {registry.error}" if registry.error else ""
-        raise APIError(
-            503, f"not ready, model is {registry.status}{detail}", type="unavailable_error"
-        )
+async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
+    """Ready when the models are loaded and each engine still answers a probe (a real forward,
+    at most once per RLSERVE_READY_PROBE_INTERVAL_S)."""
+    problem = await probe.problem()
+    if problem is not None:
+        raise NotReady(f"not ready, {problem}")
     return ReadyResponse(ready=True, policy_version=registry.policy_version)
 
 
@@ -84,10 +92,11 @@ async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResp
     "/metrics",
     response_class=Response,
     responses={
-        **PUBLIC_ERROR_RESPONSES,
+        **ERROR_RESPONSES,
         200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
     },
     summary="Prometheus metrics",
+    openapi_extra=access(Access.METRICS),
 )
 async def metrics(request: Request, envs: EnvsDep) -> Response:
     """Requests by route and status, latency histograms, queue depth, batch sizes, tokens

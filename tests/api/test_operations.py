@@ -11,10 +11,12 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.common.failures import Failure, QuotaExceeded
 from app.config import Settings
+from app.errors import failure_error
 from app.main import create_app
+from app.ops.access import Access, policy_of
 from app.ops.logs import JsonFormatter
-from app.ops.middleware import ADMIN_ROUTES
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -115,6 +117,58 @@ async def test_weight_routes_need_the_admin_key(guarded):
     assert admin.status_code == 422 and admin.json()["error"]["param"] == "path"
 
 
+def declared(level: Access) -> list[tuple[str, str]]:
+    """(method, path) of every route whose declared policy is `level`."""
+    app = create_app(Settings(), load_models=False)
+    return sorted(
+        (method, route.path)
+        for route in app.state.routes
+        if policy_of(route).access is level
+        for method in getattr(route, "methods", ())
+    )
+
+
+ADMIN_ROUTES = declared(Access.ADMIN)
+
+
+def test_the_weight_changing_routes_are_the_admin_routes():
+    """The admin set is what the routes declare; it must cover every route that changes the
+    served weights."""
+    assert {("POST", "/v1/weights/load"), ("PUT", "/v1/weights")} <= set(ADMIN_ROUTES)
+    assert ("GET", "/v1/weights/version") not in ADMIN_ROUTES
+
+
+def test_the_spec_security_follows_the_declared_policy():
+    app = create_app(Settings(), load_models=False)
+    spec = app.openapi()
+    public = {path for _, path in declared(Access.PUBLIC) + declared(Access.METRICS)}
+    assert public == {"/health", "/ready", "/metrics"}
+    admin = set(ADMIN_ROUTES)
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            assert (operation.get("security") == []) == (path in public), path
+            assert ("403" in operation["responses"]) == ((method.upper(), path) in admin), path
+            assert ("401" in operation["responses"]) == (path not in {"/health", "/ready"}), path
+
+
+async def test_an_unexpected_failure_is_one_error_body_with_the_request_id(settings):
+    app = create_app(settings, load_models=False)
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/v1/boom", boom)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://rlserve") as c:
+            failed = await c.get("/v1/boom", headers={"X-Request-ID": "trace-500"})
+            metrics = (await c.get("/metrics")).text
+    assert failed.status_code == 500 and failed.headers["x-request-id"] == "trace-500"
+    assert failed.json()["error"]["type"] == "internal_error"
+    assert "a bug" not in failed.text  # the message names the class, not the details
+    assert 'route="unmatched",status="500"' in metrics
+
+
 SUFFIXES = ["%0A", "%0D", "%09", "%00", "%0D%0A", "%7F", "%0A%0A"]
 VARIANTS = [
     *(lambda p, s=s: p + s for s in SUFFIXES),
@@ -205,3 +259,22 @@ async def test_access_log_is_structured(client, caplog):
     assert line["request_id"] == "abc-123" == response.headers["x-request-id"]
     assert (line["route"], line["status"], line["method"]) == ("/v1/models", 200, "GET")
     assert line["latency_ms"] >= 0 and line["level"] == "info"
+
+
+def test_every_domain_failure_has_one_status_and_it_is_declared():
+    """Each failure kind maps to one status through the one table, and that status is in the
+    spec of some route (so no route answers with a status the spec never mentions)."""
+    spec = create_app(Settings(), load_models=False).openapi()
+    declared_statuses = {
+        int(code)
+        for operations in spec["paths"].values()
+        for operation in operations.values()
+        for code in operation["responses"]
+    }
+    kinds = [Failure, *Failure.__subclasses__()]
+    assert len(kinds) >= 10
+    for kind in kinds:
+        error = failure_error(kind("what: went wrong", param="what"))
+        assert error.param == "what" and error.message == "what: went wrong"
+        assert error.status_code in declared_statuses, kind
+    assert failure_error(QuotaExceeded("full")).headers == {"Retry-After": "5"}

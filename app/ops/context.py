@@ -1,0 +1,109 @@
+"""The outermost middleware: what every request gets whatever happens to it. Its id
+(X-Request-ID, echoed or made), the route it will reach (matched once, read by the auth and
+body-size middleware), a 400 for paths with control characters, one error body with the id
+for an unexpected failure, the access log line and the request metrics."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import APIError, error_response
+from app.ops.auth import ANONYMOUS
+from app.ops.metrics import Metrics
+
+access_log = logging.getLogger("rlserve.access")
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"[\w.:/=+-]{1,128}")
+# A route's regex ends in `$`, which also matches before a trailing newline: a path with
+# control characters could reach a route that a check of the raw path would judge otherwise.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), b"")
+        given_id = given.decode("latin-1")
+        request_id = given_id if _REQUEST_ID.fullmatch(given_id) else uuid.uuid4().hex
+        route = self._match(scope)
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, owner=ANONYMOUS, route=route)
+        started = time.perf_counter()
+        status, sent = 500, False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status, sent = message["status"], True
+                extra = (b"x-request-id", request_id.encode())
+                message["headers"] = [*message.get("headers", []), extra]
+            await send(message)
+
+        try:
+            if _CONTROL.search(scope["path"]):
+                problem = APIError(400, "path: contains control characters", param="path")
+                await error_response(problem)(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            # Here, not in an exception handler: Starlette runs those outside every
+            # middleware, so their 500 would go out without the request id.
+            logger.exception(
+                "unhandled error on %s %s",
+                scope["method"],
+                scope["path"],
+                extra={"request_id": request_id},
+            )
+            if not sent:
+                await error_response(_internal_error(exc))(scope, receive, send_with_id)
+            status = 500
+        finally:
+            self._record(scope, route, request_id, status, time.perf_counter() - started)
+
+    def _match(self, scope: Scope) -> BaseRoute | None:
+        """The route the router will match for this request (method and path)."""
+        for route in self.routes:
+            if route.matches(scope)[0] == Match.FULL:
+                return route
+        return None
+
+    def _record(
+        self, scope: Scope, route: BaseRoute | None, request_id: str, status: int, seconds: float
+    ) -> None:
+        template = getattr(route, "path", None) or "unmatched"
+        method = scope["method"]
+        self.metrics.requests.labels(template, method, str(status)).inc()
+        self.metrics.latency.labels(template, method).observe(seconds)
+        access_log.info(
+            "%s %s %d %.1fms",
+            method,
+            scope["path"],
+            status,
+            seconds * 1000,
+            extra={
+                "request_id": request_id,
+                "method": method,
+                "route": template,
+                "path": scope["path"],
+                "status": status,
+                "latency_ms": round(seconds * 1000, 3),
+            },
+        )
+
+
+def _internal_error(exc: Exception) -> APIError:
+    return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")

@@ -84,6 +84,11 @@ class Settings(BaseSettings):
     max_env_sessions_per_key: int = Field(
         default=256, gt=0, description="Live sessions of one API key; beyond: 429."
     )
+    env_max_turns: int = Field(
+        default=64,
+        gt=0,
+        description="A session's max_turns when it sets none, and the most it may set.",
+    )
     tool_timeout_s: float = Field(
         default=5.0, gt=0, le=3600, description="Wall clock per python block."
     )
@@ -127,6 +132,23 @@ class Settings(BaseSettings):
     )
     weights_io_timeout_s: float = Field(
         default=600, gt=0, description="Reading a checkpoint's files; beyond it the load is 504."
+    )
+    weights_snapshot_loads: bool = Field(
+        default=True,
+        description="Path loads copy the checkpoint to data_dir first (needs the disk space), "
+        "so one rewritten during the load is applied whole or refused (409); false reads it "
+        "in place.",
+    )
+    ready_probe_interval_s: float = Field(
+        default=5,
+        ge=0,
+        description="/ready probes each engine at most this often (a request answered within "
+        "it counts as a probe).",
+    )
+    ready_probe_timeout_s: float = Field(
+        default=30,
+        gt=0,
+        description="An engine that does not answer a probe within this is not ready (503).",
     )
 
     # Request limits

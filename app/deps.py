@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from app.config import Settings
+from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
 from app.generation.serving import GenerationService
@@ -25,6 +26,11 @@ def _owner(request: Request) -> str:
     """Who is calling: the middleware's id for the request's API key ("" without keys)."""
     owner: str = getattr(request.state, "owner", "")
     return owner
+
+
+def _probe(request: Request) -> EngineProbe:
+    probe: EngineProbe = request.app.state.probe
+    return probe
 
 
 def _registry(request: Request) -> ModelRegistry:
@@ -64,6 +70,7 @@ def _weights(request: Request) -> WeightsService:
 
 OwnerDep = Annotated[str, Depends(_owner)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
+ProbeDep = Annotated[EngineProbe, Depends(_probe)]
 RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]

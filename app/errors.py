@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,8 +11,18 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.batching import BackendCallError, QueueFullError
-
-logger = logging.getLogger(__name__)
+from app.common.failures import (
+    Conflict,
+    Failure,
+    InvalidInput,
+    Malformed,
+    NotFound,
+    NotReady,
+    QuotaExceeded,
+    TimedOut,
+    TooLarge,
+    Unsupported,
+)
 
 
 class ErrorInfo(BaseModel):
@@ -48,9 +58,40 @@ class APIError(Exception):
         self.headers = headers
 
 
-def invalid(param: str, message: str) -> APIError:
-    """A 422 naming `param`."""
-    return APIError(422, f"{param}: {message}", param=param)
+@dataclass(frozen=True)
+class ErrorKind:
+    status: int
+    type: str
+    headers: dict[str, str] | None = None
+
+
+FAILURES: dict[type[Exception], ErrorKind] = {
+    InvalidInput: ErrorKind(422, "invalid_request_error"),
+    Unsupported: ErrorKind(422, "unsupported_error"),
+    Malformed: ErrorKind(400, "invalid_request_error"),
+    NotFound: ErrorKind(404, "not_found_error"),
+    Conflict: ErrorKind(409, "conflict_error"),
+    TooLarge: ErrorKind(413, "request_too_large"),
+    QuotaExceeded: ErrorKind(429, "rate_limit_error", {"Retry-After": "5"}),
+    NotReady: ErrorKind(503, "unavailable_error"),
+    TimedOut: ErrorKind(504, "timeout_error"),
+    QueueFullError: ErrorKind(503, "overloaded_error", {"Retry-After": "1"}),
+    BackendCallError: ErrorKind(500, "backend_error"),
+    Failure: ErrorKind(400, "invalid_request_error"),
+}
+"""The one table from domain failures to HTTP: status, error type, headers."""
+
+
+def failure_error(exc: Exception) -> APIError:
+    """The APIError for a domain failure (the nearest kind in the table along its MRO)."""
+    kind = next(FAILURES[cls] for cls in type(exc).__mro__ if cls in FAILURES)
+    if isinstance(exc, Failure):
+        message, param = exc.message, exc.param
+    elif isinstance(exc, QueueFullError):
+        message, param = f"server overloaded, retry later ({exc})", None
+    else:
+        message, param = f"model call failed: {exc}", None
+    return APIError(kind.status, message, type=kind.type, param=param, headers=kind.headers)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -69,12 +110,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
     400: {"model": ErrorResponse, "description": "Not a valid safetensors checkpoint"},
-    403: {"model": ErrorResponse, "description": "Changing weights needs an admin key"},
+    409: {"model": ErrorResponse, "description": "The checkpoint changed while it was read"},
     504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
 }
-
-PUBLIC_ERROR_RESPONSES = {k: v for k, v in ERROR_RESPONSES.items() if k != 401}
-"""For the routes that never ask for a key (/ready, /metrics)."""
 
 ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
@@ -113,7 +151,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every failure, expected or not, onto the one error body."""
+    """Map every expected failure onto the one error body (an unexpected one is answered by
+    the request-context middleware, so its 500 carries the request id too)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -128,24 +167,8 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
-    @app.exception_handler(QueueFullError)
-    async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(
-            APIError(
-                503,
-                f"server overloaded, retry later ({exc})",
-                type="overloaded_error",
-                headers={"Retry-After": "1"},
-            )
-        )
+    async def _failure(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(failure_error(exc))
 
-    @app.exception_handler(BackendCallError)
-    async def _backend_failed(_: Request, exc: BackendCallError) -> JSONResponse:
-        return error_response(APIError(500, f"model call failed: {exc}", type="backend_error"))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(
-            APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
-        )
+    for failure in FAILURES:
+        app.add_exception_handler(failure, _failure)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from app.common.failures import TooLarge, invalid
 from app.common.masks import (
     TemplateFraming,
     assistant_spans,
@@ -15,7 +16,6 @@ from app.common.masks import (
     template_framing,
 )
 from app.common.sequences import SequenceSplit
-from app.errors import APIError, invalid
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Conversation = list[dict[str, str]]
@@ -59,6 +59,17 @@ class InputPreparer:
     def framing(self) -> TemplateFraming:
         """The chat template's assistant header and end-of-turn marker (probed once)."""
         return template_framing(self)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: a text of n characters encodes to at
+        least n / max_token_chars tokens, so a length bound can refuse it before encoding."""
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        return max((len(token) for token in vocab), default=1) or 1
+
+    def certainly_longer(self, text: str, tokens: int) -> bool:
+        """Whether `text` is sure to encode to more than `tokens` tokens (no encoding done)."""
+        return len(text) > tokens * self.max_token_chars
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -184,8 +195,7 @@ class InputPreparer:
 
 def check_num_items(num_items: int, limit: int, field: str) -> None:
     if num_items > limit:
-        raise APIError(
-            413,
+        raise TooLarge(
             f"{field}: {num_items} sequences in one request exceed the limit of {limit}",
             param=field,
         )

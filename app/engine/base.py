@@ -26,6 +26,11 @@ class Backend(ABC):
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
 
+    async def check(self) -> None:
+        """Raise if the engine cannot serve: by default, score a two-token sequence (a real
+        forward through the model, as a readiness probe should make)."""
+        await self.score([[0, 0]])
+
     def weight_layout(self) -> Layout | None:
         """Names, dtypes and shapes an update may carry; None when unknown (not checked)."""
         return None

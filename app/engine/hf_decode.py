@@ -98,6 +98,10 @@ def generate(
         raw_lp = raw.gather(-1, chosen[:, None]).squeeze(-1)
         chosen_list, raw_list, proc_list = chosen.tolist(), raw_lp.tolist(), processed_lp.tolist()
         for i in rows.active():
+            abandoned = items[i].abandoned
+            if abandoned is not None and abandoned.is_set():
+                rows.finish[i] = "abort"  # its requester is gone: no more tokens for it
+                continue
             _advance(rows, i, chosen_list[i], raw_list[i], proc_list[i], eos_ids, decode)
         if not rows.active():
             break

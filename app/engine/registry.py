@@ -11,12 +11,12 @@ from typing import Literal
 import aiorwlock
 
 from app.batching import BatchingConfig
+from app.common.failures import NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config import Settings
 from app.engine.base import Backend
 from app.engine.loader import load_backend, resolve_source
 from app.engine.served import ModelPair, ServedModel
-from app.errors import APIError
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
@@ -102,8 +102,7 @@ class ModelRegistry:
     def get_pair(self) -> ModelPair:
         self.get("policy")
         if self.pair is None:
-            raise APIError(
-                422,
+            raise Unsupported(
                 "model: no reference model is served (start with RLSERVE_LOAD_REFERENCE=true)",
                 param="model",
             )
@@ -112,11 +111,9 @@ class ModelRegistry:
     def get(self, name: str) -> ServedModel:
         if self.status != "ready":
             detail = f": {self.error}" if self.error else ""
-            raise APIError(503, f"model is {self.status}{detail}", type="unavailable_error")
+            raise NotReady(f"model is {self.status}{detail}")
         if name not in self.models:
-            raise APIError(
-                422, f"model: '{name}' is not served (have {sorted(self.models)})", param="model"
-            )
+            raise invalid("model", f"'{name}' is not served (have {sorted(self.models)})")
         return self.models[name]
 
     async def aclose(self) -> None:

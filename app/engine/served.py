@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
@@ -27,6 +28,7 @@ class ServedModel:
         self.preparer = preparer
         self.num_tokens_scored = 0
         self.num_tokens_generated = 0
+        self.last_success = 0.0  # time.monotonic() of the last backend call that returned
         self.scoring: Batcher[Sequence[int], list[float]] | None = None
         self.generation: Batcher[GenerateItem, Generation] | None = None
         if batching is not None:
@@ -37,14 +39,18 @@ class ServedModel:
             )
 
     async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:
-        return await self.backend.score(sequences)
+        scored = await self.backend.score(sequences)
+        self.last_success = time.monotonic()
+        return scored
 
     async def _generate_batch(self, items: list[GenerateItem]) -> list[Generation]:
-        return await self.backend.generate(items)
+        generations = await self.backend.generate(items)
+        self.last_success = time.monotonic()
+        return generations
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         if self.scoring is None:
-            scored = await _direct(self.backend.score(sequences))
+            scored = await _direct(self._score_batch(list(sequences)))
         else:
             scored = await self.scoring.submit(sequences)
         self.num_tokens_scored += sum(len(s) for s in sequences)
@@ -52,11 +58,19 @@ class ServedModel:
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
         if self.generation is None:
-            generations = await _direct(self.backend.generate(items))
+            generations = await _direct(self._generate_batch(list(items)))
         else:
             generations = await self.generation.submit(items)
         self.num_tokens_generated += sum(len(g.token_ids) for g in generations)
         return generations
+
+    async def check(self, fresh_s: float) -> None:
+        """Raise if the engine cannot serve. A call that returned within `fresh_s` seconds
+        is proof enough; otherwise the backend runs its probe."""
+        if time.monotonic() - self.last_success < fresh_s:
+            return
+        await self.backend.check()
+        self.last_success = time.monotonic()
 
     async def aclose(self) -> None:
         for batcher in (self.scoring, self.generation):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class GenerateItem:
     prompt_ids: tuple[int, ...]
     config: SamplingConfig
     seed: int
+    abandoned: threading.Event | None = field(default=None, compare=False)
+    """Set when the requester is gone: decoding stops at the next token (app.engine.abandon)."""
 
 
 @dataclass

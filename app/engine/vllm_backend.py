@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from app.batching import BatchingConfig
+from app.common.failures import Unsupported
+from app.engine.abandon import unless_abandoned
 from app.engine.base import Backend
 from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig
-from app.errors import APIError
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,10 @@ class VLLMBackend(Backend):
 
     async def _generate_one(self, item: GenerateItem) -> Generation:
         config = item.config
-        final = await self._final(item.prompt_ids, sampling_params(config, item.seed))
+        work = self._final(item.prompt_ids, sampling_params(config, item.seed))
+        final = await unless_abandoned(work, item.abandoned)
+        if final is None:  # the requester is gone; vLLM aborted the request
+            return Generation([], [], None, "abort")
         completion = final.outputs[0]
         tokens = list(completion.token_ids)
         log_probs = [
@@ -170,19 +174,24 @@ class VLLMBackend(Backend):
             prompt_log_probs=prompt,
         )
 
+    async def check(self) -> None:
+        """vLLM's own check first (it raises once the engine core process is gone)."""
+        await self.engine.check_health()
+        await super().check()
+
     def weight_layout(self) -> Layout | None:
         return None if self.weights is None else self.weights.layout
 
     async def update_weights(self, files: list[Path]) -> None:
         if self.weights is None:
-            raise APIError(
-                422, f"model: {self.info.source} is not a local checkpoint, so it cannot be updated"
+            raise Unsupported(
+                f"model: {self.info.source} is not a local checkpoint, so it cannot be updated",
+                param="model",
             )
         if self.tied_embeddings:
             # Measured with vLLM 0.32 (CPU): its in-place reload leaves a tied output head with
             # stale values, so scores after an update would be silently wrong. Refuse instead.
-            raise APIError(
-                422,
+            raise Unsupported(
                 "model: weight updates of models with tied input/output embeddings are not "
                 "supported with the vLLM backend (vLLM's in-place reload mishandles the tied "
                 "head); use the transformers backend for this model",

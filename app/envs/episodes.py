@@ -9,12 +9,12 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from app.common.failures import invalid
 from app.common.inputs import Conversation, InputPreparer
 from app.common.turns import continuation_ids, continuation_text
 from app.envs.datasets import Problem
 from app.envs.hashing import chain_hash
 from app.envs.protocol import Action, EnvConfig, Message, Observation, ResetRequest
-from app.errors import invalid
 
 
 @dataclass
@@ -39,6 +39,9 @@ class EpisodeState:
     started: bool = False
     cursor: int = 0
     rows: list[Row] = field(default_factory=list)
+    last_step: dict[str, Any] | None = None
+    """The last applied step's idempotency key, actions digest and response, so a retried
+    step (same key) gets the same answer instead of being applied twice."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +55,7 @@ class EpisodeState:
             started=bool(data["started"]),
             cursor=int(data["cursor"]),
             rows=[Row(**row) for row in rows],
+            last_step=data.get("last_step"),
         )
 
 
@@ -203,11 +207,14 @@ def apply_action(
         row.text = (row.text or "") + action.text
 
 
-def finish_turn(config: EnvConfig, row: Row, reward: float, ends_episode: bool) -> None:
+def finish_turn(
+    config: EnvConfig, row: Row, reward: float, ends_episode: bool, max_model_len: int
+) -> None:
+    """Count the turn; the episode is truncated at max_turns, or once its history leaves no
+    room for another generated token."""
     row.turns += 1
     row.total_reward += reward
     row.terminated = ends_episode
-    row.truncated = (
-        not ends_episode and config.max_turns is not None and row.turns >= config.max_turns
-    )
+    out_of_turns = config.max_turns is not None and row.turns >= config.max_turns
+    row.truncated = not ends_episode and (out_of_turns or len(row.ids) >= max_model_len)
     row.done = row.terminated or row.truncated

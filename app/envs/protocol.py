@@ -28,7 +28,10 @@ class EnvConfig(WireModel):
     system_prompt: str | None = None
     batch_size: int = Field(default=1, ge=1, le=1024)
     max_turns: int | None = Field(
-        default=None, ge=1, description="Episodes are truncated after this many steps."
+        default=None,
+        ge=1,
+        description="Episodes are truncated after this many steps (default and upper bound: "
+        "the server's RLSERVE_ENV_MAX_TURNS).",
     )
     reward: str = Field(default="none", description="A registered reward: none, gsm8k, ...")
     reward_options: dict[str, Any] = Field(

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from app.errors import invalid
+from app.common.failures import invalid
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_TAG = re.compile(r"<think>(.*?)</think>", re.DOTALL)

@@ -1,6 +1,6 @@
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
 from app.deps import EnvsDep, OwnerDep
@@ -65,8 +65,24 @@ async def reset_env(
     summary="Apply one assistant action per row",
 )
 async def step_env(
-    env_id: str, request: StepRequest, envs: EnvsDep, owner: OwnerDep, http_request: Request
+    env_id: str,
+    request: StepRequest,
+    envs: EnvsDep,
+    owner: OwnerDep,
+    http_request: Request,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=128,
+            pattern=r"^[\x21-\x7e]+$",
+            description="Any unique string per step (e.g. a UUID). Sent again with the same "
+            "actions, the last applied step is answered as it was instead of applied twice: "
+            "a client may retry a step whose answer it never got.",
+        ),
+    ] = None,
 ) -> StepResponse:
     """A step whose client goes away is cancelled with its tool runs, and changes nothing."""
     actions = [Act.from_wire(a) for a in request.actions]
-    return await cancel_on_disconnect(http_request, envs.step(env_id, owner, actions))
+    stepping = envs.step(env_id, owner, actions, idempotency_key)
+    return await cancel_on_disconnect(http_request, stepping)

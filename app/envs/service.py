@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from app.common.failures import Conflict, NotFound, NotReady, QuotaExceeded, invalid
 from app.common.sequences import SequenceSplit
 from app.config import Settings
 from app.engine.registry import ModelRegistry
@@ -32,7 +35,6 @@ from app.envs.rewards import REWARDS, parse_options, score_reward
 from app.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from app.envs.store import SessionRecord, SessionStore, now
 from app.envs.tools import ToolBudget, run_python_blocks, tool_messages
-from app.errors import APIError, invalid
 from app.kl.estimators import per_token_kl
 
 logger = logging.getLogger(__name__)
@@ -74,25 +76,27 @@ class EnvService:
         parse_options(config.reward, config.reward_options)
         if "python" in config.tools and self.sandbox.problem is not None:
             raise invalid("tools", f"the python tool is disabled here: {self.sandbox.problem}")
+        if config.max_turns is None:
+            config = config.model_copy(update={"max_turns": self.settings.env_max_turns})
+        elif config.max_turns > self.settings.env_max_turns:
+            raise invalid(
+                "max_turns",
+                f"{config.max_turns} exceeds the server's limit of "
+                f"{self.settings.env_max_turns} (RLSERVE_ENV_MAX_TURNS)",
+            )
         if config.dataset is not None and self.datasets.get(config.dataset) is None:
             raise invalid(
                 "dataset", f"unknown dataset '{config.dataset}' (have {self.datasets.names()})"
             )
         if await self.store.count(owner) >= self.settings.max_env_sessions_per_key:
-            raise APIError(
-                429,
+            raise QuotaExceeded(
                 f"this API key has {self.settings.max_env_sessions_per_key} live environment "
-                "sessions; delete one or wait for idle ones to expire",
-                type="rate_limit_error",
-                headers={"Retry-After": "5"},
+                "sessions; delete one or wait for idle ones to expire"
             )
         if await self.store.count() >= self.settings.max_env_sessions:
-            raise APIError(
-                429,
+            raise QuotaExceeded(
                 f"{self.settings.max_env_sessions} environment sessions are live; delete one "
-                "or wait for idle ones to expire",
-                type="rate_limit_error",
-                headers={"Retry-After": "5"},
+                "or wait for idle ones to expire"
             )
         env_id = f"env-{uuid.uuid4().hex}"
         stamp = now()
@@ -108,9 +112,7 @@ class EnvService:
             await self._forget(env_id)
             record = None
         if record is None or not hmac.compare_digest(record.owner, owner):
-            raise APIError(
-                404, f"environment '{env_id}' does not exist or expired", type="not_found_error"
-            )
+            raise NotFound(f"environment '{env_id}' does not exist or expired")
         return record
 
     async def _forget(self, env_id: str) -> bool:
@@ -160,76 +162,110 @@ class EnvService:
             config = EnvConfig(**record.config)
             problems = self.datasets.get(config.dataset) if config.dataset else None
             episodes.reset(config, state, request, preparer, problems)
+            state.last_step = None
             observations = [episodes.observation(config, row, preparer) for row in state.rows]
         return ResetResponse(env_id=env_id, observations=observations)
 
     async def step(
-        self, env_id: str, owner: str, actions: list[episodes.Act | None]
+        self,
+        env_id: str,
+        owner: str,
+        actions: list[episodes.Act | None],
+        idempotency_key: str | None = None,
     ) -> StepResponse:
+        """Apply one action per running row, all or nothing. A step sent again with the
+        idempotency key of the last applied step is answered as it was, not applied twice."""
         preparer = self.registry.get("policy").preparer
+        digest = _digest(actions)
         async with self._session(env_id, owner) as (record, state):
-            config = EnvConfig(**record.config)
-            rows = state.rows
-            if not state.started:
-                raise APIError(
-                    409, f"environment '{env_id}' has not been reset", type="conflict_error"
-                )
-            if len(actions) != len(rows):
-                raise invalid("actions", f"has {len(actions)} entries for batch_size {len(rows)}")
-            for i, (row, action) in enumerate(zip(rows, actions, strict=True)):
-                if action is not None and row.done:
-                    raise APIError(
-                        409,
-                        f"actions[{i}]: row {i}'s episode is done; send null or reset",
-                        type="conflict_error",
-                        param=f"actions[{i}]",
+            last = state.last_step
+            if idempotency_key is not None and last is not None and last["key"] == idempotency_key:
+                if last["digest"] != digest:
+                    raise invalid(
+                        "Idempotency-Key",
+                        "was used for a step with other actions; use a new key per step",
                     )
-                if action is None and not row.done:
-                    raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
-                if action is not None and action.tokens is not None:
-                    preparer.check_vocabulary(action.tokens, f"actions[{i}].tokens")
-            budget = ToolBudget(
-                deadline=asyncio.get_running_loop().time() + self.settings.tool_step_budget_s,
-                max_blocks=self.settings.tool_max_blocks,
+                return StepResponse.model_validate(last["response"])
+            response = await self._step(
+                env_id, EnvConfig(**record.config), state, actions, preparer
             )
-            turns = await asyncio.gather(
-                *(
-                    self._act(config, row, action, preparer, budget)
-                    for row, action in zip(rows, actions, strict=True)
+            state.last_step = None
+            if idempotency_key is not None:
+                state.last_step = {
+                    "key": idempotency_key,
+                    "digest": digest,
+                    "response": response.model_dump(mode="json"),
+                }
+            return response
+
+    async def _step(
+        self,
+        env_id: str,
+        config: EnvConfig,
+        state: episodes.EpisodeState,
+        actions: list[episodes.Act | None],
+        preparer: Any,
+    ) -> StepResponse:
+        rows = state.rows
+        if not state.started:
+            raise Conflict(f"environment '{env_id}' has not been reset")
+        if len(actions) != len(rows):
+            raise invalid("actions", f"has {len(actions)} entries for batch_size {len(rows)}")
+        for i, (row, action) in enumerate(zip(rows, actions, strict=True)):
+            if action is not None and row.done:
+                raise Conflict(
+                    f"actions[{i}]: row {i}'s episode is done; send null or reset",
+                    param=f"actions[{i}]",
                 )
+            if action is None and not row.done:
+                raise invalid(f"actions[{i}]", f"row {i} is running and needs an action")
+            if action is not None and action.tokens is not None:
+                preparer.check_vocabulary(action.tokens, f"actions[{i}].tokens")
+        acts = [
+            None if action is None else _fitting_action(row, action, preparer, i)
+            for i, (row, action) in enumerate(zip(rows, actions, strict=True))
+        ]
+        budget = ToolBudget(
+            deadline=asyncio.get_running_loop().time() + self.settings.tool_step_budget_s,
+            max_blocks=self.settings.tool_max_blocks,
+        )
+        turns = await asyncio.gather(
+            *(
+                self._act(config, row, act, preparer, budget)
+                for row, act in zip(rows, acts, strict=True)
             )
-            version = await self._penalise_kl(config, [t for t in turns if t is not None])
-            outputs = []
-            for row, turn in zip(rows, turns, strict=True):
-                if turn is None:  # a finished row stays as it is
-                    outputs.append(_output(config, row, preparer, 0.0, {}))
-                    continue
-                turn.info["reward"] = turn.breakdown
-                episodes.finish_turn(config, row, turn.reward, turn.ends_episode)
-                outputs.append(_output(config, row, preparer, turn.reward, turn.info))
+        )
+        version = await self._penalise_kl(config, [t for t in turns if t is not None])
+        outputs = []
+        for row, turn in zip(rows, turns, strict=True):
+            if turn is None:  # a finished row stays as it is
+                outputs.append(_output(config, row, preparer, 0.0, {}))
+                continue
+            turn.info["reward"] = turn.breakdown
+            episodes.finish_turn(
+                config, row, turn.reward, turn.ends_episode, preparer.max_model_len
+            )
+            outputs.append(_output(config, row, preparer, turn.reward, turn.info))
         return StepResponse(env_id=env_id, policy_version=version, outputs=list(outputs))
 
     async def _act(
         self,
         config: EnvConfig,
         row: episodes.Row,
-        action: episodes.Act | None,
+        act: episodes.ActionTokens | None,
         preparer: Any,
         budget: ToolBudget,
     ) -> Turn | None:
         """Apply one row's action, run its tools and score it (without the KL penalty)."""
-        if action is None:
+        if act is None:
             return None
-        act = episodes.action_tokens(row, action, preparer)
         info: dict[str, object] = {}
         following: list[dict[str, str]] = []
         if "python" in config.tools:
             try:
                 results = await run_python_blocks(act.text, self.sandbox, budget)
             except SandboxUnavailable as error:
-                raise APIError(
-                    503, f"the python tool is disabled here: {error}", type="unavailable_error"
-                ) from error
+                raise NotReady(f"the python tool is disabled here: {error}") from error
             if results:
                 following = tool_messages(results)
                 info["tool_results"] = [r.model_dump() for r in results]
@@ -259,6 +295,33 @@ class EnvService:
             turn.reward -= config.kl.coeff * kl
             turn.breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}
         return version
+
+
+def _digest(actions: list[episodes.Act | None]) -> str:
+    """A step's actions, hashed: a retried step must carry the same ones."""
+    plain = [None if a is None else [a.text, a.tokens] for a in actions]
+    return hashlib.sha256(json.dumps(plain).encode()).hexdigest()
+
+
+def _fitting_action(
+    row: episodes.Row, action: episodes.Act, preparer: Any, index: int
+) -> episodes.ActionTokens:
+    """The row's action as tokens, refused (422, before any row changes) when history plus
+    action exceed the model's maximum length: no policy could have produced it, and a
+    history past that length could only be scored by truncating it. A text far too long is
+    refused before it is encoded, so step cost stays bounded by max_model_len."""
+    room = preparer.max_model_len - len(row.ids)
+    field = f"actions[{index}]"
+    message = (
+        f"row {index}'s history ({len(row.ids)} tokens) plus this action exceed the model's "
+        f"maximum length of {preparer.max_model_len}; reset the episode"
+    )
+    if action.text is not None and preparer.certainly_longer(action.text, room):
+        raise invalid(field, message)
+    act = episodes.action_tokens(row, action, preparer)
+    if len(act.ids) > room:
+        raise invalid(field, message)
+    return act
 
 
 @dataclass

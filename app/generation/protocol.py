@@ -94,7 +94,7 @@ class GenerateRequest(InputFields):
 
 
 class GeneratedSample(Sample):
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     stop_reason: str | None = Field(
         default=None, description="The stop sequence that ended generation, if one did."
     )

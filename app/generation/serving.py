@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass
 
+from app.common.failures import invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.common.protocol import HistoryFields, TextFields
 from app.common.samples import messages
@@ -12,7 +15,6 @@ from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
 from app.engine.types import GenerateItem, Generation, SamplingConfig
-from app.errors import invalid
 from app.generation.protocol import GeneratedSample, GenerateRequest, GenerateResponse
 
 
@@ -49,13 +51,18 @@ class GenerationService:
         """The domain API: checked prompts in, `n` generations each out. Row k's random stream
         is `row_seed(seed, k)`, whatever else is batched with it."""
         served = self.registry.get(model)
+        abandoned = threading.Event()
         items = [
-            GenerateItem(tuple(p.ids), config, row_seed(seed, i * n + j))
+            GenerateItem(tuple(p.ids), config, row_seed(seed, i * n + j), abandoned)
             for i, p in enumerate(prompts)
             for j in range(n)
         ]
-        async with self.registry.reading() as version:
-            generations = await served.generate(items)
+        try:
+            async with self.registry.reading() as version:
+                generations = await served.generate(items)
+        except asyncio.CancelledError:
+            abandoned.set()  # the backend stops these rows at the next token
+            raise
         return Sampled(version, prompts, generations)
 
     async def sample_tokens(

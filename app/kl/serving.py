@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
+from app.common.failures import invalid
 from app.common.inputs import Prepared, check_num_items
 from app.common.protocol import TokenFields
 from app.config import Settings
 from app.engine.registry import ModelRegistry
-from app.errors import invalid
 from app.kl.estimators import per_token_kl, shape_rewards
 from app.kl.protocol import KLRequest, KLResponse, KLSample
 

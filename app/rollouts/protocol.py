@@ -94,7 +94,7 @@ class RolloutStep(WireModel):
     terminated: bool
     truncated: bool
     policy_version: int = Field(description="The weights that generated this turn's response.")
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     info: dict[str, object]
     advantage: float | None = Field(
         default=None, description="GRPO groups: this step's advantage (see trajectory_return)."

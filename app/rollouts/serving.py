@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from app.common.failures import invalid
 from app.common.inputs import InputPreparer
 from app.common.protocol import TextFields
 from app.common.sequences import SequenceSplit
@@ -14,7 +15,6 @@ from app.engine.types import Generation
 from app.envs.episodes import Act
 from app.envs.protocol import EnvConfig, ResetRequest, StepOutput
 from app.envs.service import EnvService
-from app.errors import invalid
 from app.generation.serving import GenerationService
 from app.rollouts.advantages import TrajectoryReturn, group_advantages
 from app.rollouts.protocol import (

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from app.errors import APIError, invalid
+from app.common.failures import Conflict, Malformed, invalid
 
 # (safetensors dtype name, shape)
 Layout = dict[str, tuple[str, tuple[int, ...]]]
@@ -54,6 +57,37 @@ def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
     return files
 
 
+def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
+    """Private copies of `files` in `into`, each refused (409) when the original changed while
+    it was copied (size, mtime, ctime or inode moved): a load then applies what one version
+    of the checkpoint held, or nothing. No copy is left behind on failure."""
+    copies: list[Path] = []
+    try:
+        for path in files:
+            before = _signature(path)
+            handle, name = tempfile.mkstemp(dir=into, suffix=".safetensors")
+            copies.append(Path(name))
+            with path.open("rb") as source, os.fdopen(handle, "wb") as target:
+                shutil.copyfileobj(source, target, 8 << 20)
+                copied = target.tell()
+            if _signature(path) != before or copied != before[2]:
+                raise Conflict(
+                    f"{param}: {path.name} changed while it was read; load it again once it "
+                    "is completely written",
+                    param=param,
+                )
+    except BaseException:
+        for copy in copies:
+            copy.unlink(missing_ok=True)
+        raise
+    return copies
+
+
+def _signature(path: Path) -> tuple[int, int, int, int, int]:
+    info = path.stat()
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
 def read_layout(files: list[Path], param: str) -> Layout:
     """Names, dtypes and shapes, read from the headers only; 400 for corrupt or truncated files."""
     layout: Layout = {}
@@ -66,13 +100,12 @@ def read_layout(files: list[Path], param: str) -> Layout:
         except PermissionError as exc:
             raise invalid(param, f"{path} is not readable by the server ({exc})") from exc
         except (OSError, ValueError, json.JSONDecodeError, Exception) as exc:
-            raise APIError(
-                400,
+            raise Malformed(
                 f"{param}: {path.name} is not a valid safetensors file ({exc})",
                 param=param,
             ) from exc
     if not layout:
-        raise APIError(400, f"{param}: the checkpoint holds no tensors", param=param)
+        raise Malformed(f"{param}: the checkpoint holds no tensors", param=param)
     return layout
 
 

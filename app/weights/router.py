@@ -5,6 +5,7 @@ from fastapi import APIRouter, Query, Request
 from app.common.protocol import ModelName
 from app.deps import WeightsDep
 from app.errors import WEIGHTS_ERROR_RESPONSES
+from app.ops.access import Access, Body, access
 from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVersion
 
 router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
@@ -15,7 +16,12 @@ async def weights_version(weights: WeightsDep) -> WeightsVersion:
     return weights.version()
 
 
-@router.post("/v1/weights/load", response_model=WeightsUpdated, summary="Load from a path")
+@router.post(
+    "/v1/weights/load",
+    response_model=WeightsUpdated,
+    summary="Load from a path",
+    openapi_extra=access(Access.ADMIN),
+)
 async def load_weights(request: LoadWeightsRequest, weights: WeightsDep) -> WeightsUpdated:
     """Load a safetensors checkpoint (HF layout, any subset of the parameters) from storage the
     server can read. Requests in flight finish first; new ones wait for the swap."""
@@ -27,12 +33,13 @@ async def load_weights(request: LoadWeightsRequest, weights: WeightsDep) -> Weig
     response_model=WeightsUpdated,
     summary="Upload weights",
     openapi_extra={
+        **access(Access.ADMIN, Body.STREAMED),
         "requestBody": {
             "required": True,
             "content": {
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
             },
-        }
+        },
     },
 )
 async def upload_weights(

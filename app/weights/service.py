@@ -12,10 +12,16 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from app.common.failures import Malformed, TimedOut, TooLarge
 from app.config import Settings
 from app.engine.registry import ModelRegistry
-from app.errors import APIError
-from app.weights.checkpoint import check_finite, check_layout, checkpoint_files, read_layout
+from app.weights.checkpoint import (
+    check_finite,
+    check_layout,
+    checkpoint_files,
+    read_layout,
+    snapshot,
+)
 from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVersion
 
 logger = logging.getLogger(__name__)
@@ -44,8 +50,26 @@ class WeightsService:
             leftover.unlink(missing_ok=True)
 
     async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+        """Load a checkpoint the server can read. By default from a private snapshot taken
+        first, so a checkpoint rewritten during the load is applied whole or not at all."""
         files = await self._file_work(checkpoint_files, Path(request.path))
-        return await self._apply(files, request.model, "path")
+        if not self.settings.weights_snapshot_loads:
+            return await self._apply(files, request.model, "path")
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        needed = sum(f.stat().st_size for f in files)
+        room = shutil.disk_usage(self.uploads).free - (64 << 20)
+        if needed > room:
+            raise TooLarge(
+                f"path: the checkpoint ({needed} bytes) does not fit the free disk ({room} "
+                "bytes) for its snapshot; free space or set RLSERVE_WEIGHTS_SNAPSHOT_LOADS=false",
+                param="path",
+            )
+        copies = await self._file_work(snapshot, files, self.uploads, "path")
+        try:
+            return await self._apply(copies, request.model, "path")
+        finally:
+            for copy in copies:
+                copy.unlink(missing_ok=True)
 
     async def upload(self, chunks: AsyncIterator[bytes], model: str) -> WeightsUpdated:
         """Stream the body to a file on disk (memory stays bounded; writes in a thread), then
@@ -60,8 +84,7 @@ class WeightsService:
             async for chunk in chunks:
                 size += len(chunk)
                 if size > limit:
-                    raise APIError(
-                        413,
+                    raise TooLarge(
                         f"body: the upload exceeds {max(limit, 0)} bytes "
                         f"(max_weights_bytes {self.settings.max_weights_bytes}, "
                         f"free disk {free})",
@@ -73,7 +96,7 @@ class WeightsService:
                     pending, written = [], size
             await asyncio.to_thread(_write_and_flush, sink, pending)
             if size == 0:
-                raise APIError(400, "body: the upload is empty", param="body")
+                raise Malformed("body: the upload is empty", param="body")
             return await self._apply([Path(sink.name)], model, "body")
 
     async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
@@ -84,9 +107,7 @@ class WeightsService:
             async with asyncio.timeout(timeout):
                 return await asyncio.to_thread(work, *args)
         except TimeoutError:
-            raise APIError(
-                504, f"reading the checkpoint took over {timeout:g} s", type="timeout_error"
-            ) from None
+            raise TimedOut(f"reading the checkpoint took over {timeout:g} s") from None
 
     async def _apply(self, files: list[Path], model: str, param: str) -> WeightsUpdated:
         update = await self._file_work(read_layout, files, param)

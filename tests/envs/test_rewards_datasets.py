@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from app.common.failures import InvalidInput
 from app.envs.datasets import DatasetRegistry, arithmetic_problems
 from app.envs.rewards import (
     REWARDS,
@@ -16,7 +17,6 @@ from app.envs.rewards import (
     register_reward,
     score_reward,
 )
-from app.errors import APIError
 
 
 @pytest.mark.parametrize(
@@ -55,10 +55,10 @@ def test_gsm8k_options_pick_the_last_tag_and_set_the_values():
     assert score_reward("gsm8k", options, both, "#### 3").reward == 0.25
     thought = score_reward("gsm8k", {}, "<think>hm</think><answer>4</answer>", "#### 4")
     assert thought.info["think"] is True and thought.info["right"] == 1.0
-    with pytest.raises(APIError) as bad:
+    with pytest.raises(InvalidInput) as bad:
         parse_options("gsm8k", {"answer_tag": "middle"})
     assert bad.value.param == "reward_options.answer_tag"
-    with pytest.raises(APIError) as unknown:
+    with pytest.raises(InvalidInput) as unknown:
         parse_options("none", {"x": 1})
     assert unknown.value.param == "reward_options.x"
 

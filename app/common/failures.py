@@ -1,0 +1,55 @@
+"""What can go wrong below the HTTP layer, in domain terms. Services and engines raise these;
+`app.errors` maps each kind to its status and error type in one table, so no code below the
+routes decides an HTTP status."""
+
+from __future__ import annotations
+
+
+class Failure(Exception):
+    """A failure the caller caused or must wait out; `param` names the request field at fault."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidInput(Failure):
+    """The request is well-formed but its values cannot be served."""
+
+
+class Unsupported(Failure):
+    """A valid request this deployment cannot serve (model kind, backend feature)."""
+
+
+class Malformed(Failure):
+    """A payload that is not what it claims to be (e.g. not a safetensors checkpoint)."""
+
+
+class NotFound(Failure):
+    """The named thing does not exist, or belongs to another API key."""
+
+
+class Conflict(Failure):
+    """The request does not fit the current state (episode done, not reset yet)."""
+
+
+class TooLarge(Failure):
+    """The request asks for more than the server's limits allow in one call."""
+
+
+class QuotaExceeded(Failure):
+    """The caller holds too much already (live sessions)."""
+
+
+class NotReady(Failure):
+    """The service cannot take this now (model loading or failed, tool sandbox missing)."""
+
+
+class TimedOut(Failure):
+    """Work on the request's behalf (e.g. reading a checkpoint) ran out of time."""
+
+
+def invalid(param: str, message: str) -> InvalidInput:
+    """An InvalidInput naming `param`, its message prefixed by it."""
+    return InvalidInput(f"{param}: {message}", param=param)

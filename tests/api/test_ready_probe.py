@@ -1,0 +1,65 @@
+"""/ready after start-up: an engine that dies or hangs turns it 503 (the probe is a real
+backend call, bounded in time), and one that recovers turns it back. Fake model pair."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from tests.fake.backend import FakeBackend, fake_app
+
+
+class Breakable(FakeBackend):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, lambda t: -0.5)
+        self.state = "ok"  # ok | dead | hung
+        self.probes = 0
+
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        self.probes += 1
+        if self.state == "dead":
+            raise RuntimeError("engine core process exited")
+        if self.state == "hung":
+            await asyncio.sleep(3600)
+        return await super().score(sequences)
+
+
+async def test_ready_follows_the_engine_after_start_up(tmp_path: Path) -> None:
+    policy, reference = Breakable("policy"), Breakable("reference")
+    async with fake_app(
+        tmp_path, policy, reference, ready_probe_interval_s=0, ready_probe_timeout_s=0.2
+    ) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:
+            assert (await c.get("/ready")).status_code == 200
+            assert policy.probes == 1 and reference.probes == 1  # a real call each
+            policy.state = "dead"
+            dead = await c.get("/ready")
+            assert dead.status_code == 503
+            assert "policy engine failed a probe" in dead.json()["error"]["message"]
+            assert (await c.get("/health")).status_code == 200  # alive, not ready
+            policy.state, reference.state = "ok", "hung"
+            hung = await c.get("/ready")
+            assert hung.status_code == 503
+            assert "reference engine did not answer" in hung.json()["error"]["message"]
+            reference.state = "ok"
+            assert (await c.get("/ready")).status_code == 200
+
+
+async def test_probes_are_shared_and_spaced(tmp_path: Path) -> None:
+    """Many /ready calls within the interval cost one probe; a request answered meanwhile
+    counts as one."""
+    policy, reference = Breakable("policy"), Breakable("reference")
+    async with fake_app(tmp_path, policy, reference, ready_probe_interval_s=60) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:
+            scored = await c.post("/v1/logprobs", json={"tokens": [[5, 6, 7]]})
+            assert scored.status_code == 200
+            calls = policy.probes
+            answers = await asyncio.gather(*(c.get("/ready") for _ in range(20)))
+            assert all(a.status_code == 200 for a in answers)
+            assert policy.probes == calls  # the request just answered was proof enough
+            assert reference.probes == 1  # probed once for all twenty

@@ -1,6 +1,7 @@
 """Python client for rlserve: `Client` and `AsyncClient` over every route (typed results,
 typed errors, retries), remote TorchRL pieces and episode collection."""
 
+from rlserve_client._base import NOT_GIVEN
 from rlserve_client._client import AsyncClient, Client
 from rlserve_client._exceptions import (
     APIConnectionError,
@@ -11,6 +12,7 @@ from rlserve_client._exceptions import (
     ConflictError,
     InternalServerError,
     NotFoundError,
+    PermissionDeniedError,
     RateLimitError,
     RequestTooLargeError,
     RLServeError,
@@ -36,6 +38,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "NOT_GIVEN",
     "APIConnectionError",
     "APIStatusError",
     "APITimeoutError",
@@ -47,6 +50,7 @@ __all__ = [
     "ConflictError",
     "InternalServerError",
     "NotFoundError",
+    "PermissionDeniedError",
     "RLServeError",
     "RateLimitError",
     "RemoteChatEnv",

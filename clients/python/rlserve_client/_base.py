@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -19,7 +22,30 @@ MAX_BACKOFF_S = 8.0
 UPLOAD_CHUNK_BYTES = 1 << 20
 
 T = TypeVar("T", bound=Result)
-Timeout = float | httpx.Timeout | None
+# Errors raised before a byte of the request left: retrying these can never repeat it.
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class NotGiven:
+    """The type of NOT_GIVEN: "use the client's default" (None means no timeout at all)."""
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN = NotGiven()
+Timeout = float | httpx.Timeout | None | NotGiven
+
+
+class Retry(Enum):
+    """When a call may be sent again."""
+
+    SAFE = "safe"
+    """Reads and pure computations: after connection errors, timeouts, 408, 429 and 503."""
+    UNSENT = "unsent"
+    """Calls that change state: only when the request never left (it cannot be repeated)."""
+    KEYED = "keyed"
+    """Calls carrying an Idempotency-Key the server de-duplicates: as SAFE."""
 
 
 @dataclass(frozen=True)
@@ -31,9 +57,11 @@ class Call(Generic[T]):
     result: type[T]
     json: Any = None
     params: dict[str, Any] = field(default_factory=dict)
-    content: bytes | None = None
+    content: bytes | Path | None = None
     progress: bool | None = False
-    timeout: Timeout = None
+    timeout: Timeout = NOT_GIVEN
+    retry: Retry = Retry.SAFE
+    headers: dict[str, str] = field(default_factory=dict)
 
     def parse(self, response: httpx.Response) -> T:
         body = response.json() if response.content else {}
@@ -61,11 +89,19 @@ def retry_delay(attempt: int, response: httpx.Response | None) -> float:
 
 
 def next_delay(
-    attempt: int, max_retries: int, response: httpx.Response | None = None
+    call: Call[Any],
+    attempt: int,
+    max_retries: int,
+    *,
+    error: httpx.TransportError | None = None,
+    response: httpx.Response | None = None,
 ) -> float | None:
-    """Seconds to wait before retrying, or None to stop. `response` None means the request got
-    no answer (a connection error or timeout), which is always worth a retry."""
+    """Seconds to wait before sending `call` again, or None to stop: after a transport
+    `error`, or an answer `response`. A call that changes state without an idempotency key
+    is repeated only when the first try never left."""
     if attempt >= max_retries:
+        return None
+    if call.retry is Retry.UNSENT and not isinstance(error, UNSENT_ERRORS):
         return None
     if response is not None and response.status_code not in RETRY_STATUSES:
         return None
@@ -73,13 +109,16 @@ def next_delay(
 
 
 def request_arguments(call: Call[Any], *, asynchronous: bool = False) -> dict[str, Any]:
-    """httpx.request keywords. Uploads go in 1 MiB chunks with an explicit length, so a
-    progress bar can follow them; every attempt gets fresh chunks."""
-    headers: dict[str, str] = {}
+    """httpx.request keywords. Uploads go in 1 MiB chunks with an explicit length (a file is
+    read as it is sent, never whole), so a progress bar can follow them; every attempt gets
+    fresh chunks."""
+    headers = dict(call.headers)
     content: Any = call.content
-    if call.content is not None and call.progress is not False:
-        headers["Content-Length"] = str(len(call.content))
-        content = _chunks(call.content, call.progress, asynchronous)
+    if isinstance(call.content, Path) or (call.content is not None and call.progress is not False):
+        size = call.content.stat().st_size if isinstance(call.content, Path) else len(call.content)
+        headers["Content-Length"] = str(size)
+        content = _chunks(call.content, size, call.progress, asynchronous)
+    timeout = call.timeout
     return {
         "method": call.method,
         "url": call.path,
@@ -87,22 +126,31 @@ def request_arguments(call: Call[Any], *, asynchronous: bool = False) -> dict[st
         "params": call.params,
         "content": content,
         "headers": headers,
-        "timeout": call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        "timeout": httpx.USE_CLIENT_DEFAULT if isinstance(timeout, NotGiven) else timeout,
     }
 
 
-def _chunks(data: bytes, progress: bool | None, asynchronous: bool) -> Any:
+def _chunks(source: bytes | Path, size: int, progress: bool | None, asynchronous: bool) -> Any:
     from rlserve_client.progress import progress_bar
 
+    def pieces() -> Iterator[bytes]:
+        if isinstance(source, Path):
+            with source.open("rb") as file:
+                while chunk := file.read(UPLOAD_CHUNK_BYTES):
+                    yield chunk
+        else:
+            for start in range(0, len(source), UPLOAD_CHUNK_BYTES):
+                yield source[start : start + UPLOAD_CHUNK_BYTES]
+
     def chunks() -> Iterator[bytes]:
-        with progress_bar(total=len(data), unit="B", desc="upload", enabled=progress) as bar:
-            for start in range(0, len(data), UPLOAD_CHUNK_BYTES):
-                chunk = data[start : start + UPLOAD_CHUNK_BYTES]
+        with progress_bar(total=size, unit="B", desc="upload", enabled=progress) as bar:
+            for chunk in pieces():
                 bar.update(len(chunk))
                 yield chunk
 
     async def async_chunks() -> AsyncIterator[bytes]:
-        for chunk in chunks():
+        reader = chunks()
+        while (chunk := await asyncio.to_thread(next, reader, None)) is not None:
             yield chunk
 
     return async_chunks() if asynchronous else chunks()

@@ -1,6 +1,8 @@
 """`Client` and `AsyncClient`: every route of `_routes` as a method of both (bound through
 `_Route`, so each signature is written once), with connection pooling, per-call timeouts and
-bounded retries on connection errors, 408, 429 and 503 (never on other 4xx)."""
+bounded retries on connection errors, 408, 429 and 503 (never on other 4xx). A call that
+changes state is sent again only when the first try never left, or when it carries an
+idempotency key the server de-duplicates (env steps), so nothing is ever applied twice."""
 
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class Client(_Methods):
         *,
         base_url: str | None = None,
         api_key: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         max_retries: int = 2,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
@@ -109,11 +111,11 @@ class Client(_Methods):
             try:
                 response = self._http.request(**request_arguments(call))
             except httpx.TransportError as exc:
-                delay = next_delay(attempt, self.max_retries)
+                delay = next_delay(call, attempt, self.max_retries, error=exc)
                 if delay is None:
                     raise _no_answer(exc) from exc
             else:
-                delay = next_delay(attempt, self.max_retries, response)
+                delay = next_delay(call, attempt, self.max_retries, response=response)
                 if delay is None:
                     return _result(call, response)
             time.sleep(delay)
@@ -137,7 +139,7 @@ class AsyncClient(_Methods):
         *,
         base_url: str | None = None,
         api_key: str | None = None,
-        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         max_retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 100,
@@ -155,11 +157,11 @@ class AsyncClient(_Methods):
             try:
                 response = await self._http.request(**request_arguments(call, asynchronous=True))
             except httpx.TransportError as exc:
-                delay = next_delay(attempt, self.max_retries)
+                delay = next_delay(call, attempt, self.max_retries, error=exc)
                 if delay is None:
                     raise _no_answer(exc) from exc
             else:
-                delay = next_delay(attempt, self.max_retries, response)
+                delay = next_delay(call, attempt, self.max_retries, response=response)
                 if delay is None:
                     return _result(call, response)
             await asyncio.sleep(delay)

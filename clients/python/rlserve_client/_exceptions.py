@@ -6,6 +6,7 @@ RLServeError
 └── APIStatusError              the server answered with a 4xx/5xx (status_code, body, request_id)
     ├── BadRequestError             400
     ├── AuthenticationError         401
+    ├── PermissionDeniedError       403
     ├── NotFoundError               404
     ├── ConflictError               409
     ├── RequestTooLargeError        413
@@ -59,6 +60,10 @@ class AuthenticationError(APIStatusError):
     pass
 
 
+class PermissionDeniedError(APIStatusError):
+    pass
+
+
 class NotFoundError(APIStatusError):
     pass
 
@@ -90,6 +95,7 @@ class ServiceUnavailableError(InternalServerError):
 _BY_STATUS: dict[int, type[APIStatusError]] = {
     400: BadRequestError,
     401: AuthenticationError,
+    403: PermissionDeniedError,
     404: NotFoundError,
     409: ConflictError,
     413: RequestTooLargeError,

@@ -3,11 +3,12 @@ methods of both `Client` and `AsyncClient` (see `_client._Route`)."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
 from rlserve_client import types
-from rlserve_client._base import Call, Timeout
+from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout
 
 
 def _given(**fields: Any) -> dict[str, Any]:
@@ -21,7 +22,7 @@ def generate(
     text: Any = None,
     tokens: Any = None,
     model: str = "policy",
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
     **params: Any,
 ) -> Call[types.GenerateResult]:
     """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
@@ -40,7 +41,7 @@ def logprobs(
     prompt_tokens: Any = None,
     response_tokens: Any = None,
     model: str = "policy",
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.LogProbsResult]:
     """Score given sequences: `log_probs.full` (and prompt/response with a split)."""
     body = _given(
@@ -71,7 +72,7 @@ def kl(
     coeff: float | None = None,
     rewards: Any = None,
     reward_placement: str | None = None,
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.KLResult]:
     """Per-token KL(policy || reference), optionally shaping `rewards`."""
     body = _given(
@@ -92,33 +93,40 @@ def kl(
     return Call("POST", "/v1/kl", types.KLResult, json=body, timeout=timeout)
 
 
-def models(*, timeout: Timeout = None) -> Call[types.Models]:
+def models(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Models]:
     return Call("GET", "/v1/models", types.Models, timeout=timeout)
 
 
-def health(*, timeout: Timeout = None) -> Call[types.Health]:
+def health(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Health]:
     return Call("GET", "/health", types.Health, timeout=timeout)
 
 
-def ready(*, timeout: Timeout = None) -> Call[types.Ready]:
+def ready(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Ready]:
     """Raises `ServiceUnavailableError` (after retries) while the models load."""
     return Call("GET", "/ready", types.Ready, timeout=timeout)
 
 
-def batching(*, timeout: Timeout = None) -> Call[types.Json]:
+def batching(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Json]:
     return Call("GET", "/v1/batching", types.Json, timeout=timeout)
 
 
-def weights_version(*, timeout: Timeout = None) -> Call[types.WeightsVersion]:
+def weights_version(*, timeout: Timeout = NOT_GIVEN) -> Call[types.WeightsVersion]:
     return Call("GET", "/v1/weights/version", types.WeightsVersion, timeout=timeout)
 
 
 def load_weights(
-    *, path: str, model: str = "policy", timeout: Timeout = None
+    *, path: str, model: str = "policy", timeout: Timeout = NOT_GIVEN
 ) -> Call[types.WeightsUpdated]:
     """Load a safetensors checkpoint from a path the server can read."""
     body = {"path": path, "model": model}
-    return Call("POST", "/v1/weights/load", types.WeightsUpdated, json=body, timeout=timeout)
+    return Call(
+        "POST",
+        "/v1/weights/load",
+        types.WeightsUpdated,
+        json=body,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
 
 
 def upload_weights(
@@ -126,19 +134,20 @@ def upload_weights(
     payload: bytes | Path,
     model: str = "policy",
     progress: bool | None = None,
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.WeightsUpdated]:
-    """Upload a safetensors file (its bytes or its path); any subset of the parameters.
-    `progress`: a progress bar; None shows one when stderr is a terminal."""
-    data = payload.read_bytes() if isinstance(payload, Path) else payload
+    """Upload a safetensors file (its bytes, or its path: streamed from disk, never read
+    whole); any subset of the parameters. `progress`: a progress bar; None shows one when
+    stderr is a terminal."""
     return Call(
         "PUT",
         "/v1/weights",
         types.WeightsUpdated,
         params={"model": model},
-        content=data,
+        content=payload,
         progress=progress,
         timeout=timeout,
+        retry=Retry.UNSENT,
     )
 
 
@@ -155,7 +164,7 @@ def create_env(
     seed: int | None = None,
     kl: dict[str, Any] | None = None,
     hashing: bool | None = None,
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.EnvCreated]:
     body = _given(
         kind=kind,
@@ -170,7 +179,9 @@ def create_env(
         kl=kl,
         hashing=hashing,
     )
-    return Call("POST", "/v1/envs", types.EnvCreated, json=body, timeout=timeout)
+    return Call(
+        "POST", "/v1/envs", types.EnvCreated, json=body, timeout=timeout, retry=Retry.UNSENT
+    )
 
 
 def reset_env(
@@ -181,31 +192,49 @@ def reset_env(
     answer: list[str | None] | None = None,
     messages: Any = None,
     tokens: Any = None,
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.ResetResult]:
     """Start new episodes; with no inputs the rows draw from the session's dataset."""
     body = _given(query=query, answer=answer, messages=messages, tokens=tokens)
-    return Call("POST", f"/v1/envs/{env_id}/reset", types.ResetResult, json=body, timeout=timeout)
+    return Call(
+        "POST",
+        f"/v1/envs/{env_id}/reset",
+        types.ResetResult,
+        json=body,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
 
 
 def step_env(
-    env_id: str, /, *, actions: list[Any], timeout: Timeout = None
+    env_id: str, /, *, actions: list[Any], timeout: Timeout = NOT_GIVEN
 ) -> Call[types.StepResult]:
-    """One action per row (`{"text": ...}` or `{"tokens": [...]}`), None for finished rows."""
+    """One action per row (`{"text": ...}` or `{"tokens": [...]}`), None for finished rows.
+    Sent with a fresh Idempotency-Key, so a retry after a lost answer is never applied twice."""
     body = {"actions": actions}
-    return Call("POST", f"/v1/envs/{env_id}/step", types.StepResult, json=body, timeout=timeout)
+    return Call(
+        "POST",
+        f"/v1/envs/{env_id}/step",
+        types.StepResult,
+        json=body,
+        timeout=timeout,
+        retry=Retry.KEYED,
+        headers={"Idempotency-Key": uuid.uuid4().hex},
+    )
 
 
-def get_env(env_id: str, /, *, timeout: Timeout = None) -> Call[types.EnvState]:
+def get_env(env_id: str, /, *, timeout: Timeout = NOT_GIVEN) -> Call[types.EnvState]:
     return Call("GET", f"/v1/envs/{env_id}", types.EnvState, timeout=timeout)
 
 
-def list_envs(*, offset: int = 0, limit: int = 50, timeout: Timeout = None) -> Call[types.EnvList]:
+def list_envs(
+    *, offset: int = 0, limit: int = 50, timeout: Timeout = NOT_GIVEN
+) -> Call[types.EnvList]:
     params = {"offset": offset, "limit": limit}
     return Call("GET", "/v1/envs", types.EnvList, params=params, timeout=timeout)
 
 
-def delete_env(env_id: str, /, *, timeout: Timeout = None) -> Call[types.Json]:
+def delete_env(env_id: str, /, *, timeout: Timeout = NOT_GIVEN) -> Call[types.Json]:
     return Call("DELETE", f"/v1/envs/{env_id}", types.Json, timeout=timeout)
 
 
@@ -216,7 +245,7 @@ def rollouts(
     env_id: str | None = None,
     num_envs: int | None = None,
     generation: dict[str, Any] | None = None,
-    timeout: Timeout = None,
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.RolloutResult]:
     """Whole episodes run on the server (`env` config, or an existing `env_id`); the same
     trajectories `collect` yields, with GRPO advantages when `repeats` > 1."""
@@ -227,4 +256,6 @@ def rollouts(
         num_envs=num_envs,
         generation=generation,
     )
-    return Call("POST", "/v1/rollouts", types.RolloutResult, json=body, timeout=timeout)
+    return Call(
+        "POST", "/v1/rollouts", types.RolloutResult, json=body, timeout=timeout, retry=Retry.UNSENT
+    )

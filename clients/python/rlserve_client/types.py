@@ -62,7 +62,7 @@ class Sample(Result):
     masks: Masks
     log_probs: LogProbs | None = None
     history: History | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | None = None
 
 

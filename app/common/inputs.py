@@ -3,10 +3,14 @@ texts and assistant masks, and check them against the model's vocabulary and len
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 from app.common.failures import TooLarge, invalid
 from app.common.masks import (
@@ -19,6 +23,7 @@ from app.common.sequences import SequenceSplit
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Conversation = list[dict[str, str]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +47,10 @@ class InputPreparer:
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        # Tokenizing and templating a large request takes milliseconds to seconds: it runs on
+        # this one thread (one per model, so the tokenizer is never used concurrently),
+        # never on the event loop.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         template = getattr(tokenizer, "chat_template", None) or ""
@@ -52,6 +61,14 @@ class InputPreparer:
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None)
         self.pad_token_id: int = int(pad) if pad is not None else 0
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the tokenizer thread (for work that tokenizes or decodes)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
     # -- text and templates -------------------------------------------------------------
 
@@ -121,6 +138,18 @@ class InputPreparer:
         if text is not None:
             return [Prepared(ids=self.encode(t), text=t) for t in text]
         return [Prepared(ids=list(seq)) for seq in tokens]
+
+    def checked_prompts(self, request: Any, field: str, *, max_new_tokens: int) -> list[Prepared]:
+        """A generation request's prompts, checked against the vocabulary and length."""
+        prompts = self.prompts(request.messages, request.text, request.tokens, field)
+        self.check(prompts, field, max_new_tokens=max_new_tokens)
+        return prompts
+
+    def checked_sequences(self, request: Any, field: str) -> list[Prepared]:
+        """A scoring request's sequences, checked against the vocabulary and length."""
+        prepared = self.sequences(request, field)
+        self.check(prepared, field)
+        return prepared
 
     def sequences(self, request: Any, field: str) -> list[Prepared]:
         """Scoring sequences: whole conversations, texts, token lists or prompt/response splits."""

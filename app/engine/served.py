@@ -77,6 +77,7 @@ class ServedModel:
             if batcher is not None:
                 await batcher.aclose()
         await self.backend.aclose()
+        self.preparer.close()
 
 
 def _generation_length(item: GenerateItem) -> int:

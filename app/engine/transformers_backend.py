@@ -14,6 +14,7 @@ import torch
 
 from app.engine import hf_decode
 from app.engine.base import Backend
+from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
 
@@ -78,13 +79,17 @@ class TransformersBackend(Backend):
         return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        size = len(sequences) * max((len(s) for s in sequences), default=0)
         result: list[list[float]] = await self._run(
-            hf_decode.score, self.model, sequences, self.pad_id
+            _released, size, hf_decode.score, self.model, sequences, self.pad_id
         )
         return result
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        longest = max((len(it.prompt_ids) + it.config.max_new_tokens for it in items), default=0)
         result: list[Generation] = await self._run(
+            _released,
+            len(items) * longest,
             hf_decode.generate,
             self.model,
             items,
@@ -123,3 +128,11 @@ def _eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
         elif isinstance(source, list):
             ids.update(int(x) for x in source)
     return frozenset(ids)
+
+
+def _released(num_tokens: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn`'s result; after a large call, its freed memory goes back to the OS."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_after(num_tokens)

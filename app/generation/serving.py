@@ -85,34 +85,46 @@ class GenerationService:
             request.max_tokens or request.max_new_tokens,
             "max_tokens" if request.max_tokens else "max_new_tokens",
         )
-        prompts = served.preparer.prompts(request.messages, request.text, request.tokens, field)
-        served.preparer.check(prompts, field, max_new_tokens=max_new_tokens)
+        preparer = served.preparer
+        prompts = await preparer.off_loop(
+            preparer.checked_prompts, request, field, max_new_tokens=max_new_tokens
+        )
         config = request.to_sampling_config(max_new_tokens)
         sampled = await self.sample(
             request.model, prompts, config, n=num_samples, seed=request.seed
         )
-        generations = sampled.generations
-        outputs: list[list[GeneratedSample]] = []
-        for i, prompt in enumerate(prompts):
-            row = generations[i * num_samples : (i + 1) * num_samples]
-            outputs.append(
-                [
-                    generated_sample(
-                        prompt,
-                        gen,
-                        served.preparer,
-                        with_log_probs=request.wants_log_probs,
-                        skip_special_tokens=request.skip_special_tokens,
-                    )
-                    for gen in row
-                ]
-            )
+        outputs = await preparer.off_loop(
+            _generated_samples, prompts, sampled.generations, preparer, request
+        )
         return GenerateResponse(
             policy_version=sampled.version,
             model=request.model,
             pad_token_id=served.preparer.pad_token_id,
             outputs=outputs,
         )
+
+
+def _generated_samples(
+    prompts: list[Prepared],
+    generations: list[Generation],
+    preparer: InputPreparer,
+    request: GenerateRequest,
+) -> list[list[GeneratedSample]]:
+    """Each prompt's samples, decoded (on the tokenizer thread)."""
+    n = request.num_samples
+    return [
+        [
+            generated_sample(
+                prompt,
+                generation,
+                preparer,
+                with_log_probs=request.wants_log_probs,
+                skip_special_tokens=request.skip_special_tokens,
+            )
+            for generation in generations[i * n : (i + 1) * n]
+        ]
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def generated_sample(

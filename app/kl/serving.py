@@ -28,8 +28,8 @@ class KLService:
                 f"{field}; send assistant_only=false to count every token",
             )
         check_num_items(request.num_items(), self.settings.max_items_per_request, field)
-        prepared = pair.policy.preparer.sequences(request, field)
-        pair.policy.preparer.check(prepared, field)
+        preparer = pair.policy.preparer
+        prepared = await preparer.off_loop(preparer.checked_sequences, request, field)
         given = request.policy_log_probs
         if given is not None:
             for i, (item, values) in enumerate(zip(prepared, given, strict=True)):

@@ -18,15 +18,17 @@ class ScoringService:
         served = self.registry.get(request.model)
         field = request.given_inputs()[0]
         check_num_items(request.num_items(), self.settings.max_items_per_request, field)
-        prepared = served.preparer.sequences(request, field)
-        served.preparer.check(prepared, field)
+        preparer = served.preparer
+        prepared = await preparer.off_loop(preparer.checked_sequences, request, field)
         async with self.registry.reading() as version:
             values = await served.score([item.ids for item in prepared])
         with_text = field != "tokens" and field != "prompt_tokens"
-        outputs = [
-            scored_sample(item, lps, served.preparer, with_text=with_text)
-            for item, lps in zip(prepared, values, strict=True)
-        ]
+        outputs = await preparer.off_loop(
+            lambda: [
+                scored_sample(item, lps, preparer, with_text=with_text)
+                for item, lps in zip(prepared, values, strict=True)
+            ]
+        )
         return LogProbsResponse(
             policy_version=version,
             model=request.model,

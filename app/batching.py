@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from app.common.failures import Failure
+
 logger = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
@@ -34,12 +36,18 @@ class BatchingConfig:
     max_concurrent_calls: int = 1
 
 
-class QueueFullError(Exception):
+class QueueFullError(Failure):
     """The queue holds `max_queue` waiting requests already."""
 
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"server overloaded, retry later ({detail})")
 
-class BackendCallError(Exception):
+
+class BackendCallError(Failure):
     """The backend call that carried this item failed."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"model call failed: {detail}")
 
 
 @dataclass

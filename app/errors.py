@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,7 +66,7 @@ class ErrorKind:
     headers: dict[str, str] | None = None
 
 
-FAILURES: dict[type[Exception], ErrorKind] = {
+FAILURES: dict[type[Failure], ErrorKind] = {
     InvalidInput: ErrorKind(422, "invalid_request_error"),
     Unsupported: ErrorKind(422, "unsupported_error"),
     Malformed: ErrorKind(400, "invalid_request_error"),
@@ -82,16 +83,10 @@ FAILURES: dict[type[Exception], ErrorKind] = {
 """The one table from domain failures to HTTP: status, error type, headers."""
 
 
-def failure_error(exc: Exception) -> APIError:
+def failure_error(exc: Failure) -> APIError:
     """The APIError for a domain failure (the nearest kind in the table along its MRO)."""
     kind = next(FAILURES[cls] for cls in type(exc).__mro__ if cls in FAILURES)
-    if isinstance(exc, Failure):
-        message, param = exc.message, exc.param
-    elif isinstance(exc, QueueFullError):
-        message, param = f"server overloaded, retry later ({exc})", None
-    else:
-        message, param = f"model call failed: {exc}", None
-    return APIError(kind.status, message, type=kind.type, param=param, headers=kind.headers)
+    return APIError(kind.status, exc.message, type=kind.type, param=exc.param, headers=kind.headers)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -168,7 +163,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
     async def _failure(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(failure_error(exc))
+        return error_response(failure_error(cast(Failure, exc)))
 
     for failure in FAILURES:
         app.add_exception_handler(failure, _failure)

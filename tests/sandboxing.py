@@ -24,10 +24,27 @@ needs_isolation = pytest.mark.skipif(
 )
 
 
+def sleep_argv(marker: str, seconds: int = 60) -> str:
+    """The argv (python source) of a long sleep whose command line carries `marker`."""
+    return f"[sys.executable, '-c', 'import time; time.sleep({seconds})', '{marker}']"
+
+
 def sleeper(marker: str, seconds: int = 60) -> str:
     """Code that becomes a long sleep whose command line carries `marker`."""
-    argv = f"[sys.executable, '-c', 'import time; time.sleep({seconds})', '{marker}']"
-    return f"import os, sys\nos.execv(sys.executable, {argv})"
+    return f"import os, sys\nos.execv(sys.executable, {sleep_argv(marker, seconds)})"
+
+
+def escaper(marker: str, seconds: int = 60) -> str:
+    """Code that leaves a marked sleep behind the way escapes do: in a new session (setsid),
+    two forks away, its parent gone. Code appended to it runs in the original process."""
+    return (
+        "import os, sys\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, {sleep_argv(marker, seconds)})\n"
+        "    os._exit(0)\n"
+    )
 
 
 def host_processes_with(marker: str) -> list[int]:

@@ -25,10 +25,8 @@ class EngineProbe:
 
     async def problem(self) -> str | None:
         """None when every engine answers; else why not (the registry's state first)."""
-        registry = self.registry
-        if registry.status != "ready":
-            detail = f": {registry.error}" if registry.error else ""
-            return f"model is {registry.status}{detail}"
+        if (reason := self.registry.not_ready_reason()) is not None:
+            return reason
         if self._verdict is not None and time.monotonic() - self._verdict[0] < self.interval_s:
             return self._verdict[1]
         if self._running is None:

@@ -108,10 +108,16 @@ class ModelRegistry:
             )
         return self.pair
 
+    def not_ready_reason(self) -> str | None:
+        """Why models cannot be used now (None once they are loaded)."""
+        if self.status == "ready":
+            return None
+        detail = f": {self.error}" if self.error else ""
+        return f"model is {self.status}{detail}"
+
     def get(self, name: str) -> ServedModel:
-        if self.status != "ready":
-            detail = f": {self.error}" if self.error else ""
-            raise NotReady(f"model is {self.status}{detail}")
+        if (reason := self.not_ready_reason()) is not None:
+            raise NotReady(reason)
         if name not in self.models:
             raise invalid("model", f"'{name}' is not served (have {sorted(self.models)})")
         return self.models[name]

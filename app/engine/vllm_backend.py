@@ -99,7 +99,7 @@ class VLLMBackend(Backend):
             backend = cls(engine, tokenizer, info, weights)
             hf_config = model_config.hf_config
             backend.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-            await backend.score([[0, 0]])  # the engine answers: ready
+            await backend.check()  # the engine answers: ready
         except BaseException:
             engine.shutdown()
             raise

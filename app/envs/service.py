@@ -176,10 +176,10 @@ class EnvService:
         """Apply one action per running row, all or nothing. A step sent again with the
         idempotency key of the last applied step is answered as it was, not applied twice."""
         preparer = self.registry.get("policy").preparer
-        digest = _digest(actions)
+        digest = None if idempotency_key is None else _digest(actions)
         async with self._session(env_id, owner) as (record, state):
             last = state.last_step
-            if idempotency_key is not None and last is not None and last["key"] == idempotency_key:
+            if digest is not None and last is not None and last["key"] == idempotency_key:
                 if last["digest"] != digest:
                     raise invalid(
                         "Idempotency-Key",
@@ -190,7 +190,7 @@ class EnvService:
                 env_id, EnvConfig(**record.config), state, actions, preparer
             )
             state.last_step = None
-            if idempotency_key is not None:
+            if digest is not None:
                 state.last_step = {
                     "key": idempotency_key,
                     "digest": digest,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import Settings
@@ -54,8 +55,7 @@ class AuthMiddleware:
             return None
         if level is Access.METRICS and not self.settings.metrics_auth:
             return None
-        header = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
-        scheme, _, token = header.decode("latin-1").partition(" ")
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
         key = token.strip().encode("latin-1", "replace")
         if scheme.lower() != "bearer" or not matches(key, self.keys):
             return APIError(

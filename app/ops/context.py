@@ -10,6 +10,7 @@ import re
 import time
 import uuid
 
+from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,8 +37,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"), b"")
-        given_id = given.decode("latin-1")
+        given_id = Headers(scope=scope).get("x-request-id", "")
         request_id = given_id if _REQUEST_ID.fullmatch(given_id) else uuid.uuid4().hex
         route = self._match(scope)
         state = scope.setdefault("state", {})

@@ -3,6 +3,7 @@ routes that declare a streamed body (`Body.STREAMED`) enforce their own limit in
 
 from __future__ import annotations
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_response
@@ -18,9 +19,9 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or policy_of(matched_route(scope)).body is Body.STREAMED:
             await self.app(scope, receive, send)
             return
-        length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        length = Headers(scope=scope).get("content-length")
         if length is not None:
-            declared = int(length) if length.isdigit() else 0
+            declared = int(length) if length.isascii() and length.isdigit() else 0
             if declared > self.limit:
                 await error_response(self._too_large())(scope, receive, send)
             else:

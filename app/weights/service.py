@@ -27,6 +27,7 @@ from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVers
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _WRITE_BATCH_BYTES = 8 << 20
+_DISK_RESERVE = 64 << 20  # left free for the session store and logs
 
 
 class WeightsService:
@@ -57,7 +58,7 @@ class WeightsService:
             return await self._apply(files, request.model, "path")
         self.uploads.mkdir(parents=True, exist_ok=True)
         needed = sum(f.stat().st_size for f in files)
-        room = shutil.disk_usage(self.uploads).free - (64 << 20)
+        room = self._disk_room()
         if needed > room:
             raise TooLarge(
                 f"path: the checkpoint ({needed} bytes) does not fit the free disk ({room} "
@@ -71,13 +72,17 @@ class WeightsService:
             for copy in copies:
                 copy.unlink(missing_ok=True)
 
+    def _disk_room(self) -> int:
+        """Bytes a snapshot or upload may take: the free disk less a reserve."""
+        return shutil.disk_usage(self.uploads).free - _DISK_RESERVE
+
     async def upload(self, chunks: AsyncIterator[bytes], model: str) -> WeightsUpdated:
         """Stream the body to a file on disk (memory stays bounded; writes in a thread), then
         apply it. The file is gone afterwards, whatever happened (a client that went away
         included); the limit is max_weights_bytes or the free disk space, the smaller."""
         self.uploads.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.uploads).free
-        limit = min(self.settings.max_weights_bytes, free - (64 << 20))
+        room = self._disk_room()
+        limit = min(self.settings.max_weights_bytes, room)
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             size = written = 0
             pending: list[bytes] = []  # written in ~8 MiB batches: one thread hop each
@@ -87,7 +92,7 @@ class WeightsService:
                     raise TooLarge(
                         f"body: the upload exceeds {max(limit, 0)} bytes "
                         f"(max_weights_bytes {self.settings.max_weights_bytes}, "
-                        f"free disk {free})",
+                        f"free disk {room + _DISK_RESERVE})",
                         param="body",
                     )
                 pending.append(chunk)

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import Server, free_port, running_process
-from tests.sandboxing import host_processes_with, isolation_problem, sleeper
+from tests.sandboxing import escaper, host_processes_with, isolation_problem, sleeper
 
 UNPRIVILEGED = 65534
 USER_KEY, ADMIN_KEY = "user-secret-8d1f", "admin-secret-77c2"
@@ -184,15 +184,7 @@ print(json.dumps(found))
 def test_escaped_processes_end_with_the_step(server: Server) -> None:
     env_id = tool_env(server)
     marker = f"rlserve-escape-{uuid.uuid4().hex}"
-    code = f"""
-import os, sys
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(120)', '{marker}'])
-    os._exit(0)
-print('left behind')
-"""
+    code = escaper(marker, seconds=120) + "print('left behind')\n"
     assert run_tool(server, env_id, code).strip() == "left behind"
     assert left_running(marker, within_s=3) == []
 

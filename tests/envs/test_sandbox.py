@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from app.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-from tests.sandboxing import host_processes_with, needs_isolation, sleeper
+from tests.sandboxing import escaper, host_processes_with, needs_isolation, sleep_argv, sleeper
 
 LIMITS = SandboxLimits(
     timeout_s=3.0, cpu_seconds=3, memory_bytes=256 << 20, max_output_bytes=1000, max_processes=8
@@ -88,17 +88,11 @@ except OSError as error:
 
 async def test_setsid_and_double_forks_end_with_the_run() -> None:
     marker = f"rlserve-escape-{uuid.uuid4().hex}"
-    code = f"""
-import os, subprocess, sys
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])
-    os._exit(0)
-subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'],
-                 start_new_session=True)
-print('started')
-"""
+    code = escaper(marker) + (
+        "import subprocess\n"
+        f"subprocess.Popen({sleep_argv(marker)}, start_new_session=True)\n"
+        "print('started')\n"
+    )
     assert (await run(code)) == "started\n"
     for _ in range(40):
         if not host_processes_with(marker):

@@ -150,7 +150,15 @@ def _chunks(source: bytes | Path, size: int, progress: bool | None, asynchronous
 
     async def async_chunks() -> AsyncIterator[bytes]:
         reader = chunks()
-        while (chunk := await asyncio.to_thread(next, reader, None)) is not None:
-            yield chunk
+        if not isinstance(source, Path):  # slicing bytes in memory: no thread needed
+            for piece in reader:
+                yield piece
+            return
+
+        def read_next() -> bytes | None:
+            return next(reader, None)
+
+        while (chunk := await asyncio.to_thread(read_next)) is not None:
+            yield chunk  # file reads happen in a thread, off the caller's event loop
 
     return async_chunks() if asynchronous else chunks()

@@ -15,6 +15,7 @@ from app.kl.serving import KLService
 from app.rollouts.serving import RolloutService
 from app.scoring.serving import ScoringService
 from app.weights.service import WeightsService
+from app.weights.transfer import TransferService
 
 
 def _settings(request: Request) -> Settings:
@@ -68,6 +69,11 @@ def _weights(request: Request) -> WeightsService:
     return weights
 
 
+def _transfers(request: Request) -> TransferService:
+    transfers: TransferService = request.app.state.transfers
+    return transfers
+
+
 OwnerDep = Annotated[str, Depends(_owner)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 ProbeDep = Annotated[EngineProbe, Depends(_probe)]
@@ -78,3 +84,4 @@ KLDep = Annotated[KLService, Depends(_kl)]
 EnvsDep = Annotated[EnvService, Depends(_envs)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsService, Depends(_weights)]
+TransfersDep = Annotated[TransferService, Depends(_transfers)]

@@ -19,6 +19,7 @@ from app.common.failures import (
     Malformed,
     NotFound,
     NotReady,
+    PeerFailed,
     QuotaExceeded,
     TimedOut,
     TooLarge,
@@ -76,6 +77,7 @@ FAILURES: dict[type[Failure], ErrorKind] = {
     QuotaExceeded: ErrorKind(429, "rate_limit_error", {"Retry-After": "5"}),
     NotReady: ErrorKind(503, "unavailable_error"),
     TimedOut: ErrorKind(504, "timeout_error"),
+    PeerFailed: ErrorKind(502, "peer_error"),
     QueueFullError: ErrorKind(503, "overloaded_error", {"Retry-After": "1"}),
     BackendCallError: ErrorKind(500, "backend_error"),
     Failure: ErrorKind(400, "invalid_request_error"),
@@ -107,6 +109,16 @@ WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     400: {"model": ErrorResponse, "description": "Not a valid safetensors checkpoint"},
     409: {"model": ErrorResponse, "description": "The checkpoint changed while it was read"},
     504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
+}
+
+TRANSFER_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    409: {
+        "model": ErrorResponse,
+        "description": "Out of order (no group, no update), or a version not above the current",
+    },
+    502: {"model": ErrorResponse, "description": "The trainer's side failed or went away"},
+    504: {"model": ErrorResponse, "description": "The trainer did not join or send in time"},
 }
 
 ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {

@@ -38,7 +38,9 @@ from app.rollouts.serving import RolloutService
 from app.scoring.router import router as scoring_router
 from app.scoring.serving import ScoringService
 from app.weights.router import router as weights_router
+from app.weights.router import serving_router, transfer_router
 from app.weights.service import WeightsService
+from app.weights.transfer import TransferService
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,8 @@ def build_services(app: FastAPI, registry: ModelRegistry, envs: EnvService) -> N
     app.state.scoring = ScoringService(registry, settings)
     app.state.kl = KLService(registry, settings)
     app.state.rollouts = RolloutService(envs, generation)
-    app.state.weights = WeightsService(registry, settings)
+    app.state.weights = weights = WeightsService(registry, settings)
+    app.state.transfers = TransferService(registry, weights)
 
 
 def create_app(settings: Settings | None = None, *, load_models: bool = True) -> FastAPI:
@@ -102,6 +105,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
             reaper.cancel()
             if loading is not None:
                 await loading
+            await app.state.transfers.aclose()
             await registry.aclose()
             await store.aclose()
 
@@ -122,6 +126,8 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         envs_router,
         rollouts_router,
         weights_router,
+        transfer_router,
+        serving_router,
         ops_router,
     )
     routes = [route for router in routers for route in router.routes]

@@ -50,6 +50,10 @@ class TimedOut(Failure):
     """Work on the request's behalf (e.g. reading a checkpoint) ran out of time."""
 
 
+class PeerFailed(Failure):
+    """The other side of a collective (a trainer in a weight transfer) failed or went away."""
+
+
 def invalid(param: str, message: str) -> InvalidInput:
     """An InvalidInput naming `param`, its message prefixed by it."""
     return InvalidInput(f"{param}: {message}", param=param)

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.batching import BatchingConfig
 from app.engine.types import GenerateItem, Generation, ModelInfo
 from app.weights.checkpoint import Layout
+
+if TYPE_CHECKING:
+    from app.weights.transfer_engine import WeightTransfer
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, declared once; services and batching read these."""
+
+    weight_transfer: bool = False
+    """Receives weights over a collective (`Backend.transfer`)."""
+    processed_log_probs: bool = False
+    """Reports log-probs of the processed (temperature, top-k/p) distribution it sampled."""
+    continuous_batching: bool = False
+    """Batches generation itself: rows go straight to the engine, one call each."""
 
 
 class Backend(ABC):
@@ -17,6 +32,7 @@ class Backend(ABC):
 
     info: ModelInfo
     tokenizer: Any
+    capabilities: Capabilities = Capabilities()
 
     @abstractmethod
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
@@ -39,10 +55,23 @@ class Backend(ABC):
         """Copy the tensors of checked safetensors files into the live model."""
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")
 
-    def batching(self, base: BatchingConfig) -> tuple[BatchingConfig, BatchingConfig]:
-        """(scoring, generation) batching for this backend. By default both group requests
-        into calls; an engine that batches continuously overrides this."""
-        return base, base
+    def transfer(self) -> WeightTransfer:
+        """The server side of the collective weight transfer (when `capabilities` says so)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot receive weight transfers")
+
+    # -- pausing (see app.engine.gate): only called while no new request is admitted ---------
+
+    async def freeze(self) -> None:  # noqa: B027 - engines without generation state
+        """Hold in-flight generations at their next token; return once no model call runs."""
+
+    async def thaw(self) -> None:  # noqa: B027
+        """Let frozen generations continue."""
+
+    async def abort_generations(self) -> None:  # noqa: B027
+        """End in-flight generations at their next token (finish_reason "abort")."""
+
+    async def set_version(self, version: int) -> None:  # noqa: B027
+        """Label the tokens generated from now on with `version` (weights just committed)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the model and any worker processes or threads."""

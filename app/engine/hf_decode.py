@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from app.engine.freeze import ModelThreadControl
 from app.engine.sampling import RowSampler
-from app.engine.types import GenerateItem, Generation
+from app.engine.types import GenerateItem, Generation, version_spans
 
 
 def _padded(
@@ -51,6 +52,7 @@ class _Rows:
         self.tokens: list[list[int]] = [[] for _ in items]
         self.raw: list[list[float]] = [[] for _ in items]
         self.processed: list[list[float]] = [[] for _ in items]
+        self.versions: list[list[int]] = [[] for _ in items]
         self.finish: list[str | None] = [None for _ in items]
         self.stop_reason: list[str | None] = [None for _ in items]
 
@@ -66,13 +68,18 @@ def generate(
     pad_id: int,
     eos_ids: frozenset[int],
     decode: Callable[[list[int]], str],
+    control: ModelThreadControl | None = None,
 ) -> list[Generation]:
+    """Decode `items` together. With a `control`, the loop parks at its checkpoints while the
+    model is frozen, ends every row on an abort, and labels each token with its version."""
+    control = control or ModelThreadControl()
     device = model.device
     configs = [item.config for item in items]
     sampler = RowSampler(configs, [it.seed for it in items], device)
     ids, mask = _padded([it.prompt_ids for it in items], pad_id, device, left=True)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     want_prompt = any(c.return_prompt_log_probs for c in configs)
+    version = control.checkpoint()
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -99,15 +106,17 @@ def generate(
         chosen_list, raw_list, proc_list = chosen.tolist(), raw_lp.tolist(), processed_lp.tolist()
         for i in rows.active():
             abandoned = items[i].abandoned
-            if abandoned is not None and abandoned.is_set():
-                rows.finish[i] = "abort"  # its requester is gone: no more tokens for it
+            if (abandoned is not None and abandoned.is_set()) or control.aborting.is_set():
+                rows.finish[i] = "abort"  # requester gone, or serving paused with abort
                 continue
+            rows.versions[i].append(version)
             _advance(rows, i, chosen_list[i], raw_list[i], proc_list[i], eos_ids, decode)
         if not rows.active():
             break
         if seen is not None:
             seen.scatter_(1, chosen[:, None], True)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        version = control.checkpoint()
         out = model(
             input_ids=chosen[:, None],
             attention_mask=mask,
@@ -156,12 +165,13 @@ def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None) -> Generation:
     if prompt_lps is not None and item.config.return_prompt_log_probs:
         num_prompt = len(item.prompt_ids)
         prompt = [0.0, *prompt_lps[i, prompt_lps.shape[1] - num_prompt + 1 :].tolist()]
-    finish = rows.finish[i] or "length"
+    finish = rows.finish[i]
     return Generation(
         token_ids=rows.tokens[i],
         log_probs=rows.raw[i],
         processed_log_probs=rows.processed[i],
-        finish_reason="stop" if finish == "stop" else "length",
+        finish_reason="stop" if finish == "stop" else "abort" if finish == "abort" else "length",
         stop_reason=rows.stop_reason[i],
         prompt_log_probs=prompt,
+        versions=version_spans(rows.versions[i]),
     )

@@ -8,13 +8,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Literal
 
-import aiorwlock
-
 from app.batching import BatchingConfig
 from app.common.failures import NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config import Settings
 from app.engine.base import Backend
+from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_source
 from app.engine.served import ModelPair, ServedModel
 
@@ -28,12 +27,12 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
         self.status: Status = "loading"
         self.error: str | None = None
-        self.versions = {"policy": 0, "reference": 0}
         self.pair: ModelPair | None = None
-        # Requests read the weights; an update writes them. Writer-preferring: a pending update
-        # lets in-flight requests finish and holds new ones back, so every request runs on one
-        # version from start to end.
-        self._weights_lock = aiorwlock.RWLock()
+        self.gate = ServingGate(lambda: {name: m.backend for name, m in self.models.items()})
+
+    @property
+    def versions(self) -> dict[str, int]:
+        return self.gate.versions
 
     @property
     def policy_version(self) -> int:
@@ -41,17 +40,26 @@ class ModelRegistry:
 
     @contextlib.asynccontextmanager
     async def reading(self) -> AsyncIterator[int]:
-        """Hold the weights steady for one request; yields the policy version it runs on."""
-        async with self._weights_lock.reader:
-            yield self.policy_version
+        """Scoring work: never spans a weight update. Yields the policy version it runs on."""
+        async with self.gate.admitted("score") as version:
+            yield version
 
     @contextlib.asynccontextmanager
-    async def writing(self, name: str) -> AsyncIterator[ServedModel]:
-        """Pause all model work while `name`'s weights change; its version goes up on success."""
+    async def generating(self) -> AsyncIterator[int]:
+        """Generation work: may be frozen across an update (its tokens carry their versions).
+        Yields the policy version it starts on."""
+        async with self.gate.admitted("generate") as version:
+            yield version
+
+    @contextlib.asynccontextmanager
+    async def writing(
+        self, name: str, *, mode: PauseMode = "keep", version: int | None = None
+    ) -> AsyncIterator[tuple[ServedModel, int]]:
+        """Serving paused (`mode`) while `name`'s weights change; yields the model and the
+        version it gets if the block returns (`version` if given: it must be higher)."""
         served = self.get(name)
-        async with self._weights_lock.writer:
-            yield served
-            self.versions[name] += 1
+        async with self.gate.updating(name, mode=mode, version=version) as new_version:
+            yield served, new_version
 
     async def load(self) -> None:
         """Load the policy and the reference off the event loop; failures are kept for /ready."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -10,7 +11,7 @@ from typing import TypeVar
 
 from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
-from app.engine.base import Backend
+from app.engine.base import Backend, Capabilities
 from app.engine.types import GenerateItem, Generation
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class ServedModel:
         self.scoring: Batcher[Sequence[int], list[float]] | None = None
         self.generation: Batcher[GenerateItem, Generation] | None = None
         if batching is not None:
-            scoring, generation = backend.batching(batching)
+            scoring, generation = batching_policy(backend.capabilities, batching)
             self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, scoring)
             self.generation = Batcher(
                 f"{self.name}/generate", self._generate_batch, _generation_length, generation
@@ -80,6 +81,23 @@ class ServedModel:
         self.preparer.close()
 
 
+def batching_policy(
+    capabilities: Capabilities, base: BatchingConfig
+) -> tuple[BatchingConfig, BatchingConfig]:
+    """(scoring, generation) batching for an engine. By default both group requests into calls.
+    An engine that batches continuously gets every generation row straight away, and scoring
+    groups two at a time, together within the token budget, so it never idles between them."""
+    if not capabilities.continuous_batching:
+        return base, base
+    scoring = dataclasses.replace(
+        base, max_concurrent_calls=2, max_batch_tokens=max(base.max_batch_tokens // 2, 1)
+    )
+    generation = dataclasses.replace(
+        base, min_batch_size=1, max_batch_size=1, timeout_s=0.0, max_concurrent_calls=4096
+    )
+    return scoring, generation
+
+
 def _generation_length(item: GenerateItem) -> int:
     return len(item.prompt_ids) + item.config.max_new_tokens
 
@@ -104,7 +122,8 @@ class ModelPair:
         self.reference = reference
         self.batcher: Batcher[Sequence[int], tuple[list[float], list[float]]] | None = None
         if batching is not None:
-            self.batcher = Batcher("policy+reference/score", self._score_batch, len, batching)
+            scoring, _ = batching_policy(policy.backend.capabilities, batching)
+            self.batcher = Batcher("policy+reference/score", self._score_batch, len, scoring)
 
     async def _score_batch(
         self, sequences: list[Sequence[int]]

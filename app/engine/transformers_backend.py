@@ -13,10 +13,12 @@ from typing import Any
 import torch
 
 from app.engine import hf_decode
-from app.engine.base import Backend
+from app.engine.base import Backend, Capabilities
+from app.engine.freeze import ModelThreadControl
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.transfer_engine import InProcessTransfer, WeightTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +32,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 class TransformersBackend(Backend):
+    capabilities = Capabilities(weight_transfer=True, processed_log_probs=True)
+
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
         self.pad_id = _pad_id(tokenizer, model)
         self.eos_ids = _eos_ids(tokenizer, model)
+        self.control = ModelThreadControl()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{info.name}")
+        self._transfer: InProcessTransfer | None = None
 
     @classmethod
     def load(
@@ -75,8 +81,14 @@ class TransformersBackend(Backend):
         return cls(model, tokenizer, info)
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn` on the model thread; it waits there while the model is frozen."""
+
+        def call() -> Any:
+            with self.control.running():
+                return fn(*args, **kwargs)
+
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(self._worker, call)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         size = len(sequences) * max((len(s) for s in sequences), default=0)
@@ -96,20 +108,47 @@ class TransformersBackend(Backend):
             pad_id=self.pad_id,
             eos_ids=self.eos_ids,
             decode=self.tokenizer.decode,
+            control=self.control,
         )
         return result
 
     def weight_layout(self) -> Layout:
         return layout_of_state(self.model.state_dict())
 
-    async def update_weights(self, files: list[Path]) -> None:
-        # On the model's own worker thread: between two batches, never during one.
-        await self._run(self._copy_in, files)
+    # Weight changes run while the gate holds the model frozen (no call between two
+    # checkpoints), so they go on a thread of their own, not behind the parked model thread.
 
-    def _copy_in(self, files: list[Path]) -> None:
-        copy_into(self.model.state_dict(), files)
+    async def update_weights(self, files: list[Path]) -> None:
+        await asyncio.to_thread(copy_into, self.model.state_dict(), files)
+
+    def transfer(self) -> WeightTransfer:
+        if self._transfer is None:
+            self._transfer = InProcessTransfer(self.model.device, self._copy_staged)
+        return self._transfer
+
+    def _copy_staged(self, staged: dict[str, torch.Tensor]) -> None:
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                state[name].copy_(tensor)
+
+    async def freeze(self) -> None:
+        await asyncio.to_thread(self.control.freeze)
+
+    async def thaw(self) -> None:
+        self.control.aborting.clear()
+        self.control.thaw()
+
+    async def abort_generations(self) -> None:
+        self.control.aborting.set()
+
+    async def set_version(self, version: int) -> None:
+        self.control.version = version
 
     async def aclose(self) -> None:
+        if self._transfer is not None:
+            await self._transfer.close()
+        self.control.thaw()
         self._worker.shutdown(wait=True, cancel_futures=True)
 
 

@@ -63,6 +63,25 @@ class GenerateItem:
     """Set when the requester is gone: decoding stops at the next token (app.engine.abandon)."""
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Generated tokens [start, end) were sampled from weights of policy version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+def version_spans(per_token: list[int]) -> list[VersionSpan]:
+    spans: list[VersionSpan] = []
+    for i, version in enumerate(per_token):
+        if spans and spans[-1].version == version:
+            spans[-1] = VersionSpan(version, spans[-1].start, i + 1)
+        else:
+            spans.append(VersionSpan(version, i, i + 1))
+    return spans
+
+
 @dataclass
 class Generation:
     token_ids: list[int]
@@ -71,6 +90,8 @@ class Generation:
     finish_reason: FinishReason
     stop_reason: str | None = None
     prompt_log_probs: list[float] | None = None
+    versions: list[VersionSpan] | None = None
+    """Which weights produced which tokens; None when the engine does not say."""
 
 
 @dataclass(frozen=True)

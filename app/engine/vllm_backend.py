@@ -5,7 +5,6 @@ budget so full-vocabulary logits are never computed for more prompt tokens than 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
 import shutil
@@ -14,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.batching import BatchingConfig
 from app.common.failures import Unsupported
 from app.engine.abandon import unless_abandoned
 from app.engine.base import Backend
@@ -104,17 +102,6 @@ class VLLMBackend(Backend):
             engine.shutdown()
             raise
         return backend
-
-    def batching(self, base: BatchingConfig) -> tuple[BatchingConfig, BatchingConfig]:
-        # Scoring: two groups in flight, together within the token budget, so the engine never
-        # idles between groups. Generation: every row goes straight to the engine.
-        scoring = dataclasses.replace(
-            base, max_concurrent_calls=2, max_batch_tokens=max(base.max_batch_tokens // 2, 1)
-        )
-        generation = dataclasses.replace(
-            base, min_batch_size=1, max_batch_size=1, timeout_s=0.0, max_concurrent_calls=4096
-        )
-        return scoring, generation
 
     async def _final(self, prompt: Sequence[int], params: Any) -> Any:
         from vllm.inputs import TokensPrompt

@@ -58,7 +58,7 @@ class GenerationService:
             for j in range(n)
         ]
         try:
-            async with self.registry.reading() as version:
+            async with self.registry.generating() as version:
                 generations = await served.generate(items)
         except asyncio.CancelledError:
             abandoned.set()  # the backend stops these rows at the next token

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from app.common.protocol import ModelName, WireModel
+
+PauseMode = Literal["wait", "abort", "keep"]
+PAUSE_MODES_DOC = (
+    "How in-flight work meets the pause: 'wait' lets it finish; 'abort' ends generations at "
+    "their next token (they return what they produced, finish_reason 'abort'); 'keep' freezes "
+    "generations and continues them afterwards. New requests wait in every mode; scoring "
+    "always finishes first."
+)
 
 
 class WeightsVersion(WireModel):
@@ -12,7 +22,17 @@ class WeightsVersion(WireModel):
     reference_version: int
 
 
-class LoadWeightsRequest(WireModel):
+class UpdateOptions(WireModel):
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        description="The version this update publishes for `model`; must be above the current "
+        "one (409 otherwise). Default: the current one plus one.",
+    )
+    pause: PauseMode = Field(default="keep", description=PAUSE_MODES_DOC)
+
+
+class LoadWeightsRequest(UpdateOptions):
     path: str = Field(
         min_length=1,
         description="A safetensors checkpoint directory (HF layout) or file the server can read.",
@@ -27,3 +47,85 @@ class WeightsUpdated(WireModel):
     num_tensors: int
     num_bytes: int
     seconds: float = Field(description="Time the update held generation and scoring paused.")
+    total_seconds: float = Field(description="Time the whole update took.")
+
+
+class PauseRequest(WireModel):
+    mode: PauseMode = Field(default="keep", description=PAUSE_MODES_DOC)
+
+
+class ServingState(WireModel):
+    paused: bool
+    mode: PauseMode | None = Field(description="The mode of the current pause.")
+    paused_by: Literal["request", "update"] | None = Field(
+        description="'request': POST /v1/pause (until POST /v1/resume); 'update': a weight update."
+    )
+    in_flight_generations: int = Field(description="Generation requests inside (frozen ones too).")
+    in_flight_scoring: int
+    waiting: int = Field(description="Requests held back until the resume.")
+
+
+TransportName = Literal["auto", "gloo", "nccl"]
+
+
+class TransferTarget(WireModel):
+    model: ModelName = Field(default="policy", description="The model whose weights change.")
+
+
+class TransferInit(TransferTarget):
+    master_address: str = Field(
+        min_length=1, max_length=253, description="Host of the trainer's rendezvous store."
+    )
+    master_port: int = Field(ge=1, le=65535, description="Port of the trainer's store.")
+    world_size: int = Field(
+        ge=2, le=4096, description="Trainer rank 0 plus the server ranks (GET for their count)."
+    )
+    rank_offset: int = Field(default=1, ge=1, description="The first server rank.")
+    transport: TransportName = Field(
+        default="auto", description="'auto': NCCL for a model on a GPU, gloo otherwise."
+    )
+    bucket_bytes: int = Field(
+        default=512 << 20,
+        ge=1 << 16,
+        le=16 << 30,
+        description="The largest bucket an update may pack (one tensor alone may be larger).",
+    )
+    streams: int = Field(
+        default=4, ge=1, le=64, description="Broadcasts in flight per bucket (its slices)."
+    )
+    timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="How long a join, a receive or a commit may wait for the trainer.",
+    )
+
+
+class TransferUpdate(TransferTarget):
+    names: list[str] = Field(min_length=1, max_length=1 << 20)
+    dtype_names: list[str] = Field(description="torch dtype names: float32, bfloat16, ...")
+    shapes: list[list[int]]
+    buckets: list[int] | None = Field(
+        default=None,
+        description="Tensors per bucket, in order (each bucket is their bytes back to back, "
+        "broadcast as one buffer); default: one tensor per bucket.",
+    )
+
+
+class TransferFinish(TransferTarget, UpdateOptions):
+    pass
+
+
+class TransferState(WireModel):
+    model: ModelName
+    state: Literal["idle", "joined", "updating"] = Field(
+        description="idle: no group; joined: in the trainer's group; updating: between start "
+        "and finish or abort."
+    )
+    server_ranks: int = Field(description="Ranks the server adds to the group.")
+    transport: Literal["gloo", "nccl"] | None = None
+    world_size: int | None = None
+    announced_bytes: int = Field(default=0, description="Bytes announced by this update so far.")
+    last_error: str | None = Field(
+        default=None, description="Why the last update failed (the group was closed)."
+    )

@@ -3,12 +3,31 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from app.common.protocol import ModelName
-from app.deps import WeightsDep
-from app.errors import WEIGHTS_ERROR_RESPONSES
+from app.deps import RegistryDep, TransfersDep, WeightsDep
+from app.engine.gate import GateState
+from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
-from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVersion
+from app.weights.protocol import (
+    LoadWeightsRequest,
+    PauseMode,
+    PauseRequest,
+    ServingState,
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferTarget,
+    TransferUpdate,
+    UpdateOptions,
+    WeightsUpdated,
+    WeightsVersion,
+)
 
 router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
+transfer_router = APIRouter(
+    prefix="/v1/weights/transfer", tags=["weight transfer"], responses=TRANSFER_ERROR_RESPONSES
+)
+serving_router = APIRouter(tags=["serving"], responses=ERROR_RESPONSES)
+ADMIN = access(Access.ADMIN)
 
 
 @router.get("/v1/weights/version", response_model=WeightsVersion, summary="Current versions")
@@ -20,11 +39,11 @@ async def weights_version(weights: WeightsDep) -> WeightsVersion:
     "/v1/weights/load",
     response_model=WeightsUpdated,
     summary="Load from a path",
-    openapi_extra=access(Access.ADMIN),
+    openapi_extra=ADMIN,
 )
 async def load_weights(request: LoadWeightsRequest, weights: WeightsDep) -> WeightsUpdated:
     """Load a safetensors checkpoint (HF layout, any subset of the parameters) from storage the
-    server can read. Requests in flight finish first; new ones wait for the swap."""
+    server can read. Serving pauses for the swap only (`pause`, 'keep' by default)."""
     return await weights.load(request)
 
 
@@ -46,7 +65,107 @@ async def upload_weights(
     request: Request,
     weights: WeightsDep,
     model: Annotated[ModelName, Query()] = "policy",
+    version: Annotated[int | None, Query(ge=1)] = None,
+    pause: Annotated[PauseMode, Query()] = "keep",
 ) -> WeightsUpdated:
     """Upload a safetensors file as the request body (streamed to disk, applied tensor by
     tensor). Partial updates are allowed."""
-    return await weights.upload(request.stream(), model)
+    options = UpdateOptions(version=version, pause=pause)
+    return await weights.upload(request.stream(), model, options)
+
+
+# -- collective transfer (vLLM's protocol: init -> start -> update -> finish) ---------------
+
+
+@transfer_router.get(
+    "", response_model=TransferState, summary="Transfer state", openapi_extra=ADMIN
+)
+async def transfer_state(
+    transfers: TransfersDep, model: Annotated[ModelName, Query()] = "policy"
+) -> TransferState:
+    """The group state and `server_ranks`: the trainer's world size is 1 + server_ranks."""
+    return transfers.state(model)
+
+
+@transfer_router.post(
+    "/init", response_model=TransferState, summary="Join the trainer", openapi_extra=ADMIN
+)
+async def transfer_init(request: TransferInit, transfers: TransfersDep) -> TransferState:
+    """Join the trainer's process group (the trainer, rank 0, joins it at the same time);
+    returns once every rank is in, or 504 after `timeout_s`."""
+    return await transfers.init(request)
+
+
+@transfer_router.post(
+    "/start", response_model=TransferState, summary="Begin an update", openapi_extra=ADMIN
+)
+async def transfer_start(request: TransferTarget, transfers: TransfersDep) -> TransferState:
+    return await transfers.start(request.model)
+
+
+@transfer_router.post(
+    "/update", response_model=TransferState, summary="Announce tensors", openapi_extra=ADMIN
+)
+async def transfer_update(request: TransferUpdate, transfers: TransfersDep) -> TransferState:
+    """Announce the tensors of the next buckets (checked against the model: 422 names the
+    field) and start receiving them; returns at once, and the trainer then broadcasts."""
+    return await transfers.update(request)
+
+
+@transfer_router.post(
+    "/finish", response_model=WeightsUpdated, summary="Commit the update", openapi_extra=ADMIN
+)
+async def transfer_finish(request: TransferFinish, transfers: TransfersDep) -> WeightsUpdated:
+    """Wait until every announced tensor arrived (504 after `timeout_s`; 502 if the trainer
+    went away), then swap them in while serving is paused (`pause`, 'keep' by default). Any
+    failure leaves the served weights as they were."""
+    return await transfers.finish(request)
+
+
+@transfer_router.post(
+    "/abort", response_model=TransferState, summary="Drop the update", openapi_extra=ADMIN
+)
+async def transfer_abort(request: TransferTarget, transfers: TransfersDep) -> TransferState:
+    return await transfers.abort(request.model)
+
+
+@transfer_router.post(
+    "/close", response_model=TransferState, summary="Leave the group", openapi_extra=ADMIN
+)
+async def transfer_close(request: TransferTarget, transfers: TransfersDep) -> TransferState:
+    return await transfers.close(request.model)
+
+
+# -- pause and resume -------------------------------------------------------------------------
+
+
+def _serving_state(state: GateState) -> ServingState:
+    return ServingState(
+        paused=state.paused,
+        mode=state.mode,
+        paused_by=state.by,
+        in_flight_generations=state.in_flight_generate,
+        in_flight_scoring=state.in_flight_score,
+        waiting=state.waiting,
+    )
+
+
+@serving_router.post(
+    "/v1/pause", response_model=ServingState, summary="Pause serving", openapi_extra=ADMIN
+)
+async def pause(request: PauseRequest, registry: RegistryDep) -> ServingState:
+    """New requests wait until POST /v1/resume; in-flight work meets `mode`. Returns once it
+    finished, was aborted or is frozen. Pausing again with the same mode is a no-op."""
+    return _serving_state(await registry.gate.pause(request.mode))
+
+
+@serving_router.post(
+    "/v1/resume", response_model=ServingState, summary="Resume serving", openapi_extra=ADMIN
+)
+async def resume(registry: RegistryDep) -> ServingState:
+    return _serving_state(await registry.gate.resume())
+
+
+@serving_router.get("/v1/serving", response_model=ServingState, summary="Pause state")
+async def serving_state(registry: RegistryDep) -> ServingState:
+    return _serving_state(registry.gate.state())

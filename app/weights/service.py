@@ -22,7 +22,12 @@ from app.weights.checkpoint import (
     read_layout,
     snapshot,
 )
-from app.weights.protocol import LoadWeightsRequest, WeightsUpdated, WeightsVersion
+from app.weights.protocol import (
+    LoadWeightsRequest,
+    UpdateOptions,
+    WeightsUpdated,
+    WeightsVersion,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,7 +60,7 @@ class WeightsService:
         first, so a checkpoint rewritten during the load is applied whole or not at all."""
         files = await self._file_work(checkpoint_files, Path(request.path))
         if not self.settings.weights_snapshot_loads:
-            return await self._apply(files, request.model, "path")
+            return await self._apply(files, request.model, "path", request)
         self.uploads.mkdir(parents=True, exist_ok=True)
         needed = sum(f.stat().st_size for f in files)
         room = self._disk_room()
@@ -67,7 +72,7 @@ class WeightsService:
             )
         copies = await self._file_work(snapshot, files, self.uploads, "path")
         try:
-            return await self._apply(copies, request.model, "path")
+            return await self._apply(copies, request.model, "path", request)
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
@@ -76,7 +81,9 @@ class WeightsService:
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
         return shutil.disk_usage(self.uploads).free - _DISK_RESERVE
 
-    async def upload(self, chunks: AsyncIterator[bytes], model: str) -> WeightsUpdated:
+    async def upload(
+        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
+    ) -> WeightsUpdated:
         """Stream the body to a file on disk (memory stays bounded; writes in a thread), then
         apply it. The file is gone afterwards, whatever happened (a client that went away
         included); the limit is max_weights_bytes or the free disk space, the smaller."""
@@ -102,7 +109,7 @@ class WeightsService:
             await asyncio.to_thread(_write_and_flush, sink, pending)
             if size == 0:
                 raise Malformed("body: the upload is empty", param="body")
-            return await self._apply([Path(sink.name)], model, "body")
+            return await self._apply([Path(sink.name)], model, "body", options)
 
     async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
         """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a
@@ -114,7 +121,9 @@ class WeightsService:
         except TimeoutError:
             raise TimedOut(f"reading the checkpoint took over {timeout:g} s") from None
 
-    async def _apply(self, files: list[Path], model: str, param: str) -> WeightsUpdated:
+    async def _apply(
+        self, files: list[Path], model: str, param: str, options: UpdateOptions
+    ) -> WeightsUpdated:
         update = await self._file_work(read_layout, files, param)
         served = self.registry.get(model)
         expected = served.backend.weight_layout()
@@ -122,21 +131,43 @@ class WeightsService:
             check_layout(update, expected)
         await self._file_work(check_finite, files, param)
         num_bytes = sum(f.stat().st_size for f in files)
-        async with self.registry.writing(model) as target:
-            start = time.perf_counter()
+        start = time.perf_counter()
+        async with self.registry.writing(model, mode=options.pause, version=options.version) as (
+            target,
+            version,
+        ):
+            paused_at = time.perf_counter()
             await target.backend.update_weights(files)
-            paused = time.perf_counter() - start
+            paused = time.perf_counter() - paused_at
+        return self.updated(model, version, len(update), num_bytes, paused, start)
+
+    def updated(
+        self,
+        model: str,
+        version: int,
+        num_tensors: int,
+        num_bytes: int,
+        paused: float,
+        start: float,
+    ) -> WeightsUpdated:
+        """The answer to a committed update; `version` is the one this update published."""
         logger.info(
-            "loaded %d tensors (%d bytes) into %s in %.3f s", len(update), num_bytes, model, paused
+            "loaded %d tensors (%d bytes) into %s as version %d; serving paused %.3f s",
+            num_tensors,
+            num_bytes,
+            model,
+            version,
+            paused,
         )
-        versions = self.registry.versions
+        versions = dict(self.registry.versions, **{model: version})
         return WeightsUpdated(
             model=model,  # type: ignore[arg-type]
             policy_version=versions["policy"],
             reference_version=versions["reference"],
-            num_tensors=len(update),
+            num_tensors=num_tensors,
             num_bytes=num_bytes,
             seconds=paused,
+            total_seconds=time.perf_counter() - start,
         )
 
 

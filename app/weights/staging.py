@@ -1,0 +1,159 @@
+"""Weights received over a collective are staged whole before any of them is applied.
+
+A `TransferPlan` is what one update call announces: the tensors in order (name, dtype, shape)
+and how many of them each bucket packs. A bucket travels as one byte buffer: its tensors'
+bytes back to back, in plan order. `Reception` receives the buckets on a thread of its own
+(serving goes on meanwhile) into staging buffers, checks every float for NaN and infinities,
+and keeps them until the update is committed or dropped: a failed or aborted update never
+touches the served weights."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from app.common.failures import Conflict, TimedOut, invalid
+from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[int, ...]
+    """Tensors per bucket, in order; they sum to len(tensors)."""
+
+    @classmethod
+    def parse(
+        cls,
+        names: list[str],
+        dtype_names: list[str],
+        shapes: list[list[int]],
+        buckets: list[int] | None,
+        max_bucket_bytes: int,
+    ) -> TransferPlan:
+        """Check an update's announcement; each problem names its field."""
+        if len(dtype_names) != len(names):
+            raise invalid("dtype_names", f"{len(dtype_names)} entries for {len(names)} names")
+        if len(shapes) != len(names):
+            raise invalid("shapes", f"{len(shapes)} entries for {len(names)} names")
+        if len(set(names)) != len(names):
+            raise invalid("names", "a tensor is named twice")
+        specs = []
+        for i, (name, dtype_name, shape) in enumerate(zip(names, dtype_names, shapes, strict=True)):
+            if dtype_name not in WIRE_DTYPES:
+                raise invalid(
+                    f"dtype_names[{i}]", f"'{dtype_name}' is not one of {list(WIRE_DTYPES)}"
+                )
+            specs.append(TensorSpec(name, WIRE_DTYPES[dtype_name], tuple(shape)))
+        counts = list(buckets) if buckets is not None else [1] * len(specs)
+        if sum(counts) != len(specs) or any(c < 1 for c in counts):
+            raise invalid("buckets", f"counts must be positive and sum to {len(specs)} tensors")
+        plan = cls(tuple(specs), tuple(counts))
+        for i, (group, nbytes) in enumerate(plan.bucket_groups()):
+            if nbytes > max_bucket_bytes and len(group) > 1:
+                raise invalid(
+                    f"buckets[{i}]",
+                    f"{nbytes} bytes in {len(group)} tensors exceed the agreed bucket size "
+                    f"{max_bucket_bytes} (only a single tensor may be larger)",
+                )
+        return plan
+
+    def bucket_groups(self) -> Iterator[tuple[tuple[TensorSpec, ...], int]]:
+        start = 0
+        for count in self.buckets:
+            group = self.tensors[start : start + count]
+            start += count
+            yield group, sum(spec.nbytes for spec in group)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.tensors)
+
+    def layout(self) -> Layout:
+        return {s.name: (TORCH_TO_SAFETENSORS[s.dtype], s.shape) for s in self.tensors}
+
+
+Receive = Callable[[torch.Tensor], None]
+
+
+def receive_plan(
+    plan: TransferPlan, receive: Receive, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Receive every bucket of `plan`; the tensors are views into the bucket buffers. A bad
+    tensor fails the update only once everything arrived: the sender is never left hanging."""
+    staged: dict[str, torch.Tensor] = {}
+    bad: str | None = None
+    for group, nbytes in plan.bucket_groups():
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        receive(buffer)
+        offset = 0
+        for spec in group:
+            data = buffer[offset : offset + spec.nbytes]
+            offset += spec.nbytes
+            tensor = data.view(spec.dtype).view(spec.shape)
+            if bad is None and spec.dtype.is_floating_point:
+                bad = None if bool(torch.isfinite(tensor).all()) else spec.name
+            staged[spec.name] = tensor
+    if bad is not None:
+        raise invalid("weights", f"tensor '{bad}' holds NaN or infinite values")
+    return staged
+
+
+class Reception:
+    """The updates of one weight-update session, received in order on a thread of their own."""
+
+    def __init__(self, receive: Receive, device: torch.device) -> None:
+        self._receive = receive
+        self._device = device
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-receive")
+        self._parts: list[Future[dict[str, torch.Tensor]]] = []
+
+    def add(self, plan: TransferPlan) -> None:
+        self._parts.append(self._thread.submit(receive_plan, plan, self._receive, self._device))
+
+    def result(self, timeout_s: float) -> dict[str, torch.Tensor]:
+        """Every staged tensor, once all arrived; TimedOut, or the receiver's own error."""
+        if not self._parts:
+            raise Conflict("no update was sent in this weight-update session")
+        staged: dict[str, torch.Tensor] = {}
+        for part in self._parts:
+            try:
+                staged |= part.result(timeout=timeout_s)
+            except TimeoutError:
+                raise TimedOut(f"the weights did not arrive within {timeout_s:g} s") from None
+        return staged
+
+    def close(self) -> None:
+        """Drop whatever was staged; a receive still blocked ends at its own timeout."""
+        for part in self._parts:
+            part.cancel()
+        self._parts.clear()
+        self._thread.shutdown(wait=False, cancel_futures=True)

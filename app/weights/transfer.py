@@ -1,0 +1,232 @@
+"""Collective weight transfer, per served model: the routes' state machine.
+
+idle --init--> joined --start--> updating --update*--> --finish--> joined (committed)
+                                       \\--abort------------------> joined
+Any failure of the trainer's side (gone, too slow, a bad tensor) drops the staged update; a
+lost peer also closes the group (idle), since a collective cannot recover from it. Calls on
+one model are serialized; the data of an update arrives in the background while serving goes
+on, and only the commit pauses serving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed, TimedOut, Unsupported
+from app.engine.registry import ModelRegistry
+from app.weights.checkpoint import check_layout
+from app.weights.protocol import (
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferUpdate,
+    WeightsUpdated,
+)
+from app.weights.service import WeightsService
+from app.weights.staging import TransferPlan
+from app.weights.transfer_engine import TransferSetup, WeightTransfer
+from app.weights.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Link:
+    """One model's transfer state."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    setup: TransferSetup | None = None
+    updating: bool = False
+    started_at: float = 0.0
+    announced: list[TransferPlan] = field(default_factory=list)
+    last_error: str | None = None
+
+
+class TransferService:
+    def __init__(self, registry: ModelRegistry, weights: WeightsService) -> None:
+        self.registry = registry
+        self.weights = weights
+        self._links: dict[str, _Link] = {}
+
+    def _engine(self, model: str) -> WeightTransfer:
+        backend = self.registry.get(model).backend
+        if not backend.capabilities.weight_transfer:
+            raise Unsupported(
+                f"model: the {backend.info.backend} backend of '{model}' cannot receive weight "
+                "transfers; use PUT /v1/weights or POST /v1/weights/load",
+                param="model",
+            )
+        return backend.transfer()
+
+    @contextlib.asynccontextmanager
+    async def _link(self, model: str) -> AsyncIterator[tuple[_Link, WeightTransfer]]:
+        engine = self._engine(model)
+        link = self._links.setdefault(model, _Link())
+        async with link.lock:
+            yield link, engine
+
+    def state(self, model: str) -> TransferState:
+        engine = self._engine(model)
+        link = self._links.get(model) or _Link()
+        setup = link.setup
+        return TransferState(
+            model=model,  # type: ignore[arg-type]
+            state="updating" if link.updating else "joined" if setup else "idle",
+            server_ranks=engine.ranks,
+            transport=setup.transport if setup else None,
+            world_size=setup.world_size if setup else None,
+            announced_bytes=sum(plan.nbytes for plan in link.announced),
+            last_error=link.last_error,
+        )
+
+    async def init(self, request: TransferInit) -> TransferState:
+        async with self._link(request.model) as (link, engine):
+            if link.setup is not None:
+                raise Conflict(
+                    "model: already in a weight-transfer group; close it first", param="model"
+                )
+            last = request.rank_offset + engine.ranks
+            if last > request.world_size:
+                raise InvalidInput(
+                    f"world_size: {request.world_size} leaves no room for the server's "
+                    f"{engine.ranks} rank(s) from rank_offset {request.rank_offset}",
+                    param="world_size",
+                )
+            setup = TransferSetup(
+                transport=self._transport(request),
+                address=request.master_address,
+                port=request.master_port,
+                world_size=request.world_size,
+                rank_offset=request.rank_offset,
+                timeout_s=request.timeout_s,
+                streams=request.streams,
+                bucket_bytes=request.bucket_bytes,
+            )
+            try:
+                await asyncio.wait_for(engine.init(setup), timeout=request.timeout_s + 5)
+            except Failure:
+                raise
+            except Exception as exc:
+                raise _peer_failure("joining the trainer's group", exc, request.timeout_s) from exc
+            link.setup, link.last_error = setup, None
+        return self.state(request.model)
+
+    def _transport(self, request: TransferInit) -> Transport:
+        device = self.registry.get(request.model).backend.info.device
+        on_gpu = device.startswith("cuda")
+        if request.transport == "auto":
+            return "nccl" if on_gpu else "gloo"
+        if request.transport == "nccl" and not on_gpu:
+            raise InvalidInput(
+                f"transport: NCCL needs the model on a GPU; '{request.model}' is on {device}",
+                param="transport",
+            )
+        return request.transport
+
+    async def start(self, model: str) -> TransferState:
+        async with self._link(model) as (link, engine):
+            self._joined(link)
+            await engine.start()
+            link.updating, link.announced, link.started_at = True, [], time.perf_counter()
+        return self.state(model)
+
+    async def update(self, request: TransferUpdate) -> TransferState:
+        async with self._link(request.model) as (link, engine):
+            setup = self._updating(link)
+            plan = TransferPlan.parse(
+                request.names,
+                request.dtype_names,
+                request.shapes,
+                request.buckets,
+                setup.bucket_bytes,
+            )
+            expected = self.registry.get(request.model).backend.weight_layout()
+            if expected is not None:
+                check_layout(plan.layout(), expected)
+            await engine.update(plan)
+            link.announced.append(plan)
+        return self.state(request.model)
+
+    async def finish(self, request: TransferFinish) -> WeightsUpdated:
+        model = request.model
+        async with self._link(model) as (link, engine):
+            setup = self._updating(link)
+            if not link.announced:
+                raise Conflict("no update was announced since start", param="model")
+            try:
+                self.registry.gate.next_version(model, request.version)
+                try:
+                    await engine.received(setup.timeout_s)
+                except Failure:
+                    raise
+                except Exception as exc:
+                    raise _peer_failure("receiving the weights", exc, setup.timeout_s) from exc
+                async with self.registry.writing(
+                    model, mode=request.pause, version=request.version
+                ) as (_, version):
+                    paused_at = time.perf_counter()
+                    await engine.commit(version)
+                    paused = time.perf_counter() - paused_at
+            except BaseException as exc:
+                await self._drop(link, engine, exc)
+                raise
+            link.updating = False
+            plans, link.announced = link.announced, []
+        return self.weights.updated(
+            model,
+            version,
+            sum(len(p.tensors) for p in plans),
+            sum(p.nbytes for p in plans),
+            paused,
+            link.started_at,
+        )
+
+    async def abort(self, model: str) -> TransferState:
+        async with self._link(model) as (link, engine):
+            await engine.abort()
+            link.updating, link.announced = False, []
+        return self.state(model)
+
+    async def close(self, model: str) -> TransferState:
+        async with self._link(model) as (link, engine):
+            await engine.close()
+            link.setup, link.updating, link.announced = None, False, []
+        return self.state(model)
+
+    async def aclose(self) -> None:
+        for model in list(self._links):
+            with contextlib.suppress(Exception):
+                await self.close(model)
+
+    async def _drop(self, link: _Link, engine: WeightTransfer, exc: BaseException) -> None:
+        """A failed finish: nothing was applied. A lost or stuck peer also ends the group."""
+        link.updating, link.announced = False, []
+        link.last_error = f"{type(exc).__name__}: {exc}"
+        await engine.abort()
+        if isinstance(exc, PeerFailed | TimedOut):
+            await engine.close()
+            link.setup = None
+        logger.warning("weight transfer update dropped: %s", link.last_error)
+
+    @staticmethod
+    def _joined(link: _Link) -> TransferSetup:
+        if link.setup is None:
+            raise Conflict("model: not in a weight-transfer group; call init first", param="model")
+        return link.setup
+
+    def _updating(self, link: _Link) -> TransferSetup:
+        setup = self._joined(link)
+        if not link.updating:
+            raise Conflict("model: no weight update in progress; call start first", param="model")
+        return setup
+
+
+def _peer_failure(doing: str, exc: Exception, timeout_s: float) -> Failure:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    if isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower():
+        return TimedOut(f"{doing} did not complete within {timeout_s:g} s ({text})")
+    return PeerFailed(f"{doing} failed: {text}")

@@ -1,0 +1,136 @@
+"""The server side of collective weight transfer, one per served model, following vLLM's
+weight-transfer protocol: `init` (join the trainer's group) → `start` → `update` (one or more:
+announce tensors, then receive them) → `commit` (apply, while serving is paused) or `abort`,
+and `close` to leave the group.
+
+Received tensors are staged whole (`app.weights.staging`) and applied only at commit, so a
+trainer that dies mid-transfer leaves the served weights bit-identical."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from app.common.failures import Conflict
+from app.weights.staging import Reception, TransferPlan
+from app.weights.transport import Rendezvous, TransferGroup, Transport
+
+
+@dataclass(frozen=True)
+class TransferSetup:
+    """What the trainer asked for at init (ranks are given to each server rank from here)."""
+
+    transport: Transport
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int
+    timeout_s: float
+    streams: int
+    bucket_bytes: int
+
+    def rendezvous(self, local_rank: int) -> Rendezvous:
+        return Rendezvous(
+            transport=self.transport,
+            address=self.address,
+            port=self.port,
+            rank=self.rank_offset + local_rank,
+            world_size=self.world_size,
+            timeout_s=self.timeout_s,
+            streams=self.streams,
+        )
+
+
+class WeightTransfer(ABC):
+    """One model's end of the transfer; calls come one at a time (the service serializes)."""
+
+    ranks: int = 1
+    """How many ranks this model's workers add to the group."""
+
+    @abstractmethod
+    async def init(self, setup: TransferSetup) -> None: ...
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def update(self, plan: TransferPlan) -> None:
+        """Begin receiving `plan` (returns at once; the data arrives in the background)."""
+
+    @abstractmethod
+    async def received(self, timeout_s: float) -> None:
+        """Wait until every announced tensor arrived and was checked."""
+
+    @abstractmethod
+    async def commit(self, version: int) -> None:
+        """Apply the staged tensors (serving is paused meanwhile) and drop them."""
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Drop whatever was staged; the served weights stay as they are."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Leave the group (abort first if an update is open)."""
+
+
+Apply = Callable[[dict[str, torch.Tensor]], None]
+
+
+class InProcessTransfer(WeightTransfer):
+    """For a model in this process (the transformers backend): one rank, staging on the
+    model's device, `apply` copies the staged tensors into the model."""
+
+    def __init__(self, device: torch.device, apply: Apply) -> None:
+        self.device = device
+        self._apply = apply
+        self._group: TransferGroup | None = None
+        self._reception: Reception | None = None
+
+    async def init(self, setup: TransferSetup) -> None:
+        if self._group is not None:
+            raise Conflict("the model is already in a weight-transfer group; close it first")
+        self._group = await asyncio.to_thread(TransferGroup, setup.rendezvous(0), self.device)
+
+    async def start(self) -> None:
+        group = self._joined()
+        await self.abort()
+        self._reception = Reception(group.receive, self.device)
+
+    async def update(self, plan: TransferPlan) -> None:
+        self._started().add(plan)
+
+    async def received(self, timeout_s: float) -> None:
+        reception = self._started()
+        await asyncio.to_thread(reception.result, timeout_s)
+
+    async def commit(self, version: int) -> None:
+        reception = self._started()
+        staged = reception.result(0)
+        await asyncio.to_thread(self._apply, staged)
+        await self.abort()
+
+    async def abort(self) -> None:
+        reception, self._reception = self._reception, None
+        if reception is not None:
+            reception.close()
+
+    async def close(self) -> None:
+        await self.abort()
+        group, self._group = self._group, None
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
+    def _joined(self) -> TransferGroup:
+        if self._group is None:
+            raise Conflict("no weight-transfer group: call init first")
+        return self._group
+
+    def _started(self) -> Reception:
+        if self._reception is None:
+            raise Conflict("no weight update in progress: call start first")
+        return self._reception

@@ -140,9 +140,8 @@ class ServingGate:
             return current + 1
         if requested <= current:
             raise Conflict(
-                f"policy_version: {requested} is not above the current version {current} of "
-                f"'{name}'",
-                param="policy_version",
+                f"version: {requested} is not above the current version {current} of '{name}'",
+                param="version",
             )
         return requested
 

@@ -27,6 +27,9 @@ class EngineProbe:
         """None when every engine answers; else why not (the registry's state first)."""
         if (reason := self.registry.not_ready_reason()) is not None:
             return reason
+        if self.registry.gate.state().paused:
+            # Frozen on purpose: a probe would wait for the resume. The last verdict stands.
+            return self._verdict[1] if self._verdict is not None else None
         if self._verdict is not None and time.monotonic() - self._verdict[0] < self.interval_s:
             return self._verdict[1]
         if self._running is None:

@@ -68,6 +68,18 @@ class ModelCollector(Collector):
             "rlserve_tokens_generated", "Tokens generated.", labels=["model"]
         )
         scored = CounterMetricFamily("rlserve_tokens_scored", "Tokens scored.", labels=["model"])
+        gate = self.models.gate.state()
+        paused = GaugeMetricFamily(
+            "rlserve_serving_paused",
+            "1 while serving is paused, by pause mode (wait, abort, keep).",
+            labels=["mode"],
+        )
+        for mode in ("wait", "abort", "keep"):
+            paused.add_metric([mode], 1.0 if gate.mode == mode else 0.0)
+        yield paused
+        yield GaugeMetricFamily(
+            "rlserve_requests_held", "Requests waiting for a pause to end.", value=gate.waiting
+        )
         for name, served in self.models.models.items():
             version.add_metric([name], self.models.versions.get(name, 0))
             generated.add_metric([name], served.num_tokens_generated)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from app.common.protocol import WireModel
 
 
@@ -15,6 +17,10 @@ class HealthResponse(WireModel):
 class ReadyResponse(WireModel):
     ready: bool
     policy_version: int
+    paused: bool = Field(
+        default=False, description="Serving is paused (POST /v1/resume, or an update ends it)."
+    )
+    pause_mode: Literal["wait", "abort", "keep"] | None = None
 
 
 class ModelCard(WireModel):

@@ -44,7 +44,10 @@ async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
     problem = await probe.problem()
     if problem is not None:
         raise NotReady(f"not ready, {problem}")
-    return ReadyResponse(ready=True, policy_version=registry.policy_version)
+    gate = registry.gate.state()
+    return ReadyResponse(
+        ready=True, policy_version=registry.policy_version, paused=gate.paused, pause_mode=gate.mode
+    )
 
 
 @router.get(

@@ -44,6 +44,8 @@ class _Link:
     started_at: float = 0.0
     announced: list[TransferPlan] = field(default_factory=list)
     last_error: str | None = None
+    session: int = 0
+    """Counts updates, so a watcher only acts on the update it watches."""
 
 
 class TransferService:
@@ -51,6 +53,7 @@ class TransferService:
         self.registry = registry
         self.weights = weights
         self._links: dict[str, _Link] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
 
     def _engine(self, model: str) -> WeightTransfer:
         backend = self.registry.get(model).backend
@@ -132,6 +135,7 @@ class TransferService:
             self._joined(link)
             await engine.start()
             link.updating, link.announced, link.started_at = True, [], time.perf_counter()
+            link.session += 1
         return self.state(model)
 
     async def update(self, request: TransferUpdate) -> TransferState:
@@ -149,7 +153,23 @@ class TransferService:
                 check_layout(plan.layout(), expected)
             await engine.update(plan)
             link.announced.append(plan)
+            watcher = asyncio.create_task(self._watch(link, engine, setup, link.session))
+            self._watchers.add(watcher)
+            watcher.add_done_callback(self._watchers.discard)
         return self.state(request.model)
+
+    async def _watch(
+        self, link: _Link, engine: WeightTransfer, setup: TransferSetup, session: int
+    ) -> None:
+        """A trainer that dies or stalls mid-transfer may never call finish or abort: the
+        failed receive drops the update (and the group) by itself. Other failures (a bad
+        tensor) wait for finish to report them."""
+        try:
+            await _received(engine, setup)
+        except (PeerFailed, TimedOut) as exc:
+            async with link.lock:
+                if link.updating and link.session == session:
+                    await self._drop(link, engine, exc)
 
     async def finish(self, request: TransferFinish) -> WeightsUpdated:
         model = request.model
@@ -159,12 +179,7 @@ class TransferService:
                 raise Conflict("no update was announced since start", param="model")
             try:
                 self.registry.gate.next_version(model, request.version)
-                try:
-                    await engine.received(setup.timeout_s)
-                except Failure:
-                    raise
-                except Exception as exc:
-                    raise _peer_failure("receiving the weights", exc, setup.timeout_s) from exc
+                await _received(engine, setup)
                 async with self.registry.writing(
                     model, mode=request.pause, version=request.version
                 ) as (_, version):
@@ -198,6 +213,8 @@ class TransferService:
         return self.state(model)
 
     async def aclose(self) -> None:
+        for watcher in list(self._watchers):
+            watcher.cancel()
         for model in list(self._links):
             with contextlib.suppress(Exception):
                 await self.close(model)
@@ -223,6 +240,16 @@ class TransferService:
         if not link.updating:
             raise Conflict("model: no weight update in progress; call start first", param="model")
         return setup
+
+
+async def _received(engine: WeightTransfer, setup: TransferSetup) -> None:
+    """Wait for the announced data; a lost or stuck trainer is a PeerFailed or TimedOut."""
+    try:
+        await engine.received(setup.timeout_s)
+    except Failure:
+        raise
+    except Exception as exc:
+        raise _peer_failure("receiving the weights", exc, setup.timeout_s) from exc
 
 
 def _peer_failure(doing: str, exc: Exception, timeout_s: float) -> Failure:

@@ -76,6 +76,8 @@ def broadcast_slices(group: Any, buffer: torch.Tensor, streams: int, timeout_s: 
     options = dist.BroadcastOptions()
     options.rootRank = 0
     size = buffer.numel()
+    if size == 0:
+        return
     step = -(-size // max(1, streams))
     works = [
         group.broadcast([buffer[start : start + step]], options) for start in range(0, size, step)

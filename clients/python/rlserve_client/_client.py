@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 import httpx
 
@@ -18,6 +18,9 @@ from rlserve_client import _routes as routes
 from rlserve_client._base import DEFAULT_TIMEOUT, Call, next_delay, request_arguments, settings
 from rlserve_client._exceptions import APIConnectionError, APITimeoutError, status_error
 from rlserve_client.types import Result
+
+if TYPE_CHECKING:
+    from rlserve_client.weight_transfer import WeightSync
 
 P = ParamSpec("P")
 T = TypeVar("T", bound=Result)
@@ -66,6 +69,12 @@ class _Methods:
     weights_version = _Route(routes.weights_version)
     load_weights = _Route(routes.load_weights)
     upload_weights = _Route(routes.upload_weights)
+    pause = _Route(routes.pause)
+    resume = _Route(routes.resume)
+    serving_state = _Route(routes.serving_state)
+    transfer_state = _Route(routes.transfer_state)
+    transfer_step = _Route(routes.transfer_step)
+    transfer_finish = _Route(routes.transfer_finish)
     create_env = _Route(routes.create_env)
     reset_env = _Route(routes.reset_env)
     step_env = _Route(routes.step_env)
@@ -120,6 +129,16 @@ class Client(_Methods):
                     return _result(call, response)
             time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def weight_transfer(self, **options: Any) -> WeightSync:
+        """A collective weight-transfer group with the server (see
+        `rlserve_client.weight_transfer`): `with client.weight_transfer(...) as sync:
+        sync.send(model)`. Options: model, master_address (this host, as the server reaches
+        it), master_port (0: any free one), transport (auto, gloo, nccl), bucket_bytes,
+        streams, timeout_s."""
+        from rlserve_client.weight_transfer import WeightSync
+
+        return WeightSync(self, **options)
 
     def close(self) -> None:
         self._http.close()

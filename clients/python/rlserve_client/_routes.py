@@ -115,10 +115,16 @@ def weights_version(*, timeout: Timeout = NOT_GIVEN) -> Call[types.WeightsVersio
 
 
 def load_weights(
-    *, path: str, model: str = "policy", timeout: Timeout = NOT_GIVEN
+    *,
+    path: str,
+    model: str = "policy",
+    version: int | None = None,
+    pause: str = "keep",
+    timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.WeightsUpdated]:
-    """Load a safetensors checkpoint from a path the server can read."""
-    body = {"path": path, "model": model}
+    """Load a safetensors checkpoint from a path the server can read. `version`: the version
+    to publish (above the current one); `pause`: wait, abort or keep in-flight generations."""
+    body = _given(path=path, model=model, version=version, pause=pause)
     return Call(
         "POST",
         "/v1/weights/load",
@@ -133,6 +139,8 @@ def upload_weights(
     *,
     payload: bytes | Path,
     model: str = "policy",
+    version: int | None = None,
+    pause: str = "keep",
     progress: bool | None = None,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.WeightsUpdated]:
@@ -143,9 +151,75 @@ def upload_weights(
         "PUT",
         "/v1/weights",
         types.WeightsUpdated,
-        params={"model": model},
+        params=_given(model=model, version=version, pause=pause),
         content=payload,
         progress=progress,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
+def pause(*, mode: str = "keep", timeout: Timeout = NOT_GIVEN) -> Call[types.ServingState]:
+    """Hold new requests until `resume`; in-flight work meets `mode` (wait, abort, keep)."""
+    return Call(
+        "POST",
+        "/v1/pause",
+        types.ServingState,
+        json={"mode": mode},
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
+def resume(*, timeout: Timeout = NOT_GIVEN) -> Call[types.ServingState]:
+    return Call("POST", "/v1/resume", types.ServingState, timeout=timeout, retry=Retry.UNSENT)
+
+
+def serving_state(*, timeout: Timeout = NOT_GIVEN) -> Call[types.ServingState]:
+    return Call("GET", "/v1/serving", types.ServingState, timeout=timeout)
+
+
+def transfer_state(
+    *, model: str = "policy", timeout: Timeout = NOT_GIVEN
+) -> Call[types.TransferState]:
+    """The collective transfer's state; the trainer's world size is 1 + `server_ranks`."""
+    return Call(
+        "GET",
+        "/v1/weights/transfer",
+        types.TransferState,
+        params={"model": model},
+        timeout=timeout,
+    )
+
+
+def transfer_step(
+    *, step: str, body: dict[str, Any], timeout: Timeout = NOT_GIVEN
+) -> Call[types.TransferState]:
+    """One step of the transfer protocol (init, start, update, abort, close): what
+    `Client.weight_transfer` drives."""
+    return Call(
+        "POST",
+        f"/v1/weights/transfer/{step}",
+        types.TransferState,
+        json=body,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
+def transfer_finish(
+    *,
+    model: str = "policy",
+    version: int | None = None,
+    pause: str = "keep",
+    timeout: Timeout = NOT_GIVEN,
+) -> Call[types.WeightsUpdated]:
+    body = _given(model=model, version=version, pause=pause)
+    return Call(
+        "POST",
+        "/v1/weights/transfer/finish",
+        types.WeightsUpdated,
+        json=body,
         timeout=timeout,
         retry=Retry.UNSENT,
     )

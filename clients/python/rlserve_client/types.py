@@ -167,6 +167,28 @@ class WeightsUpdated(WeightsVersion):
     model: str
     num_tensors: int
     num_bytes: int
+    seconds: float = 0.0
+    """How long serving was paused for the swap."""
+    total_seconds: float = 0.0
+
+
+class ServingState(Result):
+    paused: bool
+    mode: str | None = None
+    paused_by: str | None = None
+    in_flight_generations: int = 0
+    in_flight_scoring: int = 0
+    waiting: int = 0
+
+
+class TransferState(Result):
+    model: str
+    state: str
+    server_ranks: int
+    transport: str | None = None
+    world_size: int | None = None
+    announced_bytes: int = 0
+    last_error: str | None = None
 
 
 class EnvCreated(Result):

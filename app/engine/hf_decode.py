@@ -116,14 +116,27 @@ def generate(
         if seen is not None:
             seen.scatter_(1, chosen[:, None], True)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        version = control.checkpoint()
-        out = model(
-            input_ids=chosen[:, None],
-            attention_mask=mask,
-            position_ids=next_position,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        ids = torch.cat([ids, chosen[:, None]], dim=1)
+        previous, version = version, control.checkpoint()
+        if version == previous:
+            out = model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=next_position,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        else:
+            # The weights changed while frozen: the cache holds the old weights' keys and
+            # values, so it is rebuilt over everything so far. Every later token then comes
+            # from the new weights exactly, as if the whole sequence had been fed to them.
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache, next_position = out.past_key_values, next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps) for i in range(len(items))]

@@ -15,7 +15,12 @@ from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
 from app.engine.types import GenerateItem, Generation, SamplingConfig
-from app.generation.protocol import GeneratedSample, GenerateRequest, GenerateResponse
+from app.generation.protocol import (
+    GeneratedSample,
+    GenerateRequest,
+    GenerateResponse,
+    VersionSpan,
+)
 
 
 @dataclass
@@ -166,4 +171,9 @@ def generated_sample(
         history=history,
         finish_reason=generation.finish_reason,
         stop_reason=generation.stop_reason,
+        policy_versions=None
+        if generation.versions is None
+        else [
+            VersionSpan(version=v.version, start=v.start, end=v.end) for v in generation.versions
+        ],
     )

@@ -54,6 +54,14 @@ class History(Result):
     full: list[Message] | None = None
 
 
+class VersionSpan(Result):
+    """Response tokens [start, end) were sampled by weights of policy version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
 class Sample(Result):
     """One generated or scored sequence."""
 
@@ -64,6 +72,13 @@ class Sample(Result):
     history: History | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | None = None
+    policy_versions: list[VersionSpan] | None = None
+
+    def token_versions(self) -> list[int] | None:
+        """The policy version of each response token (None when the server did not say)."""
+        if self.policy_versions is None:
+            return None
+        return [span.version for span in self.policy_versions for _ in range(span.start, span.end)]
 
 
 def _pad_id(given: int | None, served: int | None) -> int:

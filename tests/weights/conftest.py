@@ -1,0 +1,86 @@
+"""A server of its own per backend (these tests change weights and pause serving), reachable
+from trainer threads through the synchronous client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from transformers import AutoModelForCausalLM
+
+from app.config import Settings
+from app.main import create_app
+from rlserve_client import Client
+from tests.conftest import backend_settings, started
+
+
+class LoopTransport(httpx.BaseTransport):
+    """Synchronous requests (from another thread) served by the in-process app on `loop`."""
+
+    def __init__(self, app: FastAPI, loop: asyncio.AbstractEventLoop) -> None:
+        self.inner = httpx.ASGITransport(app=app)
+        self.loop = loop
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        async def send() -> httpx.Response:
+            body = request.read()
+            forwarded = httpx.Request(
+                request.method, request.url, headers=request.headers, content=body
+            )
+            response = await self.inner.handle_async_request(forwarded)
+            content = await response.aread()
+            return httpx.Response(response.status_code, headers=response.headers, content=content)
+
+        return asyncio.run_coroutine_threadsafe(send(), self.loop).result()
+
+
+@dataclass
+class Served:
+    app: FastAPI
+    http: httpx.AsyncClient
+    loop: asyncio.AbstractEventLoop
+
+    def trainer_client(self) -> Client:
+        """For trainer code, run with asyncio.to_thread (the app answers on the test loop)."""
+        return Client(
+            base_url="http://rlserve", transport=LoopTransport(self.app, self.loop), max_retries=0
+        )
+
+    async def scores(self, sequences: list[list[int]], model: str = "policy") -> list[list[float]]:
+        body = await self.http.post("/v1/logprobs", json={"tokens": sequences, "model": model})
+        assert body.status_code == 200, body.text
+        return [o["log_probs"]["full"] for o in body.json()["outputs"]]
+
+
+@pytest.fixture(scope="module")
+async def served(settings: Settings, backend_name: str) -> AsyncIterator[Served]:
+    config = backend_settings(settings, backend_name).model_copy(
+        update={
+            "data_dir": settings.data_dir / f"weights-{backend_name}",
+            "max_new_tokens_limit": 4000,
+        }
+    )
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            yield Served(app, c, asyncio.get_running_loop())
+
+
+@pytest.fixture
+def trainer_model(model_dir) -> Iterator[torch.nn.Module]:  # type: ignore[no-untyped-def]
+    """The trainer's copy of the policy, in float32 as served."""
+    yield AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(scale)
+    return model

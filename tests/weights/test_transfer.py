@@ -1,0 +1,167 @@
+"""Collective weight transfer (gloo on this CPU): the trainer's tensors are served exactly; a
+version is published once per committed update; every failure leaves the served weights
+bit-identical and the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rlserve_client import ConflictError, UnprocessableEntityError
+from rlserve_client.weight_transfer import _buckets, _packed
+from tests.conftest import assert_close, forward_log_probs
+from tests.weights.conftest import Served, perturbed
+
+SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102, 7]]
+
+
+def send(served: Served, weights: Any, **options: Any) -> Any:
+    with served.trainer_client() as client, client.weight_transfer(**options) as sync:
+        return sync.send(weights)
+
+
+async def version(served: Served) -> int:
+    return int((await served.http.get("/v1/weights/version")).json()["policy_version"])
+
+
+async def test_the_transferred_weights_are_served_exactly(served, trainer_model, hf_model):
+    new = perturbed(trainer_model, 0.8)
+    current = await version(served)
+    state = new.state_dict()
+    result = await asyncio.to_thread(send, served, new, bucket_bytes=1 << 17, streams=3)
+    assert result.policy_version == current + 1
+    assert result.num_tensors == len(state)
+    assert result.num_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert 0 <= result.seconds <= result.total_seconds
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(new, sequence), 1e-5)
+    reference = await served.scores(SEQUENCES, "reference")
+    for sequence, got in zip(SEQUENCES, reference, strict=True):
+        assert_close(got, forward_log_probs(hf_model, sequence), 1e-5)
+    assert (await served.http.get("/v1/weights/transfer")).json()["state"] == "idle"
+
+
+async def test_a_partial_update_changes_only_its_tensors(served, trainer_model):
+    await asyncio.to_thread(send, served, trainer_model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    changed = trainer_model.state_dict()[name] * -1.0
+    await asyncio.to_thread(send, served, {name: changed})
+    with torch.no_grad():
+        trainer_model.get_parameter(name).copy_(changed)
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(trainer_model, sequence), 1e-5)
+
+
+async def test_versions_only_go_up(served, trainer_model):
+    current = await version(served)
+    first = perturbed(trainer_model, 0.9)
+    state = {k: v.clone() for k, v in first.state_dict().items()}
+    second = {k: v * 1.1 for k, v in state.items()}
+
+    def trainer() -> list[Any]:
+        outcomes: list[Any] = []
+        with served.trainer_client() as client, client.weight_transfer() as sync:
+            outcomes.append(sync.send(state, version=current + 5).policy_version)
+            for requested in (current + 5, current + 4):
+                try:
+                    sync.send(second, version=requested)
+                except ConflictError as exc:
+                    outcomes.append(exc.param)
+            outcomes.append(sync.send(second).policy_version)
+        return outcomes
+
+    assert await asyncio.to_thread(trainer) == [current + 5, "version", "version", current + 6]
+    first_scores = [forward_log_probs(first, s) for s in SEQUENCES]
+    assert (await version(served)) == current + 6
+    changed = await served.scores(SEQUENCES)
+    assert any(
+        abs(a - b) > 1e-3 for got, want in zip(changed, first_scores) for a, b in zip(got, want)
+    )
+
+
+async def test_bad_announcements_and_bad_values_change_nothing(served, trainer_model):
+    await asyncio.to_thread(send, served, trainer_model)
+    before, current = await served.scores(SEQUENCES), await version(served)
+    name = "model.embed_tokens.weight"
+    good = trainer_model.state_dict()[name]
+    poisoned = good.clone()
+    poisoned[3, 1] = math.nan
+    cases = [
+        ({"lm_head.nope": torch.zeros(3)}, "unknown parameter"),
+        ({name: good[:-1]}, "shape"),
+        ({name: good.double()}, "dtype"),
+        ({name: poisoned}, "NaN"),
+    ]
+
+    def trainer() -> list[str]:
+        messages = []
+        with served.trainer_client() as client, client.weight_transfer() as sync:
+            for weights, _ in cases:
+                with pytest.raises(UnprocessableEntityError) as caught:
+                    sync.send(weights)
+                messages.append(caught.value.message)
+            sync.send({name: good * 1.0})  # the group is still good for the next update
+        return messages
+
+    messages = await asyncio.to_thread(trainer)
+    for message, (_, expected) in zip(messages, cases, strict=True):
+        assert expected in message
+    assert await served.scores(SEQUENCES) == before
+    assert await version(served) == current + 1
+
+
+def _stalled_trainer(served: Served, weights: dict[str, torch.Tensor], *, die: bool) -> float:
+    """Announce everything, send the first bucket only, then stall (or leave the group as a
+    dying process would). Returns how long the server took to give up on the update."""
+    client = served.trainer_client()
+    sync = client.weight_transfer(timeout_s=2.0, bucket_bytes=1 << 16)
+    sync.open()
+    tensors = list(weights.items())
+    buckets = list(_buckets(tensors, 1 << 16))
+    sync._step("start", {})
+    sync._step(
+        "update",
+        {
+            "names": [n for n, _ in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+            "buckets": [len(b) for b in buckets],
+        },
+    )
+    sync._broadcast(_packed(buckets[0], torch.device("cpu")))
+    start = time.monotonic()
+    if die:
+        sync._group.shutdown() if hasattr(sync._group, "shutdown") else None
+        sync._group = None
+    while client.transfer_state().state != "idle":
+        assert time.monotonic() - start < 30, "the server kept waiting for a dead trainer"
+        time.sleep(0.05)
+    elapsed = time.monotonic() - start
+    with pytest.raises(ConflictError):
+        client.transfer_finish()  # nothing left to finish: the update was dropped
+    client.close()
+    return elapsed
+
+
+@pytest.mark.parametrize("die", [False, True], ids=["stalls", "leaves"])
+async def test_a_trainer_lost_mid_transfer_changes_nothing(served, trainer_model, die):
+    await asyncio.to_thread(send, served, trainer_model)
+    before, current = await served.scores(SEQUENCES), await version(served)
+    weights = perturbed(trainer_model, 0.5).state_dict()
+    elapsed = await asyncio.to_thread(_stalled_trainer, served, weights, die=die)
+    assert elapsed < 10
+    state = (await served.http.get("/v1/weights/transfer")).json()
+    assert state["state"] == "idle" and state["last_error"]
+    assert await served.scores(SEQUENCES) == before  # bit-identical
+    assert await version(served) == current
+    generated = await served.http.post(
+        "/v1/generate", json={"tokens": [[5, 6]], "max_new_tokens": 4}
+    )
+    assert generated.status_code == 200
+    result = await asyncio.to_thread(send, served, weights)  # a new trainer gets in
+    assert result.policy_version == current + 1

@@ -11,11 +11,11 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI
+from rlserve_client import Client
 from transformers import AutoModelForCausalLM
 
 from app.config import Settings
 from app.main import create_app
-from rlserve_client import Client
 from tests.conftest import backend_settings, started
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from rlserve_client import ConflictError, UnprocessableEntityError
 from rlserve_client.weight_transfer import _buckets, _packed
+
 from tests.conftest import assert_close, forward_log_probs
 from tests.weights.conftest import Served, perturbed
 
@@ -76,12 +76,10 @@ async def test_versions_only_go_up(served, trainer_model):
         return outcomes
 
     assert await asyncio.to_thread(trainer) == [current + 5, "version", "version", current + 6]
-    first_scores = [forward_log_probs(first, s) for s in SEQUENCES]
     assert (await version(served)) == current + 6
-    changed = await served.scores(SEQUENCES)
-    assert any(
-        abs(a - b) > 1e-3 for got, want in zip(changed, first_scores) for a, b in zip(got, want)
-    )
+    first.load_state_dict(second)
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(first, sequence), 1e-5)
 
 
 async def test_bad_announcements_and_bad_values_change_nothing(served, trainer_model):

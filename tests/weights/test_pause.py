@@ -1,0 +1,104 @@
+"""Pause and resume: what in-flight work meets in each mode, that new requests wait rather than
+fail, and that a generation running across an update accounts for every token with the weights
+that produced it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.conftest import assert_close, forward_log_probs
+from tests.weights.conftest import Served, perturbed
+from tests.weights.test_transfer import send
+
+PROMPT = [5, 17, 33, 2, 90]
+LONG = {"tokens": [PROMPT], "max_new_tokens": 3000, "ignore_eos": True, "seed": 7}
+
+
+async def in_flight(served: Served, body: dict[str, Any]) -> asyncio.Task[Any]:
+    """Start a request and return once the server counts it as in flight."""
+    task = asyncio.create_task(served.http.post("/v1/generate", json=body))
+    for _ in range(400):
+        state = (await served.http.get("/v1/serving")).json()
+        if state["in_flight_generations"]:
+            await asyncio.sleep(0.1)  # a few tokens in
+            return task
+        await asyncio.sleep(0.01)
+    raise AssertionError("the generation never started")
+
+
+async def test_a_generation_across_an_update_keeps_every_token(served, trainer_model):
+    await asyncio.to_thread(send, served, trainer_model)
+    old = perturbed(trainer_model, 1.0)
+    new_state = {k: v * 0.7 for k, v in old.state_dict().items()}
+    before = int((await served.http.get("/v1/weights/version")).json()["policy_version"])
+    generation = await in_flight(served, LONG)
+    result = await asyncio.to_thread(send, served, new_state)
+    response = await generation
+    assert response.status_code == 200, response.text
+    body = response.json()
+    (sample,) = body["outputs"][0]
+    tokens = sample["tokens"]["response"]
+    assert len(tokens) == LONG["max_new_tokens"] and sample["finish_reason"] == "length"
+    assert body["policy_version"] == before
+    spans = sample["policy_versions"]
+    assert [s["version"] for s in spans] == [before, result.policy_version], spans
+    k = spans[0]["end"]
+    assert spans[0]["start"] == 0 and spans[1] == {"version": before + 1, "start": k, "end": 3000}
+    assert 0 < k < 3000
+    full = PROMPT + tokens
+    got = sample["log_probs"]["response"]
+    on_old = forward_log_probs(old, full)[len(PROMPT) :]
+    old.load_state_dict(new_state)
+    on_new = forward_log_probs(old, full)[len(PROMPT) :]
+    assert_close(got[:k], on_old[:k], 1e-4)
+    assert_close(got[k:], on_new[k:], 1e-4)
+
+
+async def test_abort_ends_generations_and_holds_new_requests(served):
+    generation = await in_flight(served, LONG)
+    paused = (await served.http.post("/v1/pause", json={"mode": "abort"})).json()
+    assert paused["paused"] and paused["mode"] == "abort" and paused["paused_by"] == "request"
+    response = await generation
+    (sample,) = response.json()["outputs"][0]
+    assert sample["finish_reason"] == "abort"
+    assert 0 < len(sample["tokens"]["response"]) < LONG["max_new_tokens"]
+    ready = (await served.http.get("/ready")).json()
+    assert ready["paused"] and ready["pause_mode"] == "abort"
+    metrics = (await served.http.get("/metrics")).text
+    assert 'rlserve_serving_paused{mode="abort"} 1.0' in metrics
+    held = asyncio.create_task(served.scores([[5, 6, 7]]))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    assert (await served.http.get("/v1/serving")).json()["waiting"] == 1
+    conflict = await served.http.post("/v1/pause", json={"mode": "keep"})
+    assert conflict.status_code == 409 and conflict.json()["error"]["param"] == "mode"
+    resumed = (await served.http.post("/v1/resume")).json()
+    assert not resumed["paused"]
+    assert len((await held)[0]) == 3
+    assert 'rlserve_serving_paused{mode="abort"} 0.0' in (await served.http.get("/metrics")).text
+
+
+async def test_wait_lets_in_flight_work_finish(served):
+    short = {"tokens": [PROMPT], "max_new_tokens": 300, "ignore_eos": True, "seed": 1}
+    generation = await in_flight(served, short)
+    paused = (await served.http.post("/v1/pause", json={"mode": "wait"})).json()
+    assert generation.done(), "pause(wait) returned before the generation finished"
+    (sample,) = (await generation).json()["outputs"][0]
+    assert sample["finish_reason"] == "length" and len(sample["tokens"]["response"]) == 300
+    assert paused["in_flight_generations"] == 0
+    held = asyncio.create_task(served.http.post("/v1/generate", json=short))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    await served.http.post("/v1/resume")
+    assert (await held).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+async def test_pausing_twice_with_one_mode_is_harmless(served, mode):
+    for _ in range(2):
+        assert (await served.http.post("/v1/pause", json={"mode": mode})).json()["paused"]
+    assert not (await served.http.post("/v1/resume")).json()["paused"]
+    assert not (await served.http.post("/v1/resume")).json()["paused"]

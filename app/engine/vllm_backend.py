@@ -5,6 +5,7 @@ budget so full-vocabulary logits are never computed for more prompt tokens than 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import shutil
@@ -13,11 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.common.failures import Unsupported
+from app.common.failures import InvalidInput, Unsupported
 from app.engine.abandon import unless_abandoned
-from app.engine.base import Backend
-from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig
+from app.engine.base import Backend, Capabilities
+from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, VersionSpan
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
+from app.weights.staging import TransferPlan
+from app.weights.transfer_engine import TransferSetup, WeightTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,8 @@ def vllm_available() -> bool:
 
 
 class VLLMBackend(Backend):
+    capabilities = Capabilities(weight_transfer=True, continuous_batching=True)
+
     def __init__(
         self,
         engine: Any,
@@ -75,6 +80,7 @@ class VLLMBackend(Backend):
             trust_remote_code=trust_remote_code,
             seed=0,
             worker_extension_cls="app.engine.vllm_worker.WeightLoaderExtension",
+            weight_transfer_config={"backend": "rlserve"},
             **options,
         )
         engine = AsyncLLMEngine.from_engine_args(args)
@@ -97,6 +103,7 @@ class VLLMBackend(Backend):
             backend = cls(engine, tokenizer, info, weights)
             hf_config = model_config.hf_config
             backend.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+            await engine.update_weight_version("0")
             await backend.check()  # the engine answers: ready
         except BaseException:
             engine.shutdown()
@@ -113,6 +120,26 @@ class VLLMBackend(Backend):
         if final is None:
             raise RuntimeError("vLLM returned no output")
         return final
+
+    # -- pausing (vLLM's own pause modes) -------------------------------------------------
+
+    async def freeze(self) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def thaw(self) -> None:
+        await self.engine.resume_generation()
+
+    async def abort_generations(self) -> None:
+        await self.engine.pause_generation(mode="abort", clear_cache=False)
+
+    async def set_version(self, version: int) -> None:
+        """Label later tokens; drop every cached key and value of the old weights (frozen
+        requests recompute theirs, so their later tokens come from the new weights exactly)."""
+        await self.engine.update_weight_version(str(version))
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+
+    def transfer(self) -> WeightTransfer:
+        return VLLMTransfer(self.engine)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         return list(await asyncio.gather(*(self._score_one(seq) for seq in sequences)))
@@ -141,6 +168,7 @@ class VLLMBackend(Backend):
         if final is None:  # the requester is gone; vLLM aborted the request
             return Generation([], [], None, "abort")
         completion = final.outputs[0]
+        finish = completion.finish_reason
         tokens = list(completion.token_ids)
         log_probs = [
             float(step[t].logprob) for t, step in zip(tokens, completion.logprobs, strict=True)
@@ -156,9 +184,17 @@ class VLLMBackend(Backend):
             token_ids=tokens,
             log_probs=log_probs,
             processed_log_probs=None,
-            finish_reason="length" if completion.finish_reason == "length" else "stop",
+            finish_reason="length"
+            if finish == "length"
+            else "abort"
+            if finish == "abort"
+            else "stop",
             stop_reason=stop,
             prompt_log_probs=prompt,
+            versions=[
+                VersionSpan(int(span.version), span.start, span.end)
+                for span in completion.weight_versions or []
+            ],
         )
 
     async def check(self) -> None:
@@ -191,7 +227,6 @@ class VLLMBackend(Backend):
             self.weights.rollback()
             raise
         self.weights.commit()
-        await self.engine.reset_prefix_cache()
 
     async def aclose(self) -> None:
         engine, self.engine = self.engine, None
@@ -199,6 +234,65 @@ class VLLMBackend(Backend):
             engine.shutdown()
             del engine
             gc.collect()  # let vLLM's finaliser run now, not at interpreter exit
+
+
+class VLLMTransfer(WeightTransfer):
+    """vLLM's own weight-transfer calls on the engine, served in the workers by the "rlserve"
+    engine (app.engine.vllm_worker): the data arrives while the engine keeps generating."""
+
+    POLL_S = 0.02
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.ranks = int(engine.vllm_config.parallel_config.world_size)
+
+    async def init(self, setup: TransferSetup) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = dataclasses.asdict(setup)
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def start(self) -> None:
+        await self.engine.collective_rpc("rlserve_transfer_abort")
+        await self.engine.start_weight_update()
+
+    async def update(self, plan: TransferPlan) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        info = {
+            "names": [t.name for t in plan.tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in plan.tensors],
+            "shapes": [list(t.shape) for t in plan.tensors],
+            "buckets": list(plan.buckets),
+        }
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    async def received(self, timeout_s: float) -> None:
+        """Poll the workers (a call that waited would stall the engine's loop)."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                states = await self.engine.collective_rpc("rlserve_transfer_status")
+                problems = [s for s in states if s is not None]
+                if not problems:
+                    return
+                failed = [p for p in problems if p != "pending"]
+                if failed:
+                    if failed[0].startswith("InvalidInput: "):
+                        raise InvalidInput(
+                            failed[0].removeprefix("InvalidInput: "), param="weights"
+                        )
+                    raise RuntimeError(failed[0])
+                await asyncio.sleep(self.POLL_S)
+
+    async def commit(self, version: int) -> None:
+        await self.engine.finish_weight_update(weight_version=str(version))
+
+    async def abort(self) -> None:
+        await self.engine.collective_rpc("rlserve_transfer_abort")
+
+    async def close(self) -> None:
+        await self.abort()
+        await self.engine.shutdown_weight_transfer_engine()
 
 
 def sampling_params(config: SamplingConfig, seed: int) -> Any:

@@ -1,13 +1,30 @@
-"""Mixed into vLLM's workers (`worker_extension_cls`): reload the model's weights in place from
-safetensors files through vLLM's own reload path, which re-runs the processing (fusing,
-repacking) that follows loading."""
+"""Code that runs inside vLLM's worker processes.
+
+- `WeightLoaderExtension` (mixed into the workers through `worker_extension_cls`): reload the
+  weights in place from safetensors files through vLLM's own reload path, which re-runs the
+  processing (fusing, repacking) that follows loading; and the two calls vLLM's transfer
+  protocol lacks: how the reception stands, and dropping it.
+- `StagedTransferEngine`: rlserve's weight-transfer engine, registered in vLLM's engine
+  registry as "rlserve" (importing this module registers it, and vLLM imports it in every
+  worker before the model loads). It follows vLLM's protocol (init → start → update → finish)
+  over the same collective the transformers backend uses (gloo on CPU, NCCL on GPUs), but
+  stages what it receives and loads it only at finish: vLLM's own engines load each bucket as
+  it arrives, so a trainer lost mid-transfer would leave a half-updated model."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from app.weights.staging import Reception, TransferPlan
+from app.weights.transport import Rendezvous, TransferGroup
+
+logger = logging.getLogger(__name__)
+ENGINE_NAME = "rlserve"
 
 
 def _tensors(sources: list[tuple[str, list[str]]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -24,3 +41,159 @@ class WeightLoaderExtension:
         """`sources`: (file, tensor names to read from it); together every model tensor."""
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=_tensors(sources), is_checkpoint_format=True)
+
+    def rlserve_transfer_status(self) -> str | None:
+        """None once every announced tensor arrived; "pending" before; else the error."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, StagedTransferEngine):
+            return "this worker has no rlserve weight-transfer engine"
+        return engine.status()
+
+    def rlserve_transfer_abort(self) -> None:
+        """Drop the staged update and end the worker's update session."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, StagedTransferEngine):
+            engine.drop()
+        self._weight_update_active = False
+
+
+@dataclass
+class StagedInitInfo:
+    transport: str
+    address: str
+    port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float
+    streams: int
+    bucket_bytes: int
+
+
+@dataclass
+class StagedUpdateInfo:
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    buckets: list[int] | None = None
+
+
+def _engine_class() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    class StagedTransferEngine(WeightTransferEngine[Any, Any]):
+        init_info_cls = StagedInitInfo
+        update_info_cls = StagedUpdateInfo
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.group: TransferGroup | None = None
+            self.bucket_bytes = 0
+            self.reception: Reception | None = None
+
+        def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
+            rendezvous = Rendezvous(
+                transport="nccl" if init_info.transport == "nccl" else "gloo",
+                address=init_info.address,
+                port=init_info.port,
+                rank=init_info.rank_offset + self.parallel_config.rank,
+                world_size=init_info.world_size,
+                timeout_s=init_info.timeout_s,
+                streams=init_info.streams,
+            )
+            self.group = TransferGroup(rendezvous, self.device)
+            self.bucket_bytes = init_info.bucket_bytes
+
+        def start_weight_update(self) -> None:
+            if self.group is None:
+                raise RuntimeError("no weight-transfer group: init first")
+            self.drop()
+            # Buckets arrive on the model's device and are kept in host memory: a GPU has no
+            # room for a second copy of the model next to its KV cache.
+            self.reception = Reception(self.group.receive, self.device, torch.device("cpu"))
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            """Start receiving in the background and return: the engine keeps serving."""
+            if self.reception is None:
+                raise RuntimeError("no weight update in progress: start first")
+            info = self.parse_update_info(update_info)
+            plan = TransferPlan.parse(
+                info.names, info.dtype_names, info.shapes, info.buckets, self.bucket_bytes
+            )
+            self.reception.add(plan)
+
+        def receive_weights(self, update_info: Any) -> None:
+            raise NotImplementedError("weights arrive through update_weights")
+
+        def status(self) -> str | None:
+            if self.reception is None:
+                return "no weight update in progress"
+            if (status := self.reception.status()) is not None:
+                return status
+            names = set(self.reception.result(0))
+            if (missing := _unfused(self.model, names)) is not None:
+                return f"InvalidInput: weights: {missing}"
+            return None
+
+        def finish_weight_update(self) -> None:
+            """Load the staged tensors through vLLM's layerwise reload (the model's own
+            loaders, then the processing that follows loading: fusing, tying). Modules the
+            update does not touch keep their values."""
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            if self.reception is None:
+                raise RuntimeError("no weight update in progress")
+            staged = self.reception.result(0)
+            initialize_layerwise_reload(self.model)
+            self.model.load_weights(iter(staged.items()))
+            finalize_layerwise_reload(self.model, self.model_config)
+            self.drop()
+
+        def drop(self) -> None:
+            reception, self.reception = self.reception, None
+            if reception is not None:
+                reception.close()
+
+        def shutdown(self) -> None:
+            self.drop()
+            group, self.group = self.group, None
+            if group is not None:
+                group.close()
+
+    return StagedTransferEngine
+
+
+def _unfused(model: Any, names: set[str]) -> str | None:
+    """vLLM fuses some checkpoint tensors into one parameter (q, k and v into qkv): an update
+    must carry all of them or none. Why it does not, or None."""
+    mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
+    for name in names:
+        for parts in mapping.values():
+            for part in parts:
+                token = f".{part}."
+                if token not in name:
+                    continue
+                for sibling in parts:
+                    other = name.replace(token, f".{sibling}.")
+                    if other not in names:
+                        return f"'{name}' is fused with '{other}' by vLLM: send them together"
+    return None
+
+
+def register() -> None:
+    """Register the engine in vLLM's registry (once per process)."""
+    global StagedTransferEngine
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, StagedTransferEngine)
+
+
+try:
+    StagedTransferEngine: Any = _engine_class()
+except ImportError:  # no vLLM here: the transformers backend needs none of this
+    StagedTransferEngine = None
+else:
+    register()

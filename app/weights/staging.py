@@ -105,7 +105,7 @@ Receive = Callable[[torch.Tensor], None]
 
 
 def receive_plan(
-    plan: TransferPlan, receive: Receive, device: torch.device
+    plan: TransferPlan, receive: Receive, device: torch.device, stage: torch.device
 ) -> dict[str, torch.Tensor]:
     """Receive every bucket of `plan`; the tensors are views into the bucket buffers. A bad
     tensor fails the update only once everything arrived: the sender is never left hanging."""
@@ -114,6 +114,8 @@ def receive_plan(
     for group, nbytes in plan.bucket_groups():
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         receive(buffer)
+        if stage != device:
+            buffer = buffer.to(stage)
         offset = 0
         for spec in group:
             data = buffer[offset : offset + spec.nbytes]
@@ -130,14 +132,28 @@ def receive_plan(
 class Reception:
     """The updates of one weight-update session, received in order on a thread of their own."""
 
-    def __init__(self, receive: Receive, device: torch.device) -> None:
+    def __init__(
+        self, receive: Receive, device: torch.device, stage: torch.device | None = None
+    ) -> None:
         self._receive = receive
         self._device = device
+        self._stage = stage or device
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-receive")
         self._parts: list[Future[dict[str, torch.Tensor]]] = []
 
     def add(self, plan: TransferPlan) -> None:
-        self._parts.append(self._thread.submit(receive_plan, plan, self._receive, self._device))
+        self._parts.append(
+            self._thread.submit(receive_plan, plan, self._receive, self._device, self._stage)
+        )
+
+    def status(self) -> str | None:
+        """None once everything arrived; "pending" before; else what went wrong."""
+        for part in self._parts:
+            if not part.done():
+                return "pending"
+            if (error := part.exception()) is not None:
+                return f"{type(error).__name__}: {error}"
+        return None
 
     def result(self, timeout_s: float) -> dict[str, torch.Tensor]:
         """Every staged tensor, once all arrived; TimedOut, or the receiver's own error."""

@@ -203,7 +203,15 @@ class VLLMBackend(Backend):
         await super().check()
 
     def weight_layout(self) -> Layout | None:
-        return None if self.weights is None else self.weights.layout
+        """The checkpoint's tensors; with tied embeddings also the output head a trainer's
+        state dict carries (vLLM's loader skips it: the head is the embedding)."""
+        if self.weights is None:
+            return None
+        layout = dict(self.weights.layout)
+        embedding = layout.get("model.embed_tokens.weight")
+        if self.tied_embeddings and embedding is not None:
+            layout.setdefault("lm_head.weight", embedding)
+        return layout
 
     async def update_weights(self, files: list[Path]) -> None:
         if self.weights is None:

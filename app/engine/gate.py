@@ -33,9 +33,9 @@ WorkKind = Literal["score", "generate"]
 class GateState:
     paused: bool
     mode: PauseMode | None
-    by: Literal["request", "update"] | None
-    in_flight_score: int
-    in_flight_generate: int
+    paused_by: Literal["request", "update"] | None
+    in_flight_generations: int
+    in_flight_scoring: int
     waiting: int
 
 
@@ -76,9 +76,9 @@ class ServingGate:
         return GateState(
             paused=self._mode is not None,
             mode=self._mode,
-            by=self._by,
-            in_flight_score=self._in_flight["score"],
-            in_flight_generate=self._in_flight["generate"],
+            paused_by=self._by,
+            in_flight_generations=self._in_flight["generate"],
+            in_flight_scoring=self._in_flight["score"],
             waiting=self._waiting,
         )
 

@@ -97,6 +97,7 @@ def generate(
     logits = out.logits[:, -1].float()
     cache = out.past_key_values
     next_position = positions[:, -1:] + 1
+    columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
     for _step in range(max(c.max_new_tokens for c in configs)):
         raw = logits.log_softmax(-1)
         processed = sampler.process(logits, seen)
@@ -116,7 +117,7 @@ def generate(
         if seen is not None:
             seen.scatter_(1, chosen[:, None], True)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        ids = torch.cat([ids, chosen[:, None]], dim=1)
+        columns.append(chosen[:, None])
         previous, version = version, control.checkpoint()
         if version == previous:
             out = model(
@@ -131,7 +132,7 @@ def generate(
             # values, so it is rebuilt over everything so far. Every later token then comes
             # from the new weights exactly, as if the whole sequence had been fed to them.
             out = model(
-                input_ids=ids,
+                input_ids=torch.cat([ids, *columns], dim=1),
                 attention_mask=mask,
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                 use_cache=True,

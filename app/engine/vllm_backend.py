@@ -267,13 +267,8 @@ class VLLMTransfer(WeightTransfer):
     async def update(self, plan: TransferPlan) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        info = {
-            "names": [t.name for t in plan.tensors],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in plan.tensors],
-            "shapes": [list(t.shape) for t in plan.tensors],
-            "buckets": list(plan.buckets),
-        }
-        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+        request = WeightTransferUpdateRequest(update_info=plan.announcement())
+        await self.engine.update_weights(request)
 
     async def received(self, timeout_s: float) -> None:
         """Poll the workers (a call that waited would stall the engine's loop)."""

@@ -184,7 +184,6 @@ def _unfused(model: Any, names: set[str]) -> str | None:
 
 def register() -> None:
     """Register the engine in vLLM's registry (once per process)."""
-    global StagedTransferEngine
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if ENGINE_NAME not in WeightTransferEngineFactory._registry:

@@ -1,3 +1,4 @@
+import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -140,14 +141,7 @@ async def transfer_close(request: TransferTarget, transfers: TransfersDep) -> Tr
 
 
 def _serving_state(state: GateState) -> ServingState:
-    return ServingState(
-        paused=state.paused,
-        mode=state.mode,
-        paused_by=state.by,
-        in_flight_generations=state.in_flight_generate,
-        in_flight_scoring=state.in_flight_score,
-        waiting=state.waiting,
-    )
+    return ServingState(**dataclasses.asdict(state))
 
 
 @serving_router.post(

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,6 +97,15 @@ class TransferPlan:
     @property
     def nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.tensors)
+
+    def announcement(self) -> dict[str, list[Any]]:
+        """The plan as an update call carries it (what `parse` reads back)."""
+        return {
+            "names": [t.name for t in self.tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in self.tensors],
+            "shapes": [list(t.shape) for t in self.tensors],
+            "buckets": list(self.buckets),
+        }
 
     def layout(self) -> Layout:
         return {s.name: (TORCH_TO_SAFETENSORS[s.dtype], s.shape) for s in self.tensors}

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from rlserve_client import ConflictError, UnprocessableEntityError
-from rlserve_client.weight_transfer import _buckets, _packed
+from rlserve_client.weight_transfer import _buckets, _packed, announcement
 from transformers import AutoModelForCausalLM
 
 from app.engine.builtin_model import build_model
@@ -132,15 +132,7 @@ def _stalled_trainer(served: Served, weights: dict[str, torch.Tensor], *, die: b
     tensors = list(weights.items())
     buckets = list(_buckets(tensors, 1 << 16))
     sync._step("start", {})
-    sync._step(
-        "update",
-        {
-            "names": [n for n, _ in tensors],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-            "buckets": [len(b) for b in buckets],
-        },
-    )
+    sync._step("update", announcement(tensors, buckets))
     sync._broadcast(_packed(buckets[0], torch.device("cpu")))
     start = time.monotonic()
     if die:

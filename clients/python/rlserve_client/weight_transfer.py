@@ -124,15 +124,7 @@ class WeightSync:
         buckets = list(_buckets(tensors, self.bucket_bytes))
         self._step("start", {})
         try:
-            self._step(
-                "update",
-                {
-                    "names": [name for name, _ in tensors],
-                    "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                    "shapes": [list(t.shape) for _, t in tensors],
-                    "buckets": [len(bucket) for bucket in buckets],
-                },
-            )
+            self._step("update", announcement(tensors, buckets))
             for bucket in buckets:
                 self._broadcast(_packed(bucket, device))
         except BaseException:
@@ -196,6 +188,18 @@ def _named_tensors(
 
     state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
     return [(name, tensor.detach()) for name, tensor in state.items()]
+
+
+def announcement(
+    tensors: list[tuple[str, torch.Tensor]], buckets: list[list[torch.Tensor]]
+) -> dict[str, Any]:
+    """The body of an update call: what the buckets will carry, in order."""
+    return {
+        "names": [name for name, _ in tensors],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        "shapes": [list(t.shape) for _, t in tensors],
+        "buckets": [len(bucket) for bucket in buckets],
+    }
 
 
 def _device(transport: str) -> torch.device:

@@ -1,6 +1,8 @@
 """Weight updates over loopback, one server and one model, three ways: HTTP upload, path load,
-and the collective transfer (gloo). For each: throughput, the pause it causes to a concurrent
-stream of scoring requests, and peak server RSS increase.
+and the collective transfer (gloo). Each runs on a quiet server (`--repeats` updates back to
+back: the median is the steady state of a training loop, every run is listed) and then once
+under a back-to-back stream of scoring requests (throughput, the pause the update causes to
+that stream, peak server RSS increase).
 
     python bench/weights.py            # ~0.75 GB float32 state dict
     python bench/weights.py --quick    # small model smoke run
@@ -92,7 +94,21 @@ async def transfer(url: str, payload: Path) -> tuple[float, float, dict[str, Any
     return await asyncio.to_thread(trainer)
 
 
-async def measure(url: str, update: Any, payload: Path, pid: int) -> dict[str, Any]:
+async def measure(url: str, update: Any, payload: Path, repeats: int) -> dict[str, Any]:
+    """`repeats` updates back to back; the median is the steady state a training loop sees."""
+    runs = [await update(url, payload) for _ in range(repeats)]
+    seconds = [end - start for start, end, _ in runs]
+    median = statistics.median(seconds)
+    return {
+        "seconds": median,
+        "gb_per_s": payload.stat().st_size / 1e9 / median,
+        "seconds_each": seconds,
+        "server_swap_seconds": statistics.median(r["seconds"] for _, _, r in runs),
+        "policy_version_after": runs[-1][2]["policy_version"],
+    }
+
+
+async def measure_under_scoring(url: str, update: Any, payload: Path, pid: int) -> dict[str, Any]:
     stop = asyncio.Event()
     stream = asyncio.create_task(scoring_stream(url, stop))
     # Warm up first: the model's weights are mapped lazily and the first forwards fault them
@@ -121,9 +137,17 @@ async def measure(url: str, update: Any, payload: Path, pid: int) -> dict[str, A
         "max_gap_between_calls_ms": max(gaps) * 1000 if gaps else 0.0,
         "versions_seen": sorted({v for _, _, v in calls}),
         "policy_version_after": result["policy_version"],
-        "rss_baseline_bytes": baseline,
-        "rss_peak_bytes": sampler.peak,
+        "rss_peak_increase_mb": (sampler.peak - baseline) / 1e6,
     }
+
+
+def rounded(figures: dict[str, Any]) -> dict[str, Any]:
+    def cut(value: Any) -> Any:
+        if isinstance(value, list):
+            return [cut(v) for v in value]
+        return round(value, 4) if isinstance(value, float) else value
+
+    return {k: cut(v) for k, v in figures.items()}
 
 
 def main() -> None:
@@ -131,6 +155,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5, help="quiet updates per method")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (2048, 3)
@@ -141,20 +166,31 @@ def main() -> None:
     env = {"RLSERVE_LOAD_REFERENCE": "false", "RLSERVE_DATA_DIR": str(args.output / ".data")}
     log = args.output / "weights-server.log"
     updates = {"http_upload": upload, "path_load": load, "collective_transfer": transfer}
-    figures: dict[str, Any] = {}
+    figures: dict[str, Any] = {"quiet": {}, "under_scoring": {}}
     with running_server("--model", str(dirs[0]), env=env, log=log) as server:
+        pid = server.process.pid
+        # The first update writes into weights still mapped from the model file, which costs
+        # it a copy-on-write fault per page; trainers update every step, so measure after it.
+        asyncio.run(load(server.url, dirs[0] / "model.safetensors"))
         for name, update in updates.items():
             payload = payloads[name] / "model.safetensors"
-            run = asyncio.run(measure(server.url, update, payload, server.process.pid))
-            baseline, peak = run.pop("rss_baseline_bytes"), run.pop("rss_peak_bytes")
-            run["rss_peak_increase_mb"] = (peak - baseline) / 1e6
-            figures[name] = {k: round(v, 4) if isinstance(v, float) else v for k, v in run.items()}
-    collective, http = figures["collective_transfer"], figures["http_upload"]
+            quiet = asyncio.run(measure(server.url, update, payload, args.repeats))
+            loaded = asyncio.run(measure_under_scoring(server.url, update, payload, pid))
+            figures["quiet"][name] = rounded(quiet)
+            figures["under_scoring"][name] = rounded(loaded)
+    quiet, loaded = figures["quiet"], figures["under_scoring"]
     goals = {
-        "collective_at_least_1_gb_per_s": collective["gb_per_s"] >= 1.0,
-        "collective_at_least_4x_http_upload": collective["gb_per_s"] >= 4 * http["gb_per_s"],
-        "collective_pause_within_transfer_plus_100_ms": collective["scoring_pause_ms"]
-        <= collective["seconds"] * 1000 + 100,
+        "collective_at_least_1_gb_per_s": quiet["collective_transfer"]["gb_per_s"] >= 1.0,
+        "collective_at_least_4x_http_upload": quiet["collective_transfer"]["gb_per_s"]
+        >= 4 * quiet["http_upload"]["gb_per_s"],
+        "collective_at_least_4x_http_upload_under_scoring": loaded["collective_transfer"][
+            "gb_per_s"
+        ]
+        >= 4 * loaded["http_upload"]["gb_per_s"],
+        "collective_pause_within_transfer_plus_100_ms": loaded["collective_transfer"][
+            "scoring_pause_ms"
+        ]
+        <= loaded["collective_transfer"]["seconds"] * 1000 + 100,
     }
     report = {
         "model": f"built-in Qwen2, hidden {hidden}, {layers} layers, float32, CPU",

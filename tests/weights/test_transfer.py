@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from rlserve_client import ConflictError, UnprocessableEntityError
-from rlserve_client.weight_transfer import _buckets, _packed, announcement
+from rlserve_client.weight_transfer import _buckets, announcement
 from transformers import AutoModelForCausalLM
 
 from app.engine.builtin_model import build_model
@@ -43,7 +43,9 @@ async def test_the_transferred_weights_are_served_exactly(served, trainer_model,
     new = perturbed(trainer_model, 0.8)
     current = await version(served)
     state = new.state_dict()
-    result = await asyncio.to_thread(send, served, new, bucket_bytes=1 << 17, streams=3)
+    # Small buckets and a low packing threshold: tensors travel both alone and packed.
+    options = {"bucket_bytes": 1 << 17, "pack_below_bytes": 1 << 12, "streams": 3}
+    result = await asyncio.to_thread(send, served, new, **options)
     assert result.policy_version == current + 1
     assert result.num_tensors == len(state)
     assert result.num_bytes == sum(t.numel() * t.element_size() for t in state.values())
@@ -130,10 +132,11 @@ def _stalled_trainer(served: Served, weights: dict[str, torch.Tensor], *, die: b
     sync = client.weight_transfer(timeout_s=2.0, bucket_bytes=1 << 16)
     sync.open()
     tensors = list(weights.items())
-    buckets = list(_buckets(tensors, 1 << 16))
+    buckets = list(_buckets(tensors, 1 << 16, 1 << 16))
+    assert len(buckets) > 1
     sync._step("start", {})
     sync._step("update", announcement(tensors, buckets))
-    sync._broadcast(_packed(buckets[0], torch.device("cpu")))
+    sync._broadcast(buckets[:1], torch.device("cpu"))
     start = time.monotonic()
     if die:
         sync._group.shutdown() if hasattr(sync._group, "shutdown") else None

@@ -9,16 +9,19 @@ The trainer is rank 0 of a bare torch process group (gloo, or NCCL for tensors o
 default group is never touched) that the server's model workers join. Each `send` runs the
 server's protocol: start, update (the server checks the announced tensors and starts
 receiving), the buckets' broadcast, finish (the server swaps them in while serving is paused and
-answers with the version it published). Tensors travel packed in buckets of at most
-`bucket_bytes`: a bucket is its tensors' bytes back to back, broadcast as `streams` slices in
-flight together. If anything fails mid-way the server drops the update: its weights stay as
-they were."""
+answers with the version it published). A tensor of at least `pack_below_bytes` travels
+alone, straight from its own memory; smaller ones are packed in buckets of at most
+`bucket_bytes` (their bytes back to back), so a model's many small tensors cost few
+broadcasts. Each bucket is broadcast as `streams` slices in flight together, and the next
+buckets are sent while earlier ones are still moving (at most two packed copies alive at
+once). If anything fails mid-way the server drops the update: its weights stay as they were."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import threading
+from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -30,7 +33,10 @@ if TYPE_CHECKING:
 
     from rlserve_client._client import Client
 
-STORE_PREFIX = "rlserve-weight-transfer"  # the server's app.weights.transport agrees
+# The server's app.weights.transport agrees on these.
+STORE_PREFIX = "rlserve-weight-transfer"
+WARMUP_BYTES = 1 << 20
+PACKED_IN_FLIGHT = 2
 
 
 class WeightSync:
@@ -45,6 +51,7 @@ class WeightSync:
         master_port: int = 0,
         transport: str = "auto",
         bucket_bytes: int = 512 << 20,
+        pack_below_bytes: int = 1 << 20,
         streams: int = 4,
         timeout_s: float = 120.0,
     ) -> None:
@@ -54,6 +61,7 @@ class WeightSync:
         self.master_port = master_port
         self.transport = transport
         self.bucket_bytes = bucket_bytes
+        self.pack_below_bytes = pack_below_bytes
         self.streams = streams
         self.timeout_s = timeout_s
         self._group: Any = None
@@ -90,7 +98,7 @@ class WeightSync:
         # a thread while this rank joins; an error from either side ends the wait.
         joined = _in_thread(self.client.transfer_step, step="init", body=body)
         prefixed = dist.PrefixStore(STORE_PREFIX, self._store)  # type: ignore[attr-defined]
-        group = _in_thread(_join, transport, prefixed, world_size, timeout)
+        group = _in_thread(self._join, transport, prefixed, world_size)
         _first_error(joined, group, self.timeout_s + 10)
         self._group = group.result()
         joined.result()
@@ -121,33 +129,48 @@ class WeightSync:
             )
         tensors = _named_tensors(weights)
         device = _device(self._transport())
-        buckets = list(_buckets(tensors, self.bucket_bytes))
+        buckets = list(_buckets(tensors, self.bucket_bytes, self.pack_below_bytes))
         self._step("start", {})
         try:
             self._step("update", announcement(tensors, buckets))
-            for bucket in buckets:
-                self._broadcast(_packed(bucket, device))
+            self._broadcast(buckets, device)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._step("abort", {})
             raise
         return self.client.transfer_finish(model=self.model, version=version, pause=pause)
 
-    def _broadcast(self, buffer: torch.Tensor) -> None:
-        import torch.distributed as dist
+    def _broadcast(self, buckets: list[list[torch.Tensor]], device: torch.device) -> None:
+        """Send every bucket in order, keeping several in flight."""
+        in_flight: deque[tuple[bool, list[Any]]] = deque()
+        for bucket in buckets:
+            buffer, copied = _payload(bucket, device)
+            while copied and sum(c for c, _ in in_flight) >= PACKED_IN_FLIGHT:
+                self._wait(in_flight.popleft()[1])
+            in_flight.append((copied, _post(self._group, buffer, self.streams)))
+        while in_flight:
+            self._wait(in_flight.popleft()[1])
 
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        size = buffer.numel()
-        if size == 0:
-            return
-        step = -(-size // max(1, self.streams))
-        works = [
-            self._group.broadcast([buffer[start : start + step]], options)
-            for start in range(0, size, step)
-        ]
+    def _wait(self, works: list[Any]) -> None:
         for work in works:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
+
+    def _join(self, transport: str, store: Any, world_size: int) -> Any:
+        """Rank 0's group, warmed up with the server's ranks (see `open`)."""
+        import torch
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        group: Any
+        if transport == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, 0, world_size, options)
+        else:
+            group = dist.ProcessGroupGloo(store, 0, world_size, timeout)
+        warmup = torch.zeros(WARMUP_BYTES, dtype=torch.uint8, device=_device(transport))
+        self._wait(_post(group, warmup, self.streams))
+        return group
 
     def _step(self, step: str, body: dict[str, Any]) -> TransferState:
         return self.client.transfer_step(step=step, body={"model": self.model, **body})
@@ -169,16 +192,6 @@ class WeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _join(transport: str, store: Any, world_size: int, timeout: datetime.timedelta) -> Any:
-    import torch.distributed as dist
-
-    if transport == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, 0, world_size, options)
-    return dist.ProcessGroupGloo(store, 0, world_size, timeout)
 
 
 def _named_tensors(
@@ -211,28 +224,51 @@ def _device(transport: str) -> torch.device:
 
 
 def _buckets(
-    tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int
+    tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int, pack_below_bytes: int
 ) -> Iterator[list[torch.Tensor]]:
-    """Tensors in order, grouped greedily up to `bucket_bytes` (a larger one goes alone)."""
+    """Tensors in order: one of at least `pack_below_bytes` alone, smaller ones grouped
+    greedily up to `bucket_bytes`."""
     bucket: list[torch.Tensor] = []
     size = 0
     for _, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        alone = nbytes >= pack_below_bytes
+        if bucket and (alone or size + nbytes > bucket_bytes):
             yield bucket
             bucket, size = [], 0
+        if alone:
+            yield [tensor]
+            continue
         bucket.append(tensor)
         size += nbytes
     if bucket:
         yield bucket
 
 
-def _packed(bucket: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The bucket's bytes back to back, on the transport's device."""
+def _payload(bucket: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The bucket's bytes back to back on the transport's device, and whether that took a
+    copy (a lone contiguous tensor already there is sent from its own memory)."""
     import torch
 
+    if len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].device == device:
+        return bucket[0].reshape(-1).view(torch.uint8), False
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in bucket]
-    return torch.cat([p.to(device, non_blocking=True) for p in parts])
+    return torch.cat([p.to(device, non_blocking=True) for p in parts]), True
+
+
+def _post(group: Any, buffer: torch.Tensor, streams: int) -> list[Any]:
+    """Start broadcasting `buffer` as `streams` slices; the works to wait for."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    size = buffer.numel()
+    if size == 0:
+        return []
+    step = -(-size // max(1, streams))
+    return [
+        group.broadcast([buffer[start : start + step]], options) for start in range(0, size, step)
+    ]
 
 
 def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:

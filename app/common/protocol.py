@@ -9,6 +9,8 @@ from fastapi import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from app.engine import types as engine_types
+
 ModelName = Literal["policy", "reference"]
 TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
@@ -191,6 +193,25 @@ class HistoryFields(WireModel):
     prompt: list[Message] | None = None
     response: list[Message] | None = None
     full: list[Message] | None = None
+
+
+class VersionSpan(WireModel):
+    version: int
+    start: int = Field(description="First response token (index into tokens.response).")
+    end: int = Field(description="One past the last response token.")
+
+
+def wire_spans(spans: list[engine_types.VersionSpan] | None) -> list[VersionSpan] | None:
+    if spans is None:
+        return None
+    return [VersionSpan(version=s.version, start=s.start, end=s.end) for s in spans]
+
+
+VERSIONS_DESCRIPTION = (
+    "Which weights sampled which response tokens: one span unless a weight update (pause "
+    "mode 'keep') happened during the generation. Tokens after an update come from the new "
+    "weights on the whole sequence so far (their context is recomputed)."
+)
 
 
 class Sample(WireModel):

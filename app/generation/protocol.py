@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from app.common.protocol import (
+    VERSIONS_DESCRIPTION,
     InputFields,
     ModelName,
     RepetitionPenalty,
@@ -15,6 +16,7 @@ from app.common.protocol import (
     Temperature,
     TopK,
     TopP,
+    VersionSpan,
     WireModel,
     check_exactly_one,
     field_error,
@@ -93,22 +95,13 @@ class GenerateRequest(InputFields):
         )
 
 
-class VersionSpan(WireModel):
-    version: int
-    start: int = Field(description="First response token (index into tokens.response).")
-    end: int = Field(description="One past the last response token.")
-
-
 class GeneratedSample(Sample):
     finish_reason: Literal["stop", "length", "abort"]
     stop_reason: str | None = Field(
         default=None, description="The stop sequence that ended generation, if one did."
     )
     policy_versions: list[VersionSpan] | None = Field(
-        default=None,
-        description="Which weights sampled which response tokens: one span unless a weight "
-        "update (pause mode 'keep') happened during the generation. Tokens after an update "
-        "come from the new weights on the whole sequence so far (their context is recomputed).",
+        default=None, description=VERSIONS_DESCRIPTION
     )
 
 

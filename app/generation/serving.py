@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
-from app.common.protocol import HistoryFields, TextFields
+from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import messages
 from app.common.sequences import SequenceSplit
 from app.config import Settings
@@ -19,7 +19,6 @@ from app.generation.protocol import (
     GeneratedSample,
     GenerateRequest,
     GenerateResponse,
-    VersionSpan,
 )
 
 
@@ -171,9 +170,5 @@ def generated_sample(
         history=history,
         finish_reason=generation.finish_reason,
         stop_reason=generation.stop_reason,
-        policy_versions=None
-        if generation.versions is None
-        else [
-            VersionSpan(version=v.version, start=v.start, end=v.end) for v in generation.versions
-        ],
+        policy_versions=wire_spans(generation.versions),
     )

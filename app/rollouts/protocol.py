@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from app.common.protocol import (
+    VERSIONS_DESCRIPTION,
     LogProbFields,
     Masks,
     Message,
@@ -17,6 +18,7 @@ from app.common.protocol import (
     TokenFields,
     TopK,
     TopP,
+    VersionSpan,
     WireModel,
     field_error,
 )
@@ -35,6 +37,9 @@ class RolloutGeneration(WireModel):
     top_k: TopK = None
     repetition_penalty: RepetitionPenalty = 1.0
     stop: StopList | None = None
+    ignore_eos: bool = Field(
+        default=False, description="Keep sampling past end-of-sequence (fixed-length turns)."
+    )
     seed: Seed | None = Field(
         default=None, description="Makes the whole rollout reproducible (per turn and row)."
     )
@@ -48,6 +53,7 @@ class RolloutGeneration(WireModel):
             top_p=self.top_p,
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -93,7 +99,13 @@ class RolloutStep(WireModel):
     done: bool
     terminated: bool
     truncated: bool
-    policy_version: int = Field(description="The weights that generated this turn's response.")
+    policy_version: int = Field(
+        description="The weights that generated this turn's response (the first version of "
+        "policy_versions when an update happened during it)."
+    )
+    policy_versions: list[VersionSpan] | None = Field(
+        default=None, description=VERSIONS_DESCRIPTION
+    )
     finish_reason: Literal["stop", "length", "abort"]
     info: dict[str, object]
     advantage: float | None = Field(

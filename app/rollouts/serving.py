@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer
-from app.common.protocol import TextFields
+from app.common.protocol import TextFields, wire_spans
 from app.common.sequences import SequenceSplit
 from app.engine.sampling import turn_seed
 from app.engine.types import Generation
@@ -174,6 +174,7 @@ def _step(
         terminated=output.terminated,
         truncated=output.truncated,
         policy_version=version,
+        policy_versions=wire_spans(generation.versions),
         finish_reason=generation.finish_reason,
         info=output.info,
     )

@@ -17,9 +17,11 @@ PROMPT = [5, 17, 33, 2, 90]
 LONG = {"tokens": [PROMPT], "max_new_tokens": 3000, "ignore_eos": True, "seed": 7}
 
 
-async def in_flight(served: Served, body: dict[str, Any]) -> asyncio.Task[Any]:
+async def in_flight(
+    served: Served, body: dict[str, Any], route: str = "/v1/generate"
+) -> asyncio.Task[Any]:
     """Start a request and return once the server counts it as in flight."""
-    task = asyncio.create_task(served.http.post("/v1/generate", json=body))
+    task = asyncio.create_task(served.http.post(route, json=body))
     for _ in range(400):
         state = (await served.http.get("/v1/serving")).json()
         if state["in_flight_generations"]:
@@ -55,6 +57,25 @@ async def test_a_generation_across_an_update_keeps_every_token(served, trainer_m
     on_new = forward_log_probs(old, full)[len(PROMPT) :]
     assert_close(got[:k], on_old[:k], 1e-4)
     assert_close(got[k:], on_new[k:], 1e-4)
+
+
+async def test_a_rollout_turn_across_an_update_reports_both_versions(served, trainer_model):
+    before = int((await served.http.get("/v1/weights/version")).json()["policy_version"])
+    body = {
+        "env": {"dataset": "arithmetic", "batch_size": 1, "max_turns": 1},
+        "num_episodes": 1,
+        "generation": {"max_new_tokens": 3000, "ignore_eos": True, "seed": 3},
+    }
+    rollout = await in_flight(served, body, "/v1/rollouts")
+    result = await asyncio.to_thread(send, served, perturbed(trainer_model, 0.9))
+    response = await rollout
+    assert response.status_code == 200, response.text
+    ((step,),) = [t["steps"] for t in response.json()["trajectories"]]
+    spans = step["policy_versions"]
+    assert [s["version"] for s in spans] == [before, result.policy_version] == [before, before + 1]
+    assert step["policy_version"] == before
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
+    assert spans[1]["end"] == len(step["tokens"]["response"]) == 3000
 
 
 async def test_abort_ends_generations_and_holds_new_requests(served):

@@ -219,6 +219,7 @@ def _step(sample: Sample, output: StepOutput, version: int) -> Step:
         terminated=output.terminated,
         truncated=output.truncated,
         policy_version=version,
+        policy_versions=sample.policy_versions,
         finish_reason=sample.finish_reason,
         info=output.info,
     )

@@ -156,6 +156,12 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(default=4096, gt=0)
     default_max_new_tokens: int = Field(default=256, gt=0)
 
+    max_top_logprobs: int = Field(
+        default=64, ge=0, description="Largest top_logprobs a scoring request may ask for."
+    )
+    max_candidate_ids: int = Field(
+        default=256, ge=0, description="Most token_ids a scoring request may name."
+    )
     max_rollout_turns: int = Field(
         default=8192, gt=0, description="num_episodes x max_turns of one /v1/rollouts request."
     )

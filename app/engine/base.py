@@ -8,11 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.engine.distribution import Scores, ScoreSpec
 from app.engine.types import GenerateItem, Generation, ModelInfo
 from app.weights.checkpoint import Layout
 
 if TYPE_CHECKING:
     from app.weights.transfer_engine import WeightTransfer
+
+
+ScoreItem = tuple[Sequence[int], ScoreSpec]
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,15 @@ class Backend(ABC):
     @abstractmethod
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
+
+    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
+        """Per (sequence, spec): the raw log-probs and the extras the spec asks for."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score beyond log-probs")
+
+    def full_distribution_limit(self) -> int | None:
+        """The longest sequence whose whole next-token distribution (entropy, processed
+        log-probs, candidate ids) this engine scores; None: any (it works in chunks)."""
+        return None
 
     async def check(self) -> None:
         """Raise if the engine cannot serve: by default, score a two-token sequence (a real

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from app.engine.distribution import Scores, ScoreSpec, assemble, position_scores
 from app.engine.freeze import ModelThreadControl
 from app.engine.sampling import RowSampler
 from app.engine.types import GenerateItem, Generation, version_spans
@@ -35,13 +36,42 @@ def token_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+"""Positions are scored in chunks of at most this many logits (64 MiB in float32), so the
+full-vocabulary work of a call stays bounded however long its sequences are."""
+
+
 @torch.inference_mode()
 def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:
+    items = [(seq, ScoreSpec()) for seq in sequences]
+    return [s.log_probs.tolist() for s in score_detailed(model, items, pad_id)]
+
+
+@torch.inference_mode()
+def score_detailed(
+    model: Any, items: Sequence[tuple[Sequence[int], ScoreSpec]], pad_id: int
+) -> list[Scores]:
+    """One forward through the model's trunk for the batch, then its output head over each
+    row's positions in chunks of `LOGIT_CHUNK_ELEMENTS`, answering each row's spec."""
     device = model.device
-    ids, mask = _padded(sequences, pad_id, device, left=False)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    values = token_log_probs(logits, ids).cpu()
-    return [values[i, : len(seq)].tolist() for i, seq in enumerate(sequences)]
+    ids, mask = _padded([seq for seq, _ in items], pad_id, device, left=False)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    vocab = head.weight.shape[0]
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    results = []
+    for row, (seq, spec) in enumerate(items):
+        parts = []
+        for begin in range(1, len(seq), chunk):
+            end = min(begin + chunk, len(seq))
+            logits = head(hidden[row, begin - 1 : end - 1])
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            extras = spec.extras and end > spec.start
+            parts.append(position_scores(logits, ids[row, begin:end], spec, extras=extras))
+        results.append(assemble(parts, spec.start, len(seq)))
+    return results
 
 
 class _Rows:

@@ -28,6 +28,24 @@ def turn_seed(seed: int, round_index: int, turn: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Logits [B, V] with each row's top-k (0: off) then top-p filter applied ([B, 1] each):
+    removed entries are -inf. Top-p keeps the most likely tokens until the mass before the
+    next one exceeds p (the most likely token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop |= mass_before > top_p
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
 class RowSampler:
     """Holds each row's parameters as tensors and its own random generator."""
 
@@ -60,16 +78,7 @@ class RowSampler:
         return logits
 
     def _filter(self, logits: torch.Tensor) -> torch.Tensor:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        k = torch.where(self.top_k > 0, self.top_k, logits.shape[-1])[:, None]
-        drop = ranks >= k
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        drop |= mass_before > self.top_p[:, None]
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        return filter_top_k_top_p(logits, self.top_k[:, None], self.top_p[:, None])
 
     def choose(self, processed: torch.Tensor) -> torch.Tensor:
         """Greedy rows take the argmax; sampling rows draw from their own generator."""

@@ -11,7 +11,8 @@ from typing import TypeVar
 
 from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
-from app.engine.base import Backend, Capabilities
+from app.engine.base import Backend, Capabilities, ScoreItem
+from app.engine.distribution import Scores
 from app.engine.types import GenerateItem, Generation
 
 logger = logging.getLogger(__name__)
@@ -32,15 +33,24 @@ class ServedModel:
         self.last_success = 0.0  # time.monotonic() of the last backend call that returned
         self.scoring: Batcher[Sequence[int], list[float]] | None = None
         self.generation: Batcher[GenerateItem, Generation] | None = None
+        self.detailed: Batcher[ScoreItem, Scores] | None = None
         if batching is not None:
             scoring, generation = batching_policy(backend.capabilities, batching)
             self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, scoring)
+            self.detailed = Batcher(
+                f"{self.name}/score-detailed", self._detailed_batch, _item_length, scoring
+            )
             self.generation = Batcher(
                 f"{self.name}/generate", self._generate_batch, _generation_length, generation
             )
 
     async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:
         scored = await self.backend.score(sequences)
+        self.last_success = time.monotonic()
+        return scored
+
+    async def _detailed_batch(self, items: list[ScoreItem]) -> list[Scores]:
+        scored = await self.backend.score_detailed(items)
         self.last_success = time.monotonic()
         return scored
 
@@ -55,6 +65,15 @@ class ServedModel:
         else:
             scored = await self.scoring.submit(sequences)
         self.num_tokens_scored += sum(len(s) for s in sequences)
+        return scored
+
+    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
+        """Raw log-probs and the extras each item's spec asks for."""
+        if self.detailed is None:
+            scored = await _direct(self._detailed_batch(list(items)))
+        else:
+            scored = await self.detailed.submit(items)
+        self.num_tokens_scored += sum(len(seq) for seq, _ in items)
         return scored
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
@@ -74,7 +93,7 @@ class ServedModel:
         self.last_success = time.monotonic()
 
     async def aclose(self) -> None:
-        for batcher in (self.scoring, self.generation):
+        for batcher in (self.scoring, self.detailed, self.generation):
             if batcher is not None:
                 await batcher.aclose()
         await self.backend.aclose()
@@ -96,6 +115,10 @@ def batching_policy(
         base, min_batch_size=1, max_batch_size=1, timeout_s=0.0, max_concurrent_calls=4096
     )
     return scoring, generation
+
+
+def _item_length(item: ScoreItem) -> int:
+    return len(item[0])
 
 
 def _generation_length(item: GenerateItem) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from app.engine import hf_decode
-from app.engine.base import Backend, Capabilities
+from app.engine.base import Backend, Capabilities, ScoreItem
+from app.engine.distribution import Scores
 from app.engine.freeze import ModelThreadControl
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo
@@ -96,6 +97,13 @@ class TransformersBackend(Backend):
         size = len(sequences) * max((len(s) for s in sequences), default=0)
         result: list[list[float]] = await self._run(
             _released, size, hf_decode.score, self.model, sequences, self.pad_id
+        )
+        return result
+
+    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
+        size = len(items) * max((len(seq) for seq, _ in items), default=0)
+        result: list[Scores] = await self._run(
+            _released, size, hf_decode.score_detailed, self.model, items, self.pad_id
         )
         return result
 

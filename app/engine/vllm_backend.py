@@ -14,9 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from app.common.failures import InvalidInput, Unsupported
 from app.engine.abandon import unless_abandoned
-from app.engine.base import Backend, Capabilities
+from app.engine.base import Backend, Capabilities, ScoreItem
+from app.engine.distribution import Scores, ScoreSpec, assemble, position_scores
 from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, VersionSpan
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 from app.weights.staging import TransferPlan
@@ -73,6 +76,8 @@ class VLLMBackend(Backend):
             # prefill ("CPU Generator does not use offset") and the engine dies, so prompts
             # are never split across engine steps there.
             options.setdefault("enable_chunked_prefill", False)
+        # Scoring asks for whole-vocabulary prompt log-probs; the service enforces its own caps.
+        options.setdefault("max_logprobs", -1)
         args = AsyncEngineArgs(
             model=source,
             dtype=dtype,
@@ -157,6 +162,39 @@ class VLLMBackend(Backend):
         for token, entry in zip(sequence[1:], final.prompt_logprobs[1:], strict=True):
             values.append(float(entry[token].logprob))
         return values
+
+    def full_distribution_limit(self) -> int | None:
+        return max(1, FULL_VOCAB_ELEMENTS // self.info.vocab_size)
+
+    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
+        return list(await asyncio.gather(*(self._detailed_one(seq, spec) for seq, spec in items)))
+
+    async def _detailed_one(self, sequence: Sequence[int], spec: ScoreSpec) -> Scores:
+        """Top-k alone comes from vLLM's prompt log-probs; entropy, processed log-probs and
+        candidate ids need the whole distribution, which vLLM returns for every position of
+        the sequence at once (the service keeps sequences within `full_distribution_limit`)."""
+        from vllm import SamplingParams
+
+        if len(sequence) == 1 or not spec.extras:
+            return Scores(log_probs=torch.tensor(await self._score_one(sequence)))
+        full = spec.needs_full_distribution
+        params = SamplingParams(
+            max_tokens=1,
+            prompt_logprobs=-1 if full else spec.top_logprobs,
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=_final_only(),
+        )
+        flat = (await self._final(sequence, params)).prompt_logprobs
+        targets = torch.tensor(sequence[1:], dtype=torch.long)
+        returned = _returned_log_probs(flat, len(sequence), self.info.vocab_size)
+        if full:  # log-probs of the whole vocabulary: logits up to a constant per position
+            part = position_scores(returned, targets, spec, extras=True)
+        else:
+            values, ids = returned.topk(spec.top_logprobs, dim=-1)
+            log_probs = returned.gather(-1, targets[:, None]).squeeze(-1)
+            part = {"log_probs": log_probs, "top_ids": ids, "top_log_probs": values}
+        return assemble([part], spec.start, len(sequence))
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
         return list(await asyncio.gather(*(self._generate_one(item) for item in items)))
@@ -321,6 +359,21 @@ def sampling_params(config: SamplingConfig, seed: int) -> Any:
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
     )
+
+
+FULL_VOCAB_ELEMENTS = 1 << 24
+"""The most vocabulary entries (sequence length x vocabulary) one full-distribution scoring
+request may make vLLM return."""
+
+
+def _returned_log_probs(flat: Any, length: int, vocab: int) -> torch.Tensor:
+    """[length - 1, vocab]: the log-probs vLLM returned for positions 1… (flat layout), -inf
+    where it returned none."""
+    dense = torch.full((length - 1, vocab), float("-inf"))
+    for row in range(length - 1):
+        span = slice(flat.start_indices[row + 1], flat.end_indices[row + 1])
+        dense[row, torch.tensor(flat.token_ids[span])] = torch.tensor(flat.logprobs[span])
+    return dense
 
 
 def _final_only() -> Any:

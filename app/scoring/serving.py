@@ -1,12 +1,17 @@
-"""Scoring: the log-probability of every token of given sequences."""
+"""Scoring: the log-probability of every token of given sequences, and on request more about
+the next-token distribution at each position of a span (top-k, entropy, processed log-probs,
+candidate ids) and a mismatch report against given log-probs."""
 
 from __future__ import annotations
 
-from app.common.inputs import check_num_items
+from app.common.failures import TooLarge, invalid
+from app.common.inputs import Prepared, check_num_items
 from app.common.samples import scored_sample
 from app.config import Settings
+from app.engine.distribution import ScoreSpec
 from app.engine.registry import ModelRegistry
-from app.scoring.protocol import LogProbsRequest, LogProbsResponse
+from app.scoring.extras import extras, mismatch
+from app.scoring.protocol import LogProbsRequest, LogProbsResponse, ScoredSample, Span
 
 
 class ScoringService:
@@ -18,20 +23,115 @@ class ScoringService:
         served = self.registry.get(request.model)
         field = request.given_inputs()[0]
         check_num_items(request.num_items(), self.settings.max_items_per_request, field)
+        self._check_asks(request, served.backend.info.vocab_size)
         preparer = served.preparer
         prepared = await preparer.off_loop(preparer.checked_sequences, request, field)
+        spans = [_span(request, item) for item in prepared]
+        _check_reference(request, prepared, spans)
+        specs = [self._spec(request, start) for _, start in spans]
+        _check_full_distribution(specs, prepared, served.backend.full_distribution_limit())
+        detailed = specs[0].extras if specs else False
         async with self.registry.reading() as version:
-            values = await served.score([item.ids for item in prepared])
+            if detailed:
+                scores = await served.score_detailed(
+                    [(item.ids, spec) for item, spec in zip(prepared, specs, strict=True)]
+                )
+                values = [s.log_probs.tolist() for s in scores]
+            else:
+                values = await served.score([item.ids for item in prepared])
         with_text = field != "tokens" and field != "prompt_tokens"
-        outputs = await preparer.off_loop(
-            lambda: [
-                scored_sample(item, lps, preparer, with_text=with_text)
-                for item, lps in zip(prepared, values, strict=True)
-            ]
-        )
+
+        def build(i: int) -> ScoredSample:
+            sample = scored_sample(prepared[i], values[i], preparer, with_text=with_text)
+            span, start = spans[i]
+            out = ScoredSample(**dict(sample))
+            if detailed:
+                out = out.model_copy(update={"span": span, **extras(scores[i], specs[i], start)})
+            if request.reference_log_probs is not None:
+                out.mismatch = mismatch(
+                    values[i][start:],
+                    request.reference_log_probs[i],
+                    request.mismatch_threshold,
+                    first_predicted=1 if start == 0 else 0,
+                )
+            return out
+
+        outputs = await preparer.off_loop(lambda: [build(i) for i in range(len(prepared))])
         return LogProbsResponse(
             policy_version=version,
             model=request.model,
             pad_token_id=served.preparer.pad_token_id,
             outputs=outputs,
         )
+
+    def _check_asks(self, request: LogProbsRequest, vocab_size: int) -> None:
+        if request.top_logprobs > self.settings.max_top_logprobs:
+            raise invalid(
+                "top_logprobs",
+                f"at most {self.settings.max_top_logprobs} (the server's max_top_logprobs)",
+            )
+        if request.token_ids is not None:
+            if len(request.token_ids) > self.settings.max_candidate_ids:
+                raise invalid(
+                    "token_ids",
+                    f"at most {self.settings.max_candidate_ids} ids (max_candidate_ids)",
+                )
+            for j, token in enumerate(request.token_ids):
+                if token >= vocab_size:
+                    raise invalid(f"token_ids[{j}]", f"{token} is not below the vocabulary size")
+
+    def _spec(self, request: LogProbsRequest, span_start: int) -> ScoreSpec:
+        return ScoreSpec(
+            top_logprobs=request.top_logprobs,
+            entropy=request.entropy,
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            token_ids=tuple(request.token_ids) if request.token_ids is not None else None,
+            start=max(1, span_start),
+        )
+
+
+def _span(request: LogProbsRequest, item: Prepared) -> tuple[Span, int]:
+    """The span the extras cover and its first position in the full sequence."""
+    split = item.split()
+    span = request.span or ("response" if split.response is not None else "full")
+    if span == "full":
+        return span, 0
+    if split.prompt is None or split.response is None:
+        raise invalid("span", "'response' needs inputs split into prompt and response")
+    return span, len(split.prompt)
+
+
+def _check_full_distribution(
+    specs: list[ScoreSpec], prepared: list[Prepared], limit: int | None
+) -> None:
+    if limit is None or not specs or not specs[0].needs_full_distribution:
+        return
+    spec = specs[0]
+    field = "entropy" if spec.entropy else "token_ids" if spec.token_ids else "temperature"
+    for i, item in enumerate(prepared):
+        if len(item.ids) > limit:
+            raise TooLarge(
+                f"input {i} has {len(item.ids)} tokens; {field} needs the whole vocabulary at "
+                f"every position, which this backend scores for at most {limit} tokens per "
+                "sequence (top_logprobs alone has no such bound)",
+                param=field,
+            )
+
+
+def _check_reference(
+    request: LogProbsRequest, prepared: list[Prepared], spans: list[tuple[Span, int]]
+) -> None:
+    given = request.reference_log_probs
+    if given is None:
+        return
+    if len(given) != len(prepared):
+        raise invalid("reference_log_probs", f"{len(given)} lists for {len(prepared)} inputs")
+    for i, (item, (span, start)) in enumerate(zip(prepared, spans, strict=True)):
+        expected = len(item.ids) - start
+        if len(given[i]) != expected:
+            raise invalid(
+                f"reference_log_probs[{i}]",
+                f"{len(given[i])} values for the {expected} tokens of the {span} span",
+            )

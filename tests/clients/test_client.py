@@ -24,6 +24,17 @@ async def test_routes_through_the_async_client(api, reference_log_probs):
     scored = await api.logprobs(tokens=[full])
     assert scored.outputs[0].log_probs is not None
     assert_close(scored.outputs[0].log_probs.full or [], reference_log_probs(full), 1e-5)
+    extras = await api.logprobs(
+        prompt_tokens=[full[:3]],
+        response_tokens=[full[3:]],
+        top_logprobs=2,
+        entropy=True,
+        reference_log_probs=[scored.outputs[0].log_probs.full[3:]],
+    )
+    (sample,) = extras.outputs
+    assert sample.span == "response" and sample.top_logprobs is not None
+    assert len(sample.top_logprobs.ids) == len(full) - 3 and sample.entropy is not None
+    assert sample.mismatch is not None and sample.mismatch.max_abs < 1e-5
     kl = await api.kl(prompt_tokens=[[1, 2]], response_tokens=[[3, 4]], estimator="k2")
     assert kl.outputs[0].kl == [0.0] * 4
     assert (await api.weights_version()).policy_version == 0

@@ -41,9 +41,22 @@ def logprobs(
     prompt_tokens: Any = None,
     response_tokens: Any = None,
     model: str = "policy",
+    top_logprobs: int | None = None,
+    entropy: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    token_ids: list[int] | None = None,
+    reference_log_probs: Any = None,
+    mismatch_threshold: float | None = None,
+    span: str | None = None,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.LogProbsResult]:
-    """Score given sequences: `log_probs.full` (and prompt/response with a split)."""
+    """Score given sequences: `log_probs.full` (and prompt/response with a split). On request,
+    per position of the span (the response when split, else the full sequence): the
+    `top_logprobs` most likely tokens, the `entropy`, log-probs under `temperature`/`top_k`/
+    `top_p` (`processed`), the log-probs of candidate `token_ids`; and a `mismatch` report
+    against `reference_log_probs` (one list per input, over the span)."""
     body = _given(
         messages=messages,
         text=text,
@@ -53,6 +66,15 @@ def logprobs(
         prompt_tokens=prompt_tokens,
         response_tokens=response_tokens,
         model=model,
+        top_logprobs=top_logprobs,
+        entropy=entropy,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        token_ids=token_ids,
+        reference_log_probs=reference_log_probs,
+        mismatch_threshold=mismatch_threshold,
+        span=span,
     )
     return Call("POST", "/v1/logprobs", types.LogProbsResult, json=body, timeout=timeout)
 

@@ -116,10 +116,42 @@ class GenerateResult(Result):
         return _to_tensordict(self.samples, padded, pad)
 
 
+class TopLogProbs(Result):
+    ids: list[list[int] | None]
+    log_probs: list[list[float] | None]
+
+
+class ProcessedLogProbs(Result):
+    log_probs: list[float | None]
+    truncated_mass: list[float | None]
+
+
+class MismatchReport(Result):
+    difference: list[float | None]
+    max_abs: float
+    mean_abs: float
+    effective_sample_size: float
+    num_tokens: int
+    num_beyond_threshold: int
+    threshold: float
+
+
+class ScoredSample(Sample):
+    """A scored sequence and the extras its request asked for, one row per token of `span`
+    (null rows: nothing predicted there, or a token the processed distribution removed)."""
+
+    span: Literal["response", "full"] | None = None
+    top_logprobs: TopLogProbs | None = None
+    entropy: list[float | None] | None = None
+    processed: ProcessedLogProbs | None = None
+    token_id_log_probs: list[list[float] | None] | None = None
+    mismatch: MismatchReport | None = None
+
+
 class LogProbsResult(Result):
     policy_version: int
     model: str
-    outputs: list[Sample]
+    outputs: list[ScoredSample]
     pad_token_id: int | None = None
 
     def to_tensordict(

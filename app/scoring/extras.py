@@ -1,0 +1,83 @@
+"""A scored sequence's extras as the wire carries them: one row per token of the span, null
+where there is nothing to report (no prediction for a sequence's first token, or a token the
+processed distribution removed), and the mismatch report against given log-probs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from app.engine.distribution import Scores, ScoreSpec
+from app.scoring.protocol import MismatchReport, ProcessedLogProbs, TopLogProbs
+
+
+def _rows(values: torch.Tensor | None, missing: int) -> list[Any]:
+    """`missing` nulls, then the rows; -inf becomes null (JSON has no infinities)."""
+    if values is None:
+        return [None] * missing
+    listed = values.tolist()
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        listed = _finite_or_none(listed)
+    return [None] * missing + listed
+
+
+def _finite_or_none(rows: list[Any]) -> list[Any]:
+    return [
+        _finite_or_none(r) if isinstance(r, list) else (r if math.isfinite(r) else None)
+        for r in rows
+    ]
+
+
+def extras(scores: Scores, spec: ScoreSpec, span_start: int) -> dict[str, Any]:
+    """The ScoredSample fields `spec` asks for, over positions span_start… ."""
+    missing = max(0, scores.start - span_start)
+    fields: dict[str, Any] = {}
+    if spec.top_logprobs:
+        fields["top_logprobs"] = TopLogProbs(
+            ids=_rows(scores.top_ids, missing), log_probs=_rows(scores.top_log_probs, missing)
+        )
+    if spec.entropy:
+        fields["entropy"] = _rows(scores.entropy, missing)
+    if spec.processed:
+        fields["processed"] = ProcessedLogProbs(
+            log_probs=_rows(scores.processed, missing),
+            truncated_mass=_rows(scores.truncated_mass, missing),
+        )
+    if spec.token_ids is not None:
+        fields["token_id_log_probs"] = _rows(scores.candidates, missing)
+    return fields
+
+
+def mismatch(
+    ours: list[float], reference: list[float], threshold: float, first_predicted: int
+) -> MismatchReport:
+    """`ours` against `reference` (both over the span); the first `first_predicted` tokens
+    have no prediction and count nowhere."""
+    difference: list[float | None] = [None] * first_predicted + [
+        a - b for a, b in zip(ours[first_predicted:], reference[first_predicted:], strict=True)
+    ]
+    d = torch.tensor([x for x in difference if x is not None], dtype=torch.float64)
+    n = d.numel()
+    if n == 0:
+        return MismatchReport(
+            difference=difference,
+            max_abs=0.0,
+            mean_abs=0.0,
+            effective_sample_size=0.0,
+            num_tokens=0,
+            num_beyond_threshold=0,
+            threshold=threshold,
+        )
+    # (Σw)² / Σw² with w = exp(d), in log space so large differences do not overflow.
+    ess = math.exp(float(2 * d.logsumexp(0) - (2 * d).logsumexp(0)))
+    return MismatchReport(
+        difference=difference,
+        max_abs=float(d.abs().max()),
+        mean_abs=float(d.abs().mean()),
+        effective_sample_size=ess,
+        num_tokens=n,
+        num_beyond_threshold=int((d.abs() > threshold).sum()),
+        threshold=threshold,
+    )

@@ -57,7 +57,6 @@ def score_detailed(
     ids, mask = _padded([seq for seq, _ in items], pad_id, device, left=False)
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
     head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     vocab = head.weight.shape[0]
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
     results = []
@@ -65,13 +64,24 @@ def score_detailed(
         parts = []
         for begin in range(1, len(seq), chunk):
             end = min(begin + chunk, len(seq))
-            logits = head(hidden[row, begin - 1 : end - 1])
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
+            logits = _head_logits(model.config, head, hidden[row, begin - 1 : end - 1])
             extras = spec.extras and end > spec.start
             parts.append(position_scores(logits, ids[row, begin:end], spec, extras=extras))
         results.append(assemble(parts, spec.start, len(seq)))
     return results
+
+
+def _head_logits(config: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head as the model's own forward applies it, with the logit scalings the
+    architectures in transformers put after it (Cohere, Granite, Gemma 2/3)."""
+    logits = head(hidden)
+    if scale := getattr(config, "logit_scale", None):
+        logits = logits * scale
+    if scaling := getattr(config, "logits_scaling", None):
+        logits = logits / scaling
+    if cap := getattr(config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 class _Rows:

@@ -75,8 +75,8 @@ def position_scores(
         values, ids = logits.topk(k, dim=-1)
         out["top_ids"], out["top_log_probs"] = ids, values - lse[:, None]
     if spec.entropy:
-        log_p = logits - lse[:, None]
-        out["entropy"] = -torch.special.xlogy(log_p.exp(), log_p.exp()).sum(-1)
+        p = (logits - lse[:, None]).exp()
+        out["entropy"] = -torch.special.xlogy(p, p).sum(-1)
     if spec.token_ids is not None:
         ids = torch.tensor(spec.token_ids, dtype=torch.long, device=logits.device)
         out["candidates"] = logits[:, ids] - lse[:, None]

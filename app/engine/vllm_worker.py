@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from app.weights.staging import Reception, TransferPlan
-from app.weights.transport import Rendezvous, TransferGroup
+from app.weights.transfer_engine import TransferSetup
+from app.weights.transport import TransferGroup
 
 logger = logging.getLogger(__name__)
 ENGINE_NAME = "rlserve"
@@ -58,18 +59,6 @@ class WeightLoaderExtension:
 
 
 @dataclass
-class StagedInitInfo:
-    transport: str
-    address: str
-    port: int
-    rank_offset: int
-    world_size: int
-    timeout_s: float
-    streams: int
-    bucket_bytes: int
-
-
-@dataclass
 class StagedUpdateInfo:
     names: list[str]
     dtype_names: list[str]
@@ -81,7 +70,7 @@ def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     class StagedTransferEngine(WeightTransferEngine[Any, Any]):
-        init_info_cls = StagedInitInfo
+        init_info_cls = TransferSetup  # what the backend's init sends, field for field
         update_info_cls = StagedUpdateInfo
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,17 +79,8 @@ def _engine_class() -> type:
             self.bucket_bytes = 0
             self.reception: Reception | None = None
 
-        def init_transfer_engine(self, init_info: StagedInitInfo) -> None:
-            rendezvous = Rendezvous(
-                transport="nccl" if init_info.transport == "nccl" else "gloo",
-                address=init_info.address,
-                port=init_info.port,
-                rank=init_info.rank_offset + self.parallel_config.rank,
-                world_size=init_info.world_size,
-                timeout_s=init_info.timeout_s,
-                streams=init_info.streams,
-            )
-            self.group = TransferGroup(rendezvous, self.device)
+        def init_transfer_engine(self, init_info: TransferSetup) -> None:
+            self.group = TransferGroup(init_info.rendezvous(self.parallel_config.rank), self.device)
             self.bucket_bytes = init_info.bucket_bytes
 
         def start_weight_update(self) -> None:

@@ -4,6 +4,8 @@ candidate ids) and a mismatch report against given log-probs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from app.common.failures import TooLarge, invalid
 from app.common.inputs import Prepared, check_num_items
 from app.common.samples import scored_sample
@@ -28,9 +30,10 @@ class ScoringService:
         prepared = await preparer.off_loop(preparer.checked_sequences, request, field)
         spans = [_span(request, item) for item in prepared]
         _check_reference(request, prepared, spans)
-        specs = [self._spec(request, start) for _, start in spans]
-        _check_full_distribution(specs, prepared, served.backend.full_distribution_limit())
-        detailed = specs[0].extras if specs else False
+        asks = _asks(request)
+        _check_full_distribution(asks, prepared, served.backend.full_distribution_limit())
+        specs = [replace(asks, start=max(1, start)) for _, start in spans]
+        detailed = asks.extras
         async with self.registry.reading() as version:
             if detailed:
                 scores = await served.score_detailed(
@@ -80,16 +83,17 @@ class ScoringService:
                 if token >= vocab_size:
                     raise invalid(f"token_ids[{j}]", f"{token} is not below the vocabulary size")
 
-    def _spec(self, request: LogProbsRequest, span_start: int) -> ScoreSpec:
-        return ScoreSpec(
-            top_logprobs=request.top_logprobs,
-            entropy=request.entropy,
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            token_ids=tuple(request.token_ids) if request.token_ids is not None else None,
-            start=max(1, span_start),
-        )
+
+def _asks(request: LogProbsRequest) -> ScoreSpec:
+    """What the request asks of every position (each input's span sets its own start)."""
+    return ScoreSpec(
+        top_logprobs=request.top_logprobs,
+        entropy=request.entropy,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        token_ids=tuple(request.token_ids) if request.token_ids is not None else None,
+    )
 
 
 def _span(request: LogProbsRequest, item: Prepared) -> tuple[Span, int]:
@@ -103,12 +107,9 @@ def _span(request: LogProbsRequest, item: Prepared) -> tuple[Span, int]:
     return span, len(split.prompt)
 
 
-def _check_full_distribution(
-    specs: list[ScoreSpec], prepared: list[Prepared], limit: int | None
-) -> None:
-    if limit is None or not specs or not specs[0].needs_full_distribution:
+def _check_full_distribution(spec: ScoreSpec, prepared: list[Prepared], limit: int | None) -> None:
+    if limit is None or not spec.needs_full_distribution:
         return
-    spec = specs[0]
     field = "entropy" if spec.entropy else "token_ids" if spec.token_ids else "temperature"
     for i, item in enumerate(prepared):
         if len(item.ids) > limit:

@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from app import __version__
+from app.common import tensor_wire
 from app.config import Settings
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
@@ -158,6 +159,7 @@ def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
             title=app.title,
             version=app.version,
             summary=app.summary,
+            description=f"## Tensor bodies ({tensor_wire.MEDIA_TYPE})\n\n{tensor_wire.__doc__}",
             routes=app.routes,
         )
         schema.setdefault("components", {})["securitySchemes"] = {

@@ -1,19 +1,20 @@
 from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
-from app.common.protocol import json_response
+from app.common.tensor_http import TENSOR_BODY_DOCS, TENSOR_REPLY_DOCS, TensorBodyRoute, reply
 from app.deps import GenerationDep
 from app.errors import ERROR_RESPONSES
 from app.generation.protocol import GenerateRequest, GenerateResponse
 
-router = APIRouter(tags=["generation"])
+router = APIRouter(tags=["generation"], route_class=TensorBodyRoute)
 
 
 @router.post(
     "/v1/generate",
     response_model=GenerateResponse,
     response_model_exclude_none=True,
-    responses=ERROR_RESPONSES,
+    responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
+    openapi_extra=TENSOR_BODY_DOCS,
     summary="Generate continuations",
 )
 async def generate(
@@ -22,4 +23,4 @@ async def generate(
     """Sample `n` continuations per input. `log_probs.response` is the raw model distribution;
     `log_probs.response_processed` the distribution actually sampled from."""
     result = await cancel_on_disconnect(http_request, service.generate(request))
-    return json_response(result)
+    return reply(http_request, result)

@@ -1,19 +1,20 @@
 from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
-from app.common.protocol import json_response
+from app.common.tensor_http import TENSOR_BODY_DOCS, TENSOR_REPLY_DOCS, TensorBodyRoute, reply
 from app.deps import KLDep
 from app.errors import ERROR_RESPONSES
 from app.kl.protocol import KLRequest, KLResponse
 
-router = APIRouter(tags=["kl"])
+router = APIRouter(tags=["kl"], route_class=TensorBodyRoute)
 
 
 @router.post(
     "/v1/kl",
     response_model=KLResponse,
     response_model_exclude_none=True,
-    responses=ERROR_RESPONSES,
+    responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
+    openapi_extra=TENSOR_BODY_DOCS,
     summary="Per-token KL between policy and reference",
 )
 async def kl(request: KLRequest, service: KLDep, http_request: Request) -> Response:
@@ -21,4 +22,4 @@ async def kl(request: KLRequest, service: KLDep, http_request: Request) -> Respo
     optional reward shaping. Reference log-probs are always computed by the server; policy
     log-probs too, unless the client sends them."""
     result = await cancel_on_disconnect(http_request, service.kl(request))
-    return json_response(result)
+    return reply(http_request, result)

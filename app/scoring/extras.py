@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from app.common.protocol import WireModel
 from app.engine.distribution import Scores, ScoreSpec
 from app.scoring.protocol import MismatchReport, ProcessedLogProbs, TopLogProbs
 
@@ -30,23 +31,45 @@ def _finite_or_none(rows: list[Any]) -> list[Any]:
     ]
 
 
-def extras(scores: Scores, spec: ScoreSpec, span_start: int) -> dict[str, Any]:
-    """The ScoredSample fields `spec` asks for, over positions span_start… ."""
+def _tensor_rows(values: torch.Tensor | None, missing: int) -> torch.Tensor:
+    """`missing` rows of NaN (floats) or -1 (ids), then the rows (binary replies)."""
+    if values is None:
+        return torch.full((missing,), math.nan)
+    if not missing:
+        return values
+    fill = math.nan if values.is_floating_point() else -1
+    pad = torch.full((missing, *values.shape[1:]), fill, dtype=values.dtype)
+    return torch.cat([pad, values])
+
+
+def extras(
+    scores: Scores, spec: ScoreSpec, span_start: int, *, tensors: bool = False
+) -> dict[str, Any]:
+    """The ScoredSample fields `spec` asks for, over positions span_start… : wire models of
+    lists, or with `tensors` plain dicts of tensors (for the binary reply)."""
     missing = max(0, scores.start - span_start)
+    rows = _tensor_rows if tensors else _rows
+
+    def group(model: type[WireModel], **values: Any) -> Any:
+        return values if tensors else model(**values)
+
     fields: dict[str, Any] = {}
     if spec.top_logprobs:
-        fields["top_logprobs"] = TopLogProbs(
-            ids=_rows(scores.top_ids, missing), log_probs=_rows(scores.top_log_probs, missing)
+        fields["top_logprobs"] = group(
+            TopLogProbs,
+            ids=rows(scores.top_ids, missing),
+            log_probs=rows(scores.top_log_probs, missing),
         )
     if spec.entropy:
-        fields["entropy"] = _rows(scores.entropy, missing)
+        fields["entropy"] = rows(scores.entropy, missing)
     if spec.processed:
-        fields["processed"] = ProcessedLogProbs(
-            log_probs=_rows(scores.processed, missing),
-            truncated_mass=_rows(scores.truncated_mass, missing),
+        fields["processed"] = group(
+            ProcessedLogProbs,
+            log_probs=rows(scores.processed, missing),
+            truncated_mass=rows(scores.truncated_mass, missing),
         )
     if spec.token_ids is not None:
-        fields["token_id_log_probs"] = _rows(scores.candidates, missing)
+        fields["token_id_log_probs"] = rows(scores.candidates, missing)
     return fields
 
 

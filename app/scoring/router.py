@@ -1,24 +1,32 @@
 from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancel_on_disconnect
-from app.common.protocol import json_response
+from app.common.tensor_http import (
+    TENSOR_BODY_DOCS,
+    TENSOR_REPLY_DOCS,
+    TensorBodyRoute,
+    asks_binary,
+    reply,
+)
 from app.deps import ScoringDep
 from app.errors import ERROR_RESPONSES
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse
 
-router = APIRouter(tags=["scoring"])
+router = APIRouter(tags=["scoring"], route_class=TensorBodyRoute)
 
 
 @router.post(
     "/v1/logprobs",
     response_model=LogProbsResponse,
     response_model_exclude_none=True,
-    responses=ERROR_RESPONSES,
+    responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
+    openapi_extra=TENSOR_BODY_DOCS,
     summary="Score given sequences",
 )
 async def logprobs(
     request: LogProbsRequest, service: ScoringDep, http_request: Request
 ) -> Response:
     """Log-probability of every token under the model (raw distribution, position 0 is 0.0)."""
-    result = await cancel_on_disconnect(http_request, service.score(request))
-    return json_response(result)
+    scoring = service.score(request, tensors=asks_binary(http_request))
+    result = await cancel_on_disconnect(http_request, scoring)
+    return reply(http_request, result)

@@ -5,9 +5,11 @@ candidate ids) and a mismatch report against given log-probs."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from app.common.failures import TooLarge, invalid
 from app.common.inputs import Prepared, check_num_items
+from app.common.protocol import WireModel
 from app.common.samples import scored_sample
 from app.config import Settings
 from app.engine.distribution import ScoreSpec
@@ -21,7 +23,11 @@ class ScoringService:
         self.registry = registry
         self.settings = settings
 
-    async def score(self, request: LogProbsRequest) -> LogProbsResponse:
+    async def score(
+        self, request: LogProbsRequest, *, tensors: bool = False
+    ) -> LogProbsResponse | dict[str, Any]:
+        """The response; with `tensors`, as a body for the binary reply, whose per-position
+        extras stay tensors (never Python lists)."""
         served = self.registry.get(request.model)
         field = request.given_inputs()[0]
         check_num_items(request.num_items(), self.settings.max_items_per_request, field)
@@ -44,28 +50,33 @@ class ScoringService:
                 values = await served.score([item.ids for item in prepared])
         with_text = field != "tokens" and field != "prompt_tokens"
 
-        def build(i: int) -> ScoredSample:
+        def build(i: int) -> ScoredSample | dict[str, Any]:
             sample = scored_sample(prepared[i], values[i], preparer, with_text=with_text)
             span, start = spans[i]
-            out = ScoredSample(**dict(sample))
+            fields: dict[str, Any] = {}
             if detailed:
-                out = out.model_copy(update={"span": span, **extras(scores[i], specs[i], start)})
+                fields = {"span": span, **extras(scores[i], specs[i], start, tensors=tensors)}
             if request.reference_log_probs is not None:
-                out.mismatch = mismatch(
+                fields["mismatch"] = mismatch(
                     values[i][start:],
                     request.reference_log_probs[i],
                     request.mismatch_threshold,
                     first_predicted=1 if start == 0 else 0,
                 )
-            return out
+            if tensors:
+                tree = sample.model_dump(exclude_none=True)
+                return tree | {k: _plain(v) for k, v in fields.items()}
+            return ScoredSample(**dict(sample)).model_copy(update=fields)
 
         outputs = await preparer.off_loop(lambda: [build(i) for i in range(len(prepared))])
-        return LogProbsResponse(
-            policy_version=version,
-            model=request.model,
-            pad_token_id=served.preparer.pad_token_id,
-            outputs=outputs,
-        )
+        head: dict[str, Any] = {
+            "policy_version": version,
+            "model": request.model,
+            "pad_token_id": served.preparer.pad_token_id,
+        }
+        if tensors:
+            return {**head, "outputs": outputs}
+        return LogProbsResponse.model_validate({**head, "outputs": outputs})
 
     def _check_asks(self, request: LogProbsRequest, vocab_size: int) -> None:
         if request.top_logprobs > self.settings.max_top_logprobs:
@@ -82,6 +93,10 @@ class ScoringService:
             for j, token in enumerate(request.token_ids):
                 if token >= vocab_size:
                     raise invalid(f"token_ids[{j}]", f"{token} is not below the vocabulary size")
+
+
+def _plain(value: Any) -> Any:
+    return value.model_dump(exclude_none=True) if isinstance(value, WireModel) else value
 
 
 def _asks(request: LogProbsRequest) -> ScoreSpec:

@@ -100,3 +100,38 @@ async def test_padding_uses_the_models_pad_token_reported_by_the_server(api, hf_
     assert scored.to_tensordict(pad_token_id=0)["tokens", "full"][1].tolist() == [8, 0, 0]
     with pytest.raises(ValueError, match="pad_token_id"):
         scored.model_copy(update={"pad_token_id": None}).to_tensordict()
+
+
+async def test_binary_replies_build_the_same_tensordicts_as_json(api):
+    """`tensors=True` replies hold tensors (no lists) and convert to the same TensorDicts."""
+    body = {"prompt_tokens": [[5, 77, 12], [9]], "response_tokens": [[41, 8], [2, 17, 250]]}
+    plain = await api.logprobs(**body, top_logprobs=2)
+    packed = await api.logprobs(**body, top_logprobs=2, tensors=True)
+    first = packed.outputs[0]
+    assert isinstance(first.log_probs.full, torch.Tensor)
+    assert isinstance(first.top_logprobs.log_probs, torch.Tensor)
+    assert first.top_logprobs.log_probs[1:].tolist() == plain.outputs[0].top_logprobs.log_probs[1:]
+    for padded in (True, False):
+        expected = plain.to_tensordict(padded=padded)
+        got = packed.to_tensordict(padded=padded)
+        for want, have in zip(expected.unbind(0), got.unbind(0), strict=True):
+            keys = [k for k in want.keys(True, True) if isinstance(want.get(k), torch.Tensor)]
+            assert keys and sorted(map(str, keys)) == sorted(
+                str(k) for k in have.keys(True, True) if isinstance(have.get(k), torch.Tensor)
+            )
+            for key in keys:
+                assert torch.equal(have.get(key), want.get(key)), key
+    generated = await api.generate(tokens=[[5, 77]], max_new_tokens=4, n=2, seed=1, tensors=True)
+    again = await api.generate(tokens=[[5, 77]], max_new_tokens=4, n=2, seed=1)
+    assert torch.equal(
+        generated.to_tensordict().get(("tokens", "full")),
+        again.to_tensordict().get(("tokens", "full")),
+    )
+
+
+async def test_tensor_inputs_travel_as_binary(api):
+    """Token tensors are sent as they are (binary) and score like the same lists."""
+    rows = [[5, 77, 12, 41], [9, 2]]
+    plain = await api.logprobs(tokens=rows)
+    sent = await api.logprobs(tokens=[torch.tensor(r) for r in rows])
+    assert [o.log_probs.full for o in sent.outputs] == [o.log_probs.full for o in plain.outputs]

@@ -20,6 +20,7 @@ DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 RETRY_STATUSES = frozenset({408, 429, 503})
 MAX_BACKOFF_S = 8.0
 UPLOAD_CHUNK_BYTES = 1 << 20
+TENSOR_MEDIA_TYPE = "application/x-safetensors"
 
 T = TypeVar("T", bound=Result)
 # Errors raised before a byte of the request left: retrying these can never repeat it.
@@ -64,8 +65,38 @@ class Call(Generic[T]):
     headers: dict[str, str] = field(default_factory=dict)
 
     def parse(self, response: httpx.Response) -> T:
+        if response.headers.get("content-type", "").startswith(TENSOR_MEDIA_TYPE):
+            from rlserve_client.tensor_wire import construct, decode
+
+            return construct(self.result, decode(response.content))
         body = response.json() if response.content else {}
         return self.result.model_validate(body)
+
+
+def has_tensors(body: Any) -> bool:
+    """Whether a request body holds a tensor or array (torch, numpy: anything with
+    `__dlpack__`), so that it is sent as binary. Checked without importing torch."""
+    if hasattr(body, "__dlpack__"):
+        return True
+    if isinstance(body, dict):
+        return any(has_tensors(v) for v in body.values())
+    if isinstance(body, list | tuple):
+        return any(has_tensors(v) for v in body if not isinstance(v, int | float | str))
+    return False
+
+
+def tensor_call(
+    path: str, result: type[T], body: dict[str, Any], *, tensors: bool, timeout: Timeout
+) -> Call[T]:
+    """A POST whose body goes as binary when it holds tensors, and whose reply comes as
+    binary when `tensors` (its arrays then decode to torch tensors, not lists)."""
+    headers = {"Accept": TENSOR_MEDIA_TYPE} if tensors else {}
+    if not has_tensors(body):
+        return Call("POST", path, result, json=body, timeout=timeout, headers=headers)
+    from rlserve_client.tensor_wire import encode
+
+    headers["Content-Type"] = TENSOR_MEDIA_TYPE
+    return Call("POST", path, result, content=encode(body), timeout=timeout, headers=headers)
 
 
 def settings(base_url: str | None, api_key: str | None) -> tuple[str, dict[str, str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlserve_client import types
-from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout
+from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout, tensor_call
 
 
 def _given(**fields: Any) -> dict[str, Any]:
@@ -22,13 +22,16 @@ def generate(
     text: Any = None,
     tokens: Any = None,
     model: str = "policy",
+    tensors: bool = False,
     timeout: Timeout = NOT_GIVEN,
     **params: Any,
 ) -> Call[types.GenerateResult]:
     """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
-    top_k, repetition_penalty, seed, stop, return_prompt_log_probs, ..."""
+    top_k, repetition_penalty, seed, stop, return_prompt_log_probs, ...
+    `tensors=True`: the reply travels as binary and its arrays are torch tensors (for
+    building TensorDicts); tensors given as inputs always travel as binary."""
     body = _given(messages=messages, text=text, tokens=tokens, model=model, **params)
-    return Call("POST", "/v1/generate", types.GenerateResult, json=body, timeout=timeout)
+    return tensor_call("/v1/generate", types.GenerateResult, body, tensors=tensors, timeout=timeout)
 
 
 def logprobs(
@@ -50,13 +53,16 @@ def logprobs(
     reference_log_probs: Any = None,
     mismatch_threshold: float | None = None,
     span: str | None = None,
+    tensors: bool = False,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.LogProbsResult]:
     """Score given sequences: `log_probs.full` (and prompt/response with a split). On request,
     per position of the span (the response when split, else the full sequence): the
     `top_logprobs` most likely tokens, the `entropy`, log-probs under `temperature`/`top_k`/
     `top_p` (`processed`), the log-probs of candidate `token_ids`; and a `mismatch` report
-    against `reference_log_probs` (one list per input, over the span)."""
+    against `reference_log_probs` (one list per input, over the span). `tensors=True`: the
+    reply travels as binary and its arrays are torch tensors (NaN / -1 where JSON has null,
+    -inf for a token top-k/top-p removed); tensors given as inputs always travel as binary."""
     body = _given(
         messages=messages,
         text=text,
@@ -76,7 +82,7 @@ def logprobs(
         mismatch_threshold=mismatch_threshold,
         span=span,
     )
-    return Call("POST", "/v1/logprobs", types.LogProbsResult, json=body, timeout=timeout)
+    return tensor_call("/v1/logprobs", types.LogProbsResult, body, tensors=tensors, timeout=timeout)
 
 
 def kl(
@@ -94,9 +100,11 @@ def kl(
     coeff: float | None = None,
     rewards: Any = None,
     reward_placement: str | None = None,
+    tensors: bool = False,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.KLResult]:
-    """Per-token KL(policy || reference), optionally shaping `rewards`."""
+    """Per-token KL(policy || reference), optionally shaping `rewards`. `tensors=True`: the
+    reply's arrays come as torch tensors (binary on the wire)."""
     body = _given(
         messages=messages,
         text=text,
@@ -112,7 +120,7 @@ def kl(
         rewards=rewards,
         reward_placement=reward_placement,
     )
-    return Call("POST", "/v1/kl", types.KLResult, json=body, timeout=timeout)
+    return tensor_call("/v1/kl", types.KLResult, body, tensors=tensors, timeout=timeout)
 
 
 def models(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Models]:

@@ -234,11 +234,11 @@ class RemotePolicy(_Base):  # type: ignore[misc]
                 self._calls += 1
             if self.num_samples is not None:
                 params["n"] = self.num_samples
-            result = self.client.generate(model=self.model, **inputs, **params)
+            result = self.client.generate(model=self.model, tensors=True, **inputs, **params)
             pad = _pad_token(result.pad_token_id)
             groups = result.outputs
         else:
-            scored = self.client.logprobs(model=self.model, **inputs)
+            scored = self.client.logprobs(model=self.model, tensors=True, **inputs)
             pad = _pad_token(scored.pad_token_id)
             groups = [[sample] for sample in scored.outputs]
         samples = [s for group in groups for s in group]
@@ -272,21 +272,23 @@ class RemotePolicy(_Base):  # type: ignore[misc]
     # -- one row -------------------------------------------------------------------------
 
     def _row(self, sample: Sample, pad: int, widths: tuple[int, int] | None) -> TensorDict:
-        """One sample as TorchRL containers (padded to `widths` = (prompt, rest) if given)."""
+        """One sample as TorchRL containers (padded to `widths` = (prompt, rest) if given).
+        Its arrays may be lists (JSON) or tensors (binary replies)."""
         generated = self.generate
         tokens = sample.tokens
-        full = tokens.full or []
+        full = _given(tokens.full)
         prompt_len = len(tokens.prompt) if tokens.prompt is not None else None
         lay = _Layout(widths, prompt_len, len(full), generated)
         row = TensorDict({}, batch_size=[])
         token_fields: dict[str, Any] = {"full": lay.full(full, pad, torch.long)}
         if generated:
-            token_fields["prompt"] = lay.prompt(tokens.prompt or [], pad, torch.long)
-            token_fields["response"] = lay.response(tokens.response or [], pad, torch.long)
+            token_fields["prompt"] = lay.prompt(_given(tokens.prompt), pad, torch.long)
+            token_fields["response"] = lay.response(_given(tokens.response), pad, torch.long)
         row.set(self.tokens_key, _container("Tokens", token_fields, self.pad_output))
-        mask_fields = {"all_attention_mask": lay.full([True] * len(full), False, torch.bool)}
+        ones = torch.ones(len(full), dtype=torch.bool)
+        mask_fields = {"all_attention_mask": lay.full(ones, False, torch.bool)}
         if sample.masks.all_assistant_mask is not None:
-            mask = [bool(m) for m in sample.masks.all_assistant_mask]
+            mask = sample.masks.all_assistant_mask
             mask_fields["all_assistant_mask"] = lay.full(mask, False, torch.bool)
         row.set(self.masks_key, _container("Masks", mask_fields, self.pad_output))
         if self.return_log_probs and sample.log_probs is not None:
@@ -307,8 +309,14 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         return row
 
 
+def _given(values: Any) -> Any:
+    """A list or tensor of values; an empty list for None."""
+    return [] if values is None else values
+
+
 class _Layout:
-    """Where one row's values sit in the padded layout (or as they are, unpadded)."""
+    """Where one row's values (a list or a tensor) sit in the padded layout (or as they are,
+    unpadded)."""
 
     def __init__(
         self, widths: tuple[int, int] | None, prompt_len: int | None, full_len: int, gen: bool
@@ -318,31 +326,40 @@ class _Layout:
         self.full_len = full_len
         self.generated = gen
 
-    def prompt(self, values: list[Any], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+    def prompt(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
         left = self.widths[0] - len(values) if self.widths else 0
-        return torch.tensor([pad] * left + list(values), dtype=dtype)
+        return _padded(values, left, 0, pad, dtype)
 
-    def response(self, values: list[Any], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+    def response(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
         right = self.widths[1] - len(values) if self.widths else 0
-        return torch.tensor(list(values) + [pad] * right, dtype=dtype)
+        return _padded(values, 0, right, pad, dtype)
 
-    def full(self, values: list[Any], pad: Any, dtype: torch.dtype) -> torch.Tensor:
+    def full(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
         if self.widths is None:
-            return torch.tensor(list(values), dtype=dtype)
+            return _padded(values, 0, 0, pad, dtype)
         if not self.generated:  # scored sequences: left padding
-            return torch.tensor([pad] * (self.widths[1] - len(values)) + list(values), dtype=dtype)
+            return _padded(values, self.widths[1] - len(values), 0, pad, dtype)
         left = self.widths[0] - self.prompt_len
         right = self.widths[1] - (self.full_len - self.prompt_len)
-        return torch.tensor([pad] * left + list(values) + [pad] * right, dtype=dtype)
+        return _padded(values, left, right, pad, dtype)
+
+
+def _padded(values: Any, left: int, right: int, pad: Any, dtype: torch.dtype) -> torch.Tensor:
+    row = torch.as_tensor(values, dtype=dtype)
+    if not left and not right:
+        return row
+    out = torch.full((left + len(row) + right,), pad, dtype=dtype)
+    out[left : left + len(row)] = row
+    return out
 
 
 def _widths(samples: Sequence[Sample], *, generated: bool) -> tuple[int, int]:
     """(longest prompt, longest response) for generations; (0, longest sequence) for scores."""
     if not generated:
-        return 0, max(len(s.tokens.full or []) for s in samples)
+        return 0, max(len(_given(s.tokens.full)) for s in samples)
     return (
-        max(len(s.tokens.prompt or []) for s in samples),
-        max(len(s.tokens.response or []) for s in samples),
+        max(len(_given(s.tokens.prompt)) for s in samples),
+        max(len(_given(s.tokens.response)) for s in samples),
     )
 
 
@@ -396,13 +413,15 @@ def _read_rows(td: TensorDictBase, key: Any, mode: str, attention_mask_key: str)
     return [_chat(v) for v in values]
 
 
-def _unpadded_tokens(row: TensorDictBase, key: Any, attention_mask_key: str) -> list[int]:
+def _unpadded_tokens(row: TensorDictBase, key: Any, attention_mask_key: str) -> torch.Tensor:
+    """A row's token ids without padding, as a tensor (the request then travels as binary)."""
     tokens = row.get(key)
     for mask_key in (("masks", "all_attention_mask"), attention_mask_key):
         mask = row.get(mask_key, None)
         if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape:
-            return [int(t) for t in tokens[mask.bool()].tolist()]
-    return [int(t) for t in tokens.tolist()]
+            masked: torch.Tensor = tokens[mask.bool()]
+            return masked
+    return torch.as_tensor(tokens)
 
 
 def _chat(value: Any) -> Chat:

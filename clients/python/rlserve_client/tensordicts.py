@@ -70,18 +70,25 @@ def _non_tensors(samples: Sequence[Sample]) -> dict[tuple[str, str], list[Any]]:
     return out
 
 
-def _pad_row(key: tuple[str, str], value: list[Any], left: int, right: int, pad: Any) -> list[Any]:
-    """Place one row in the padded layout: which side a field pads on depends on its part."""
+def _place(
+    key: tuple[str, str], value: Any, width: int, left: int, right: int, pad: Any
+) -> torch.Tensor:
+    """One row (a list or a tensor) in the padded layout: which side a field pads on depends
+    on its part."""
+    row = torch.as_tensor(value, dtype=_dtype(key))
     if key[1] == "prompt":
-        return [pad] * left + value
-    if key[1] in ("response", "response_processed"):
-        return value + [pad] * right
-    return [pad] * left + value + [pad] * right
+        left, right = width - len(row), 0
+    elif key[1] in ("response", "response_processed"):
+        left, right = 0, width - len(row)
+    out = torch.full((left + len(row) + right,), pad, dtype=row.dtype)
+    out[left : left + len(row)] = row
+    return out
 
 
 def samples_to_tensordict(
     samples: Sequence[Sample], *, padded: bool = True, pad_token_id: int
 ) -> TensorDictBase:
+    """Samples whose arrays are lists (JSON replies) or tensors (`tensors=True` replies)."""
     if not samples:
         raise ValueError("no samples to convert")
     rows = [_fields(s) for s in samples]
@@ -90,24 +97,28 @@ def samples_to_tensordict(
     if not padded:
         return _lazy_stack(
             [
-                _tensordict({k: torch.tensor(r[k], dtype=_dtype(k)) for k in keys}, texts, i, [])
+                _tensordict({k: torch.as_tensor(r[k], dtype=_dtype(k)) for k in keys}, texts, i, [])
                 for i, r in enumerate(rows)
             ]
         )
-    prompt_lens = [len(s.tokens.prompt or []) for s in samples]
+    prompt_lens = [len(s.tokens.prompt if s.tokens.prompt is not None else ()) for s in samples]
     tail_lens = [  # what follows the prompt in the padded layout
-        len(s.tokens.response or []) if s.tokens.full is None else len(s.tokens.full) - p
+        len(s.tokens.response if s.tokens.response is not None else ())
+        if s.tokens.full is None
+        else len(s.tokens.full) - p
         for s, p in zip(samples, prompt_lens, strict=True)
     ]
     max_prompt, max_tail = max(prompt_lens), max(tail_lens)
+    widths = {"prompt": max_prompt, "response": max_tail, "response_processed": max_tail}
     columns: dict[tuple[str, str], torch.Tensor] = {}
     for key in keys:
         pad = pad_token_id if key[0] == "tokens" else 0
-        padded_rows = [
-            _pad_row(key, r[key], max_prompt - p, max_tail - t, pad)
-            for r, p, t in zip(rows, prompt_lens, tail_lens, strict=True)
-        ]
-        columns[key] = torch.tensor(padded_rows, dtype=_dtype(key))
+        columns[key] = torch.stack(
+            [
+                _place(key, r[key], widths.get(key[1], 0), max_prompt - p, max_tail - t, pad)
+                for r, p, t in zip(rows, prompt_lens, tail_lens, strict=True)
+            ]
+        )
     return _tensordict(columns, texts, None, [len(samples)])
 
 

@@ -38,3 +38,12 @@ def test_rollouts_benchmark_quick(tmp_path):
         row = report["parallel_episodes"][parallel]
         assert row["collect"]["episodes"] == row["rollouts"]["episodes"] == int(parallel)
         assert row["rollouts"]["dialog_turns"] == 2 * int(parallel)
+
+
+def test_scoring_benchmark_quick(tmp_path):
+    """Both wire formats run; the script itself checks they hand over identical tensors."""
+    report = run_quick("scoring", tmp_path)
+    assert set(report["cases"]) == {"json", "binary", "json_top20", "binary_top20"}
+    cases = report["cases"]
+    assert cases["binary_top20"]["reply_bytes"] < cases["json_top20"]["reply_bytes"]
+    assert cases["binary_top20"]["request_bytes"] < cases["json_top20"]["request_bytes"]

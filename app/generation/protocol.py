@@ -22,6 +22,7 @@ from app.common.protocol import (
     field_error,
 )
 from app.engine.types import SamplingConfig
+from app.scoring.protocol import TopLogProbs
 
 _GENERATE_INPUTS = ("messages", "text", "tokens")
 StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
@@ -58,6 +59,16 @@ class GenerateRequest(InputFields):
     logprobs: bool | None = Field(default=None, description="Alias of return_log_probs; wins.")
     return_prompt_log_probs: bool = Field(
         default=False, description="Also return log_probs.prompt and log_probs.full."
+    )
+    top_logprobs: int = Field(
+        default=0,
+        ge=0,
+        description="At every generated token, the k most likely tokens and their raw "
+        "log-probs (the server's cap: max_top_logprobs). Computed, like `entropy`, by one "
+        "scoring pass over each finished sequence under the weights that generated it.",
+    )
+    entropy: bool = Field(
+        default=False, description="At every generated token, the raw distribution's entropy."
     )
 
     @model_validator(mode="after")
@@ -96,6 +107,12 @@ class GenerateRequest(InputFields):
 
 
 class GeneratedSample(Sample):
+    top_logprobs: TopLogProbs | None = Field(
+        default=None, description="One row per response token (when asked)."
+    )
+    entropy: list[float] | None = Field(
+        default=None, description="Nats, one per response token (when asked)."
+    )
     finish_reason: Literal["stop", "length", "abort"]
     stop_reason: str | None = Field(
         default=None, description="The stop sequence that ended generation, if one did."

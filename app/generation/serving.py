@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from app.common.failures import invalid
+from app.common.failures import TooLarge, invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import messages
 from app.common.sequences import SequenceSplit
 from app.config import Settings
+from app.engine.base import Backend, ScoreItem
+from app.engine.distribution import Scores, ScoreSpec
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
 from app.engine.types import GenerateItem, Generation, SamplingConfig
@@ -20,6 +22,7 @@ from app.generation.protocol import (
     GenerateRequest,
     GenerateResponse,
 )
+from app.scoring.extras import extras
 
 
 @dataclass
@@ -29,6 +32,8 @@ class Sampled:
     version: int
     prompts: list[Prepared]
     generations: list[Generation]
+    scores: list[Scores] | None = None
+    """Per generation, what the request asked beyond log-probs, over its response."""
 
 
 class GenerationService:
@@ -51,9 +56,11 @@ class GenerationService:
         *,
         n: int = 1,
         seed: int | None = None,
+        asks: ScoreSpec | None = None,
     ) -> Sampled:
         """The domain API: checked prompts in, `n` generations each out. Row k's random stream
-        is `row_seed(seed, k)`, whatever else is batched with it."""
+        is `row_seed(seed, k)`, whatever else is batched with it. With `asks`, each finished
+        sequence is also scored for them over its response, under the same weights."""
         served = self.registry.get(model)
         abandoned = threading.Event()
         items = [
@@ -64,10 +71,47 @@ class GenerationService:
         try:
             async with self.registry.generating() as version:
                 generations = await served.generate(items)
+                scores = None
+                if asks is not None:
+                    scores = await served.score_detailed(
+                        [
+                            (
+                                [*item.prompt_ids, *g.token_ids],
+                                replace(asks, start=len(item.prompt_ids)),
+                            )
+                            for item, g in zip(items, generations, strict=True)
+                        ]
+                    )
         except asyncio.CancelledError:
             abandoned.set()  # the backend stops these rows at the next token
             raise
-        return Sampled(version, prompts, generations)
+        return Sampled(version, prompts, generations, scores)
+
+    def _asks(
+        self,
+        request: GenerateRequest,
+        prompts: list[Prepared],
+        max_new_tokens: int,
+        backend: Backend,
+    ) -> ScoreSpec | None:
+        """The per-step extras a request asks for, checked against the server's bounds."""
+        if not request.top_logprobs and not request.entropy:
+            return None
+        if request.top_logprobs > self.settings.max_top_logprobs:
+            raise invalid(
+                "top_logprobs",
+                f"at most {self.settings.max_top_logprobs} (the server's max_top_logprobs)",
+            )
+        limit = backend.full_distribution_limit()
+        longest = max(len(p.ids) for p in prompts) + max_new_tokens
+        if request.entropy and limit is not None and longest > limit:
+            raise TooLarge(
+                f"entropy needs the whole vocabulary at every position, which this backend "
+                f"scores for at most {limit} tokens per sequence; prompt and max_new_tokens "
+                f"reach {longest}",
+                param="entropy",
+            )
+        return ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
 
     async def sample_tokens(
         self, prompts: list[list[int]], config: SamplingConfig, *, seed: int | None = None
@@ -94,12 +138,11 @@ class GenerationService:
             preparer.checked_prompts, request, field, max_new_tokens=max_new_tokens
         )
         config = request.to_sampling_config(max_new_tokens)
+        asks = self._asks(request, prompts, max_new_tokens, served.backend)
         sampled = await self.sample(
-            request.model, prompts, config, n=num_samples, seed=request.seed
+            request.model, prompts, config, n=num_samples, seed=request.seed, asks=asks
         )
-        outputs = await preparer.off_loop(
-            _generated_samples, prompts, sampled.generations, preparer, request
-        )
+        outputs = await preparer.off_loop(_generated_samples, prompts, sampled, preparer, request)
         return GenerateResponse(
             policy_version=sampled.version,
             model=request.model,
@@ -108,27 +151,42 @@ class GenerationService:
         )
 
 
+def _finished(
+    items: list[GenerateItem], generations: list[Generation], asks: ScoreSpec
+) -> list[ScoreItem]:
+    """Each finished sequence with `asks` over its response."""
+    return [
+        ([*item.prompt_ids, *g.token_ids], replace(asks, start=len(item.prompt_ids)))
+        for item, g in zip(items, generations, strict=True)
+    ]
+
+
 def _generated_samples(
     prompts: list[Prepared],
-    generations: list[Generation],
+    sampled: Sampled,
     preparer: InputPreparer,
     request: GenerateRequest,
 ) -> list[list[GeneratedSample]]:
     """Each prompt's samples, decoded (on the tokenizer thread)."""
     n = request.num_samples
-    return [
-        [
-            generated_sample(
+    out = []
+    for i, prompt in enumerate(prompts):
+        group = []
+        for k in range(i * n, (i + 1) * n):
+            sample = generated_sample(
                 prompt,
-                generation,
+                sampled.generations[k],
                 preparer,
                 with_log_probs=request.wants_log_probs,
                 skip_special_tokens=request.skip_special_tokens,
             )
-            for generation in generations[i * n : (i + 1) * n]
-        ]
-        for i, prompt in enumerate(prompts)
-    ]
+            if sampled.scores is not None:
+                spec = ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
+                fields = extras(sampled.scores[k], spec, len(prompt.ids))
+                sample = sample.model_copy(update=fields)
+            group.append(sample)
+        out.append(group)
+    return out
 
 
 def generated_sample(

@@ -190,3 +190,38 @@ async def test_vllm_refuses_full_distribution_work_beyond_its_bound(client, back
         await score(client, tokens=[list(range(1, 20))], top_logprobs=3)
     finally:
         vllm_backend.FULL_VOCAB_ELEMENTS = limit
+
+
+async def test_generation_reports_top_k_and_entropy_at_every_generated_step(client, hf_model):
+    response = await client.post(
+        "/v1/generate",
+        json={
+            "tokens": [PROMPT],
+            "max_new_tokens": 6,
+            "n": 2,
+            "seed": 11,
+            "ignore_eos": True,
+            "top_logprobs": 4,
+            "entropy": True,
+        },
+    )
+    assert response.status_code == 200, response.text
+    for sample in response.json()["outputs"][0]:
+        generated = sample["tokens"]["response"]
+        log_p = log_softmax_rows(hf_model, PROMPT + generated)[len(PROMPT) - 1 :]
+        top = log_p.topk(4, dim=-1)
+        assert len(sample["top_logprobs"]["ids"]) == len(sample["entropy"]) == len(generated) == 6
+        for step in range(len(generated)):
+            assert sample["top_logprobs"]["ids"][step] == top.indices[step].tolist()
+            assert_close(sample["top_logprobs"]["log_probs"][step], top.values[step].tolist(), TOL)
+        entropy = torch.distributions.Categorical(logits=log_p).entropy()
+        assert_close(sample["entropy"], entropy.tolist(), TOL)
+        # the scoring pass agrees with what generation reported for the sampled tokens
+        sampled = log_p.gather(-1, torch.tensor(generated)[:, None]).squeeze(-1)
+        assert_close(sample["log_probs"]["response"], sampled.tolist(), 1e-4)
+    plain = await client.post("/v1/generate", json={"tokens": [PROMPT], "max_new_tokens": 2})
+    assert "top_logprobs" not in plain.json()["outputs"][0][0]  # nothing unasked is computed
+    too_many = await client.post(
+        "/v1/generate", json={"tokens": [PROMPT], "max_new_tokens": 2, "top_logprobs": 65}
+    )
+    assert too_many.status_code == 422 and too_many.json()["error"]["param"] == "top_logprobs"

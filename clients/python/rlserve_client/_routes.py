@@ -27,7 +27,8 @@ def generate(
     **params: Any,
 ) -> Call[types.GenerateResult]:
     """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
-    top_k, repetition_penalty, seed, stop, return_prompt_log_probs, ...
+    top_k, repetition_penalty, seed, stop, return_prompt_log_probs, top_logprobs (k most
+    likely tokens at every generated step), entropy, ...
     `tensors=True`: the reply travels as binary and its arrays are torch tensors (for
     building TensorDicts); tensors given as inputs always travel as binary."""
     body = _given(messages=messages, text=text, tokens=tokens, model=model, **params)

@@ -73,6 +73,9 @@ class Sample(Result):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | None = None
     policy_versions: list[VersionSpan] | None = None
+    top_logprobs: TopLogProbs | None = None
+    """Scored: one row per token of the span; generated: one per response token (asked for)."""
+    entropy: list[float | None] | None = None
 
     def token_versions(self) -> list[int] | None:
         """The policy version of each response token (None when the server did not say)."""
@@ -141,8 +144,6 @@ class ScoredSample(Sample):
     (null rows: nothing predicted there, or a token the processed distribution removed)."""
 
     span: Literal["response", "full"] | None = None
-    top_logprobs: TopLogProbs | None = None
-    entropy: list[float | None] | None = None
     processed: ProcessedLogProbs | None = None
     token_id_log_probs: list[list[float] | None] | None = None
     mismatch: MismatchReport | None = None

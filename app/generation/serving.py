@@ -73,15 +73,7 @@ class GenerationService:
                 generations = await served.generate(items)
                 scores = None
                 if asks is not None:
-                    scores = await served.score_detailed(
-                        [
-                            (
-                                [*item.prompt_ids, *g.token_ids],
-                                replace(asks, start=len(item.prompt_ids)),
-                            )
-                            for item, g in zip(items, generations, strict=True)
-                        ]
-                    )
+                    scores = await served.score_detailed(_finished(items, generations, asks))
         except asyncio.CancelledError:
             abandoned.set()  # the backend stops these rows at the next token
             raise
@@ -169,6 +161,7 @@ def _generated_samples(
 ) -> list[list[GeneratedSample]]:
     """Each prompt's samples, decoded (on the tokenizer thread)."""
     n = request.num_samples
+    asked = ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
     out = []
     for i, prompt in enumerate(prompts):
         group = []
@@ -181,8 +174,7 @@ def _generated_samples(
                 skip_special_tokens=request.skip_special_tokens,
             )
             if sampled.scores is not None:
-                spec = ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
-                fields = extras(sampled.scores[k], spec, len(prompt.ids))
+                fields = extras(sampled.scores[k], asked, len(prompt.ids))
                 sample = sample.model_copy(update=fields)
             group.append(sample)
         out.append(group)

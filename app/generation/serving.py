@@ -134,7 +134,7 @@ class GenerationService:
         sampled = await self.sample(
             request.model, prompts, config, n=num_samples, seed=request.seed, asks=asks
         )
-        outputs = await preparer.off_loop(_generated_samples, prompts, sampled, preparer, request)
+        outputs = await preparer.off_loop(_generated_samples, sampled, preparer, request)
         return GenerateResponse(
             policy_version=sampled.version,
             model=request.model,
@@ -154,7 +154,6 @@ def _finished(
 
 
 def _generated_samples(
-    prompts: list[Prepared],
     sampled: Sampled,
     preparer: InputPreparer,
     request: GenerateRequest,
@@ -163,7 +162,7 @@ def _generated_samples(
     n = request.num_samples
     asked = ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
     out = []
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(sampled.prompts):
         group = []
         for k in range(i * n, (i + 1) * n):
             sample = generated_sample(

@@ -45,6 +45,7 @@ except ImportError:  # plain TensorDicts in TorchRL's key layout
 
 from rlserve_client._client import Client
 from rlserve_client.seeds import turn_seed
+from rlserve_client.tensordicts import padded_row
 from rlserve_client.types import Sample
 
 InputMode = Literal["history", "text", "tokens"]
@@ -328,29 +329,20 @@ class _Layout:
 
     def prompt(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
         left = self.widths[0] - len(values) if self.widths else 0
-        return _padded(values, left, 0, pad, dtype)
+        return padded_row(values, left, 0, pad, dtype)
 
     def response(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
         right = self.widths[1] - len(values) if self.widths else 0
-        return _padded(values, 0, right, pad, dtype)
+        return padded_row(values, 0, right, pad, dtype)
 
     def full(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
         if self.widths is None:
-            return _padded(values, 0, 0, pad, dtype)
+            return padded_row(values, 0, 0, pad, dtype)
         if not self.generated:  # scored sequences: left padding
-            return _padded(values, self.widths[1] - len(values), 0, pad, dtype)
+            return padded_row(values, self.widths[1] - len(values), 0, pad, dtype)
         left = self.widths[0] - self.prompt_len
         right = self.widths[1] - (self.full_len - self.prompt_len)
-        return _padded(values, left, right, pad, dtype)
-
-
-def _padded(values: Any, left: int, right: int, pad: Any, dtype: torch.dtype) -> torch.Tensor:
-    row = torch.as_tensor(values, dtype=dtype)
-    if not left and not right:
-        return row
-    out = torch.full((left + len(row) + right,), pad, dtype=dtype)
-    out[left : left + len(row)] = row
-    return out
+        return padded_row(values, left, right, pad, dtype)
 
 
 def _widths(samples: Sequence[Sample], *, generated: bool) -> tuple[int, int]:

@@ -35,13 +35,15 @@ def encode(body: dict[str, Any]) -> bytes:
     """A request body whose tensors (torch or numpy) travel as columns; everything else stays
     JSON. A 2-D tensor is one row of equal-length sequences (e.g. `tokens`), a list of 1-D
     tensors one row each."""
-    columns: dict[str, list[torch.Tensor]] = {}
+    tensors: dict[str, torch.Tensor] = {}
 
     def take(node: Any, path: str) -> Any:
         if _is_array(node):
-            rows = columns.setdefault(f"{path}~{len(columns)}", [])
-            rows.append(torch.as_tensor(node).detach().cpu())
-            return {"$tensor": next(reversed(columns)), "row": 0}
+            name = f"{path}~{len(tensors) // 2}"  # each given tensor is a column of one row
+            row = torch.as_tensor(node).detach().cpu()
+            tensors[name] = _narrow(row).contiguous()
+            tensors[name + ".offsets"] = torch.tensor([0, len(row)], dtype=torch.int64)
+            return {"$tensor": name, "row": 0}
         if isinstance(node, dict):
             return {k: take(v, f"{path}.{k}" if path else k) for k, v in node.items()}
         if isinstance(node, list | tuple):
@@ -49,10 +51,6 @@ def encode(body: dict[str, Any]) -> bytes:
         return node
 
     skeleton = take(body, "")
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (row,) in columns.items():
-        tensors[name] = _narrow(row).contiguous()
-        tensors[name + ".offsets"] = torch.tensor([0, len(row)], dtype=torch.int64)
     return save(tensors, metadata={METADATA_KEY: json.dumps(skeleton, separators=(",", ":"))})
 
 

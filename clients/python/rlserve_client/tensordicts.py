@@ -70,19 +70,23 @@ def _non_tensors(samples: Sequence[Sample]) -> dict[tuple[str, str], list[Any]]:
     return out
 
 
-def _place(
-    key: tuple[str, str], value: Any, width: int, left: int, right: int, pad: Any
-) -> torch.Tensor:
-    """One row (a list or a tensor) in the padded layout: which side a field pads on depends
-    on its part."""
-    row = torch.as_tensor(value, dtype=_dtype(key))
-    if key[1] == "prompt":
-        left, right = width - len(row), 0
-    elif key[1] in ("response", "response_processed"):
-        left, right = 0, width - len(row)
-    out = torch.full((left + len(row) + right,), pad, dtype=row.dtype)
+def padded_row(values: Any, left: int, right: int, pad: Any, dtype: torch.dtype) -> torch.Tensor:
+    """One row (a list or a tensor) with `left` and `right` pads."""
+    row = torch.as_tensor(values, dtype=dtype)
+    if not left and not right:
+        return row
+    out = torch.full((left + len(row) + right,), pad, dtype=dtype)
     out[left : left + len(row)] = row
     return out
+
+
+def _place(key: tuple[str, str], value: Any, left: int, right: int, pad: Any) -> torch.Tensor:
+    """One row in the padded layout: prompts pad on the left only, responses on the right."""
+    if key[1] == "prompt":
+        right = 0
+    elif key[1] in ("response", "response_processed"):
+        left = 0
+    return padded_row(value, left, right, pad, _dtype(key))
 
 
 def samples_to_tensordict(
@@ -109,13 +113,12 @@ def samples_to_tensordict(
         for s, p in zip(samples, prompt_lens, strict=True)
     ]
     max_prompt, max_tail = max(prompt_lens), max(tail_lens)
-    widths = {"prompt": max_prompt, "response": max_tail, "response_processed": max_tail}
     columns: dict[tuple[str, str], torch.Tensor] = {}
     for key in keys:
         pad = pad_token_id if key[0] == "tokens" else 0
         columns[key] = torch.stack(
             [
-                _place(key, r[key], widths.get(key[1], 0), max_prompt - p, max_tail - t, pad)
+                _place(key, r[key], max_prompt - p, max_tail - t, pad)
                 for r, p, t in zip(rows, prompt_lens, tail_lens, strict=True)
             ]
         )

@@ -276,3 +276,89 @@ def test_llm_collector_grpo_groups_with_remote_policy(remote, hf_model, hf_token
         expected = [a[0] for a in group_advantages(returns, 4, "sum")]
         assert_close(group["advantage"].flatten().tolist(), expected, 1e-6)
     assert any(group["advantage"].abs().sum() > 0 for group in groups)
+
+
+def test_get_dist_is_torchrls_distribution_truncated_to_the_top_k(remote, hf_model, hf_tokenizer):
+    """`get_dist` on sequences of two lengths against TorchRL's TransformersWrapper.get_dist
+    (full logits): at every predicted position the ids are a top k of TorchRL's distribution,
+    their log-probs equal its log-softmax, the renormalized log-prob and entropy equal the
+    truncated distribution's, and the mask leaves out padding and first tokens. `log_prob`
+    equals an independent forward."""
+    from rlserve_client.policy import RemotePolicy
+    from tensordict import TensorDict, lazy_stack
+    from torchrl.modules.llm import TransformersWrapper
+
+    k = 8
+    sequences = [[72, 105, 33, 10, 40, 50, 60], [87, 104, 121, 63]]
+    td = lazy_stack(
+        [TensorDict({("tokens", "full"): torch.tensor(s)}, batch_size=[]) for s in sequences]
+    )
+    policy = RemotePolicy(remote, input_mode="tokens", generate=False)
+    dist = policy.get_dist(td, top_logprobs=k)
+    theirs = TransformersWrapper(
+        hf_model, tokenizer=hf_tokenizer, input_mode="tokens", generate=False, pad_output=False
+    )
+    width = max(map(len, sequences))
+    assert dist.batch_shape == (2, width) and dist.ids.shape == (2, width, k)
+    for i, seq in enumerate(sequences):
+        with torch.no_grad():  # one sequence at a time: TorchRL's batch is padded its own way
+            their_dist = theirs.get_dist(td[i : i + 1], mask_key=("masks", "all_attention_mask"))
+        offset = width - len(seq)
+        logits = torch.cat([torch.zeros(offset, their_dist.logits.shape[-1]), their_dist.logits[0]])
+        expected_mask = [False] * (offset + 1) + [True] * (len(seq) - 1)
+        assert dist.mask[i].tolist() == expected_mask
+        for t in range(offset + 1, width):
+            full = logits[t].log_softmax(-1)
+            ours = dist.raw_log_probs[i, t]
+            assert_close(ours.tolist(), full[dist.ids[i, t]].tolist(), 1e-4)
+            assert float(ours.min()) >= float(full.topk(k).values[-1]) - 1e-5  # a top k
+            kept = full.masked_fill(full < full.topk(k).values[-1], -torch.inf)
+            reference = torch.distributions.Categorical(logits=kept)
+            token = dist.ids[i, t, 3]
+            assert_close(
+                [float(dist.log_prob(_at(dist, i, t, token))[i, t])],
+                [float(reference.log_prob(token))],
+                1e-4,
+            )
+            assert_close([float(dist.entropy()[i, t])], [float(reference.entropy())], 1e-4)
+            mass = 1 - float(full.topk(k).values.exp().sum())
+            assert_close([float(dist.truncated_mass[i, t])], [mass], 1e-4)
+    padded = policy.log_prob(td, as_padded_tensor=True, padding_side="left")
+    for i, seq in enumerate(sequences):
+        assert_close(padded[i, width - len(seq) :].tolist(), forward_log_probs(hf_model, seq), 1e-4)
+
+
+def _at(dist, i: int, t: int, token: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Token ids of the distribution's shape, `token` at (i, t)."""
+    value = dist.mode.clone()
+    value[i, t] = token
+    return value
+
+
+def test_get_dist_of_a_generation_masks_the_assistant_reply(remote, hf_model):
+    """A generating policy's `get_dist` scores what it generated (through its scoring twin):
+    with the assistant mask only the reply counts, and greedy replies are the mode of the
+    distribution at each of their tokens; `log_prob` gives the generation's own log-probs."""
+    from rlserve_client.policy import RemotePolicy
+    from tensordict import TensorDict
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory
+
+    policy = RemotePolicy(remote, generate_kwargs=GREEDY)
+    chats = [[{"role": "user", "content": r["query"]}] for r in ROWS]
+    td = policy(TensorDict({"history": ChatHistory(prompt=History.from_chats(chats))}, [2]))
+    dist = policy.get_dist(td, top_logprobs=4, mask_key=("masks", "all_assistant_mask"))
+    scored = policy.log_prob(td, as_list=True)
+    width = dist.batch_shape[-1]
+    for i in range(2):
+        full = td[i]["tokens", "full"]
+        response = td[i]["tokens", "response"].tolist()
+        assistant = td[i]["masks", "all_assistant_mask"]
+        offset = width - len(full)
+        assert dist.mask[i, offset:].tolist() == assistant.tolist()
+        assert not bool(dist.mask[i, :offset].any())
+        replied = dist.mode[i, offset:][assistant].tolist()
+        assert replied[: len(response)] == response
+        assert_close(scored[i].tolist(), forward_log_probs(hf_model, full.tolist()), 1e-4)
+        generated = td[i]["log_probs", "response"].tolist()
+        assert_close(scored[i][-len(response) :].tolist(), generated, 1e-4)

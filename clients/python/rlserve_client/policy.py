@@ -44,9 +44,10 @@ except ImportError:  # plain TensorDicts in TorchRL's key layout
 
 
 from rlserve_client._client import Client
+from rlserve_client.distributions import TopKCategorical
 from rlserve_client.seeds import turn_seed
 from rlserve_client.tensordicts import padded_row
-from rlserve_client.types import Sample
+from rlserve_client.types import Sample, ScoredSample
 
 InputMode = Literal["history", "text", "tokens"]
 Chat = list[dict[str, str]]
@@ -225,9 +226,6 @@ class RemotePolicy(_Base):  # type: ignore[misc]
     # -- requests ------------------------------------------------------------------------
 
     def _outputs(self, td: TensorDictBase, kwargs: dict[str, Any]) -> TensorDictBase:
-        rows = _read_rows(td, self.input_key, self.input_mode, self.attention_mask_key)
-        field = {"history": "messages", "text": "text", "tokens": "tokens"}[self.input_mode]
-        inputs: dict[str, Any] = {field: rows}
         if self.generate:
             params = {**self.generate_kwargs, **kwargs}
             if params.get("seed") is not None:
@@ -235,13 +233,13 @@ class RemotePolicy(_Base):  # type: ignore[misc]
                 self._calls += 1
             if self.num_samples is not None:
                 params["n"] = self.num_samples
+            inputs = self._inputs(td)
             result = self.client.generate(model=self.model, tensors=True, **inputs, **params)
             pad = _pad_token(result.pad_token_id)
             groups = result.outputs
         else:
-            scored = self.client.logprobs(model=self.model, tensors=True, **inputs)
-            pad = _pad_token(scored.pad_token_id)
-            groups = [[sample] for sample in scored.outputs]
+            scored, pad = self._score(td)
+            groups = [[sample] for sample in scored]
         samples = [s for group in groups for s in group]
         widths = _widths(samples, generated=self.generate) if self.pad_output else None
         built = [self._row(s, pad, widths) for s in samples]
@@ -249,6 +247,109 @@ class RemotePolicy(_Base):  # type: ignore[misc]
             return lazy_stack(built)
         n = self.num_samples
         return lazy_stack([lazy_stack(built[i * n : (i + 1) * n]) for i in range(len(groups))])
+
+    def _score(self, td: TensorDictBase, **extras: Any) -> tuple[list[ScoredSample], int]:
+        """The rows of `td` (read at `(input_mode, "full")`) scored by the server, and the
+        model's pad token."""
+        inputs = self._inputs(td)
+        scored = self.client.logprobs(model=self.model, tensors=True, **inputs, **extras)
+        return scored.outputs, _pad_token(scored.pad_token_id)
+
+    def _inputs(self, td: TensorDictBase) -> dict[str, Any]:
+        """The request's input field: `td`'s rows at the input key."""
+        rows = _read_rows(td, self.input_key, self.input_mode, self.attention_mask_key)
+        field = {"history": "messages", "text": "text", "tokens": "tokens"}[self.input_mode]
+        return {field: rows}
+
+    # -- distributions -------------------------------------------------------------------
+
+    def _scorer(self) -> RemotePolicy:
+        """This policy if it scores, else its scoring twin for what a generation wrote: the
+        exact tokens at `(tokens_key, "full")` (re-templating the history could tokenize the
+        reply differently)."""
+        if not self.generate:
+            return self
+        full = (self.tokens_key, "full")
+        return self.get_new_version(generate=False, input_mode="tokens", input_key=full)
+
+    def get_dist(
+        self,
+        tensordict: TensorDictBase,
+        tensordict_out: TensorDictBase | None = None,
+        *,
+        top_logprobs: int = 20,
+        mask_key: Any = None,
+        padding_side: Literal["left", "right"] = "left",
+        as_padded_tensor: bool | None = None,
+        as_nested_tensor: bool | None = None,
+        **kwargs: Any,
+    ) -> TopKCategorical:
+        """The served model's next-token distribution at every position of the sequences in
+        `tensordict` (read as the scoring policy reads them), **truncated to the
+        `top_logprobs` most likely tokens and renormalized over them** (see
+        `rlserve_client.distributions.TopKCategorical`; `truncated_mass` says what was cut).
+        One `/v1/logprobs` request. Batch shape `[*batch, T]`, padded on `padding_side`
+        (left by TorchRL's convention); the mask leaves out padding, each sequence's first
+        token (no prediction) and, with `mask_key`, the positions where that mask is False: a
+        key of the scored output's masks (`("masks", "all_assistant_mask")`) or of the input,
+        one value per token. A generating policy scores the tokens it generated."""
+        if as_nested_tensor or as_padded_tensor is False:
+            raise ValueError("get_dist gives padded tensors only")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be left or right, got {padding_side!r}")
+        unused = {k: v for k, v in kwargs.items() if v is not None and k != "logits_key"}
+        if unused:
+            raise ValueError(f"get_dist does not take {sorted(unused)}")
+        scorer = self._scorer()
+        flat = tensordict.reshape(-1)
+        with _set_list_to_stack(True):
+            samples, _ = scorer._score(flat, top_logprobs=top_logprobs, span="full")
+            rows = flat.unbind(0)
+            width = max(len(_given(s.tokens.full)) for s in samples)
+            ids = torch.full((len(samples), width, top_logprobs), -1, dtype=torch.long)
+            log_probs = torch.full((len(samples), width, top_logprobs), torch.nan)
+            mask = torch.zeros(len(samples), width, dtype=torch.bool)
+            for i, sample in enumerate(samples):
+                table = sample.top_logprobs
+                if table is None:
+                    raise ValueError("the server did not return top_logprobs (upgrade it)")
+                top_ids = torch.as_tensor(table.ids).reshape(-1, top_logprobs)
+                n = len(top_ids)
+                at = slice(width - n, width) if padding_side == "left" else slice(0, n)
+                ids[i, at] = top_ids
+                log_probs[i, at] = torch.as_tensor(table.log_probs).reshape(-1, top_logprobs)
+                counted = top_ids[:, 0] >= 0
+                if mask_key is not None:
+                    counted &= scorer._mask_row(sample, rows[i], mask_key, n)
+                mask[i, at] = counted
+        shape = tensordict.shape
+        return TopKCategorical(
+            ids.view(*shape, width, top_logprobs),
+            log_probs.view(*shape, width, top_logprobs),
+            mask.view(*shape, width),
+        )
+
+    def _mask_row(self, sample: Sample, row: TensorDictBase, key: Any, n: int) -> torch.Tensor:
+        """One sequence's values of the mask `key`: from the scored sample's masks, else from
+        the input row (without its padding, as its attention mask says)."""
+        key = (key,) if isinstance(key, str) else tuple(key)
+        values = None
+        if len(key) == 2 and key[0] == self.masks_key:
+            values = getattr(sample.masks, key[1], None)
+        if values is None and key in row.keys(include_nested=True):
+            values = _unpadded_tokens(row, key, self.attention_mask_key)
+        if values is None or len(values) != n:
+            raise KeyError(f"mask_key {key!r}: no mask with one value per token of the sequence")
+        return torch.as_tensor(values).bool()
+
+    def log_prob(self, data: TensorDictBase, **get_kwargs: Any) -> torch.Tensor:
+        """Log-probs of the sequences in `data` under the served model (exact, not truncated),
+        from one scoring request: `(log_probs_key, "full")` as `TensorDictBase.get` returns it
+        with `get_kwargs` (e.g. `as_padded_tensor=True`). A generating policy scores the
+        tokens it generated (`(tokens_key, "full")`)."""
+        scorer = self._scorer()
+        scored = scorer.get_new_version(inplace=False)(data)
+        return scored.get((scorer.log_probs_key, "full"), **get_kwargs)  # type: ignore[no-any-return]
 
     def _merge(
         self, td: TensorDictBase, out: TensorDictBase, tensordict_out: TensorDictBase | None

@@ -63,6 +63,14 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, gt=0)
     enable_prefix_caching: bool | None = Field(default=None, description="Default: vLLM's own.")
     enforce_eager: bool = False
+    vllm_processed_log_probs: bool = Field(
+        default=False,
+        description="vLLM samples with logprobs_mode processed_logprobs, so generations "
+        "carry response_processed (the distribution sampled from), and scores each finished "
+        "sequence once more for the raw log-probs (under the weights at its end: a generation "
+        "that spans a weight update gets raw log-probs of the new weights for every token). "
+        "False: raw log-probs of the weights that sampled each token, no response_processed.",
+    )
 
     # Built-in model shape (used only when `model` is unset)
     builtin_hidden_size: int = Field(default=64, gt=0)

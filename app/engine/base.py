@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from app.engine.distribution import Scores, ScoreSpec
 from app.engine.types import GenerateItem, Generation, ModelInfo
@@ -27,6 +27,8 @@ class Capabilities:
     """Receives weights over a collective (`Backend.transfer`)."""
     processed_log_probs: bool = False
     """Reports log-probs of the processed (temperature, top-k/p) distribution it sampled."""
+    streamed_log_probs: Literal["raw", "processed"] = "raw"
+    """Which log-probs a GenerateItem's sink is told as tokens are sampled."""
     continuous_batching: bool = False
     """Batches generation itself: rows go straight to the engine, one call each."""
 

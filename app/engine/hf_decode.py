@@ -196,6 +196,8 @@ def _advance(
     rows.tokens[i].append(token)
     rows.raw[i].append(raw_lp)
     rows.processed[i].append(processed_lp)
+    if (sink := rows.items[i].sink) is not None:
+        sink.put([token], [raw_lp])
     if token in eos_ids and not config.ignore_eos:
         rows.finish[i] = "stop"
     elif config.stop_sequences and (

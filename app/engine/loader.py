@@ -129,6 +129,7 @@ async def load_backend(
             trust_remote_code=settings.trust_remote_code,
             builtin=builtin,
             engine_options=options,
+            processed_log_probs=settings.vllm_processed_log_probs,
             state_dir=settings.data_dir / "vllm-weights" / name,
         )
     from app.engine.transformers_backend import TransformersBackend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -37,14 +37,14 @@ class SamplingConfig:
         ignore_eos: bool = False,
         return_prompt_log_probs: bool = False,
     ) -> SamplingConfig:
-        """The request rule, in one place: greedy rows score at temperature 1; otherwise the
-        temperature defaults to 1."""
+        """The request rule, in one place: greedy rows score at temperature 1 without top-k
+        or top-p (as vLLM treats them); otherwise the temperature defaults to 1."""
         return cls(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
             temperature=1.0 if greedy or temperature is None else temperature,
-            top_p=top_p,
-            top_k=top_k,
+            top_p=1.0 if greedy else top_p,
+            top_k=None if greedy else top_k,
             repetition_penalty=repetition_penalty,
             stop_sequences=tuple(stops or ()),
             ignore_eos=ignore_eos,
@@ -61,6 +61,14 @@ class GenerateItem:
     seed: int
     abandoned: threading.Event | None = field(default=None, compare=False)
     """Set when the requester is gone: decoding stops at the next token (app.engine.abandon)."""
+    sink: TokenSink | None = field(default=None, compare=False)
+    """Told each token as it is sampled (streaming), from whatever thread samples it."""
+
+
+class TokenSink(Protocol):
+    def put(self, token_ids: list[int], log_probs: list[float]) -> None:
+        """New tokens of the row and the log-probs the engine sampled them with (raw, or
+        processed where the engine reports only those). Thread-safe, never blocks."""
 
 
 @dataclass(frozen=True)

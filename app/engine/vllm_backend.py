@@ -20,7 +20,14 @@ from app.common.failures import InvalidInput, Unsupported
 from app.engine.abandon import unless_abandoned
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec, assemble, position_scores
-from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, VersionSpan
+from app.engine.types import (
+    GenerateItem,
+    Generation,
+    ModelInfo,
+    SamplingConfig,
+    TokenSink,
+    VersionSpan,
+)
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer
@@ -45,12 +52,20 @@ class VLLMBackend(Backend):
         tokenizer: Any,
         info: ModelInfo,
         weights: WeightFiles | None = None,
+        *,
+        processed_log_probs: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
         self.weights = weights
         self.tied_embeddings = False
+        self.capabilities = Capabilities(
+            weight_transfer=True,
+            continuous_batching=True,
+            processed_log_probs=processed_log_probs,
+            streamed_log_probs="processed" if processed_log_probs else "raw",
+        )
 
     @classmethod
     async def start(
@@ -63,9 +78,12 @@ class VLLMBackend(Backend):
         trust_remote_code: bool = False,
         builtin: bool = False,
         engine_options: dict[str, Any] | None = None,
+        processed_log_probs: bool = False,
         state_dir: Path | None = None,
     ) -> VLLMBackend:
-        """Start the engine (its worker processes included) and wait until it answers."""
+        """Start the engine (its worker processes included) and wait until it answers. With
+        `processed_log_probs`, sampled tokens carry their log-probs under the distribution
+        they were drawn from (vLLM's logprobs_mode is per engine, not per request)."""
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs, AsyncLLMEngine
         from vllm.platforms import current_platform
@@ -78,6 +96,8 @@ class VLLMBackend(Backend):
             options.setdefault("enable_chunked_prefill", False)
         # Scoring asks for whole-vocabulary prompt log-probs; the service enforces its own caps.
         options.setdefault("max_logprobs", -1)
+        if processed_log_probs:  # prompt log-probs stay raw in this mode (vLLM skips processors)
+            options["logprobs_mode"] = "processed_logprobs"
         args = AsyncEngineArgs(
             model=source,
             dtype=dtype,
@@ -105,7 +125,7 @@ class VLLMBackend(Backend):
                 builtin=builtin,
             )
             weights = WeightFiles.of_source(source, state_dir) if state_dir else None
-            backend = cls(engine, tokenizer, info, weights)
+            backend = cls(engine, tokenizer, info, weights, processed_log_probs=processed_log_probs)
             hf_config = model_config.hf_config
             backend.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
             await engine.update_weight_version("0")
@@ -115,13 +135,25 @@ class VLLMBackend(Backend):
             raise
         return backend
 
-    async def _final(self, prompt: Sequence[int], params: Any) -> Any:
+    async def _final(
+        self, prompt: Sequence[int], params: Any, sink: TokenSink | None = None
+    ) -> Any:
+        """The request's last output; with a `sink` (and cumulative outputs), each new token
+        is told as it arrives."""
         from vllm.inputs import TokensPrompt
 
         final = None
+        sent = 0
         request = TokensPrompt(prompt_token_ids=list(prompt))
         async for output in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
             final = output
+            if sink is not None:
+                completion = output.outputs[0]
+                new = list(completion.token_ids[sent:])
+                if new:
+                    steps = completion.logprobs[sent:]
+                    sink.put(new, [float(s[t].logprob) for t, s in zip(new, steps, strict=True)])
+                    sent += len(new)
         if final is None:
             raise RuntimeError("vLLM returned no output")
         return final
@@ -201,27 +233,45 @@ class VLLMBackend(Backend):
 
     async def _generate_one(self, item: GenerateItem) -> Generation:
         config = item.config
-        work = self._final(item.prompt_ids, sampling_params(config, item.seed))
+        processed_mode = self.capabilities.processed_log_probs
+        params = sampling_params(
+            config, item.seed, prompt_log_probs=not processed_mode, streaming=item.sink is not None
+        )
+        work = self._final(item.prompt_ids, params, item.sink)
         final = await unless_abandoned(work, item.abandoned)
         if final is None:  # the requester is gone; vLLM aborted the request
             return Generation([], [], None, "abort")
         completion = final.outputs[0]
         finish = completion.finish_reason
         tokens = list(completion.token_ids)
-        log_probs = [
+        sampled = [
             float(step[t].logprob) for t, step in zip(tokens, completion.logprobs, strict=True)
         ]
         prompt = None
-        if config.return_prompt_log_probs:
-            prompt = [0.0] + [
-                float(entry[t].logprob)
-                for t, entry in zip(item.prompt_ids[1:], final.prompt_logprobs[1:], strict=True)
-            ]
+        if processed_mode:
+            # The sampled values are processed; the raw ones come from one scoring pass over
+            # the finished sequence (prompt log-probs are raw in every mode).
+            raw = await unless_abandoned(
+                self._score_one([*item.prompt_ids, *tokens]), item.abandoned
+            )
+            if raw is None:
+                return Generation([], [], None, "abort")
+            cut = len(item.prompt_ids)
+            log_probs, processed = raw[cut:], sampled
+            if config.return_prompt_log_probs:
+                prompt = raw[:cut]
+        else:
+            log_probs, processed = sampled, None
+            if config.return_prompt_log_probs:
+                prompt = [0.0] + [
+                    float(entry[t].logprob)
+                    for t, entry in zip(item.prompt_ids[1:], final.prompt_logprobs[1:], strict=True)
+                ]
         stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
         return Generation(
             token_ids=tokens,
             log_probs=log_probs,
-            processed_log_probs=None,
+            processed_log_probs=processed,
             finish_reason="length"
             if finish == "length"
             else "abort"
@@ -336,13 +386,18 @@ class VLLMTransfer(WeightTransfer):
         await self.engine.shutdown_weight_transfer_engine()
 
 
-def sampling_params(config: SamplingConfig, seed: int) -> Any:
-    """The standardized parameters as vLLM `SamplingParams` (raw-distribution log-probs). Only
-    the final output is streamed back, and text is detokenized only to find stop strings."""
+def sampling_params(
+    config: SamplingConfig, seed: int, *, prompt_log_probs: bool = True, streaming: bool = False
+) -> Any:
+    """The standardized parameters as vLLM `SamplingParams` (the sampled token's log-prob, in
+    the engine's logprobs_mode; prompt log-probs when asked and `prompt_log_probs`). Only the
+    final output comes back unless `streaming` (then every step's, cumulative), and text is
+    detokenized only to find stop strings."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        output_kind=_final_only(),
+        output_kind=RequestOutputKind.CUMULATIVE if streaming else _final_only(),
         detokenize=bool(config.stop_sequences),
         n=1,
         max_tokens=config.max_new_tokens,
@@ -355,7 +410,7 @@ def sampling_params(config: SamplingConfig, seed: int) -> Any:
         include_stop_str_in_output=True,
         ignore_eos=config.ignore_eos,
         logprobs=0,
-        prompt_logprobs=0 if config.return_prompt_log_probs else None,
+        prompt_logprobs=0 if config.return_prompt_log_probs and prompt_log_probs else None,
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
     )

@@ -48,10 +48,7 @@ async def test_greedy_with_repetition_penalty_matches_transformers(client, hf_mo
     assert body["outputs"][0][0]["tokens"]["response"] == expected
 
 
-RAW_ONLY = "vLLM reports the raw distribution only (no response_processed)"
-
-
-async def test_sampled_log_probs_equal_scoring(client, backend_name):
+async def test_sampled_log_probs_equal_scoring(client):
     body = await generate(client, text=["Once upon a time", "x"], max_tokens=24, seed=3, n=2)
     for samples in body["outputs"]:
         for sample in samples:
@@ -61,34 +58,72 @@ async def test_sampled_log_probs_equal_scoring(client, backend_name):
             expected = scored["outputs"][0]["log_probs"]["full"][cut:]
             assert_close(sample["log_probs"]["response"], expected, 1e-4)
             # temperature 1 and no filtering: the sampling distribution is the raw one
-            if backend_name != "vllm":
-                processed = sample["log_probs"]["response_processed"]
-                assert_close(processed, sample["log_probs"]["response"], 1e-6)
+            processed = sample["log_probs"]["response_processed"]
+            assert_close(processed, sample["log_probs"]["response"], 1e-4)
 
 
-async def test_processed_log_probs_follow_temperature(client, hf_model, backend_name):
-    if backend_name == "vllm":
-        pytest.skip(RAW_ONLY)
-    prompt = [50, 60, 70]
-    body = await generate(client, tokens=[prompt], max_tokens=6, temperature=0.7, seed=11)
-    sample = body["outputs"][0][0]
-    full = torch.tensor([sample["tokens"]["full"]])
+def processed_by_hand(
+    model, prompt: list[int], response: list[int], **config: float
+) -> list[float]:  # type: ignore[no-untyped-def]
+    """Log-probs of `response` under the distribution sampled from, computed step by step:
+    repetition penalty on every token seen so far, then temperature, then top-k."""
+    penalty, temperature = config.get("repetition_penalty", 1.0), config["temperature"]
+    top_k = int(config.get("top_k", 0))
+    full = torch.tensor([prompt + response])
     with torch.inference_mode():
-        logits = hf_model(full).logits[0, len(prompt) - 1 : -1]
-    response = full[0, len(prompt) :, None]
-    expected = (logits / 0.7).log_softmax(-1).gather(-1, response).squeeze(-1).tolist()
+        logits = model(full).logits[0, len(prompt) - 1 : -1].float()
+    values = []
+    for step, token in enumerate(response):
+        row = logits[step].clone()
+        seen = torch.tensor(sorted(set(prompt + response[:step])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+        row = row / temperature
+        if top_k:
+            row[row < row.topk(top_k).values[-1]] = -torch.inf
+        values.append(float(row.log_softmax(-1)[token]))
+    return values
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"temperature": 0.7},
+        {"temperature": 1.3, "top_k": 20, "repetition_penalty": 1.4},
+    ],
+)
+async def test_processed_log_probs_are_the_sampling_distribution(client, hf_model, config):
+    prompt = [50, 60, 70, 60]
+    body = await generate(client, tokens=[prompt], max_tokens=8, seed=11, ignore_eos=True, **config)
+    sample = body["outputs"][0][0]
+    response = sample["tokens"]["response"]
+    expected = processed_by_hand(hf_model, prompt, response, **config)
+    assert_close(sample["log_probs"]["response_processed"], expected, 1e-4)
+    raw = processed_by_hand(hf_model, prompt, response, temperature=1.0)
+    assert_close(sample["log_probs"]["response"], raw, 1e-4)
+
+
+async def test_greedy_processed_log_probs_have_the_penalty_only(client, hf_model):
+    """Greedy rows score at temperature 1 without top-k/top-p, on both backends."""
+    prompt = [10, 20, 30, 40]
+    body = await generate(
+        client, tokens=[prompt], max_tokens=8, temperature=0, top_k=3, repetition_penalty=1.5
+    )
+    sample = body["outputs"][0][0]
+    response = sample["tokens"]["response"]
+    expected = processed_by_hand(
+        hf_model, prompt, response, temperature=1.0, repetition_penalty=1.5
+    )
     assert_close(sample["log_probs"]["response_processed"], expected, 1e-4)
 
 
-async def test_top_k_one_and_tiny_top_p_are_greedy(client, hf_model, backend_name):
+async def test_top_k_one_and_tiny_top_p_are_greedy(client, hf_model):
     prompt = [33, 44, 55]
     greedy = hf_greedy(hf_model, prompt, 10)
     for params in ({"top_k": 1}, {"top_p": 1e-6}):
         body = await generate(client, tokens=[prompt], max_tokens=10, seed=5, **params)
         sample = body["outputs"][0][0]
         assert sample["tokens"]["response"] == greedy
-        if backend_name != "vllm":
-            assert sample["log_probs"]["response_processed"] == [0.0] * 10
+        assert sample["log_probs"]["response_processed"] == [0.0] * 10
 
 
 async def test_seeded_sampling_is_reproducible(client):

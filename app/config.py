@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         gt=0,
         description="A session's max_turns when it sets none, and the most it may set.",
     )
+    trajectory_ttl_s: float = Field(
+        default=86400, gt=0, description="Trajectories not written for this long expire."
+    )
+    trajectory_max_turns: int = Field(
+        default=256, gt=0, description="Completions one trajectory may record; beyond: 409."
+    )
     tool_timeout_s: float = Field(
         default=5.0, gt=0, le=3600, description="Wall clock per python block."
     )

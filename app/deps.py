@@ -12,8 +12,10 @@ from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
 from app.generation.serving import GenerationService
 from app.kl.serving import KLService
+from app.openai_compat.serving import OpenAIService
 from app.rollouts.serving import RolloutService
 from app.scoring.serving import ScoringService
+from app.trajectories.service import TrajectoryService
 from app.weights.service import WeightsService
 from app.weights.transfer import TransferService
 
@@ -69,6 +71,16 @@ def _weights(request: Request) -> WeightsService:
     return weights
 
 
+def _openai(request: Request) -> OpenAIService:
+    openai: OpenAIService = request.app.state.openai
+    return openai
+
+
+def _trajectories(request: Request) -> TrajectoryService:
+    trajectories: TrajectoryService = request.app.state.trajectories
+    return trajectories
+
+
 def _transfers(request: Request) -> TransferService:
     transfers: TransferService = request.app.state.transfers
     return transfers
@@ -85,3 +97,5 @@ EnvsDep = Annotated[EnvService, Depends(_envs)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsService, Depends(_weights)]
 TransfersDep = Annotated[TransferService, Depends(_transfers)]
+OpenAIDep = Annotated[OpenAIService, Depends(_openai)]
+TrajectoriesDep = Annotated[TrajectoryService, Depends(_trajectories)]

@@ -143,7 +143,7 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0]
     ctx = first.get("ctx") or {}
     param = ctx.get("field") or _loc_to_param(tuple(first.get("loc", ()))) or "body"
@@ -167,7 +167,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+        return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

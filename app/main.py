@@ -28,6 +28,8 @@ from app.generation.router import router as generation_router
 from app.generation.serving import GenerationService
 from app.kl.router import router as kl_router
 from app.kl.serving import KLService
+from app.openai_compat.router import router as openai_router
+from app.openai_compat.serving import OpenAIService
 from app.ops.access import Access, policy_of
 from app.ops.auth import AuthMiddleware
 from app.ops.context import RequestContextMiddleware
@@ -38,6 +40,9 @@ from app.rollouts.router import router as rollouts_router
 from app.rollouts.serving import RolloutService
 from app.scoring.router import router as scoring_router
 from app.scoring.serving import ScoringService
+from app.trajectories.router import router as trajectories_router
+from app.trajectories.service import TrajectoryService
+from app.trajectories.store import SQLiteTrajectoryStore
 from app.weights.router import router as weights_router
 from app.weights.router import serving_router, transfer_router
 from app.weights.service import WeightsService
@@ -53,18 +58,23 @@ async def load_or_exit(registry: ModelRegistry) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def reap_forever(envs: EnvService, ttl_s: float) -> None:
-    """Delete idle sessions now and then (expired ones also 404 on access meanwhile)."""
+async def reap_forever(envs: EnvService, trajectories: TrajectoryService, ttl_s: float) -> None:
+    """Delete idle sessions and trajectories now and then (expired sessions also 404 on
+    access meanwhile)."""
     while True:
         await asyncio.sleep(min(max(ttl_s / 4, 1.0), 60.0))
         try:
             if expired := await envs.reap():
                 logger.info("expired %d idle environment sessions", expired)
+            if expired := await trajectories.reap():
+                logger.info("expired %d idle trajectories", expired)
         except Exception:
-            logger.exception("reaping environment sessions failed")
+            logger.exception("reaping sessions or trajectories failed")
 
 
-def build_services(app: FastAPI, registry: ModelRegistry, envs: EnvService) -> None:
+def build_services(
+    app: FastAPI, registry: ModelRegistry, envs: EnvService, trajectories: TrajectoryService
+) -> None:
     """The services, built once per app on `app.state`: routes reach them through `app.deps`
     and convert wire models to their typed domain calls."""
     settings: Settings = app.state.settings
@@ -73,6 +83,8 @@ def build_services(app: FastAPI, registry: ModelRegistry, envs: EnvService) -> N
     app.state.scoring = ScoringService(registry, settings)
     app.state.kl = KLService(registry, settings)
     app.state.rollouts = RolloutService(envs, generation)
+    app.state.trajectories = trajectories
+    app.state.openai = OpenAIService(registry, generation, trajectories, settings)
     app.state.weights = weights = WeightsService(registry, settings)
     app.state.transfers = TransferService(registry, weights)
 
@@ -93,13 +105,17 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         )
         metrics.watch(registry)
         store = SQLiteSessionStore(settings.data_dir / "sessions.sqlite3")
+        recorded = SQLiteTrajectoryStore(settings.data_dir / "sessions.sqlite3")
+        trajectories = TrajectoryService(recorded, registry, settings)
         datasets = DatasetRegistry(settings.data_dir / "datasets")
-        build_services(app, registry, EnvService(store, registry, datasets, settings))
+        envs = EnvService(store, registry, datasets, settings)
+        build_services(app, registry, envs, trajectories)
         await asyncio.to_thread(app.state.envs.sandbox.probe)
         await asyncio.to_thread(app.state.weights.clean_uploads)
         loading = asyncio.create_task(load_or_exit(registry)) if load_models else None
         app.state.loading = loading
-        reaper = asyncio.create_task(reap_forever(app.state.envs, settings.env_ttl_s))
+        ttl = min(settings.env_ttl_s, settings.trajectory_ttl_s)
+        reaper = asyncio.create_task(reap_forever(envs, trajectories, ttl))
         try:
             yield
         finally:
@@ -109,6 +125,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
             await app.state.transfers.aclose()
             await registry.aclose()
             await store.aclose()
+            await recorded.aclose()
 
     app = FastAPI(
         title="rlserve",
@@ -129,6 +146,8 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         weights_router,
         transfer_router,
         serving_router,
+        openai_router,
+        trajectories_router,
         ops_router,
     )
     routes = [route for router in routers for route in router.routes]

@@ -94,17 +94,27 @@ class InputPreparer:
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
 
-    def render(self, conversation: Conversation, *, generation_prompt: bool) -> str:
+    def render(
+        self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None
+    ) -> str:
         return str(
             self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=generation_prompt
+                conversation, tokenize=False, add_generation_prompt=generation_prompt, tools=tools
             )
         )
 
-    def template(self, conversation: Conversation, *, generation_prompt: bool) -> Prepared:
-        """Template a conversation; the assistant mask comes from the template's generation
-        tags, or from character offsets of the assistant turns when it has none."""
-        text = self.render(conversation, generation_prompt=generation_prompt)
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions."""
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    def template(
+        self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None
+    ) -> Prepared:
+        """Template a conversation (with tool definitions for templates that take them); the
+        assistant mask comes from the template's generation tags, or from character offsets
+        of the assistant turns when it has none."""
+        text = self.render(conversation, generation_prompt=generation_prompt, tools=tools)
         if self.has_generation_tags:
             out = self.tokenizer.apply_chat_template(
                 conversation,
@@ -112,6 +122,7 @@ class InputPreparer:
                 return_dict=True,
                 add_generation_prompt=generation_prompt,
                 return_assistant_tokens_mask=True,
+                tools=tools,
             )
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:

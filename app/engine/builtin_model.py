@@ -9,14 +9,32 @@ from pathlib import Path
 
 # Every assistant turn sits inside {% generation %} tags, so that
 # `return_assistant_tokens_mask=True` marks the assistant content and its end-of-turn token.
+# With `tools`, a system turn lists them and teaches the Hermes-style call
+# `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (as Qwen's templates do); an
+# assistant turn's tool calls render the same way, and tool results are their own role.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    '{{- \'</tools>\\nCall a tool with <tool_call>{\\"name\\": ..., \\"arguments\\": {...}}'
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- generation %}{{- message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '<tool_call>' }}{{- {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}{{- '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{%- endgeneration %}"
     "{{- '\\n' }}"
     "{%- else %}"
     "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -24,7 +42,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_MARKER = "rlserve_builtin.json"
 # Bump when the builder changes what it writes, so cached copies are rebuilt.
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 # vLLM's CPU attention supports head sizes from 32 up.
 HEAD_DIM = 32
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -26,6 +27,7 @@ class ModelRegistry:
         self.settings = settings
         self.models: dict[str, ServedModel] = {}
         self.status: Status = "loading"
+        self.loaded_at = 0.0  # time.time() when the models were ready
         self.error: str | None = None
         self.pair: ModelPair | None = None
         self.gate = ServingGate(lambda: {name: m.backend for name, m in self.models.items()})
@@ -88,7 +90,7 @@ class ModelRegistry:
                 self.pair = ModelPair(
                     self.models["policy"], self.models["reference"], self._batching()
                 )
-            self.status = "ready"
+            self.status, self.loaded_at = "ready", time.time()
             logger.info("ready: %s", ", ".join(str(m.backend.info) for m in self.models.values()))
         except Exception as exc:
             logger.exception("model loading failed")

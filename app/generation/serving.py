@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from app.common.failures import TooLarge, invalid
@@ -16,7 +17,7 @@ from app.engine.base import Backend, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec
 from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
-from app.engine.types import GenerateItem, Generation, SamplingConfig
+from app.engine.types import GenerateItem, Generation, SamplingConfig, TokenSink
 from app.generation.protocol import (
     GeneratedSample,
     GenerateRequest,
@@ -57,19 +58,31 @@ class GenerationService:
         n: int = 1,
         seed: int | None = None,
         asks: ScoreSpec | None = None,
+        sinks: Sequence[TokenSink] | None = None,
+        started: asyncio.Future[int] | None = None,
     ) -> Sampled:
         """The domain API: checked prompts in, `n` generations each out. Row k's random stream
         is `row_seed(seed, k)`, whatever else is batched with it. With `asks`, each finished
-        sequence is also scored for them over its response, under the same weights."""
+        sequence is also scored for them over its response, under the weights at its end.
+        Row k's tokens also go to `sinks[k]` as they are sampled (streaming), and `started`
+        gets the policy version once generation is admitted."""
         served = self.registry.get(model)
         abandoned = threading.Event()
         items = [
-            GenerateItem(tuple(p.ids), config, row_seed(seed, i * n + j), abandoned)
+            GenerateItem(
+                tuple(p.ids),
+                config,
+                row_seed(seed, i * n + j),
+                abandoned,
+                sinks[i * n + j] if sinks is not None else None,
+            )
             for i, p in enumerate(prompts)
             for j in range(n)
         ]
         try:
             async with self.registry.generating() as version:
+                if started is not None and not started.done():
+                    started.set_result(version)
                 generations = await served.generate(items)
                 scores = None
                 if asks is not None:

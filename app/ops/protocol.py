@@ -24,6 +24,12 @@ class ReadyResponse(WireModel):
 
 
 class ModelCard(WireModel):
+    """OpenAI's model object (`id`, `object`, `created`, `owned_by`) with rlserve's fields."""
+
+    id: str = Field(description="The name requests use (OpenAI's field; equals name).")
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rlserve"
     name: str
     source: str
     backend: str
@@ -36,6 +42,10 @@ class ModelCard(WireModel):
 
 
 class ModelsResponse(WireModel):
+    """OpenAI's model list (`object`, `data`); `models` holds the same cards."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
     models: list[ModelCard]
     policy_version: int
 

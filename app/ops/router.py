@@ -58,8 +58,15 @@ async def models(registry: RegistryDep) -> ModelsResponse:
     for served in registry.models.values():
         fields = asdict(served.backend.info)
         fields.pop("extra")
-        cards.append(ModelCard(**fields, pad_token_id=served.preparer.pad_token_id))
-    return ModelsResponse(models=cards, policy_version=registry.policy_version)
+        cards.append(
+            ModelCard(
+                id=served.name,
+                created=int(registry.loaded_at),
+                **fields,
+                pad_token_id=served.preparer.pad_token_id,
+            )
+        )
+    return ModelsResponse(data=cards, models=cards, policy_version=registry.policy_version)
 
 
 @router.get(

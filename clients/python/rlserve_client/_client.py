@@ -82,6 +82,9 @@ class _Methods:
     list_envs = _Route(routes.list_envs)
     delete_env = _Route(routes.delete_env)
     rollouts = _Route(routes.rollouts)
+    trajectory = _Route(routes.trajectory)
+    set_trajectory_reward = _Route(routes.set_trajectory_reward)
+    delete_trajectory = _Route(routes.delete_trajectory)
 
 
 def _no_answer(exc: httpx.TransportError) -> APIConnectionError:

@@ -364,3 +364,29 @@ def rollouts(
     return Call(
         "POST", "/v1/rollouts", types.RolloutResult, json=body, timeout=timeout, retry=Retry.UNSENT
     )
+
+
+def trajectory(
+    trajectory_id: str, /, *, timeout: Timeout = NOT_GIVEN
+) -> Call[types.RecordedTrajectory]:
+    """The completions recorded under `trajectory_id` (the OpenAI routes' `trajectory_id`
+    field or X-Trajectory-ID header), as token sequences: `.to_tensordict()` for a trainer."""
+    return Call(
+        "GET", f"/v1/trajectories/{trajectory_id}", types.RecordedTrajectory, timeout=timeout
+    )
+
+
+def set_trajectory_reward(
+    trajectory_id: str, /, *, reward: float, timeout: Timeout = NOT_GIVEN
+) -> Call[types.Json]:
+    return Call(
+        "POST",
+        f"/v1/trajectories/{trajectory_id}/reward",
+        types.Json,
+        json={"reward": reward},
+        timeout=timeout,
+    )
+
+
+def delete_trajectory(trajectory_id: str, /, *, timeout: Timeout = NOT_GIVEN) -> Call[types.Json]:
+    return Call("DELETE", f"/v1/trajectories/{trajectory_id}", types.Json, timeout=timeout)

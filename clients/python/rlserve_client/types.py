@@ -162,6 +162,40 @@ class LogProbsResult(Result):
         return _to_tensordict(self.outputs, padded, pad)
 
 
+class TurnSpan(Result):
+    turn: int
+    start: int
+    end: int
+    finish_reason: str
+    policy_versions: list[list[int]]
+
+
+class TrajectorySegment(Sample):
+    """Turns whose prompts extend each other, as one sequence (see the server's docs)."""
+
+    turns: list[TurnSpan]
+    break_reason: str | None = None
+
+
+class RecordedTrajectory(Result):
+    """Completions recorded by the OpenAI routes under one trajectory id."""
+
+    trajectory_id: str
+    num_turns: int
+    reward: float | None = None
+    segments: list[TrajectorySegment]
+    created_at: float
+    updated_at: float
+    pad_token_id: int | None = None
+
+    def to_tensordict(
+        self, *, padded: bool = True, pad_token_id: int | None = None
+    ) -> TensorDictBase:
+        """Batch `[num_segments]`: tokens, assistant mask and log-probs of each segment, in
+        the layout of `LogProbsResult.to_tensordict` (padded with the model's pad token)."""
+        return _to_tensordict(self.segments, padded, _pad_id(pad_token_id, self.pad_token_id))
+
+
 class KLSample(Result):
     tokens: Tokens
     mask: list[int]

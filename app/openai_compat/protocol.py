@@ -1,0 +1,384 @@
+"""Wire models of the OpenAI-compatible routes (`/v1/chat/completions`, `/v1/completions`):
+OpenAI's request and response shapes, plus rlserve's RL extensions, which are off by default
+and which plain OpenAI clients never send (`return_token_ids`, `logprobs_mode`, `top_k`,
+`repetition_penalty`, `ignore_eos`, `trajectory_id`) or can ignore (`policy_version`,
+`token_ids`, `prompt_token_ids`, `policy_versions` in replies)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from app.common.protocol import (
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    VersionSpan,
+    WireModel,
+    field_error,
+)
+
+Stop = Annotated[str, Field(min_length=1)]
+TRAJECTORY_ID = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:-]+$",
+        description="Records this completion as the next turn of the trajectory with this id "
+        "(also as the X-Trajectory-ID header): GET /v1/trajectories/{id}.",
+    ),
+]
+
+
+class StreamOptions(WireModel):
+    include_usage: bool = False
+
+
+class SamplingFields(WireModel):
+    """What both routes share: OpenAI's sampling parameters and the RL extensions."""
+
+    model: str = Field(description="A name from GET /v1/models: policy or reference.")
+    n: int = Field(default=1, ge=1, le=128)
+    max_tokens: int | None = Field(default=None, gt=0)
+    temperature: Temperature = None
+    top_p: TopP = 1.0
+    stop: Stop | Annotated[list[Stop], Field(max_length=16)] | None = None
+    seed: Seed | None = Field(
+        default=None,
+        description="Seeds each choice's own random stream, as on /v1/generate: the same seed "
+        "gives the same tokens on both routes.",
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(
+        default=0.0, description="Only 0 (use repetition_penalty, an RL extension)."
+    )
+    frequency_penalty: float = Field(
+        default=0.0, description="Only 0 (use repetition_penalty, an RL extension)."
+    )
+    logit_bias: dict[str, float] | None = Field(default=None, description="Only empty.")
+    user: str | None = Field(default=None, description="Accepted and ignored.")
+    # RL extensions
+    top_k: TopK = None
+    repetition_penalty: RepetitionPenalty = 1.0
+    ignore_eos: bool = False
+    return_token_ids: bool = Field(
+        default=False,
+        description="Extension: prompt_token_ids (as templated) and each choice's token_ids "
+        "(every sampled token, a stop string's too), and policy_versions per choice.",
+    )
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        default="raw",
+        description="Extension: log-probs of the raw model distribution (temperature 1, no "
+        "filtering: what a trainer computes) or of the distribution sampled from.",
+    )
+    trajectory_id: TRAJECTORY_ID | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> SamplingFields:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise field_error(name, "only 0 is supported; use repetition_penalty")
+        if self.logit_bias:
+            raise field_error("logit_bias", "is not supported")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# -- chat ----------------------------------------------------------------------------------
+
+
+class TextPart(WireModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(WireModel):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments.")
+
+
+class ToolCall(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content; tool-call arguments as
+        objects (what Hugging Face templates expect)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(WireModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(WireModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(WireModel):
+    name: str
+
+
+class NamedToolChoice(WireModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(WireModel):
+    type: Literal["text"] = Field(description="Only text: no constrained decoding.")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(
+        default=None, gt=0, description="Wins over max_tokens."
+    )
+    logprobs: bool = False
+    top_logprobs: int | None = Field(
+        default=None, ge=0, description="With logprobs; at most the server's max_top_logprobs."
+    )
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = None
+    parallel_tool_calls: bool | None = Field(default=None, description="Accepted and ignored.")
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = Field(default=None, description="Accepted and ignored.")
+    store: bool | None = Field(default=None, description="Accepted and ignored.")
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise field_error("top_logprobs", "needs logprobs: true")
+        if self.tool_choice is not None and not isinstance(self.tool_choice, str):
+            raise field_error("tool_choice", "naming a function needs constrained decoding")
+        if self.tool_choice == "required":
+            raise field_error("tool_choice", "required needs constrained decoding: use auto")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TopLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(WireModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(WireModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChoiceExtensions(WireModel):
+    token_ids: list[int] | None = Field(default=None, description="Extension (return_token_ids).")
+    policy_versions: list[VersionSpan] | None = Field(
+        default=None, description="Extension (return_token_ids): which weights sampled which."
+    )
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class ChatChoice(ChoiceExtensions):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ReplyExtensions(WireModel):
+    policy_version: int = Field(description="Extension: the policy version it started on.")
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="Extension (return_token_ids): the prompt as templated."
+    )
+    trajectory_id: str | None = None
+    turn: int | None = Field(default=None, description="Extension: its turn in the trajectory.")
+
+
+class ChatCompletion(ReplyExtensions):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ToolCallDelta(WireModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
+class ChatDelta(WireModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(ChoiceExtensions):
+    index: int
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(ReplyExtensions):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- completions ---------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+            Field(min_length=1),
+        ]
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, description="The k most likely tokens at each step (and the chosen)."
+    )
+    echo: bool = Field(default=False, description="Only false.")
+    suffix: str | None = Field(default=None, description="Only unset.")
+    best_of: int | None = Field(default=None, description="Only unset or equal to n.")
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionRequest:
+        if self.echo:
+            raise field_error("echo", "is not supported; score prompts with /v1/logprobs")
+        if self.suffix is not None:
+            raise field_error("suffix", "is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise field_error("best_of", "must equal n (no server-side ranking)")
+        return self
+
+    def prompts(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        """(texts, token lists): the one the request gave."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt], None
+        if all(isinstance(p, str) for p in prompt):
+            return [str(p) for p in prompt], None
+        if all(isinstance(p, int) for p in prompt):
+            return None, [[p for p in prompt if isinstance(p, int)]]
+        return None, [list(p) for p in prompt if isinstance(p, list)]
+
+
+class CompletionLogprobs(WireModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(ChoiceExtensions):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    prompt_token_ids: list[int] | None = Field(
+        default=None, description="Extension (return_token_ids): this choice's prompt."
+    )
+
+
+class Completion(ReplyExtensions):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+class ModelObject(WireModel):
+    """OpenAI's model object."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rlserve"

@@ -1,0 +1,122 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: OpenAI's shapes, OpenAI's status
+codes (an invalid request is a 400, as OpenAI answers it), server-sent events with `stream`."""
+
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
+
+from app.common.disconnect import cancel_on_disconnect
+from app.common.failures import Failure
+from app.common.protocol import json_response
+from app.deps import OpenAIDep, OwnerDep
+from app.errors import (
+    ERROR_RESPONSES,
+    APIError,
+    ErrorResponse,
+    error_response,
+    failure_error,
+    validation_error,
+)
+from app.openai_compat.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+)
+from app.openai_compat.serving import Job, OpenAIService
+
+
+class OpenAIRoute(APIRoute):
+    """Answers an invalid request with 400 (OpenAI's status) instead of this API's 422."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return error_response(_as_400(validation_error(exc)))
+            except Failure as exc:
+                return error_response(_as_400(failure_error(exc)))
+
+        return handle
+
+
+def _as_400(error: APIError) -> APIError:
+    if error.status_code == 422:
+        error.status_code = 400
+    return error
+
+
+router = APIRouter(tags=["openai"], route_class=OpenAIRoute)
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    400: {"model": ErrorResponse, "description": "Invalid request (OpenAI's status for it)"},
+    404: {"model": ErrorResponse, "description": "No such model, or trajectory of another key"},
+    409: {"model": ErrorResponse, "description": "The trajectory has its maximum of turns"},
+    200: {
+        "description": "The reply, or with `stream: true` server-sent events: one chunk per "
+        "`data:` line, then `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+}
+TrajectoryHeader = Annotated[
+    str | None,
+    Header(
+        alias="X-Trajectory-ID",
+        description="Records the completion in this trajectory (as the trajectory_id field).",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:-]+$",
+    ),
+]
+
+
+async def _answer(job: Job, service: OpenAIService, request: Request) -> Response:
+    if job.request.stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            service.stream(job), media_type="text/event-stream", headers=headers
+        )
+    return json_response(await cancel_on_disconnect(request, service.complete(job)))
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    response_model_exclude_none=True,
+    responses=RESPONSES,
+    summary="OpenAI chat completions",
+)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    service: OpenAIDep,
+    owner: OwnerDep,
+    request: Request,
+    trajectory: TrajectoryHeader = None,
+) -> Response:
+    """OpenAI's chat completions over the served model's chat template, with rlserve's
+    extensions (token ids, raw or processed log-probs, policy versions, trajectories)."""
+    return await _answer(await service.chat_job(body, owner, trajectory), service, request)
+
+
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    response_model_exclude_none=True,
+    responses=RESPONSES,
+    summary="OpenAI completions",
+)
+async def completions(
+    body: CompletionRequest,
+    service: OpenAIDep,
+    owner: OwnerDep,
+    request: Request,
+    trajectory: TrajectoryHeader = None,
+) -> Response:
+    """OpenAI's (legacy) completions of text or token prompts, with rlserve's extensions."""
+    return await _answer(await service.completion_job(body, owner, trajectory), service, request)

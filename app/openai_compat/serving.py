@@ -1,0 +1,548 @@
+"""The OpenAI-compatible routes' logic. An OpenAI request becomes the sampling call
+/v1/generate makes (same batcher, backends and per-row seeds, so the same seed gives the same
+tokens on both), its reply takes OpenAI's shape, and a completion made in a trajectory is
+recorded token-exactly (the prompt as templated, every sampled token, raw log-probs,
+versions)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from app.common.failures import NotFound, invalid
+from app.common.inputs import Prepared, check_num_items
+from app.common.protocol import wire_spans
+from app.config import Settings
+from app.engine.distribution import ScoreSpec
+from app.engine.registry import ModelRegistry
+from app.engine.served import ServedModel
+from app.engine.types import Generation, SamplingConfig
+from app.errors import FAILURES, ErrorInfo, ErrorResponse, failure_error
+from app.generation.serving import GenerationService, Sampled
+from app.openai_compat.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    FinishReason,
+    SamplingFields,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from app.openai_compat.streaming import IncrementalText, Tokens, TokenStream, final_text
+from app.openai_compat.tokens import TokenTexts
+from app.openai_compat.tools import parse_tool_calls
+from app.scoring.extras import extras
+from app.trajectories.service import TrajectoryService
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class Job:
+    """A checked OpenAI request, ready to sample."""
+
+    kind: Kind
+    model: str
+    served: ServedModel
+    prompts: list[Prepared]
+    config: SamplingConfig
+    request: SamplingFields
+    logprobs: int | None
+    """None: no log-probs; k: the chosen token's and the k most likely."""
+    tool_names: set[str] | None
+    trajectory_id: str | None
+    owner: str
+    texts: TokenTexts
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    @property
+    def asks(self) -> ScoreSpec | None:
+        return ScoreSpec(top_logprobs=self.logprobs) if self.logprobs else None
+
+    @property
+    def processed(self) -> bool:
+        return self.request.logprobs_mode == "processed"
+
+    def prompt_of(self, choice: int) -> Prepared:
+        return self.prompts[choice // self.n]
+
+
+class OpenAIService:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        generation: GenerationService,
+        trajectories: TrajectoryService,
+        settings: Settings,
+    ) -> None:
+        self.registry = registry
+        self.generation = generation
+        self.trajectories = trajectories
+        self.settings = settings
+        self._texts: dict[str, TokenTexts] = {}
+
+    # -- checking ----------------------------------------------------------------------
+
+    def _served(self, name: str) -> ServedModel:
+        if self.registry.not_ready_reason() is None and name not in self.registry.models:
+            served = ", ".join(sorted(self.registry.models))
+            raise NotFound(f"model '{name}' does not exist (served: {served})", param="model")
+        return self.registry.get(name)
+
+    async def chat_job(
+        self, request: ChatCompletionRequest, owner: str, trajectory_id: str | None
+    ) -> Job:
+        served = self._served(request.model)
+        preparer = served.preparer
+        if not preparer.has_chat_template:
+            raise invalid("messages", "this model's tokenizer has no chat template")
+        tools = None
+        if request.tools and request.tool_choice != "none":
+            if not preparer.supports_tools:
+                raise invalid("tools", "this model's chat template does not render tools")
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        messages = [m.for_template() for m in request.messages]
+        max_new = self.generation.max_new_tokens(
+            request.max_new_tokens,
+            "max_completion_tokens" if request.max_completion_tokens else "max_tokens",
+        )
+        prompt = await preparer.off_loop(
+            preparer.template, messages, generation_prompt=True, tools=tools
+        )
+        preparer.check([prompt], "messages", max_new_tokens=max_new)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        names = {tool["function"]["name"] for tool in tools} if tools else None
+        return self._job(
+            "chat", served, [prompt], request, max_new, logprobs, names, owner, trajectory_id
+        )
+
+    async def completion_job(
+        self, request: CompletionRequest, owner: str, trajectory_id: str | None
+    ) -> Job:
+        served = self._served(request.model)
+        preparer = served.preparer
+        max_new = self.generation.max_new_tokens(request.max_tokens, "max_tokens")
+        texts, token_lists = request.prompts()
+
+        def prepare() -> list[Prepared]:
+            prepared = preparer.prompts(None, texts, token_lists, "prompt")
+            preparer.check(prepared, "prompt", max_new_tokens=max_new)
+            return prepared
+
+        prompts = await preparer.off_loop(prepare)
+        return self._job(
+            "completion",
+            served,
+            prompts,
+            request,
+            max_new,
+            request.logprobs,
+            None,
+            owner,
+            trajectory_id,
+        )
+
+    def _job(
+        self,
+        kind: Kind,
+        served: ServedModel,
+        prompts: list[Prepared],
+        request: SamplingFields,
+        max_new: int,
+        logprobs: int | None,
+        tool_names: set[str] | None,
+        owner: str,
+        trajectory_id: str | None,
+    ) -> Job:
+        check_num_items(len(prompts) * request.n, self.settings.max_items_per_request, "n")
+        top_field = "top_logprobs" if kind == "chat" else "logprobs"
+        if logprobs and logprobs > self.settings.max_top_logprobs:
+            raise invalid(
+                top_field,
+                f"at most {self.settings.max_top_logprobs} (the server's max_top_logprobs)",
+            )
+        capabilities = served.backend.capabilities
+        if request.logprobs_mode == "processed" and not capabilities.processed_log_probs:
+            raise invalid(
+                "logprobs_mode",
+                "this server's engine reports raw log-probs only "
+                "(vLLM: start it with RLSERVE_VLLM_PROCESSED_LOG_PROBS=true)",
+            )
+        if request.stream and logprobs:
+            raise invalid(
+                top_field, "the most likely tokens come after generation: not with stream"
+            )
+        streamed = capabilities.streamed_log_probs
+        if request.stream and logprobs is not None and request.logprobs_mode != streamed:
+            raise invalid(
+                "logprobs_mode",
+                f"this engine streams {streamed} log-probs; ask for those or do not stream",
+            )
+        trajectory_id = request.trajectory_id or trajectory_id
+        if trajectory_id is not None and len(prompts) * request.n != 1:
+            raise invalid("n", "a completion recorded in a trajectory has one prompt and n = 1")
+        config = SamplingConfig.resolve(
+            max_new,
+            greedy=request.temperature == 0,
+            temperature=request.temperature,
+            stops=request.stops,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            repetition_penalty=request.repetition_penalty,
+            ignore_eos=request.ignore_eos,
+        )
+        texts = self._texts.setdefault(served.name, TokenTexts(served.preparer))
+        if texts.preparer is not served.preparer:  # the model was reloaded
+            texts = self._texts[served.name] = TokenTexts(served.preparer)
+        return Job(
+            kind,
+            request.model,
+            served,
+            prompts,
+            config,
+            request,
+            logprobs,
+            tool_names,
+            trajectory_id,
+            owner,
+            texts,
+        )
+
+    # -- replies -----------------------------------------------------------------------
+
+    async def complete(self, job: Job) -> ChatCompletion | Completion:
+        sampled = await self.generation.sample(
+            job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
+        )
+        turn = await self._record(job, sampled)
+        preparer = job.served.preparer
+        return await preparer.off_loop(self._reply, job, sampled, turn)
+
+    def _reply(self, job: Job, sampled: Sampled, turn: int | None) -> ChatCompletion | Completion:
+        texts = job.texts
+        generations = sampled.generations
+        usage = _usage(job, generations)
+        common: dict[str, Any] = {
+            "created": job.created,
+            "model": job.model,
+            "usage": usage,
+            "policy_version": sampled.version,
+            "trajectory_id": job.trajectory_id,
+            "turn": turn,
+        }
+        if job.request.return_token_ids and job.kind == "chat":
+            common["prompt_token_ids"] = job.prompts[0].ids
+        tops = [self._tops(job, sampled, k) for k in range(len(generations))]
+        if job.kind == "chat":
+            choices = [
+                self._chat_choice(job, k, g, texts, tops[k]) for k, g in enumerate(generations)
+            ]
+            return ChatCompletion(id=f"chatcmpl-{job.id}", choices=choices, **common)
+        completion_choices = [
+            self._completion_choice(job, k, g, texts, tops[k]) for k, g in enumerate(generations)
+        ]
+        return Completion(id=f"cmpl-{job.id}", choices=completion_choices, **common)
+
+    def _tops(self, job: Job, sampled: Sampled, k: int) -> list[list[tuple[int, float]]] | None:
+        """Per generated token, the most likely (id, log-prob) pairs (when asked)."""
+        if not job.logprobs or sampled.scores is None:
+            return None
+        spec = ScoreSpec(top_logprobs=job.logprobs)
+        table = extras(sampled.scores[k], spec, len(job.prompt_of(k).ids), tensors=True)
+        ids, values = (
+            table["top_logprobs"]["ids"].tolist(),
+            table["top_logprobs"]["log_probs"].tolist(),
+        )
+        return [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+
+    def _values(self, job: Job, g: Generation) -> list[float]:
+        values = g.processed_log_probs if job.processed else g.log_probs
+        assert values is not None  # checked against the engine's capabilities
+        return values
+
+    def _chat_choice(
+        self,
+        job: Job,
+        index: int,
+        g: Generation,
+        texts: TokenTexts,
+        tops: list[list[tuple[int, float]]] | None,
+    ) -> ChatChoice:
+        text = final_text(
+            job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops
+        )
+        content: str | None = text
+        calls: list[ToolCall] = []
+        if job.tool_names is not None:
+            content, calls = parse_tool_calls(text, job.tool_names)
+        logprobs = None
+        if job.logprobs is not None:
+            entries = texts.chat_entries(g.token_ids, self._values(job, g), tops)
+            logprobs = ChoiceLogprobs(content=entries)
+        return ChatChoice(
+            index=index,
+            message=AssistantMessage(content=content, tool_calls=calls or None),
+            logprobs=logprobs,
+            finish_reason="tool_calls" if calls else g.finish_reason,
+            **_choice_extensions(job, g),
+        )
+
+    def _completion_choice(
+        self,
+        job: Job,
+        index: int,
+        g: Generation,
+        texts: TokenTexts,
+        tops: list[list[tuple[int, float]]] | None,
+    ) -> CompletionChoice:
+        text = final_text(
+            job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops
+        )
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = texts.completion_logprobs(g.token_ids, self._values(job, g), tops)
+        extensions = _choice_extensions(job, g)
+        if job.request.return_token_ids:
+            extensions["prompt_token_ids"] = job.prompt_of(index).ids
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=g.finish_reason, **extensions
+        )
+
+    async def _record(self, job: Job, sampled: Sampled) -> int | None:
+        if job.trajectory_id is None:
+            return None
+        (generation,) = sampled.generations
+        if generation.finish_reason == "abort":
+            return None  # nothing was completed: the caller will ask again
+        return await self.trajectories.record(
+            job.trajectory_id, job.owner, job.model, job.prompts[0].ids, generation
+        )
+
+    # -- streaming ---------------------------------------------------------------------
+
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        """Server-sent events: OpenAI's chunks as tokens are sampled, then `[DONE]`. A failure
+        after the stream started is an `error` event (OpenAI's error shape)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, Tokens]] = asyncio.Queue()
+        count = len(job.prompts) * job.n
+        sinks = [TokenStream(loop, queue, k) for k in range(count)]
+        started: asyncio.Future[int] = loop.create_future()
+        task = asyncio.create_task(
+            self.generation.sample(
+                job.model,
+                job.prompts,
+                job.config,
+                n=job.n,
+                seed=job.request.seed,
+                sinks=sinks,
+                started=started,
+            )
+        )
+        chunks = _Chunks(job, job.texts)
+        try:
+            waiting: list[asyncio.Future[Any]] = [task, started]
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not started.done():
+                task.result()  # it failed before it was admitted: raise that
+            chunks.version = started.result()
+            for line in chunks.opening(count):
+                yield line
+            while True:
+                getting = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getting, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():
+                    getting.cancel()
+                    break
+                index, tokens = getting.result()
+                for line in chunks.tokens(index, tokens):
+                    yield line
+            while not queue.empty():
+                index, tokens = queue.get_nowait()
+                for line in chunks.tokens(index, tokens):
+                    yield line
+            sampled = task.result()
+            turn = await self._record(job, sampled)
+            for line in chunks.closing(sampled.generations, turn):
+                yield line
+        except Exception as exc:
+            yield _event(_error_body(exc))
+        finally:
+            if not task.done():
+                task.cancel()  # the client went away: the rows stop at their next token
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        yield "data: [DONE]\n\n"
+
+
+class _Chunks:
+    """The chunks of one stream, choice by choice."""
+
+    def __init__(self, job: Job, texts: TokenTexts) -> None:
+        self.job = job
+        self.texts = texts
+        count = len(job.prompts) * job.n
+        decode = _decoder(job)
+        self.text = [IncrementalText(decode, job.request.stops) for _ in range(count)]
+        self.version = 0
+
+    def _chunk(self, choices: list[Any], **extra: Any) -> str:
+        job = self.job
+        common: dict[str, Any] = {
+            "created": job.created,
+            "model": job.model,
+            "policy_version": self.version,
+            "trajectory_id": job.trajectory_id,
+            **extra,
+        }
+        if job.kind == "chat":
+            body: Any = ChatCompletionChunk(id=f"chatcmpl-{job.id}", choices=choices, **common)
+        else:
+            body = Completion(id=f"cmpl-{job.id}", choices=choices, **common)
+        return _event(body.model_dump_json(exclude_none=True))
+
+    def opening(self, count: int) -> list[str]:
+        if self.job.kind != "chat":
+            return []
+        extra = {}
+        if self.job.request.return_token_ids:
+            extra["prompt_token_ids"] = self.job.prompts[0].ids
+        role = [
+            ChatChunkChoice(index=k, delta=ChatDelta(role="assistant", content=""))
+            for k in range(count)
+        ]
+        return [self._chunk(role, **extra)]
+
+    def tokens(self, index: int, tokens: Tokens) -> list[str]:
+        job = self.job
+        text = self.text[index]
+        if job.tool_names is not None:  # a reply may turn out to be a tool call: held to the end
+            text.ids += tokens.ids
+            return []
+        new = text.add(tokens.ids)
+        with_ids = job.request.return_token_ids
+        if not new and job.logprobs is None and not with_ids:
+            return []
+        ids = tokens.ids if with_ids else None
+        if job.kind == "chat":
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = ChoiceLogprobs(
+                    content=self.texts.chat_entries(tokens.ids, tokens.log_probs, None)
+                )
+            choice: Any = ChatChunkChoice(
+                index=index, delta=ChatDelta(content=new), logprobs=logprobs, token_ids=ids
+            )
+        else:
+            completion_logprobs = None
+            if job.logprobs is not None:
+                completion_logprobs = self.texts.completion_logprobs(
+                    tokens.ids, tokens.log_probs, None, start=len(text.sent) - len(new)
+                )
+            choice = CompletionChoice(
+                index=index, text=new, logprobs=completion_logprobs, token_ids=ids
+            )
+        return [self._chunk([choice])]
+
+    def closing(self, generations: list[Generation], turn: int | None) -> list[str]:
+        job = self.job
+        lines = []
+        for index, g in enumerate(generations):
+            text = self.text[index]
+            missing = g.token_ids[len(text.ids) :]  # tokens an engine did not stream
+            if missing:
+                lines += self.tokens(index, Tokens(missing, self._values(g)[len(text.ids) :]))
+            finish: FinishReason = g.finish_reason
+            if job.tool_names is not None:
+                full = text.full_text()
+                content, calls = parse_tool_calls(full, job.tool_names)
+                delta = ChatDelta(
+                    content=content,
+                    tool_calls=[
+                        ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
+                        for i, c in enumerate(calls)
+                    ]
+                    or None,
+                )
+                finish = "tool_calls" if calls else finish
+                lines.append(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
+            elif rest := text.finish():
+                if job.kind == "chat":
+                    lines.append(
+                        self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=rest))])
+                    )
+                else:
+                    lines.append(self._chunk([CompletionChoice(index=index, text=rest)]))
+            extensions = _choice_extensions(job, g)
+            extensions.pop("token_ids", None)  # streamed with the tokens
+            if job.kind == "chat":
+                last: Any = ChatChunkChoice(
+                    index=index, delta=ChatDelta(), finish_reason=finish, **extensions
+                )
+            else:
+                last = CompletionChoice(index=index, text="", finish_reason=finish, **extensions)
+            lines.append(self._chunk([last], turn=turn))
+        if job.request.include_usage:
+            lines.append(self._chunk([], usage=_usage(job, generations)))
+        return lines
+
+    def _values(self, g: Generation) -> list[float]:
+        values = g.processed_log_probs if self.job.processed else g.log_probs
+        return values if values is not None else g.log_probs
+
+
+def _decoder(job: Job) -> Any:
+    preparer = job.served.preparer
+
+    def decode(ids: list[int]) -> str:
+        return preparer.decode(ids, skip_special=True)
+
+    return decode
+
+
+def _choice_extensions(job: Job, g: Generation) -> dict[str, Any]:
+    if not job.request.return_token_ids:
+        return {}
+    return {"token_ids": g.token_ids, "policy_versions": wire_spans(g.versions)}
+
+
+def _usage(job: Job, generations: list[Generation]) -> Usage:
+    prompt = sum(len(p.ids) for p in job.prompts)
+    completion = sum(len(g.token_ids) for g in generations)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _event(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def _error_body(exc: Exception) -> str:
+    if any(cls in FAILURES for cls in type(exc).__mro__):
+        error = failure_error(exc)  # type: ignore[arg-type]
+        info = ErrorInfo(
+            message=error.message, type=error.type, param=error.param, code=error.status_code
+        )
+    else:
+        info = ErrorInfo(message="internal error", type="internal_error", code=500)
+    return ErrorResponse(error=info).model_dump_json()

@@ -1,0 +1,107 @@
+"""Trajectories recorded by the OpenAI-compatible routes: record a turn, read the whole
+conversation back as token sequences, attach a reward."""
+
+from __future__ import annotations
+
+import time
+
+from app.common.failures import Conflict, NotFound
+from app.common.protocol import LogProbFields, Masks, TokenFields
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.engine.types import Generation
+from app.trajectories.assemble import Segment, segments
+from app.trajectories.protocol import TrajectoryResponse, TrajectorySegment, TurnSpan
+from app.trajectories.store import Trajectory, TrajectoryStore, Turn
+
+
+class TrajectoryService:
+    def __init__(self, store: TrajectoryStore, registry: ModelRegistry, settings: Settings) -> None:
+        self.store = store
+        self.registry = registry
+        self.settings = settings
+
+    async def record(
+        self, trajectory_id: str, owner: str, model: str, prompt_ids: list[int], g: Generation
+    ) -> int:
+        """Append one completion as the trajectory's next turn; its index."""
+        turn = Turn(
+            prompt_ids=list(prompt_ids),
+            completion_ids=list(g.token_ids),
+            log_probs=list(g.log_probs),
+            versions=[[s.version, s.start, s.end] for s in g.versions or []],
+            finish_reason=g.finish_reason,
+            model=model,
+            created=time.time(),
+        )
+        limit = self.settings.trajectory_max_turns
+        index = await self.store.append(trajectory_id, owner, turn, limit)
+        if index is None:
+            if await self._owned(trajectory_id, owner) is None:
+                raise _missing(trajectory_id)
+            raise Conflict(
+                f"trajectory '{trajectory_id}' already has {limit} turns (the server's "
+                "trajectory_max_turns)",
+                param="trajectory_id",
+            )
+        return index
+
+    async def _owned(self, trajectory_id: str, owner: str) -> Trajectory | None:
+        found = await self.store.get(trajectory_id)
+        return found if found is not None and found.owner == owner else None
+
+    async def get(self, trajectory_id: str, owner: str) -> TrajectoryResponse:
+        found = await self._owned(trajectory_id, owner)
+        if found is None:
+            raise _missing(trajectory_id)
+        return TrajectoryResponse(
+            trajectory_id=trajectory_id,
+            num_turns=len(found.turns),
+            reward=found.reward,
+            segments=[_wire(s) for s in segments(found.turns)],
+            created_at=found.created_at,
+            updated_at=found.updated_at,
+            pad_token_id=self._pad_token_id(found),
+        )
+
+    def _pad_token_id(self, found: Trajectory) -> int | None:
+        served = self.registry.models.get(found.turns[0].model) if found.turns else None
+        return served.preparer.pad_token_id if served is not None else None
+
+    async def set_reward(self, trajectory_id: str, owner: str, reward: float) -> None:
+        if not await self.store.set_reward(trajectory_id, owner, reward):
+            raise _missing(trajectory_id)
+
+    async def delete(self, trajectory_id: str, owner: str) -> None:
+        if not await self.store.delete(trajectory_id, owner):
+            raise _missing(trajectory_id)
+
+    async def reap(self) -> int:
+        return await self.store.expire(time.time() - self.settings.trajectory_ttl_s)
+
+
+def _missing(trajectory_id: str) -> NotFound:
+    return NotFound(
+        f"trajectory '{trajectory_id}' does not exist or expired", param="trajectory_id"
+    )
+
+
+def _wire(segment: Segment) -> TrajectorySegment:
+    return TrajectorySegment(
+        tokens=TokenFields(full=segment.ids),
+        masks=Masks(
+            all_attention_mask=[1] * len(segment.ids), all_assistant_mask=segment.assistant_mask
+        ),
+        log_probs=LogProbFields(full=segment.log_probs),
+        turns=[
+            TurnSpan(
+                turn=p.turn,
+                start=p.start,
+                end=p.end,
+                finish_reason=p.finish_reason,
+                policy_versions=[list(v) for v in p.versions],
+            )
+            for p in segment.turns
+        ],
+        break_reason=segment.break_reason,
+    )

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible routes through the official `openai` SDK (in-process), on both
+backends: the same tokens and log-probs as /v1/generate for the same seed, OpenAI's shapes,
+stop strings, streaming that adds up to the non-streamed reply, and the SDK's own errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from tests.conftest import assert_close
+
+CHAT = [{"role": "user", "content": "What is 6*7?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluates arithmetic.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture
+async def sdk(app) -> AsyncIterator[AsyncOpenAI]:  # type: ignore[no-untyped-def]
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rlserve")
+    async with AsyncOpenAI(base_url="http://rlserve/v1", api_key="-", http_client=http) as client:
+        yield client
+
+
+async def generate(client: httpx.AsyncClient, **body: object) -> dict:  # type: ignore[type-arg]
+    response = await client.post("/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_models_list_in_openai_shape(sdk, client):
+    models = await sdk.models.list()
+    assert [m.id for m in models.data] == ["policy", "reference"]
+    assert all(m.object == "model" and m.owned_by == "rlserve" for m in models.data)
+    ours = (await client.get("/v1/models")).json()
+    assert ours["models"] == ours["data"] and ours["policy_version"] == 0
+
+
+async def test_chat_samples_what_generate_samples(sdk, client):
+    """Same seed, same tokens and raw log-probs as /v1/generate's messages path; n choices."""
+    reply = await sdk.chat.completions.create(
+        model="policy",
+        messages=CHAT,
+        max_tokens=12,
+        n=3,
+        seed=21,
+        logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    body = await generate(
+        client,
+        messages=[CHAT],
+        max_tokens=12,
+        n=3,
+        seed=21,
+        ignore_eos=True,
+        skip_special_tokens=True,  # as OpenAI's content
+    )
+    expected = body["outputs"][0]
+    assert reply.object == "chat.completion" and len(reply.choices) == 3
+    extra = reply.model_extra or {}
+    assert extra["prompt_token_ids"] == expected[0]["tokens"]["prompt"]
+    assert extra["policy_version"] == body["policy_version"]
+    for choice, sample in zip(reply.choices, expected, strict=True):
+        choice_extra = choice.model_extra or {}
+        assert choice_extra["token_ids"] == sample["tokens"]["response"]
+        lps = [entry.logprob for entry in choice.logprobs.content]
+        assert_close(lps, sample["log_probs"]["response"], 1e-5)
+        assert choice.message.content == sample["text"]["response"]
+        assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(expected[0]["tokens"]["prompt"])
+    assert reply.usage.completion_tokens == 36
+
+
+async def test_processed_log_probs_and_top_logprobs(sdk, client, hf_tokenizer):
+    reply = await sdk.chat.completions.create(
+        model="policy",
+        messages=CHAT,
+        max_tokens=6,
+        seed=5,
+        temperature=0.7,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"logprobs_mode": "processed", "ignore_eos": True},
+    )
+    body = await generate(
+        client,
+        messages=[CHAT],
+        max_tokens=6,
+        seed=5,
+        temperature=0.7,
+        top_logprobs=3,
+        ignore_eos=True,
+    )
+    sample = body["outputs"][0][0]
+    entries = reply.choices[0].logprobs.content
+    assert_close([e.logprob for e in entries], sample["log_probs"]["response_processed"], 1e-5)
+    for entry, ids, values in zip(
+        entries, sample["top_logprobs"]["ids"], sample["top_logprobs"]["log_probs"], strict=True
+    ):
+        expected = [[i] if i < 256 else list(hf_tokenizer.decode([i]).encode()) for i in ids]
+        assert [t.bytes for t in entry.top_logprobs] == expected  # ids below 256 are bytes
+        assert_close([t.logprob for t in entry.top_logprobs], values, 1e-5)
+
+
+async def test_stop_strings_end_the_content(sdk, client):
+    """The content stops before the stop string (OpenAI's rule); token_ids keep every
+    sampled token, so the trajectory stays exact."""
+    for seed in range(32):  # a seed whose reply has a printable ASCII character past its start
+        free = await sdk.completions.create(model="policy", prompt="ab", max_tokens=24, seed=seed)
+        text = free.choices[0].text
+        stop = next((c for c in text[1:] if c.isascii() and c.isprintable()), None)
+        if stop is not None:
+            break
+    assert stop is not None
+    reply = await sdk.completions.create(
+        model="policy",
+        prompt="ab",
+        max_tokens=24,
+        seed=seed,
+        stop=[stop],
+        extra_body={"return_token_ids": True},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == text[: text.index(stop)]
+    body = await generate(client, text=["ab"], max_tokens=24, seed=seed, stop=[stop])
+    assert (choice.model_extra or {})["token_ids"] == body["outputs"][0][0]["tokens"]["response"]
+    assert body["outputs"][0][0]["text"]["response"].endswith(stop)
+
+
+async def test_completions_of_text_and_token_prompts(sdk, client):
+    reply = await sdk.completions.create(
+        model="policy", prompt=["ab", "xyz"], max_tokens=5, n=2, seed=2, logprobs=2
+    )
+    assert reply.object == "text_completion" and len(reply.choices) == 4
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    body = await generate(client, text=["ab", "xyz"], max_tokens=5, n=2, seed=2)
+    samples = [s for group in body["outputs"] for s in group]
+    for choice, sample in zip(reply.choices, samples, strict=True):
+        assert_close(choice.logprobs.token_logprobs, sample["log_probs"]["response"], 1e-5)
+        assert len(choice.logprobs.top_logprobs) == 5
+        assert all(len(row) <= 2 for row in choice.logprobs.top_logprobs)
+    tokens = await sdk.completions.create(model="policy", prompt=[97, 98], max_tokens=5, seed=2)
+    assert tokens.choices[0].text == reply.choices[0].text  # "ab" is bytes 97, 98
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_streamed_chunks_add_up_to_the_reply(sdk, kind):
+    """With the same seed, the concatenated deltas equal the non-streamed text, stop strings
+    and unfinished characters included; every chunk carries the policy version."""
+    params = {"model": "policy", "max_tokens": 40, "n": 2, "seed": 13, "stop": ["a", "e"]}
+    if kind == "chat":
+        reply = await sdk.chat.completions.create(messages=CHAT, **params)
+        expected = [c.message.content for c in reply.choices]
+        stream = await sdk.chat.completions.create(
+            messages=CHAT, stream=True, stream_options={"include_usage": True}, **params
+        )
+    else:
+        reply = await sdk.completions.create(prompt="hello", **params)
+        expected = [c.text for c in reply.choices]
+        stream = await sdk.completions.create(
+            prompt="hello", stream=True, stream_options={"include_usage": True}, **params
+        )
+    texts, finishes, usage, versions = ["", ""], [None, None], None, set()
+    async for chunk in stream:
+        versions.add((chunk.model_extra or {}).get("policy_version"))
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if kind == "chat" else choice.text
+            texts[choice.index] += piece or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == expected
+    assert finishes == [c.finish_reason for c in reply.choices]
+    assert usage == reply.usage
+    assert versions == {0}
+
+
+async def test_errors_are_the_sdks_exceptions(sdk):
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        await sdk.chat.completions.create(model="nope", messages=CHAT)
+    bad = [
+        ({"temperature": -1}, "temperature"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 2, "stream": True}, "top_logprobs"),
+        ({"n": 2, "extra_body": {"trajectory_id": "t"}}, "n"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"extra_body": {"unknown_field": 1}}, "unknown_field"),
+    ]
+    for params, field in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.chat.completions.create(model="policy", messages=CHAT, **params)
+        assert caught.value.body["param"] == field, (params, caught.value.body)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.completions.create(model="policy", prompt="x", echo=True)
+    assert caught.value.body["param"] == "echo"
+
+
+async def test_processed_log_probs_need_an_engine_that_reports_them(app, sdk, backend_name):
+    """The test app runs vLLM in processed mode; a raw-only engine names the field."""
+    served = app.state.registry.get("policy")
+    capabilities = served.backend.capabilities
+    assert capabilities.processed_log_probs
+    reply = await sdk.chat.completions.create(
+        model="policy",
+        messages=CHAT,
+        max_tokens=3,
+        logprobs=True,
+        extra_body={"logprobs_mode": "processed"},
+    )
+    assert len(reply.choices[0].logprobs.content) == 3
+
+
+async def test_tools_are_templated_and_calls_in_history_are_accepted(sdk, hf_tokenizer):
+    history = [
+        *CHAT,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    reply = await sdk.chat.completions.create(
+        model="policy",
+        messages=history,
+        tools=TOOLS,
+        max_tokens=4,
+        seed=1,
+        extra_body={"return_token_ids": True},
+    )
+    prompt = hf_tokenizer.decode((reply.model_extra or {})["prompt_token_ids"])
+    assert '"name": "calculator"' in prompt and "Evaluates arithmetic." in prompt
+    assert (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+        in prompt
+    )
+    assert "<|im_start|>tool\n42<|im_end|>" in prompt
+    none = await sdk.chat.completions.create(
+        model="policy",
+        messages=CHAT,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=1,
+        extra_body={"return_token_ids": True},
+    )
+    assert "calculator" not in hf_tokenizer.decode((none.model_extra or {})["prompt_token_ids"])
+    # a streamed reply with tools is held to the end and equals the non-streamed one
+    stream = await sdk.chat.completions.create(
+        model="policy", messages=history, tools=TOOLS, max_tokens=4, seed=1, stream=True
+    )
+    content = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert content == reply.choices[0].message.content
+
+
+def test_tool_calls_are_parsed_from_hermes_blocks():
+    from app.openai_compat.tools import parse_tool_calls
+
+    names = {"calculator", "search"}
+    text = (
+        'Let me check. <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}'
+        '</tool_call><tool_call>{"name": "search", "arguments": "{\\"q\\": 1}"}</tool_call>'
+    )
+    content, calls = parse_tool_calls(text, names)
+    assert content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("calculator", '{"expression": "1+1"}'),
+        ("search", '{"q": 1}'),
+    ]
+    assert len({c.id for c in calls}) == 2
+    for kept in (
+        '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+        "<tool_call>not json</tool_call>",
+        "no call at all",
+    ):
+        assert parse_tool_calls(kept, names) == (kept, [])
+    only, calls = parse_tool_calls('<tool_call>{"name": "search"}</tool_call>', names)
+    assert only is None and calls[0].function.arguments == "{}"

@@ -1,0 +1,148 @@
+"""Trajectories recorded by the OpenAI routes: turns joined token-exactly into segments, equal
+to /v1/logprobs on the same tokens; a re-templated history that drifts starts a new segment
+and says where; rewards; ownership of the id; bad ids."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from tests.conftest import assert_close
+
+
+@pytest.fixture
+async def sdk(app) -> AsyncIterator[AsyncOpenAI]:  # type: ignore[no-untyped-def]
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rlserve")
+    async with AsyncOpenAI(base_url="http://rlserve/v1", api_key="-", http_client=http) as client:
+        yield client
+
+
+async def ascii_turn(sdk: AsyncOpenAI, messages: list[dict[str, str]], trajectory: str) -> str:
+    """One recorded turn of one token that is printable ASCII (so an agent that sends the
+    reply's text back re-templates it to the same token): seeds are tried in order, and only
+    the accepted one is recorded (the others are not in the trajectory)."""
+    for seed in range(64):
+        probe = await sdk.chat.completions.create(
+            model="policy", messages=messages, max_tokens=1, seed=seed
+        )
+        content = probe.choices[0].message.content or ""
+        if len(content) == 1 and content.isascii() and content.isprintable():
+            reply = await sdk.chat.completions.create(
+                model="policy",
+                messages=messages,
+                max_tokens=1,
+                seed=seed,
+                extra_headers={"X-Trajectory-ID": trajectory},
+            )
+            assert reply.choices[0].message.content == content
+            return content
+    raise AssertionError("no seed gave a printable ASCII token")
+
+
+async def test_a_multi_turn_agent_is_one_exact_segment(sdk, client):
+    trajectory = uuid.uuid4().hex
+    messages = [{"role": "user", "content": "Count with me."}]
+    for turn in range(3):
+        content = await ascii_turn(sdk, messages, trajectory)
+        messages += [
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": f"and {turn}?"},
+        ]
+    got = (await client.get(f"/v1/trajectories/{trajectory}")).json()
+    assert got["num_turns"] == 3
+    (segment,) = got["segments"]
+    assert "break_reason" not in segment
+    full = segment["tokens"]["full"]
+    mask = segment["masks"]["all_assistant_mask"]
+    assert sum(mask) == 3 and [t["turn"] for t in segment["turns"]] == [0, 1, 2]
+    scored = (await client.post("/v1/logprobs", json={"tokens": [full]})).json()
+    reference = scored["outputs"][0]["log_probs"]["full"]
+    at = [i for i, m in enumerate(mask) if m]
+    assert_close([segment["log_probs"]["full"][i] for i in at], [reference[i] for i in at], 1e-4)
+    assert all(segment["log_probs"]["full"][i] == 0.0 for i, m in enumerate(mask) if not m)
+    for span in segment["turns"]:
+        assert span["policy_versions"] == [[0, span["start"], span["end"]]]
+
+
+async def test_a_drifting_history_starts_a_new_segment(sdk, client):
+    """An agent that sends back an edited reply: the next prompt no longer extends the
+    recorded tokens, so the turn starts a segment that says where they differ."""
+    trajectory = f"drift-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": "Hi"}]
+    first = await sdk.chat.completions.create(
+        model="policy",
+        messages=messages,
+        max_tokens=4,
+        seed=1,
+        extra_body={"trajectory_id": trajectory, "return_token_ids": True},
+    )
+    assert (first.model_extra or {})["turn"] == 0
+    messages += [{"role": "assistant", "content": "edited"}, {"role": "user", "content": "ok"}]
+    second = await sdk.chat.completions.create(
+        model="policy",
+        messages=messages,
+        max_tokens=4,
+        seed=2,
+        extra_body={"trajectory_id": trajectory, "return_token_ids": True},
+    )
+    assert (second.model_extra or {})["turn"] == 1
+    got = (await client.get(f"/v1/trajectories/{trajectory}")).json()
+    first_segment, second_segment = got["segments"]
+    prompt = (first.model_extra or {})["prompt_token_ids"]
+    completion = (first.choices[0].model_extra or {})["token_ids"]
+    assert first_segment["tokens"]["full"] == prompt + completion
+    assert second_segment["tokens"]["full"] == (
+        (second.model_extra or {})["prompt_token_ids"]
+        + (second.choices[0].model_extra or {})["token_ids"]
+    )
+    at = len(prompt)  # the recorded reply begins where "edited" was templated instead
+    assert second_segment["break_reason"].endswith(f"differ at token {at}")
+    assert first_segment["tokens"]["full"][:at] == second_segment["tokens"]["full"][:at]
+
+
+async def test_streamed_turns_are_recorded_and_rewards_attach(sdk, client):
+    trajectory = uuid.uuid4().hex
+    stream = await sdk.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        seed=4,
+        stream=True,
+        extra_body={"trajectory_id": trajectory, "return_token_ids": True},
+    )
+    ids: list[int] = []
+    turn = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            ids += (choice.model_extra or {}).get("token_ids") or []
+        turn = (chunk.model_extra or {}).get("turn", turn)
+    assert turn == 0
+    got = (await client.get(f"/v1/trajectories/{trajectory}")).json()
+    (segment,) = got["segments"]
+    assert segment["tokens"]["full"][-len(ids) :] == ids and len(ids) == 5
+    assert "reward" not in got
+    response = await client.post(f"/v1/trajectories/{trajectory}/reward", json={"reward": 1.5})
+    assert response.status_code == 200
+    assert (await client.get(f"/v1/trajectories/{trajectory}")).json()["reward"] == 1.5
+    assert (await client.delete(f"/v1/trajectories/{trajectory}")).status_code == 204
+    assert (await client.get(f"/v1/trajectories/{trajectory}")).status_code == 404
+
+
+async def test_unknown_ids_and_bad_ids(client, sdk):
+    missing = (await client.get("/v1/trajectories/nope")).json()
+    assert missing["error"]["param"] == "trajectory_id"
+    response = await client.post("/v1/trajectories/nope/reward", json={"reward": 1})
+    assert response.status_code == 404
+    response = await client.post("/v1/trajectories/x/reward", json={"reward": "high"})
+    assert response.status_code == 422 and response.json()["error"]["param"] == "reward"
+    for bad in ("a b", "x" * 200, "a/b"):
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-Trajectory-ID": bad},
+        )
+        assert response.status_code == 400, bad

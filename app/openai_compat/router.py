@@ -78,10 +78,9 @@ TrajectoryHeader = Annotated[
 
 async def _answer(job: Job, service: OpenAIService, request: Request) -> Response:
     if job.request.stream:
+        events = await cancel_on_disconnect(request, service.open_stream(job))
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(
-            service.stream(job), media_type="text/event-stream", headers=headers
-        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     return json_response(await cancel_on_disconnect(request, service.complete(job)))
 
 

@@ -230,6 +230,7 @@ class OpenAIService:
     # -- replies -----------------------------------------------------------------------
 
     async def complete(self, job: Job) -> ChatCompletion | Completion:
+        await self._check_trajectory(job)
         sampled = await self.generation.sample(
             job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
         )
@@ -327,6 +328,10 @@ class OpenAIService:
             index=index, text=text, logprobs=logprobs, finish_reason=g.finish_reason, **extensions
         )
 
+    async def _check_trajectory(self, job: Job) -> None:
+        if job.trajectory_id is not None:
+            await self.trajectories.check_writable(job.trajectory_id, job.owner)
+
     async def _record(self, job: Job, sampled: Sampled) -> int | None:
         if job.trajectory_id is None:
             return None
@@ -339,13 +344,14 @@ class OpenAIService:
 
     # -- streaming ---------------------------------------------------------------------
 
-    async def stream(self, job: Job) -> AsyncIterator[str]:
-        """Server-sent events: OpenAI's chunks as tokens are sampled, then `[DONE]`. A failure
-        after the stream started is an `error` event (OpenAI's error shape)."""
+    async def open_stream(self, job: Job) -> AsyncIterator[str]:
+        """Start sampling and wait until it is admitted (a failure until then is an ordinary
+        error reply); then the server-sent events: OpenAI's chunks as tokens are sampled, and
+        `[DONE]`. A failure after that is an `error` event in OpenAI's error shape."""
+        await self._check_trajectory(job)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Tokens]] = asyncio.Queue()
-        count = len(job.prompts) * job.n
-        sinks = [TokenStream(loop, queue, k) for k in range(count)]
+        sinks = [TokenStream(loop, queue, k) for k in range(len(job.prompts) * job.n)]
         started: asyncio.Future[int] = loop.create_future()
         task = asyncio.create_task(
             self.generation.sample(
@@ -358,14 +364,26 @@ class OpenAIService:
                 started=started,
             )
         )
-        chunks = _Chunks(job, job.texts)
         try:
             waiting: list[asyncio.Future[Any]] = [task, started]
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not started.done():
                 task.result()  # it failed before it was admitted: raise that
-            chunks.version = started.result()
-            for line in chunks.opening(count):
+        except BaseException:
+            await _stop(task)
+            raise
+        return self._events(job, task, queue, started.result())
+
+    async def _events(
+        self,
+        job: Job,
+        task: asyncio.Task[Sampled],
+        queue: asyncio.Queue[tuple[int, Tokens]],
+        version: int,
+    ) -> AsyncIterator[str]:
+        chunks = _Chunks(job, job.texts, version)
+        try:
+            for line in chunks.opening():
                 yield line
             while True:
                 getting = asyncio.ensure_future(queue.get())
@@ -387,23 +405,27 @@ class OpenAIService:
         except Exception as exc:
             yield _event(_error_body(exc))
         finally:
-            if not task.done():
-                task.cancel()  # the client went away: the rows stop at their next token
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await _stop(task)  # a client that went away: its rows stop at their next token
         yield "data: [DONE]\n\n"
+
+
+async def _stop(task: asyncio.Task[Sampled]) -> None:
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 class _Chunks:
     """The chunks of one stream, choice by choice."""
 
-    def __init__(self, job: Job, texts: TokenTexts) -> None:
+    def __init__(self, job: Job, texts: TokenTexts, version: int) -> None:
         self.job = job
         self.texts = texts
-        count = len(job.prompts) * job.n
+        self.count = len(job.prompts) * job.n
         decode = _decoder(job)
-        self.text = [IncrementalText(decode, job.request.stops) for _ in range(count)]
-        self.version = 0
+        self.text = [IncrementalText(decode, job.request.stops) for _ in range(self.count)]
+        self.version = version
 
     def _chunk(self, choices: list[Any], **extra: Any) -> str:
         job = self.job
@@ -420,7 +442,7 @@ class _Chunks:
             body = Completion(id=f"cmpl-{job.id}", choices=choices, **common)
         return _event(body.model_dump_json(exclude_none=True))
 
-    def opening(self, count: int) -> list[str]:
+    def opening(self) -> list[str]:
         if self.job.kind != "chat":
             return []
         extra = {}
@@ -428,7 +450,7 @@ class _Chunks:
             extra["prompt_token_ids"] = self.job.prompts[0].ids
         role = [
             ChatChunkChoice(index=k, delta=ChatDelta(role="assistant", content=""))
-            for k in range(count)
+            for k in range(self.count)
         ]
         return [self._chunk(role, **extra)]
 

@@ -39,12 +39,27 @@ class TrajectoryService:
         if index is None:
             if await self._owned(trajectory_id, owner) is None:
                 raise _missing(trajectory_id)
-            raise Conflict(
-                f"trajectory '{trajectory_id}' already has {limit} turns (the server's "
-                "trajectory_max_turns)",
-                param="trajectory_id",
-            )
+            raise self._full(trajectory_id)
         return index
+
+    async def check_writable(self, trajectory_id: str, owner: str) -> None:
+        """Before generating: 404 for another key's trajectory, 409 for a full one (the
+        append itself checks again, atomically)."""
+        found = await self.store.get(trajectory_id)
+        if found is None:
+            return
+        if found.owner != owner:
+            raise _missing(trajectory_id)
+        if len(found.turns) >= self.settings.trajectory_max_turns:
+            raise self._full(trajectory_id)
+
+    def _full(self, trajectory_id: str) -> Conflict:
+        limit = self.settings.trajectory_max_turns
+        return Conflict(
+            f"trajectory '{trajectory_id}' already has {limit} turns (the server's "
+            "trajectory_max_turns)",
+            param="trajectory_id",
+        )
 
     async def _owned(self, trajectory_id: str, owner: str) -> Trajectory | None:
         found = await self.store.get(trajectory_id)

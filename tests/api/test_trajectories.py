@@ -4,6 +4,7 @@ and says where; rewards; ownership of the id; bad ids."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -146,3 +147,66 @@ async def test_unknown_ids_and_bad_ids(client, sdk):
             headers={"X-Trajectory-ID": bad},
         )
         assert response.status_code == 400, bad
+
+
+async def test_trajectories_belong_to_their_key(tmp_path):
+    """To another key a trajectory is absent: it cannot read, reward, delete or extend it.
+    (On the fake model pair, whose engine streams nothing: a stream still ends whole.)"""
+    from tests.envs.test_ownership import KEYS, bearer
+    from tests.fake.backend import FakeBackend, fake_app
+
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
+    alice, bob = KEYS
+    async with fake_app(tmp_path, *pair, api_keys=KEYS) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as http:
+            body = {
+                "model": "policy",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "trajectory_id": "mine",
+            }
+            made = await http.post("/v1/chat/completions", json=body, headers=bearer(alice))
+            assert made.status_code == 200, made.text
+            assert made.json()["choices"][0]["message"]["content"] == "Hi!"  # the fake reply
+            attempts = [
+                ("GET", "/v1/trajectories/mine", None),
+                ("POST", "/v1/trajectories/mine/reward", {"reward": 1.0}),
+                ("DELETE", "/v1/trajectories/mine", None),
+                ("POST", "/v1/chat/completions", body),
+            ]
+            for method, path, payload in attempts:
+                theirs = await http.request(method, path, json=payload, headers=bearer(bob))
+                assert theirs.status_code == 404, (method, path, theirs.text)
+                assert theirs.json()["error"]["param"] == "trajectory_id"
+            mine = (await http.get("/v1/trajectories/mine", headers=bearer(alice))).json()
+            assert mine["num_turns"] == 1
+            streamed = await http.post(
+                "/v1/chat/completions", json={**body, "stream": True}, headers=bearer(alice)
+            )
+            text = "".join(
+                chunk["choices"][0]["delta"].get("content", "")
+                for line in streamed.text.splitlines()
+                if line.startswith("data: {")
+                for chunk in [json.loads(line[6:])]
+                if chunk["choices"]
+            )
+            assert text == "Hi!" and streamed.text.rstrip().endswith("data: [DONE]")
+            mine = (await http.get("/v1/trajectories/mine", headers=bearer(alice))).json()
+            assert mine["num_turns"] == 2
+
+
+async def test_a_full_trajectory_refuses_more_turns_before_generating(tmp_path):
+    from tests.fake.backend import FakeBackend, fake_app
+
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
+    async with fake_app(tmp_path, *pair, trajectory_max_turns=1) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as http:
+            body = {"model": "policy", "prompt": "x", "trajectory_id": "short"}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            calls = pair[0].calls
+            refused = await http.post("/v1/completions", json=body)
+            assert (
+                refused.status_code == 409 and refused.json()["error"]["param"] == "trajectory_id"
+            )
+            assert pair[0].calls == calls  # nothing was generated

@@ -47,3 +47,11 @@ def test_scoring_benchmark_quick(tmp_path):
     cases = report["cases"]
     assert cases["binary_top20"]["reply_bytes"] < cases["json_top20"]["reply_bytes"]
     assert cases["binary_top20"]["request_bytes"] < cases["json_top20"]["request_bytes"]
+
+
+def test_openai_routes_benchmark_quick(tmp_path):
+    report = run_quick("openai_routes", tmp_path)
+    point = report["results"]["transformers"]["8"]
+    assert point["chat"]["requests"] == point["generate"]["requests"] == 16
+    assert point["chat_stream_first_chunk_ms_p50"] > 0
+    assert set(report["ratios"]) == {"transformers_chat_over_generate"}

@@ -127,10 +127,10 @@ def test_masks_take_a_constant_number_of_renders(model_dir):
     calls = 0
     render = preparer.render
 
-    def counting(conversation, *, generation_prompt):  # type: ignore[no-untyped-def]
+    def counting(conversation, *, generation_prompt, tools=None):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
-        return render(conversation, generation_prompt=generation_prompt)
+        return render(conversation, generation_prompt=generation_prompt, tools=tools)
 
     preparer.render = counting  # type: ignore[method-assign]
     for num_turns in (2, 40):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -275,11 +276,6 @@ class OpenAIService:
         )
         return [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
-    def _values(self, job: Job, g: Generation) -> list[float]:
-        values = g.processed_log_probs if job.processed else g.log_probs
-        assert values is not None  # checked against the engine's capabilities
-        return values
-
     def _chat_choice(
         self,
         job: Job,
@@ -297,7 +293,7 @@ class OpenAIService:
             content, calls = parse_tool_calls(text, job.tool_names)
         logprobs = None
         if job.logprobs is not None:
-            entries = texts.chat_entries(g.token_ids, self._values(job, g), tops)
+            entries = texts.chat_entries(g.token_ids, _values(job, g), tops)
             logprobs = ChoiceLogprobs(content=entries)
         return ChatChoice(
             index=index,
@@ -320,7 +316,7 @@ class OpenAIService:
         )
         logprobs = None
         if job.logprobs is not None:
-            logprobs = texts.completion_logprobs(g.token_ids, self._values(job, g), tops)
+            logprobs = texts.completion_logprobs(g.token_ids, _values(job, g), tops)
         extensions = _choice_extensions(job, g)
         if job.request.return_token_ids:
             extensions["prompt_token_ids"] = job.prompt_of(index).ids
@@ -440,7 +436,7 @@ class _Chunks:
             body: Any = ChatCompletionChunk(id=f"chatcmpl-{job.id}", choices=choices, **common)
         else:
             body = Completion(id=f"cmpl-{job.id}", choices=choices, **common)
-        return _event(body.model_dump_json(exclude_none=True))
+        return _event(body.model_dump(mode="json", exclude_none=True))
 
     def opening(self) -> list[str]:
         if self.job.kind != "chat":
@@ -457,10 +453,12 @@ class _Chunks:
     def tokens(self, index: int, tokens: Tokens) -> list[str]:
         job = self.job
         text = self.text[index]
-        if job.tool_names is not None:  # a reply may turn out to be a tool call: held to the end
+        held = job.tool_names is not None  # a reply may turn out to be a tool call: its text
+        if held:  # is held to the end (its tokens and log-probs are not)
             text.ids += tokens.ids
-            return []
-        new = text.add(tokens.ids)
+            new = ""
+        else:
+            new = text.add(tokens.ids)
         with_ids = job.request.return_token_ids
         if not new and job.logprobs is None and not with_ids:
             return []
@@ -471,8 +469,9 @@ class _Chunks:
                 logprobs = ChoiceLogprobs(
                     content=self.texts.chat_entries(tokens.ids, tokens.log_probs, None)
                 )
+            delta = ChatDelta(content=None if held else new)
             choice: Any = ChatChunkChoice(
-                index=index, delta=ChatDelta(content=new), logprobs=logprobs, token_ids=ids
+                index=index, delta=delta, logprobs=logprobs, token_ids=ids
             )
         else:
             completion_logprobs = None
@@ -492,7 +491,7 @@ class _Chunks:
             text = self.text[index]
             missing = g.token_ids[len(text.ids) :]  # tokens an engine did not stream
             if missing:
-                lines += self.tokens(index, Tokens(missing, self._values(g)[len(text.ids) :]))
+                lines += self.tokens(index, Tokens(missing, _values(job, g)[len(text.ids) :]))
             finish: FinishReason = g.finish_reason
             if job.tool_names is not None:
                 full = text.full_text()
@@ -527,9 +526,12 @@ class _Chunks:
             lines.append(self._chunk([], usage=_usage(job, generations)))
         return lines
 
-    def _values(self, g: Generation) -> list[float]:
-        values = g.processed_log_probs if self.job.processed else g.log_probs
-        return values if values is not None else g.log_probs
+
+def _values(job: Job, g: Generation) -> list[float]:
+    """The log-probs the request asked for (processed ones exist wherever they may be asked
+    for: checked against the engine's capabilities; an aborted row has none at all)."""
+    values = g.processed_log_probs if job.processed else g.log_probs
+    return values if values is not None else []
 
 
 def _decoder(job: Job) -> Any:
@@ -555,11 +557,13 @@ def _usage(job: Job, generations: list[Generation]) -> Usage:
     )
 
 
-def _event(data: str) -> str:
-    return f"data: {data}\n\n"
+def _event(data: Any) -> str:
+    """One server-sent event. The JSON is ASCII: a U+2028 or a NEL in a reply would end the
+    line for clients that split lines the way Python's str.splitlines does."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _error_body(exc: Exception) -> str:
+def _error_body(exc: Exception) -> dict[str, Any]:
     if any(cls in FAILURES for cls in type(exc).__mro__):
         error = failure_error(exc)  # type: ignore[arg-type]
         info = ErrorInfo(
@@ -567,4 +571,4 @@ def _error_body(exc: Exception) -> str:
         )
     else:
         info = ErrorInfo(message="internal error", type="internal_error", code=500)
-    return ErrorResponse(error=info).model_dump_json()
+    return ErrorResponse(error=info).model_dump()

@@ -4,6 +4,7 @@ stop strings, streaming that adds up to the non-streamed reply, and the SDK's ow
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -268,10 +269,19 @@ async def test_tools_are_templated_and_calls_in_history_are_accepted(sdk, hf_tok
     assert "calculator" not in hf_tokenizer.decode((none.model_extra or {})["prompt_token_ids"])
     # a streamed reply with tools is held to the end and equals the non-streamed one
     stream = await sdk.chat.completions.create(
-        model="policy", messages=history, tools=TOOLS, max_tokens=4, seed=1, stream=True
+        model="policy",
+        messages=history,
+        tools=TOOLS,
+        max_tokens=4,
+        seed=1,
+        stream=True,
+        extra_body={"return_token_ids": True},
     )
-    content = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    chunks = [c async for c in stream if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert content == reply.choices[0].message.content
+    ids = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids") or []]
+    assert ids == (reply.choices[0].model_extra or {})["token_ids"]
 
 
 def test_tool_calls_are_parsed_from_hermes_blocks():
@@ -297,3 +307,17 @@ def test_tool_calls_are_parsed_from_hermes_blocks():
         assert parse_tool_calls(kept, names) == (kept, [])
     only, calls = parse_tool_calls('<tool_call>{"name": "search"}</tool_call>', names)
     assert only is None and calls[0].function.arguments == "{}"
+
+
+async def test_events_are_ascii_lines(client):
+    """Each event is one `data:` line of ASCII JSON, so clients that split lines on U+2028 or
+    NEL (as str.splitlines does) still read whole events; the stream ends with [DONE]."""
+    body = {"model": "policy", "prompt": "x", "max_tokens": 64, "seed": 3, "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.splitlines() if line]
+    assert all(line.isascii() and line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    reply = await client.post("/v1/completions", json={**body, "stream": False})
+    assert text == reply.json()["choices"][0]["text"]

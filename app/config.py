@@ -87,6 +87,12 @@ class Settings(BaseSettings):
         default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
         description="Session store (sessions.sqlite3) and datasets/ (*.jsonl prompt sets).",
     )
+    session_store: str | None = Field(
+        default=None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="Where sessions and trajectories live: unset for SQLite in data_dir, or a "
+        "Redis URL (redis://host:port/db) that several servers share.",
+    )
     env_ttl_s: float = Field(default=3600, gt=0, description="Idle sessions expire after this.")
     max_env_sessions: int = Field(default=1024, gt=0, description="Live sessions; beyond: 429.")
     max_env_sessions_per_key: int = Field(

@@ -22,7 +22,7 @@ from app.engine.registry import ModelRegistry
 from app.envs.datasets import DatasetRegistry
 from app.envs.router import router as envs_router
 from app.envs.service import EnvService
-from app.envs.store import SQLiteSessionStore
+from app.envs.store import SessionStore, SQLiteSessionStore
 from app.errors import install_error_handlers
 from app.generation.router import router as generation_router
 from app.generation.serving import GenerationService
@@ -42,7 +42,7 @@ from app.scoring.router import router as scoring_router
 from app.scoring.serving import ScoringService
 from app.trajectories.router import router as trajectories_router
 from app.trajectories.service import TrajectoryService
-from app.trajectories.store import SQLiteTrajectoryStore
+from app.trajectories.store import SQLiteTrajectoryStore, TrajectoryStore
 from app.weights.router import router as weights_router
 from app.weights.router import serving_router, transfer_router
 from app.weights.service import WeightsService
@@ -70,6 +70,19 @@ async def reap_forever(envs: EnvService, trajectories: TrajectoryService, ttl_s:
                 logger.info("expired %d idle trajectories", expired)
         except Exception:
             logger.exception("reaping sessions or trajectories failed")
+
+
+def open_stores(settings: Settings) -> tuple[SessionStore, TrajectoryStore]:
+    """Sessions and trajectories: in Redis when RLSERVE_SESSION_STORE names one (servers
+    that share it share them), else in SQLite in the data directory."""
+    if settings.session_store is not None:
+        from app.envs.redis_store import RedisSessionStore
+        from app.trajectories.redis_store import RedisTrajectoryStore
+
+        url = settings.session_store
+        return RedisSessionStore(url), RedisTrajectoryStore(url)
+    path = settings.data_dir / "sessions.sqlite3"
+    return SQLiteSessionStore(path), SQLiteTrajectoryStore(path)
 
 
 def build_services(
@@ -104,8 +117,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
             timeout_s=settings.ready_probe_timeout_s,
         )
         metrics.watch(registry)
-        store = SQLiteSessionStore(settings.data_dir / "sessions.sqlite3")
-        recorded = SQLiteTrajectoryStore(settings.data_dir / "sessions.sqlite3")
+        store, recorded = open_stores(settings)
         trajectories = TrajectoryService(recorded, registry, settings)
         datasets = DatasetRegistry(settings.data_dir / "datasets")
         envs = EnvService(store, registry, datasets, settings)

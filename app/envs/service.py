@@ -124,7 +124,10 @@ class EnvService:
         self, env_id: str, owner: str
     ) -> AsyncIterator[tuple[SessionRecord, episodes.EpisodeState]]:
         """The session and its episodes under its lock; saved when the block completes
-        without error (a failed step changes nothing)."""
+        without error (a failed step changes nothing). The save writes over the revision it
+        read, so when another server changed the session meanwhile (two replicas sharing a
+        store), this one's change is dropped: 409, and a retry with the same Idempotency-Key
+        gets the step that was applied."""
         lock = self._locks.get(env_id)
         if lock is None:  # only sessions that exist get a lock (unknown ids leave nothing)
             await self._load(env_id, owner)
@@ -135,7 +138,13 @@ class EnvService:
             yield record, state
             record.state = state.to_json()
             record.updated_at = now()
-            await self.store.put(record)
+            if not await self.store.replace(record):
+                raise Conflict(
+                    f"environment '{env_id}' changed while this request ran (another server "
+                    "applied a step); this one was not applied: send it again with the same "
+                    "Idempotency-Key",
+                    param="env_id",
+                )
 
     async def get(self, env_id: str, owner: str) -> EnvState:
         return _state(await self._load(env_id, owner))

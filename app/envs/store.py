@@ -25,12 +25,20 @@ class SessionRecord:
     created_at: float
     updated_at: float
     owner: str = ""  # who created it (app.ops.auth.owner_of); "" when the server has no keys
+    revision: int = 0
+    """How many times it was written: `replace` writes only over the revision it read, so two
+    servers that step one session at once cannot both apply their step."""
 
 
 class SessionStore(ABC):
     @abstractmethod
     async def put(self, record: SessionRecord) -> None:
         """Insert or replace a session (one atomic write)."""
+
+    @abstractmethod
+    async def replace(self, record: SessionRecord) -> bool:
+        """Write `record` only if the stored session is still at `record.revision` (then at
+        revision + 1, which `record` takes too); False when it changed or is gone."""
 
     @abstractmethod
     async def get(self, env_id: str) -> SessionRecord | None: ...
@@ -61,11 +69,12 @@ CREATE TABLE IF NOT EXISTS sessions (
     state TEXT NOT NULL,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
-    owner TEXT NOT NULL DEFAULT ''
+    owner TEXT NOT NULL DEFAULT '',
+    revision INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sessions_updated ON sessions (updated_at);
 """
-_COLUMNS = "env_id, config, state, created_at, updated_at, owner"
+_COLUMNS = "env_id, config, state, created_at, updated_at, owner, revision"
 
 
 class SQLiteSessionStore(SessionStore):
@@ -83,6 +92,8 @@ class SQLiteSessionStore(SessionStore):
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
         if "owner" not in columns:  # a store written before sessions had owners
             self._db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        if "revision" not in columns:  # ... or revisions
+            self._db.execute("ALTER TABLE sessions ADD COLUMN revision INTEGER NOT NULL DEFAULT 0")
         self._db.execute("CREATE INDEX IF NOT EXISTS sessions_owner ON sessions (owner)")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -96,12 +107,37 @@ class SQLiteSessionStore(SessionStore):
             record.created_at,
             record.updated_at,
             record.owner,
+            record.revision,
         )
         await self._run(
             self._db.execute,
-            f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
             row,
         )
+
+    async def replace(self, record: SessionRecord) -> bool:
+        values = (
+            json.dumps(record.config),
+            json.dumps(record.state),
+            record.updated_at,
+            record.revision + 1,
+            record.env_id,
+            record.revision,
+        )
+
+        def write() -> int:
+            return int(
+                self._db.execute(
+                    "UPDATE sessions SET config = ?, state = ?, updated_at = ?, revision = ? "
+                    "WHERE env_id = ? AND revision = ?",
+                    values,
+                ).rowcount
+            )
+
+        if not await self._run(write):
+            return False
+        record.revision += 1
+        return True
 
     async def get(self, env_id: str) -> SessionRecord | None:
         def query() -> Any:
@@ -172,9 +208,9 @@ class SQLiteSessionStore(SessionStore):
 
 
 def _record(row: Any) -> SessionRecord:
-    env_id, config, state, created_at, updated_at, owner = row
+    env_id, config, state, created_at, updated_at, owner, revision = row
     return SessionRecord(
-        env_id, json.loads(config), json.loads(state), created_at, updated_at, owner
+        env_id, json.loads(config), json.loads(state), created_at, updated_at, owner, revision
     )
 
 

@@ -1,0 +1,72 @@
+"""Both session stores (SQLite, Redis) keep one contract: sessions by owner, compare-and-set
+writes, expiry; trajectories appended with consecutive turns from any number of servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.envs.store import SessionRecord
+from app.trajectories.store import Turn
+
+
+def turn(i: int) -> Turn:
+    return Turn([1, 2], [i], [-0.5], [[0, 0, 1]], "stop", "policy", float(i))
+
+
+async def test_sessions_compare_and_set(stores):
+    sessions, reopen = stores
+    other, _ = reopen()  # a second server on the same store
+    await sessions.put(SessionRecord("env-a", {"k": 1}, {"s": 0}, 1.0, 1.0, owner="alice"))
+    mine, theirs = await sessions.get("env-a"), await other.get("env-a")
+    assert mine is not None and theirs is not None and mine.revision == theirs.revision == 0
+    mine.state = {"s": 1}
+    assert await sessions.replace(mine) and mine.revision == 1
+    theirs.state = {"s": 2}
+    assert not await other.replace(theirs)  # written over a revision that is gone
+    stored = await other.get("env-a")
+    assert stored is not None and stored.state == {"s": 1} and stored.revision == 1
+    assert stored.config == {"k": 1} and stored.owner == "alice"
+    assert not await sessions.replace(SessionRecord("env-missing", {}, {}, 1.0, 1.0))
+
+
+async def test_sessions_by_owner_and_expiry(stores):
+    sessions, _ = stores
+    for i in range(5):
+        owner = "alice" if i < 3 else "bob"
+        await sessions.put(SessionRecord(f"env-{i}", {}, {}, float(i), float(10 + i), owner))
+    page, total = await sessions.page("alice", 1, 10)
+    assert [r.env_id for r in page] == ["env-1", "env-2"] and total == 3
+    assert await sessions.count() == 5 and await sessions.count("bob") == 2
+    assert sorted(await sessions.expire(12.0)) == ["env-0", "env-1"]
+    assert await sessions.count() == 3 and await sessions.count("alice") == 1
+    assert await sessions.delete("env-4") and not await sessions.delete("env-4")
+    assert await sessions.get("env-4") is None and await sessions.count("bob") == 1
+
+
+async def test_trajectory_turns_are_consecutive_across_servers(stores):
+    _, reopen = stores
+    servers = [reopen()[1] for _ in range(3)]
+    indices = await asyncio.gather(
+        *(servers[i % 3].append("t-1", "alice", turn(i), 100) for i in range(12))
+    )
+    assert sorted(indices) == list(range(12))
+    found = await servers[0].get("t-1")
+    assert found is not None and found.owner == "alice" and len(found.turns) == 12
+    assert sorted(t.completion_ids[0] for t in found.turns) == list(range(12))
+    assert await servers[1].append("t-1", "bob", turn(0), 100) is None  # not bob's
+    assert await servers[1].append("t-1", "alice", turn(0), 12) is None  # full
+    assert not await servers[2].set_reward("t-1", "bob", 1.0)
+    assert await servers[2].set_reward("t-1", "alice", 0.5)
+    found = await servers[1].get("t-1")
+    assert found is not None and found.reward == 0.5
+    assert not await servers[0].delete("t-1", "bob")
+    assert await servers[0].delete("t-1", "alice") and await servers[0].get("t-1") is None
+
+
+async def test_idle_trajectories_expire(stores):
+    _, reopen = stores
+    trajectories = reopen()[1]
+    await trajectories.append("old", "", turn(0), 10)
+    assert await trajectories.expire(0.0) == 0
+    assert await trajectories.expire(float("inf")) == 1
+    assert await trajectories.get("old") is None

@@ -21,6 +21,7 @@ from app.common.failures import (
     NotReady,
     PeerFailed,
     QuotaExceeded,
+    Superseded,
     TimedOut,
     TooLarge,
     Unsupported,
@@ -72,6 +73,7 @@ FAILURES: dict[type[Failure], ErrorKind] = {
     Unsupported: ErrorKind(422, "unsupported_error"),
     Malformed: ErrorKind(400, "invalid_request_error"),
     NotFound: ErrorKind(404, "not_found_error"),
+    Superseded: ErrorKind(409, "conflict_error", {"Retry-After": "0"}),
     Conflict: ErrorKind(409, "conflict_error"),
     TooLarge: ErrorKind(413, "request_too_large"),
     QuotaExceeded: ErrorKind(429, "rate_limit_error", {"Retry-After": "5"}),
@@ -124,7 +126,11 @@ TRANSFER_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
     404: {"model": ErrorResponse, "description": "Unknown or expired environment"},
-    409: {"model": ErrorResponse, "description": "Episode done, or not reset yet"},
+    409: {
+        "model": ErrorResponse,
+        "description": "Episode done, or not reset yet; or another server stepped the session "
+        "meanwhile (Retry-After: 0, nothing applied: send it again with its Idempotency-Key)",
+    },
     429: {"model": ErrorResponse, "description": "Too many live sessions"},
 }
 

@@ -34,6 +34,11 @@ class Conflict(Failure):
     """The request does not fit the current state (episode done, not reset yet)."""
 
 
+class Superseded(Conflict):
+    """Another server changed the state while this request ran; nothing was applied, and the
+    same request with the same Idempotency-Key may be sent again."""
+
+
 class TooLarge(Failure):
     """The request asks for more than the server's limits allow in one call."""
 

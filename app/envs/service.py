@@ -14,7 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.common.failures import Conflict, NotFound, NotReady, QuotaExceeded, invalid
+from app.common.failures import (
+    Conflict,
+    NotFound,
+    NotReady,
+    QuotaExceeded,
+    Superseded,
+    invalid,
+)
 from app.common.sequences import SequenceSplit
 from app.config import Settings
 from app.engine.registry import ModelRegistry
@@ -139,7 +146,7 @@ class EnvService:
             record.state = state.to_json()
             record.updated_at = now()
             if not await self.store.replace(record):
-                raise Conflict(
+                raise Superseded(
                     f"environment '{env_id}' changed while this request ran (another server "
                     "applied a step); this one was not applied: send it again with the same "
                     "Idempotency-Key",

@@ -46,7 +46,8 @@ class Retry(Enum):
     UNSENT = "unsent"
     """Calls that change state: only when the request never left (it cannot be repeated)."""
     KEYED = "keyed"
-    """Calls carrying an Idempotency-Key the server de-duplicates: as SAFE."""
+    """Calls carrying an Idempotency-Key the server de-duplicates: as SAFE, and after a 409
+    with Retry-After (another server applied a change first; this call applied nothing)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,11 @@ def next_delay(
     if call.retry is Retry.UNSENT and not isinstance(error, UNSENT_ERRORS):
         return None
     if response is not None and response.status_code not in RETRY_STATUSES:
-        return None
+        # 409 with Retry-After: another server changed the state first and nothing was
+        # applied; a keyed call sent again is answered as the server applied it.
+        superseded = response.status_code == 409 and "Retry-After" in response.headers
+        if not (superseded and call.retry is Retry.KEYED):
+            return None
     return retry_delay(attempt, response)
 
 

@@ -33,6 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
     }
     settings = Settings(**overrides)
     configure_logging(settings.log_level, settings.log_format)
+    if args.replicas is not None:
+        return _serve_replicas(overrides, args.replicas, settings)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -42,6 +44,21 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,  # the service's access log carries the request id
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
+    return 0
+
+
+def _serve_replicas(overrides: dict[str, Any], replicas: int, settings: Any) -> int:
+    """The same server as `replicas` replicas on Ray Serve (app.deploy.ray_serve), on the
+    cluster RAY_ADDRESS names or a local one, its HTTP proxy on --host/--port."""
+    import ray
+    from ray import serve
+
+    from app.deploy.ray_serve import build
+
+    application = build({**overrides, "replicas": replicas})
+    ray.init()
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(application, name="rlserve", route_prefix="/", blocking=True)
     return 0
 
 
@@ -93,6 +110,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     serve.add_argument("--ref-model", help="reference model for /v1/kl (default: policy copy)")
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        help="run N replicas on Ray Serve (needs RLSERVE_SESSION_STORE=redis://... when N > 1)",
+    )
     serve.set_defaults(func=_serve)
 
     build = commands.add_parser("build-model", help="write the built-in random-weights model")

@@ -87,6 +87,11 @@ class Settings(BaseSettings):
         default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
         description="Session store (sessions.sqlite3) and datasets/ (*.jsonl prompt sets).",
     )
+    replica_id: str | None = Field(
+        default=None,
+        description="This server's name among replicas (set by the Ray Serve deployment): "
+        "the `replica` label of /metrics' target_info.",
+    )
     session_store: str | None = Field(
         default=None,
         pattern=r"^(redis|rediss|unix)://",

@@ -146,7 +146,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         lifespan=lifespan,
     )
     app.state.settings = settings
-    metrics = Metrics()
+    metrics = Metrics(replica=settings.replica_id)
     app.state.metrics = metrics
     install_error_handlers(app)
     routers = (
@@ -167,7 +167,9 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
     # Added innermost first: the request context wraps auth, which wraps the body limit.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, settings=settings)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, routes=routes)
+    app.add_middleware(
+        RequestContextMiddleware, metrics=metrics, routes=routes, replica=settings.replica_id
+    )
     if settings.cors_origins:  # added last: it runs first, answering preflights itself
         app.add_middleware(
             CORSMiddleware,

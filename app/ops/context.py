@@ -28,10 +28,19 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        routes: list[BaseRoute],
+        replica: str | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = routes
+        self.stamp = [(b"x-request-id", b"")]
+        if replica is not None:  # which replica answered (behind Ray Serve's proxy)
+            self.stamp.append((b"x-rlserve-replica", replica.encode()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,8 +58,8 @@ class RequestContextMiddleware:
             nonlocal status, sent
             if message["type"] == "http.response.start":
                 status, sent = message["status"], True
-                extra = (b"x-request-id", request_id.encode())
-                message["headers"] = [*message.get("headers", []), extra]
+                stamp = [(b"x-request-id", request_id.encode()), *self.stamp[1:]]
+                message["headers"] = [*message.get("headers", []), *stamp]
             await send(message)
 
         try:

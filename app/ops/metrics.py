@@ -17,8 +17,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, replica: str | None = None) -> None:
+        """`replica`: this server's name among replicas, the `replica` label of
+        `target_info` (Prometheus' place for labels every series of a target shares)."""
+        target = {"replica": replica} if replica is not None else None
+        self.registry = CollectorRegistry(auto_describe=True, target_info=target)
         self.requests = Counter(
             "rlserve_requests",
             "HTTP requests by route template, method and status.",

@@ -45,7 +45,7 @@ from app.trajectories.service import TrajectoryService
 from app.trajectories.store import SQLiteTrajectoryStore, TrajectoryStore
 from app.weights.router import router as weights_router
 from app.weights.router import serving_router, transfer_router
-from app.weights.service import WeightsService
+from app.weights.service import Fanout, WeightsService
 from app.weights.transfer import TransferService
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,9 @@ def build_services(
     app.state.transfers = TransferService(registry, weights)
 
 
-def create_app(settings: Settings | None = None, *, load_models: bool = True) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, load_models: bool = True, fanout: Fanout | None = None
+) -> FastAPI:
     """Build the FastAPI app. Models load in the background once the app starts, so `/health`
     answers at once and `/ready` turns true when loading is done."""
     settings = settings or Settings()
@@ -122,6 +124,7 @@ def create_app(settings: Settings | None = None, *, load_models: bool = True) ->
         datasets = DatasetRegistry(settings.data_dir / "datasets")
         envs = EnvService(store, registry, datasets, settings)
         build_services(app, registry, envs, trajectories)
+        app.state.weights.fanout = fanout  # one of several replicas: updates reach them all
         await asyncio.to_thread(app.state.envs.sandbox.probe)
         await asyncio.to_thread(app.state.weights.clean_uploads)
         loading = asyncio.create_task(load_or_exit(registry)) if load_models else None

@@ -8,12 +8,16 @@ the bounds given. Sessions and trajectories must then live in a store every repl
     serve run app.deploy.ray_serve:build replicas=2 # Ray's own CLI; args as key=value
     serve deploy docker/ray-serve.yaml              # a config file (KubeRay: docker/kuberay.yaml)
 
-Settings come from each replica's environment (RLSERVE_*) and from the application's args,
-whose keys are Settings fields; `replicas`, `min_replicas`, `max_replicas`, `num_cpus` and
-`num_gpus` shape the deployment."""
+Settings come from the RLSERVE_* environment of the process that builds the application
+(handed to every replica) and from the application's args, whose keys are Settings fields;
+`replicas`, `min_replicas`, `max_replicas`, `target_ongoing_requests`, `num_cpus` and
+`num_gpus` shape the deployment. Each replica keeps its local state (uploads, staged
+checkpoints, engine weight copies) in `data_dir/<replica id>`."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,7 +25,9 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import Settings
+from app.deploy.fanout import ReplicaFanout, outcome
 from app.main import create_app
+from app.weights.protocol import UpdateOptions
 
 DEPLOYMENT = "rlserve"
 _SHAPE = (
@@ -44,10 +50,46 @@ class RLServeReplica:
         self.server: FastAPI | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        replica = context.replica_id.unique_id
         settings = Settings(**{**self.overrides, "replica_id": replica})
-        self.server = create_app(settings)
+        # Local state (uploads, staged checkpoints, engine weight copies) is the replica's own.
+        settings = settings.model_copy(update={"data_dir": settings.data_dir / replica})
+        fanout = ReplicaFanout(context.app_name, context.deployment)
+        self.server = create_app(settings, fanout=fanout)
         return self.server
+
+    # -- one weight update over every replica (app.deploy.fanout) -------------------------
+
+    def _weights(self) -> Any:
+        assert self.server is not None
+        return self.server.state.weights
+
+    async def weights_stage(self, update_id: str, source: Any, model: str) -> dict[str, Any]:
+        import ray
+
+        if isinstance(source, ray.ObjectRef):  # an upload, shipped through the object store
+            source = await source
+        staged: Path | bytes = Path(source) if isinstance(source, str) else bytes(source)
+
+        async def stage() -> dict[str, Any]:
+            return {"version": await self._weights().stage(update_id, staged, model)}
+
+        return await outcome(stage())
+
+    async def weights_commit(
+        self, update_id: str, model: str, options: dict[str, Any]
+    ) -> dict[str, Any]:
+        async def commit() -> dict[str, Any]:
+            chosen = UpdateOptions(**options)
+            updated = await self._weights().commit_staged(update_id, model, chosen)
+            return {"updated": updated.model_dump()}
+
+        return await outcome(commit())
+
+    async def weights_abort(self, update_id: str) -> dict[str, Any]:
+        self._weights().abort_staged(update_id)
+        return {"ok": True}
 
     async def check_health(self) -> None:
         """Ray's health check: raise while the engine is not ready or does not answer (Ray
@@ -77,6 +119,10 @@ def build(args: dict[str, Any]) -> Application:
         "ray_actor_options": {
             "num_cpus": float(args.get("num_cpus", 1)),
             "num_gpus": float(args.get("num_gpus", 0)),
+            # Replicas read the same RLSERVE_* settings as the process that deploys them.
+            "runtime_env": {
+                "env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLSERVE_")}
+            },
         },
     }
     if "min_replicas" in args or "max_replicas" in args:

@@ -9,10 +9,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from app.common.failures import Malformed, TimedOut, TooLarge
+from app.common.failures import Conflict, Malformed, TimedOut, TooLarge
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.weights.checkpoint import (
@@ -35,10 +36,22 @@ _WRITE_BATCH_BYTES = 8 << 20
 _DISK_RESERVE = 64 << 20  # left free for the session store and logs
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A checkpoint that passed every check and may be applied."""
+
+    files: list[Path]
+    num_tensors: int
+    num_bytes: int
+
+
 class WeightsService:
     def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
         self.registry = registry
         self.settings = settings
+        self._staged: dict[str, Checked] = {}
+        self.fanout: Fanout | None = None
+        """Set on a replica of several (app.deploy): loads and uploads reach every replica."""
 
     def version(self) -> WeightsVersion:
         versions = self.registry.versions
@@ -57,7 +70,10 @@ class WeightsService:
 
     async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
         """Load a checkpoint the server can read. By default from a private snapshot taken
-        first, so a checkpoint rewritten during the load is applied whole or not at all."""
+        first, so a checkpoint rewritten during the load is applied whole or not at all. On
+        a replica of several, every replica loads it, as one transaction."""
+        if self.fanout is not None:
+            return await self.fanout.update(Path(request.path), request.model, request)
         files = await self._file_work(checkpoint_files, Path(request.path))
         if not self.settings.weights_snapshot_loads:
             return await self._apply(files, request.model, "path", request)
@@ -109,6 +125,9 @@ class WeightsService:
             await asyncio.to_thread(_write_and_flush, sink, pending)
             if size == 0:
                 raise Malformed("body: the upload is empty", param="body")
+            if self.fanout is not None:
+                data = await asyncio.to_thread(Path(sink.name).read_bytes)
+                return await self.fanout.update(data, model, options)
             return await self._apply([Path(sink.name)], model, "body", options)
 
     async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
@@ -124,22 +143,68 @@ class WeightsService:
     async def _apply(
         self, files: list[Path], model: str, param: str, options: UpdateOptions
     ) -> WeightsUpdated:
+        checked = await self._check(files, model, param)
+        return await self._commit(checked, model, options)
+
+    async def _check(self, files: list[Path], model: str, param: str) -> Checked:
+        """Everything that can refuse a checkpoint, before serving is touched."""
         update = await self._file_work(read_layout, files, param)
         served = self.registry.get(model)
         expected = served.backend.weight_layout()
         if expected is not None:
             check_layout(update, expected)
         await self._file_work(check_finite, files, param)
-        num_bytes = sum(f.stat().st_size for f in files)
+        return Checked(files, len(update), sum(f.stat().st_size for f in files))
+
+    async def _commit(self, checked: Checked, model: str, options: UpdateOptions) -> WeightsUpdated:
         start = time.perf_counter()
         async with self.registry.writing(model, mode=options.pause, version=options.version) as (
             target,
             version,
         ):
             paused_at = time.perf_counter()
-            await target.backend.update_weights(files)
+            await target.backend.update_weights(checked.files)
             paused = time.perf_counter() - paused_at
-        return self.updated(model, version, len(update), num_bytes, paused, start)
+        return self.updated(model, version, checked.num_tensors, checked.num_bytes, paused, start)
+
+    # -- one update over several replicas (app.deploy.fanout): stage, then commit or abort --
+
+    async def stage(self, update_id: str, source: Path | bytes, model: str) -> int:
+        """Copy a checkpoint (a path, or an upload's bytes) into this server's data and check
+        it, without touching serving; the current version of `model`. Whatever goes wrong
+        raises, and leaves nothing staged."""
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        folder = self.uploads / f"staged-{update_id}"
+        try:
+            if isinstance(source, bytes):
+                folder.mkdir()
+                copy = folder / "model.safetensors"
+                await self._file_work(copy.write_bytes, source)
+                copies, param = [copy], "body"
+            else:
+                files = await self._file_work(checkpoint_files, source)
+                folder.mkdir()
+                copies, param = await self._file_work(snapshot, files, folder, "path"), "path"
+            self._staged[update_id] = await self._check(copies, model, param)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return self.registry.versions[model]
+
+    async def commit_staged(
+        self, update_id: str, model: str, options: UpdateOptions
+    ) -> WeightsUpdated:
+        checked = self._staged.pop(update_id, None)
+        if checked is None:
+            raise Conflict(f"no update '{update_id}' is staged here", param="update")
+        try:
+            return await self._commit(checked, model, options)
+        finally:
+            shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
+
+    def abort_staged(self, update_id: str) -> None:
+        self._staged.pop(update_id, None)
+        shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
 
     def updated(
         self,
@@ -169,6 +234,13 @@ class WeightsService:
             seconds=paused,
             total_seconds=time.perf_counter() - start,
         )
+
+
+class Fanout(Protocol):
+    async def update(
+        self, source: Path | bytes, model: str, options: UpdateOptions
+    ) -> WeightsUpdated:
+        """Apply a checkpoint on every replica, or on none."""
 
 
 def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:

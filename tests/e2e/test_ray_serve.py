@@ -132,3 +132,79 @@ def test_an_episode_survives_its_replica_being_killed(
         assert client.get_env(env_id).rows[0].turns == 5
     seen = wait_for_replicas(server.url, 2)
     assert victim not in seen  # the killed replica was replaced by a new one
+
+
+def versions_by_replica(url: str, path: str = "/v1/weights/version") -> dict[str, object]:
+    """What each replica answers to GET `path` (requests until both replicas answered)."""
+    answers: dict[str, object] = {}
+    for _ in range(60):
+        response = httpx.get(f"{url}{path}", timeout=30)
+        answers[response.headers["x-rlserve-replica"]] = response.json()
+        if len(answers) == 2:
+            break
+    assert len(answers) == 2, answers
+    return answers
+
+
+def scores_by_replica(url: str, tokens: list[int]) -> dict[str, list[float]]:
+    scores: dict[str, list[float]] = {}
+    for _ in range(60):
+        response = httpx.post(f"{url}/v1/logprobs", json={"tokens": [tokens]}, timeout=30)
+        scores[response.headers["x-rlserve-replica"]] = response.json()["outputs"][0]["log_probs"][
+            "full"
+        ]
+        if len(scores) == 2:
+            break
+    return scores
+
+
+def test_a_weight_update_reaches_every_replica_or_none(server: Server, model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One load through the proxy: both replicas serve the new weights under one version. When
+    one replica cannot take it (its data directory is broken), neither does, and the refusal
+    says so; an upload reaches both the same way."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import assert_close, forward_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = {k: v * 0.7 for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    checkpoint = tmp_path / "new.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(checkpoint))
+    before = {r: v["policy_version"] for r, v in versions_by_replica(server.url).items()}  # type: ignore[index]
+    assert len(set(before.values())) == 1
+    old = next(iter(before.values()))
+
+    data_dir = Path(server.log).parent / "data"
+    victim = next(iter(before))
+    broken = data_dir / victim / "uploads"
+    shutil.rmtree(broken, ignore_errors=True)
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_text("not a directory")
+    refused = httpx.post(
+        f"{server.url}/v1/weights/load", json={"path": str(checkpoint)}, timeout=120
+    )
+    assert refused.status_code >= 400, refused.text
+    assert "replicas refused it" in refused.json()["error"]["message"]
+    after = {r: v["policy_version"] for r, v in versions_by_replica(server.url).items()}  # type: ignore[index]
+    assert set(after.values()) == {old}
+    broken.unlink()
+
+    loaded = httpx.post(
+        f"{server.url}/v1/weights/load", json={"path": str(checkpoint)}, timeout=120
+    )
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["policy_version"] == old + 1
+    after = {r: v["policy_version"] for r, v in versions_by_replica(server.url).items()}  # type: ignore[index]
+    assert set(after.values()) == {old + 1}
+    tokens = [72, 105, 33, 10, 40, 50]
+    model.load_state_dict(state, strict=False)
+    expected = forward_log_probs(model, tokens)
+    for replica_scores in scores_by_replica(server.url, tokens).values():
+        assert_close(replica_scores, expected, 1e-4)
+
+    uploaded = httpx.put(f"{server.url}/v1/weights", content=checkpoint.read_bytes(), timeout=120)
+    assert uploaded.status_code == 200, uploaded.text
+    after = {r: v["policy_version"] for r, v in versions_by_replica(server.url).items()}  # type: ignore[index]
+    assert set(after.values()) == {old + 2}

@@ -19,7 +19,8 @@ from typing import Any
 
 from app.common import failures
 from app.common.failures import Failure, PeerFailed
-from app.weights.protocol import UpdateOptions, WeightsUpdated
+from app.engine.gate import GateState
+from app.weights.protocol import PauseMode, UpdateOptions, WeightsUpdated
 
 
 class ReplicaFanout:
@@ -51,6 +52,22 @@ class ReplicaFanout:
                 f"{version} after all had checked it: {failed[0]['error']['message']}"
             )
         return WeightsUpdated.model_validate(committed[0]["updated"])
+
+    async def pause(self, mode: PauseMode) -> GateState:
+        return await self._serving("serving_pause", mode)
+
+    async def resume(self) -> GateState:
+        return await self._serving("serving_resume")
+
+    async def _serving(self, method: str, *args: Any) -> GateState:
+        from ray import serve
+
+        handle = serve.get_deployment_handle(self.deployment, self.app_name)
+        states = await _everywhere(handle, method, *args)
+        failed = [s for s in states if "error" in s]
+        if failed:
+            raise _failure(failed[0], f"{len(failed)} of {len(states)} replicas failed")
+        return GateState(**states[0]["state"])
 
 
 async def _everywhere(handle: Any, method: str, *args: Any) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ checkpoints, engine weight copies) in `data_dir/<replica id>`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,20 @@ class RLServeReplica:
             return {"updated": updated.model_dump()}
 
         return await outcome(commit())
+
+    async def serving_pause(self, mode: str) -> dict[str, Any]:
+        async def pause() -> dict[str, Any]:
+            state = await self._weights().pause(mode, here_only=True)
+            return {"state": dataclasses.asdict(state)}
+
+        return await outcome(pause())
+
+    async def serving_resume(self) -> dict[str, Any]:
+        async def resume() -> dict[str, Any]:
+            state = await self._weights().resume(here_only=True)
+            return {"state": dataclasses.asdict(state)}
+
+        return await outcome(resume())
 
     async def weights_abort(self, update_id: str) -> dict[str, Any]:
         self._weights().abort_staged(update_id)

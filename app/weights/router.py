@@ -147,17 +147,18 @@ def _serving_state(state: GateState) -> ServingState:
 @serving_router.post(
     "/v1/pause", response_model=ServingState, summary="Pause serving", openapi_extra=ADMIN
 )
-async def pause(request: PauseRequest, registry: RegistryDep) -> ServingState:
+async def pause(request: PauseRequest, weights: WeightsDep) -> ServingState:
     """New requests wait until POST /v1/resume; in-flight work meets `mode`. Returns once it
-    finished, was aborted or is frozen. Pausing again with the same mode is a no-op."""
-    return _serving_state(await registry.gate.pause(request.mode))
+    finished, was aborted or is frozen. Pausing again with the same mode is a no-op. On a
+    replica of several, every replica pauses."""
+    return _serving_state(await weights.pause(request.mode))
 
 
 @serving_router.post(
     "/v1/resume", response_model=ServingState, summary="Resume serving", openapi_extra=ADMIN
 )
-async def resume(registry: RegistryDep) -> ServingState:
-    return _serving_state(await registry.gate.resume())
+async def resume(weights: WeightsDep) -> ServingState:
+    return _serving_state(await weights.resume())
 
 
 @serving_router.get("/v1/serving", response_model=ServingState, summary="Pause state")

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from app.common.failures import Conflict, Malformed, TimedOut, TooLarge
 from app.config import Settings
+from app.engine.gate import GateState
 from app.engine.registry import ModelRegistry
 from app.weights.checkpoint import (
     check_finite,
@@ -25,6 +26,7 @@ from app.weights.checkpoint import (
 )
 from app.weights.protocol import (
     LoadWeightsRequest,
+    PauseMode,
     UpdateOptions,
     WeightsUpdated,
     WeightsVersion,
@@ -52,6 +54,17 @@ class WeightsService:
         self._staged: dict[str, Checked] = {}
         self.fanout: Fanout | None = None
         """Set on a replica of several (app.deploy): loads and uploads reach every replica."""
+
+    async def pause(self, mode: PauseMode, *, here_only: bool = False) -> GateState:
+        """Pause serving here, or on every replica when this is one of several."""
+        if self.fanout is not None and not here_only:
+            return await self.fanout.pause(mode)
+        return await self.registry.gate.pause(mode)
+
+    async def resume(self, *, here_only: bool = False) -> GateState:
+        if self.fanout is not None and not here_only:
+            return await self.fanout.resume()
+        return await self.registry.gate.resume()
 
     def version(self) -> WeightsVersion:
         versions = self.registry.versions
@@ -241,6 +254,11 @@ class Fanout(Protocol):
         self, source: Path | bytes, model: str, options: UpdateOptions
     ) -> WeightsUpdated:
         """Apply a checkpoint on every replica, or on none."""
+
+    async def pause(self, mode: PauseMode) -> GateState:
+        """Pause every replica; this one's state afterwards."""
+
+    async def resume(self) -> GateState: ...
 
 
 def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:

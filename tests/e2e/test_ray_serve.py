@@ -208,3 +208,14 @@ def test_a_weight_update_reaches_every_replica_or_none(server: Server, model_dir
     assert uploaded.status_code == 200, uploaded.text
     after = {r: v["policy_version"] for r, v in versions_by_replica(server.url).items()}  # type: ignore[index]
     assert set(after.values()) == {old + 2}
+
+
+def test_pause_and_resume_reach_every_replica(server: Server) -> None:
+    paused = httpx.post(f"{server.url}/v1/pause", json={"mode": "wait"}, timeout=60)
+    assert paused.status_code == 200 and paused.json()["paused"] is True
+    states = versions_by_replica(server.url, "/v1/serving")
+    assert all(s["paused"] for s in states.values()), states  # type: ignore[index]
+    resumed = httpx.post(f"{server.url}/v1/resume", timeout=60)
+    assert resumed.status_code == 200 and resumed.json()["paused"] is False
+    states = versions_by_replica(server.url, "/v1/serving")
+    assert not any(s["paused"] for s in states.values()), states  # type: ignore[index]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ def _serve_replicas(overrides: dict[str, Any], replicas: int, settings: Any) -> 
 
     from app.deploy.ray_serve import build
 
-    application = build({**overrides, "replicas": replicas})
+    # One host's CPUs shared among its replicas (Ray sizes each replica's thread pools so).
+    num_cpus = max(1, (os.cpu_count() or 1) // replicas)
+    application = build({**overrides, "replicas": replicas, "num_cpus": num_cpus})
     ray.init()
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(application, name="rlserve", route_prefix="/", blocking=True)

@@ -10,8 +10,9 @@ the bounds given. Sessions and trajectories must then live in a store every repl
 
 Settings come from the RLSERVE_* environment of the process that builds the application
 (handed to every replica) and from the application's args, whose keys are Settings fields;
-`replicas`, `min_replicas`, `max_replicas`, `target_ongoing_requests`, `num_cpus` and
-`num_gpus` shape the deployment. Each replica keeps its local state (uploads, staged
+`replicas`, `min_replicas`, `max_replicas`, `target_ongoing_requests`,
+`max_ongoing_requests`, `num_cpus` and `num_gpus` shape the deployment (Ray gives a replica's
+torch as many threads as its `num_cpus`). Each replica keeps its local state (uploads, staged
 checkpoints, engine weight copies) in `data_dir/<replica id>`."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from app.weights.protocol import UpdateOptions
 DEPLOYMENT = "rlserve"
 _SHAPE = (
     "replicas",
+    "max_ongoing_requests",
     "min_replicas",
     "max_replicas",
     "target_ongoing_requests",
@@ -128,6 +130,9 @@ def build(args: dict[str, Any]) -> Application:
         )
     options: dict[str, Any] = {
         "name": DEPLOYMENT,
+        # The engine batches concurrent requests itself: Ray Serve must not hold them back
+        # (its default of 5 in flight per replica would starve the batcher).
+        "max_ongoing_requests": int(args.get("max_ongoing_requests", 1024)),
         "health_check_period_s": 10,
         "health_check_timeout_s": settings.ready_probe_timeout_s + 5,
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,

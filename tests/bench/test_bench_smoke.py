@@ -55,3 +55,11 @@ def test_openai_routes_benchmark_quick(tmp_path):
     assert point["chat"]["requests"] == point["generate"]["requests"] == 16
     assert point["chat_stream_first_chunk_ms_p50"] > 0
     assert set(report["ratios"]) == {"transformers_chat_over_generate"}
+
+
+def test_ray_serve_benchmark_quick(tmp_path):
+    pytest.importorskip("ray", reason="ray is installed with the distributed extra")
+    report = run_quick("ray_serve", tmp_path)
+    for setup in ("plain", "ray_serve_1_replica"):
+        for kind in ("generate", "score"):
+            assert report["results"][setup]["8"][kind]["requests"] == 16

@@ -87,6 +87,14 @@ class RedisTrajectoryStore(TrajectoryStore):
             updated_at=float(head["updated_at"]),
         )
 
+    async def head(self, trajectory_id: str) -> tuple[str, int] | None:
+        head_key, turns_key = _keys(trajectory_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(head_key, "owner")
+            pipe.llen(turns_key)
+            owner, count = await pipe.execute()
+        return None if owner is None else (str(owner), int(count))
+
     async def set_reward(self, trajectory_id: str, owner: str, reward: float) -> bool:
         done = await self._reward(
             keys=[_keys(trajectory_id)[0], _UPDATED],

@@ -37,7 +37,8 @@ class TrajectoryService:
         limit = self.settings.trajectory_max_turns
         index = await self.store.append(trajectory_id, owner, turn, limit)
         if index is None:
-            if await self._owned(trajectory_id, owner) is None:
+            head = await self.store.head(trajectory_id)
+            if head is None or head[0] != owner:
                 raise _missing(trajectory_id)
             raise self._full(trajectory_id)
         return index
@@ -45,12 +46,12 @@ class TrajectoryService:
     async def check_writable(self, trajectory_id: str, owner: str) -> None:
         """Before generating: 404 for another key's trajectory, 409 for a full one (the
         append itself checks again, atomically)."""
-        found = await self.store.get(trajectory_id)
-        if found is None:
+        head = await self.store.head(trajectory_id)
+        if head is None:
             return
-        if found.owner != owner:
+        if head[0] != owner:
             raise _missing(trajectory_id)
-        if len(found.turns) >= self.settings.trajectory_max_turns:
+        if head[1] >= self.settings.trajectory_max_turns:
             raise self._full(trajectory_id)
 
     def _full(self, trajectory_id: str) -> Conflict:

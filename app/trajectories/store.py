@@ -53,6 +53,10 @@ class TrajectoryStore(ABC):
     async def get(self, trajectory_id: str) -> Trajectory | None: ...
 
     @abstractmethod
+    async def head(self, trajectory_id: str) -> tuple[str, int] | None:
+        """(owner, number of turns), without reading the turns."""
+
+    @abstractmethod
     async def set_reward(self, trajectory_id: str, owner: str, reward: float) -> bool:
         """False when there is no such trajectory of this owner."""
 
@@ -162,6 +166,16 @@ class SQLiteTrajectoryStore(TrajectoryStore):
 
         found: Trajectory | None = await self._run(self._transaction, read)
         return found
+
+    async def head(self, trajectory_id: str) -> tuple[str, int] | None:
+        def read() -> Any:
+            return self._db.execute(
+                "SELECT owner, num_turns FROM trajectories WHERE trajectory_id = ?",
+                (trajectory_id,),
+            ).fetchone()
+
+        row = await self._run(read)
+        return None if row is None else (str(row[0]), int(row[1]))
 
     async def set_reward(self, trajectory_id: str, owner: str, reward: float) -> bool:
         def write() -> int:

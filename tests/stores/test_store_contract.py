@@ -53,6 +53,7 @@ async def test_trajectory_turns_are_consecutive_across_servers(stores):
     found = await servers[0].get("t-1")
     assert found is not None and found.owner == "alice" and len(found.turns) == 12
     assert sorted(t.completion_ids[0] for t in found.turns) == list(range(12))
+    assert await servers[2].head("t-1") == ("alice", 12) and await servers[2].head("t-2") is None
     assert await servers[1].append("t-1", "bob", turn(0), 100) is None  # not bob's
     assert await servers[1].append("t-1", "alice", turn(0), 12) is None  # full
     assert not await servers[2].set_reward("t-1", "bob", 1.0)

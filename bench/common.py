@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -18,6 +23,7 @@ __all__ = [
     "ROOT",
     "Figures",
     "bench_model",
+    "drive",
     "free_port",
     "running_process",
     "running_server",
@@ -57,3 +63,27 @@ def summarize(latencies: list[float], seconds: float, tokens_per_request: int) -
         p50_ms=statistics.median(ordered) * 1000,
         p99_ms=p99 * 1000,
     )
+
+
+async def drive(
+    url: str, route: str, bodies: list[dict[str, Any]], clients: int, tokens: int
+) -> Figures:
+    """POST `bodies` to `route` from `clients` concurrent clients (after one warm-up request
+    each); `tokens` per request for the token rate."""
+    latencies: list[float] = []
+    queue = list(reversed(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def worker() -> None:
+            while queue:
+                body = queue.pop()
+                start = time.perf_counter()
+                (await client.post(route, json=body)).raise_for_status()
+                latencies.append(time.perf_counter() - start)
+
+        for body in bodies[:clients]:  # warm-up
+            (await client.post(route, json=body)).raise_for_status()
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    return summarize(latencies, seconds, tokens)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, bench_model, free_port, running_process, running_server, summarize
+from common import ROOT, bench_model, drive, free_port, running_process, running_server
 
 KV_CACHE_BYTES = 1 << 30
 
@@ -41,27 +41,6 @@ def bodies(kind: str, args: argparse.Namespace, model: str) -> list[dict[str, An
             body = {"model": model, "messages": chat, "max_tokens": args.new_tokens}
         out.append({**body, "seed": i, "ignore_eos": True})
     return out
-
-
-async def drive(
-    url: str, route: str, work: list[dict[str, Any]], clients: int, tokens: int
-) -> dict[str, float]:
-    latencies: list[float] = []
-    queue = list(reversed(work))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def worker() -> None:
-            while queue:
-                body = queue.pop()
-                start = time.perf_counter()
-                (await client.post(route, json=body)).raise_for_status()
-                latencies.append(time.perf_counter() - start)
-
-        for body in work[:clients]:  # warm-up
-            (await client.post(route, json=body)).raise_for_status()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        return summarize(latencies, time.perf_counter() - start, tokens).as_dict()
 
 
 async def first_chunk(url: str, work: list[dict[str, Any]], clients: int) -> float:
@@ -94,7 +73,7 @@ def measure(
     results: dict[str, Any] = {}
     for clients in args.clients:
         point = {
-            kind: asyncio.run(drive(url, route, work, clients, args.new_tokens))
+            kind: asyncio.run(drive(url, route, work, clients, args.new_tokens)).as_dict()
             for kind, (route, work) in routes.items()
         }
         if "chat" in routes:

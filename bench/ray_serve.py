@@ -15,33 +15,10 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-from common import ROOT, bench_model, free_port, running_process, running_server, summarize
-
-
-async def drive(
-    url: str, route: str, work: list[dict[str, Any]], clients: int, tokens: int
-) -> dict[str, float]:
-    latencies: list[float] = []
-    queue = list(reversed(work))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def worker() -> None:
-            while queue:
-                body = queue.pop()
-                start = time.perf_counter()
-                (await client.post(route, json=body)).raise_for_status()
-                latencies.append(time.perf_counter() - start)
-
-        for body in work[:clients]:  # warm-up
-            (await client.post(route, json=body)).raise_for_status()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        return summarize(latencies, time.perf_counter() - start, tokens).as_dict()
+from common import ROOT, bench_model, drive, free_port, running_process, running_server
 
 
 def workload(args: argparse.Namespace) -> dict[str, tuple[str, list[dict[str, Any]], int]]:
@@ -63,7 +40,7 @@ def measure(name: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for clients in args.clients:
         out[str(clients)] = {
-            kind: asyncio.run(drive(url, route, work, clients, tokens))
+            kind: asyncio.run(drive(url, route, work, clients, tokens)).as_dict()
             for kind, (route, work, tokens) in workload(args).items()
         }
         print(name, clients, out[str(clients)], flush=True)

@@ -16,44 +16,19 @@ import asyncio
 import json
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from common import (
     ROOT,
-    Figures,
     bench_model,
+    drive,
     free_port,
     running_process,
     running_server,
-    summarize,
 )
 
 KV_CACHE_BYTES = 1 << 30
-
-
-async def drive(
-    url: str, route: str, bodies: list[dict[str, Any]], clients: int, tokens: int
-) -> Figures:
-    latencies: list[float] = []
-    queue = list(reversed(bodies))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def worker() -> None:
-            while queue:
-                body = queue.pop()
-                start = time.perf_counter()
-                (await client.post(route, json=body)).raise_for_status()
-                latencies.append(time.perf_counter() - start)
-
-        for body in bodies[:clients]:  # warm-up
-            (await client.post(route, json=body)).raise_for_status()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        seconds = time.perf_counter() - start
-    return summarize(latencies, seconds, tokens)
 
 
 def workloads(args: argparse.Namespace) -> dict[str, list[list[int]]]:

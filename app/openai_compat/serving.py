@@ -284,9 +284,7 @@ class OpenAIService:
         texts: TokenTexts,
         tops: list[list[tuple[int, float]]] | None,
     ) -> ChatChoice:
-        text = final_text(
-            job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops
-        )
+        text = _reply_text(job, g)
         content: str | None = text
         calls: list[ToolCall] = []
         if job.tool_names is not None:
@@ -311,9 +309,7 @@ class OpenAIService:
         texts: TokenTexts,
         tops: list[list[tuple[int, float]]] | None,
     ) -> CompletionChoice:
-        text = final_text(
-            job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops
-        )
+        text = _reply_text(job, g)
         logprobs = None
         if job.logprobs is not None:
             logprobs = texts.completion_logprobs(g.token_ids, _values(job, g), tops)
@@ -525,6 +521,11 @@ class _Chunks:
         if job.request.include_usage:
             lines.append(self._chunk([], usage=_usage(job, generations)))
         return lines
+
+
+def _reply_text(job: Job, g: Generation) -> str:
+    """What the reply shows: the sampled text without special tokens, cut at a stop string."""
+    return final_text(job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops)
 
 
 def _values(job: Job, g: Generation) -> list[float]:

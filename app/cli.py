@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,23 @@ def _serve_replicas(overrides: dict[str, Any], replicas: int, settings: Any) -> 
     """The same server as `replicas` replicas on Ray Serve (app.deploy.ray_serve), on the
     cluster RAY_ADDRESS names or a local one, its HTTP proxy on --host/--port."""
     import ray
+    import torch
     from ray import serve
 
     from app.deploy.ray_serve import build
 
-    # One host's CPUs shared among its replicas (Ray sizes each replica's thread pools so).
+    # One host's CPUs and GPUs shared among its replicas (Ray sizes each replica's thread
+    # pools by its CPUs, and gives it its own CUDA_VISIBLE_DEVICES).
     num_cpus = max(1, (os.cpu_count() or 1) // replicas)
-    application = build({**overrides, "replicas": replicas, "num_cpus": num_cpus})
-    ray.init()
+    num_gpus = torch.cuda.device_count() // replicas if torch.cuda.is_available() else 0
+    shape = {"replicas": replicas, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    application = build({**overrides, **shape})
+    # SIGTERM ends the process through Python (not at once), so Ray's exit hook stops a
+    # local cluster this process started along with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A cluster only when RAY_ADDRESS names one: else a fresh local one, never a stale
+    # address a crashed cluster left behind.
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(application, name="rlserve", route_prefix="/", blocking=True)
     return 0

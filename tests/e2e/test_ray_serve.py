@@ -31,23 +31,34 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A local Ray head node (stopped with `ray stop` afterwards); its address."""
+    """A local Ray head node in the foreground (`--block`), stopped by its pid afterwards
+    (which stops the processes it started); its address."""
     port = free_port()
-    env = {**os.environ, **RAY_ENV}
+    log = tmp_path_factory.mktemp("ray-head") / "head.log"
     command = [
         RAY,
         "start",
         "--head",
+        "--block",
         f"--port={port}",
         "--node-ip-address=127.0.0.1",
         "--num-cpus=4",
         "--include-dashboard=false",
     ]
-    subprocess.run(command, check=True, capture_output=True, env=env, timeout=120)
+    with log.open("wb") as sink:
+        head = subprocess.Popen(
+            command, env={**os.environ, **RAY_ENV}, stdout=sink, stderr=subprocess.STDOUT
+        )
     try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text(errors="replace"):
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        head.terminate()
+        head.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -212,19 +212,25 @@ async def test_errors_are_the_sdks_exceptions(sdk):
     assert caught.value.body["param"] == "echo"
 
 
-async def test_processed_log_probs_need_an_engine_that_reports_them(app, sdk, backend_name):
-    """The test app runs vLLM in processed mode; a raw-only engine names the field."""
-    served = app.state.registry.get("policy")
-    capabilities = served.backend.capabilities
-    assert capabilities.processed_log_probs
-    reply = await sdk.chat.completions.create(
-        model="policy",
-        messages=CHAT,
-        max_tokens=3,
-        logprobs=True,
-        extra_body={"logprobs_mode": "processed"},
-    )
-    assert len(reply.choices[0].logprobs.content) == 3
+async def test_processed_log_probs_need_an_engine_that_reports_them(tmp_path):
+    """An engine that reports raw log-probs only (here the fake pair; vLLM in its default
+    mode) refuses logprobs_mode processed, naming the field, and serves raw ones."""
+    from tests.fake.backend import FakeBackend, fake_app
+
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
+    async with fake_app(tmp_path, *pair) as app:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://f")
+        async with AsyncOpenAI(base_url="http://f/v1", api_key="-", http_client=http) as sdk:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await sdk.chat.completions.create(
+                    model="policy",
+                    messages=CHAT,
+                    logprobs=True,
+                    extra_body={"logprobs_mode": "processed"},
+                )
+            assert caught.value.body["param"] == "logprobs_mode"
+            reply = await sdk.chat.completions.create(model="policy", messages=CHAT, logprobs=True)
+            assert [e.logprob for e in reply.choices[0].logprobs.content] == [-0.5] * 3
 
 
 async def test_tools_are_templated_and_calls_in_history_are_accepted(sdk, hf_tokenizer):

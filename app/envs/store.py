@@ -4,15 +4,14 @@ answered is on disk, so a restart, even kill -9, loses no completed step."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sqlite3
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from app.common.sqlite import SQLiteFile
 
 T = TypeVar("T")
 
@@ -77,17 +76,10 @@ CREATE INDEX IF NOT EXISTS sessions_updated ON sessions (updated_at);
 _COLUMNS = "env_id, config, state, created_at, updated_at, owner, revision"
 
 
-class SQLiteSessionStore(SessionStore):
-    """One connection used from one worker thread, so SQLite never blocks the event loop."""
-
+class SQLiteSessionStore(SQLiteFile, SessionStore):
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sessions")
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         # Freed pages go back to the file system after deletes (see _shrink).
-        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        super().__init__(path, "sessions", "auto_vacuum=INCREMENTAL")
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
         if "owner" not in columns:  # a store written before sessions had owners
@@ -95,9 +87,6 @@ class SQLiteSessionStore(SessionStore):
         if "revision" not in columns:  # ... or revisions
             self._db.execute("ALTER TABLE sessions ADD COLUMN revision INTEGER NOT NULL DEFAULT 0")
         self._db.execute("CREATE INDEX IF NOT EXISTS sessions_owner ON sessions (owner)")
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def put(self, record: SessionRecord) -> None:
         row = (
@@ -201,10 +190,6 @@ class SQLiteSessionStore(SessionStore):
         """Return the pages of deleted sessions to the file system (in the worker thread)."""
         # executescript steps the pragma to its end (execute would free a single page)
         self._db.executescript("PRAGMA incremental_vacuum")
-
-    async def aclose(self) -> None:
-        await self._run(self._db.close)
-        self._worker.shutdown(wait=True)
 
 
 def _record(row: Any) -> SessionRecord:

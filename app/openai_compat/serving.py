@@ -240,7 +240,6 @@ class OpenAIService:
         return await preparer.off_loop(self._reply, job, sampled, turn)
 
     def _reply(self, job: Job, sampled: Sampled, turn: int | None) -> ChatCompletion | Completion:
-        texts = job.texts
         generations = sampled.generations
         usage = _usage(job, generations)
         common: dict[str, Any] = {
@@ -255,12 +254,10 @@ class OpenAIService:
             common["prompt_token_ids"] = job.prompts[0].ids
         tops = [self._tops(job, sampled, k) for k in range(len(generations))]
         if job.kind == "chat":
-            choices = [
-                self._chat_choice(job, k, g, texts, tops[k]) for k, g in enumerate(generations)
-            ]
+            choices = [self._chat_choice(job, k, g, tops[k]) for k, g in enumerate(generations)]
             return ChatCompletion(id=f"chatcmpl-{job.id}", choices=choices, **common)
         completion_choices = [
-            self._completion_choice(job, k, g, texts, tops[k]) for k, g in enumerate(generations)
+            self._completion_choice(job, k, g, tops[k]) for k, g in enumerate(generations)
         ]
         return Completion(id=f"cmpl-{job.id}", choices=completion_choices, **common)
 
@@ -281,7 +278,6 @@ class OpenAIService:
         job: Job,
         index: int,
         g: Generation,
-        texts: TokenTexts,
         tops: list[list[tuple[int, float]]] | None,
     ) -> ChatChoice:
         text = _reply_text(job, g)
@@ -291,7 +287,7 @@ class OpenAIService:
             content, calls = parse_tool_calls(text, job.tool_names)
         logprobs = None
         if job.logprobs is not None:
-            entries = texts.chat_entries(g.token_ids, _values(job, g), tops)
+            entries = job.texts.chat_entries(g.token_ids, _values(job, g), tops)
             logprobs = ChoiceLogprobs(content=entries)
         return ChatChoice(
             index=index,
@@ -306,13 +302,12 @@ class OpenAIService:
         job: Job,
         index: int,
         g: Generation,
-        texts: TokenTexts,
         tops: list[list[tuple[int, float]]] | None,
     ) -> CompletionChoice:
         text = _reply_text(job, g)
         logprobs = None
         if job.logprobs is not None:
-            logprobs = texts.completion_logprobs(g.token_ids, _values(job, g), tops)
+            logprobs = job.texts.completion_logprobs(g.token_ids, _values(job, g), tops)
         extensions = _choice_extensions(job, g)
         if job.request.return_token_ids:
             extensions["prompt_token_ids"] = job.prompt_of(index).ids
@@ -373,7 +368,7 @@ class OpenAIService:
         queue: asyncio.Queue[tuple[int, Tokens]],
         version: int,
     ) -> AsyncIterator[str]:
-        chunks = _Chunks(job, job.texts, version)
+        chunks = _Chunks(job, version)
         try:
             for line in chunks.opening():
                 yield line
@@ -411,9 +406,9 @@ async def _stop(task: asyncio.Task[Sampled]) -> None:
 class _Chunks:
     """The chunks of one stream, choice by choice."""
 
-    def __init__(self, job: Job, texts: TokenTexts, version: int) -> None:
+    def __init__(self, job: Job, version: int) -> None:
         self.job = job
-        self.texts = texts
+        self.texts = job.texts
         self.count = len(job.prompts) * job.n
         decode = _decoder(job)
         self.text = [IncrementalText(decode, job.request.stops) for _ in range(self.count)]

@@ -5,15 +5,14 @@ interface like the session store's."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sqlite3
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from app.common.sqlite import SQLiteFile
 
 
 @dataclass
@@ -90,20 +89,12 @@ CREATE INDEX IF NOT EXISTS trajectories_updated ON trajectories (updated_at);
 """
 
 
-class SQLiteTrajectoryStore(TrajectoryStore):
-    """One connection used from one worker thread; every write is one transaction."""
+class SQLiteTrajectoryStore(SQLiteFile, TrajectoryStore):
+    """Every write is one transaction."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajectories")
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        super().__init__(path, "trajectories", "foreign_keys=ON")
         self._db.executescript(_SCHEMA)
-
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def _transaction(self, fn: Any) -> Any:
         self._db.execute("BEGIN IMMEDIATE")
@@ -209,7 +200,3 @@ class SQLiteTrajectoryStore(TrajectoryStore):
             )
 
         return int(await self._run(write))
-
-    async def aclose(self) -> None:
-        await self._run(self._db.close)
-        self._worker.shutdown(wait=True)

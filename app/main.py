@@ -127,7 +127,14 @@ def create_app(
         app.state.weights.fanout = fanout  # one of several replicas: updates reach them all
         await asyncio.to_thread(app.state.envs.sandbox.probe)
         await asyncio.to_thread(app.state.weights.clean_uploads)
-        loading = asyncio.create_task(load_or_exit(registry)) if load_models else None
+        loading = None
+        if fanout is not None and load_models:
+            # A replica of several takes traffic only once it serves what the others serve.
+            await load_or_exit(registry)
+            if registry.status == "ready":
+                await fanout.catch_up(app.state.weights)
+        elif load_models:
+            loading = asyncio.create_task(load_or_exit(registry))
         app.state.loading = loading
         ttl = min(settings.env_ttl_s, settings.trajectory_ttl_s)
         reaper = asyncio.create_task(reap_forever(envs, trajectories, ttl))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Validate the container setup without a Docker engine: hadolint on both Dockerfiles, and
 # `docker-compose config` (v1.29, which validates against the compose schema offline) on
-# docker-compose.yml with .env.example, for the default (GPU) service and the CPU profile.
+# docker-compose.yml with .env.example, for the default (GPU) service and the cpu and ray profiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,5 +19,7 @@ fi
 compose=("$venv/bin/docker-compose" --env-file .env.example -f docker-compose.yml)
 "${compose[@]}" config --quiet
 "${compose[@]}" --profile cpu config --quiet
-test "$("${compose[@]}" --profile cpu config --services | sort | tr '\n' ' ')" = "rlserve rlserve-cpu "
+"${compose[@]}" --profile ray config --quiet
+services="$("${compose[@]}" config --services | sort | tr '\n' ' ')"
+test "$services" = "redis rlserve rlserve-cpu rlserve-ray " || { echo "services: $services"; exit 1; }
 echo "docker: Dockerfiles lint clean, compose file valid"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
+import uuid
 from typing import Any
 
 from fastapi import FastAPI
@@ -48,8 +48,9 @@ class RLServeReplica:
     """One replica: the rlserve app, built on the replica (its lifespan loads the models).
     (`app` is the ingress wrapper's own attribute: ours is `server`.)"""
 
-    def __init__(self, overrides: dict[str, Any]) -> None:
+    def __init__(self, overrides: dict[str, Any], generation: str) -> None:
         self.overrides = overrides
+        self.generation = generation
         self.server: FastAPI | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -58,7 +59,12 @@ class RLServeReplica:
         settings = Settings(**{**self.overrides, "replica_id": replica})
         # Local state (uploads, staged checkpoints, engine weight copies) is the replica's own.
         settings = settings.model_copy(update={"data_dir": settings.data_dir / replica})
-        fanout = ReplicaFanout(context.app_name, context.deployment)
+        fanout = ReplicaFanout(
+            context.app_name,
+            context.deployment,
+            self.generation,
+            wait_s=settings.weights_io_timeout_s,
+        )
         self.server = create_app(settings, fanout=fanout)
         return self.server
 
@@ -68,15 +74,13 @@ class RLServeReplica:
         assert self.server is not None
         return self.server.state.weights
 
-    async def weights_stage(self, update_id: str, source: Any, model: str) -> dict[str, Any]:
-        import ray
-
-        if isinstance(source, ray.ObjectRef):  # an upload, shipped through the object store
-            source = await source
-        staged: Path | bytes = Path(source) if isinstance(source, str) else bytes(source)
+    async def weights_stage(
+        self, update_id: str, files: dict[str, bytes], model: str, param: str
+    ) -> dict[str, Any]:
+        """`files` arrive through Ray's object store (Serve resolves the reference sent)."""
 
         async def stage() -> dict[str, Any]:
-            return {"version": await self._weights().stage(update_id, staged, model)}
+            return {"version": await self._weights().stage(update_id, files, model, param)}
 
         return await outcome(stage())
 
@@ -85,7 +89,12 @@ class RLServeReplica:
     ) -> dict[str, Any]:
         async def commit() -> dict[str, Any]:
             chosen = UpdateOptions(**options)
-            updated = await self._weights().commit_staged(update_id, model, chosen)
+            weights = self._weights()
+            if not weights.has_staged(update_id) and weights.registry.versions[model] == (
+                chosen.version
+            ):
+                return {"caught_up": True}  # started after the staging, caught up to it
+            updated = await weights.commit_staged(update_id, model, chosen)
             return {"updated": updated.model_dump()}
 
         return await outcome(commit())
@@ -154,4 +163,6 @@ def build(args: dict[str, Any]) -> Application:
     else:
         options["num_replicas"] = int(args.get("replicas", 1))
     deployment = serve.deployment(**options)(RLServeReplica)
-    return deployment.bind(overrides)
+    # Each deploy is a generation with its own ledger (app.deploy.ledger): it starts from the
+    # base weights, as a restarted server does.
+    return deployment.bind(overrides, uuid.uuid4().hex)

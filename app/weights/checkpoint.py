@@ -70,12 +70,7 @@ def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
             with path.open("rb") as source, os.fdopen(handle, "wb") as target:
                 shutil.copyfileobj(source, target, 8 << 20)
                 copied = target.tell()
-            if _signature(path) != before or copied != before[2]:
-                raise Conflict(
-                    f"{param}: {path.name} changed while it was read; load it again once it "
-                    "is completely written",
-                    param=param,
-                )
+            _unchanged(path, before, copied, param)
     except BaseException:
         for copy in copies:
             copy.unlink(missing_ok=True)
@@ -83,7 +78,27 @@ def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
     return copies
 
 
-def _signature(path: Path) -> tuple[int, int, int, int, int]:
+def read_whole(files: list[Path], param: str) -> dict[str, bytes]:
+    """Each file's bytes by its name, refused (409) as `snapshot` refuses a file that changed
+    while it was read: what one version of the checkpoint held."""
+    contents: dict[str, bytes] = {}
+    for path in files:
+        before = _signature(path)
+        contents[path.name] = data = path.read_bytes()
+        _unchanged(path, before, len(data), param)
+    return contents
+
+
+def _unchanged(path: Path, before: tuple[int, ...], copied: int, param: str) -> None:
+    if _signature(path) != before or copied != before[2]:
+        raise Conflict(
+            f"{param}: {path.name} changed while it was read; load it again once it is "
+            "completely written",
+            param=param,
+        )
+
+
+def _signature(path: Path) -> tuple[int, ...]:
     info = path.stat()
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 

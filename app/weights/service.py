@@ -22,6 +22,7 @@ from app.weights.checkpoint import (
     check_layout,
     checkpoint_files,
     read_layout,
+    read_whole,
     snapshot,
 )
 from app.weights.protocol import (
@@ -85,9 +86,10 @@ class WeightsService:
         """Load a checkpoint the server can read. By default from a private snapshot taken
         first, so a checkpoint rewritten during the load is applied whole or not at all. On
         a replica of several, every replica loads it, as one transaction."""
-        if self.fanout is not None:
-            return await self.fanout.update(Path(request.path), request.model, request)
         files = await self._file_work(checkpoint_files, Path(request.path))
+        if self.fanout is not None:  # read once here, shipped to every replica
+            contents = await self._file_work(read_whole, files, "path")
+            return await self.fanout.update(contents, request.model, request, "path")
         if not self.settings.weights_snapshot_loads:
             return await self._apply(files, request.model, "path", request)
         self.uploads.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,7 @@ class WeightsService:
                 raise Malformed("body: the upload is empty", param="body")
             if self.fanout is not None:
                 data = await asyncio.to_thread(Path(sink.name).read_bytes)
-                return await self.fanout.update(data, model, options)
+                return await self.fanout.update({"model.safetensors": data}, model, options, "body")
             return await self._apply([Path(sink.name)], model, "body", options)
 
     async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
@@ -182,22 +184,18 @@ class WeightsService:
 
     # -- one update over several replicas (app.deploy.fanout): stage, then commit or abort --
 
-    async def stage(self, update_id: str, source: Path | bytes, model: str) -> int:
-        """Copy a checkpoint (a path, or an upload's bytes) into this server's data and check
-        it, without touching serving; the current version of `model`. Whatever goes wrong
-        raises, and leaves nothing staged."""
+    async def stage(self, update_id: str, files: dict[str, bytes], model: str, param: str) -> int:
+        """Write a checkpoint's files (name to bytes) into this server's data and check them,
+        without touching serving; the current version of `model`. Whatever goes wrong raises
+        (naming `param`, the request field the checkpoint came from) and leaves nothing
+        staged."""
         self.uploads.mkdir(parents=True, exist_ok=True)
         folder = self.uploads / f"staged-{update_id}"
         try:
-            if isinstance(source, bytes):
-                folder.mkdir()
-                copy = folder / "model.safetensors"
-                await self._file_work(copy.write_bytes, source)
-                copies, param = [copy], "body"
-            else:
-                files = await self._file_work(checkpoint_files, source)
-                folder.mkdir()
-                copies, param = await self._file_work(snapshot, files, folder, "path"), "path"
+            folder.mkdir()
+            copies = [folder / Path(name).name for name in sorted(files)]
+            for copy in copies:
+                await self._file_work(copy.write_bytes, files[copy.name])
             self._staged[update_id] = await self._check(copies, model, param)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -215,9 +213,19 @@ class WeightsService:
         finally:
             shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
 
+    def has_staged(self, update_id: str) -> bool:
+        return update_id in self._staged
+
     def abort_staged(self, update_id: str) -> None:
         self._staged.pop(update_id, None)
         shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
+
+    async def adopt(self, model: str, version: int, files: dict[str, bytes]) -> WeightsUpdated:
+        """Serve a checkpoint the other replicas committed as `version` (a replica catching
+        up before it takes traffic)."""
+        update_id = f"adopt-{model}-{version}"
+        await self.stage(update_id, files, model, "path")
+        return await self.commit_staged(update_id, model, UpdateOptions(version=version))
 
     def updated(
         self,
@@ -251,9 +259,12 @@ class WeightsService:
 
 class Fanout(Protocol):
     async def update(
-        self, source: Path | bytes, model: str, options: UpdateOptions
+        self, files: dict[str, bytes], model: str, options: UpdateOptions, param: str
     ) -> WeightsUpdated:
-        """Apply a checkpoint on every replica, or on none."""
+        """Apply a checkpoint (its files' bytes by name) on every replica, or on none."""
+
+    async def catch_up(self, weights: WeightsService) -> None:
+        """Bring this replica to what the others serve, before it takes traffic."""
 
     async def pause(self, mode: PauseMode) -> GateState:
         """Pause every replica; this one's state afterwards."""

@@ -87,6 +87,12 @@ class TransferService:
         )
 
     async def init(self, request: TransferInit) -> TransferState:
+        if self.weights.fanout is not None:
+            raise Unsupported(
+                "model: the weight-transfer group joins one server, and this is one replica of "
+                "several; update them all with PUT /v1/weights or POST /v1/weights/load",
+                param="model",
+            )
         async with self._link(request.model) as (link, engine):
             if link.setup is not None:
                 raise Conflict(

@@ -123,26 +123,32 @@ def test_an_episode_survives_its_replica_being_killed(
             client.step_env(env_id, actions=[{"tokens": [7 + step]}])
         state = client.get_env(env_id)
         assert state.rows[0].turns == 2
-        victim = httpx.get(f"{server.url}/ready", timeout=30).headers["x-rlserve-replica"]
-        for name, value in RAY_ENV.items():
-            monkeypatch.setenv(name, value)
-        ray.init(address=cluster, namespace="serve", log_to_driver=False)
-        try:
-            names = [
-                a["name"]
-                for a in ray.util.list_named_actors(all_namespaces=True)
-                if victim in a["name"]
-            ]
-            assert len(names) == 1, names
-            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-        finally:
-            ray.shutdown()
+        victim = kill_a_replica(server, cluster, monkeypatch)
         for step in range(2, 5):  # served by the survivor while Ray starts a replacement
             result = client.step_env(env_id, actions=[{"tokens": [7 + step]}])
         assert result.outputs[0].observation.prompt_tokens == [5, 6, 7, 8, 9, 10, 11]
         assert client.get_env(env_id).rows[0].turns == 5
     seen = wait_for_replicas(server.url, 2)
     assert victim not in seen  # the killed replica was replaced by a new one
+
+
+def kill_a_replica(server: Server, cluster: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Kill the replica that answers next (Ray starts another); its id."""
+    victim = httpx.get(f"{server.url}/ready", timeout=30).headers["x-rlserve-replica"]
+    for name, value in RAY_ENV.items():
+        monkeypatch.setenv(name, value)
+    ray.init(address=cluster, namespace="serve", log_to_driver=False)
+    try:
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if victim in a["name"]
+        ]
+        assert len(names) == 1, names
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    finally:
+        ray.shutdown()
+    return victim
 
 
 def versions_by_replica(url: str, path: str = "/v1/weights/version") -> dict[str, object]:
@@ -197,7 +203,7 @@ def test_a_weight_update_reaches_every_replica_or_none(server: Server, model_dir
         f"{server.url}/v1/weights/load", json={"path": str(checkpoint)}, timeout=120
     )
     assert refused.status_code >= 400, refused.text
-    assert "replicas refused it" in refused.json()["error"]["message"]
+    assert "1 of 2 replicas refused it" in refused.json()["error"]["message"]
     after = {r: v["policy_version"] for r, v in versions_by_replica(server.url).items()}  # type: ignore[index]
     assert set(after.values()) == {old}
     broken.unlink()
@@ -230,3 +236,75 @@ def test_pause_and_resume_reach_every_replica(server: Server) -> None:
     assert resumed.status_code == 200 and resumed.json()["paused"] is False
     states = versions_by_replica(server.url, "/v1/serving")
     assert not any(s["paused"] for s in states.values()), states  # type: ignore[index]
+
+
+def scaled_checkpoint(model_dir: Path, path: Path, scale: float) -> object:
+    """The built-in model's weights times `scale` (the tied head left out) saved at `path`;
+    that model, for the expected scores."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = {k: v * scale for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def test_updates_in_parallel_apply_one_after_the_other_and_a_new_replica_catches_up(  # type: ignore[no-untyped-def]
+    server: Server, cluster: str, model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two loads sent at once both apply, one after the other, every replica ending on the
+    same one; a pause is in force. A replica Ray starts after that (the old one killed)
+    serves the last committed weights under their version, paused like the other, before it
+    takes traffic."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import assert_close, forward_log_probs
+
+    models = {
+        scale: scaled_checkpoint(model_dir, tmp_path / f"x{scale}.safetensors", scale)
+        for scale in (0.5, 0.6)
+    }
+    old = next(iter(versions_by_replica(server.url).values()))["policy_version"]  # type: ignore[index]
+
+    def load(scale: float) -> httpx.Response:
+        body = {"path": str(tmp_path / f"x{scale}.safetensors")}
+        return httpx.post(f"{server.url}/v1/weights/load", json=body, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(load, models))
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert sorted(a.json()["policy_version"] for a in answers) == [old + 1, old + 2]
+    last = next(
+        s for s, a in zip(models, answers, strict=True) if a.json()["policy_version"] == old + 2
+    )
+    tokens = [72, 105, 33, 10, 40, 50]
+    expected = forward_log_probs(models[last], tokens)
+    for replica_scores in scores_by_replica(server.url, tokens).values():
+        assert_close(replica_scores, expected, 1e-4)
+
+    paused = httpx.post(f"{server.url}/v1/pause", json={"mode": "keep"}, timeout=60)
+    assert paused.status_code == 200
+    try:
+        victim = kill_a_replica(server, cluster, monkeypatch)
+        seen = wait_for_replicas(server.url, 2)
+        assert victim not in seen
+        versions = versions_by_replica(server.url)
+        assert {v["policy_version"] for v in versions.values()} == {old + 2}, versions  # type: ignore[index]
+        states = versions_by_replica(server.url, "/v1/serving")
+        assert all(s["paused"] for s in states.values()), states  # type: ignore[index]
+    finally:
+        resumed = httpx.post(f"{server.url}/v1/resume", timeout=60)
+        assert resumed.status_code == 200
+    for replica_scores in scores_by_replica(server.url, tokens).values():
+        assert_close(replica_scores, expected, 1e-4)
+
+
+def test_the_collective_transfer_is_refused_on_a_replica_of_several(server: Server) -> None:
+    body = {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2}
+    refused = httpx.post(f"{server.url}/v1/weights/transfer/init", json=body, timeout=30)
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["param"] == "model"
+    assert "PUT /v1/weights" in refused.json()["error"]["message"]

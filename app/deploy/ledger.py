@@ -14,6 +14,7 @@ does); the first replica of a generation removes the ledgers of earlier ones."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -40,11 +41,15 @@ class WeightLedger:
 
     def decide(self, model: str, update_id: str, version: int, files: list[ray.ObjectRef]) -> bool:
         """Record `files` as `model`'s `version`, if `update_id` still holds the lease. The
-        ledger keeps its own copy: the caller's object dies with the caller."""
+        ledger keeps its own copy (the caller's object dies with the caller): the update
+        merged over the ones before it, so one checkpoint replays them all."""
         held = self.leases.get(model)
         if held is None or held[0] != update_id:
             return False
-        self.latest[model] = (version, ray.put(ray.get(files[0])))
+        update: dict[str, bytes] = ray.get(files[0])
+        if (before := self.latest.get(model)) is not None:
+            update = merged(ray.get(before[1]), update)
+        self.latest[model] = (version, ray.put(update))
         return True
 
     def release(self, model: str, update_id: str) -> None:
@@ -61,6 +66,30 @@ class WeightLedger:
             "models": {model: (version, [ref]) for model, (version, ref) in self.latest.items()},
             "paused": self.paused,
         }
+
+
+def merged(before: dict[str, bytes], update: dict[str, bytes]) -> dict[str, bytes]:
+    """Checkpoint files (name to safetensors bytes) holding `before`'s tensors with
+    `update`'s over them. An update that names every tensor `before` has (a whole model)
+    is kept as it is; a partial one is merged into one file."""
+    if tensor_names(before) <= tensor_names(update):
+        return update
+    from safetensors.torch import load, save
+
+    tensors = {}
+    for data in [*before.values(), *update.values()]:
+        tensors.update(load(data))
+    return {"model.safetensors": save(tensors)}
+
+
+def tensor_names(files: dict[str, bytes]) -> set[str]:
+    """The tensor names in safetensors files, from their headers (a little-endian u64
+    length, then that much JSON)."""
+    names: set[str] = set()
+    for data in files.values():
+        size = int.from_bytes(data[:8], "little")
+        names |= set(json.loads(data[8 : 8 + size])) - {"__metadata__"}
+    return names
 
 
 def ledger(app_name: str, generation: str) -> Any:

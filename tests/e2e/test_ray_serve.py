@@ -238,50 +238,46 @@ def test_pause_and_resume_reach_every_replica(server: Server) -> None:
     assert not any(s["paused"] for s in states.values()), states  # type: ignore[index]
 
 
-def scaled_checkpoint(model_dir: Path, path: Path, scale: float) -> object:
-    """The built-in model's weights times `scale` (the tied head left out) saved at `path`;
-    that model, for the expected scores."""
+def test_updates_in_parallel_apply_one_after_the_other_and_a_new_replica_catches_up(  # type: ignore[no-untyped-def]
+    server: Server, cluster: str, model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two loads sent at once, a whole model and a partial one (layer 0 only), both apply,
+    one after the other, every replica ending on the same weights; a pause is in force. A
+    replica Ray starts after that (the old one killed) serves the same weights (both updates,
+    in their order) under the same version, paused like the other, before it takes traffic."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    state = {k: v * scale for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    model.load_state_dict(state, strict=False)
-    return model
-
-
-def test_updates_in_parallel_apply_one_after_the_other_and_a_new_replica_catches_up(  # type: ignore[no-untyped-def]
-    server: Server, cluster: str, model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two loads sent at once both apply, one after the other, every replica ending on the
-    same one; a pause is in force. A replica Ray starts after that (the old one killed)
-    serves the last committed weights under their version, paused like the other, before it
-    takes traffic."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from tests.conftest import assert_close, forward_log_probs
 
-    models = {
-        scale: scaled_checkpoint(model_dir, tmp_path / f"x{scale}.safetensors", scale)
-        for scale in (0.5, 0.6)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    updates = {
+        "whole": {k: v * 0.5 for k, v in base.items()},
+        "layer0": {k: v * 0.6 for k, v in base.items() if ".layers.0." in k},
     }
+    for name, state in updates.items():
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, str(tmp_path / f"{name}.safetensors")
+        )
     old = next(iter(versions_by_replica(server.url).values()))["policy_version"]  # type: ignore[index]
 
-    def load(scale: float) -> httpx.Response:
-        body = {"path": str(tmp_path / f"x{scale}.safetensors")}
+    def load(name: str) -> httpx.Response:
+        body = {"path": str(tmp_path / f"{name}.safetensors")}
         return httpx.post(f"{server.url}/v1/weights/load", json=body, timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(load, models))
-    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-    assert sorted(a.json()["policy_version"] for a in answers) == [old + 1, old + 2]
-    last = next(
-        s for s, a in zip(models, answers, strict=True) if a.json()["policy_version"] == old + 2
-    )
+        answers = dict(zip(updates, pool.map(load, updates), strict=True))
+    assert {a.status_code for a in answers.values()} == {200}, [a.text for a in answers.values()]
+    order = sorted(updates, key=lambda name: answers[name].json()["policy_version"])
+    assert [answers[name].json()["policy_version"] for name in order] == [old + 1, old + 2]
+    for name in order:  # the weights every replica must serve: both updates, in that order
+        model.load_state_dict(updates[name], strict=False)
     tokens = [72, 105, 33, 10, 40, 50]
-    expected = forward_log_probs(models[last], tokens)
+    expected = forward_log_probs(model, tokens)
     for replica_scores in scores_by_replica(server.url, tokens).values():
         assert_close(replica_scores, expected, 1e-4)
 

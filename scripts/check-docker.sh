@@ -13,7 +13,7 @@ if [ ! -x "$venv/bin/docker-compose" ]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --no-deps docker-compose==1.29.2
   "$venv/bin/python" -m pip install --quiet "PyYAML>=6" docopt==0.6.2 "jsonschema>=3.2,<4" \
-    "python-dotenv>=0.13" "requests>=2.20" "texttable>=0.9" "websocket-client<1" \
+    "python-dotenv>=0.13" "requests>=2.20,<2.32" "texttable>=0.9" "websocket-client<1" \
     "docker>=5,<7" "dockerpty>=0.4.1" "distro>=1.5"
 fi
 compose=("$venv/bin/docker-compose" --env-file .env.example -f docker-compose.yml)

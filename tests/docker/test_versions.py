@@ -27,9 +27,11 @@ def test_the_gpu_image_defaults_to_the_pinned_release():
 def test_compose_builds_the_gpu_image_on_the_pinned_release():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     gpu = [
-        s for s in compose["services"].values() if s["build"]["dockerfile"] == "docker/Dockerfile"
+        s
+        for s in compose["services"].values()
+        if s.get("build", {}).get("dockerfile") == "docker/Dockerfile"
     ]
-    assert gpu and all(
+    assert len(gpu) == 2 and all(  # the GPU service and the ray profile's
         s["build"]["args"]["VLLM_IMAGE"] == f"vllm/vllm-openai:v{pinned()}" for s in gpu
     )
 

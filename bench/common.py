@@ -53,6 +53,22 @@ class Figures:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
+def throughput_ratios(
+    top: dict[Any, Any], bottom: dict[Any, Any], kinds: tuple[str, ...]
+) -> dict[Any, dict[str, float]]:
+    """requests/s of `top` over `bottom`, per client count and kind of request (results
+    shaped {clients: {kind: Figures as a dict}})."""
+    return {
+        clients: {
+            kind: round(
+                top[clients][kind]["requests_per_s"] / bottom[clients][kind]["requests_per_s"], 3
+            )
+            for kind in kinds
+        }
+        for clients in top
+    }
+
+
 def summarize(latencies: list[float], seconds: float, tokens_per_request: int) -> Figures:
     ordered = sorted(latencies)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]

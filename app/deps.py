@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from app.config import Settings
+from app.datasets.service import DatasetService
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
@@ -61,6 +62,11 @@ def _envs(request: Request) -> EnvService:
     return envs
 
 
+def _datasets(request: Request) -> DatasetService:
+    datasets: DatasetService = request.app.state.datasets
+    return datasets
+
+
 def _rollouts(request: Request) -> RolloutService:
     rollouts: RolloutService = request.app.state.rollouts
     return rollouts
@@ -94,6 +100,7 @@ GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]
 KLDep = Annotated[KLService, Depends(_kl)]
 EnvsDep = Annotated[EnvService, Depends(_envs)]
+DatasetsDep = Annotated[DatasetService, Depends(_datasets)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsService, Depends(_weights)]
 TransfersDep = Annotated[TransferService, Depends(_transfers)]

@@ -134,6 +134,13 @@ ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     429: {"model": ErrorResponse, "description": "Too many live sessions"},
 }
 
+DATASET_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    404: {"model": ErrorResponse, "description": "Unknown dataset (or another key's)"},
+    409: {"model": ErrorResponse, "description": "The name is taken, or names a bundled dataset"},
+    429: {"model": ErrorResponse, "description": "Too many datasets for this key"},
+}
+
 
 def error_response(exc: APIError) -> JSONResponse:
     info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.status_code)

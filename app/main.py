@@ -17,9 +17,12 @@ from fastapi.openapi.utils import get_openapi
 from app import __version__
 from app.common import tensor_wire
 from app.config import Settings
+from app.datasets.bundled import BundledDatasets
+from app.datasets.router import router as datasets_router
+from app.datasets.service import DatasetService
+from app.datasets.store import DatasetStore, SQLiteDatasetStore
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
-from app.envs.datasets import DatasetRegistry
 from app.envs.router import router as envs_router
 from app.envs.service import EnvService
 from app.envs.store import SessionStore, SQLiteSessionStore
@@ -85,6 +88,15 @@ def open_stores(settings: Settings) -> tuple[SessionStore, TrajectoryStore]:
     return SQLiteSessionStore(path), SQLiteTrajectoryStore(path)
 
 
+def open_dataset_store(settings: Settings) -> DatasetStore:
+    """Uploaded datasets live beside the sessions (the same Redis, or the same SQLite file)."""
+    if settings.session_store is not None:
+        from app.datasets.store import RedisDatasetStore
+
+        return RedisDatasetStore(settings.session_store)
+    return SQLiteDatasetStore(settings.data_dir / "sessions.sqlite3")
+
+
 def build_services(
     app: FastAPI, registry: ModelRegistry, envs: EnvService, trajectories: TrajectoryService
 ) -> None:
@@ -121,7 +133,9 @@ def create_app(
         metrics.watch(registry)
         store, recorded = open_stores(settings)
         trajectories = TrajectoryService(recorded, registry, settings)
-        datasets = DatasetRegistry(settings.data_dir / "datasets")
+        dataset_store = open_dataset_store(settings)
+        bundled = BundledDatasets(settings.data_dir / "datasets")
+        app.state.datasets = datasets = DatasetService(dataset_store, bundled, settings)
         envs = EnvService(store, registry, datasets, settings)
         build_services(app, registry, envs, trajectories)
         app.state.weights.fanout = fanout  # one of several replicas: updates reach them all
@@ -148,6 +162,7 @@ def create_app(
             await registry.aclose()
             await store.aclose()
             await recorded.aclose()
+            await dataset_store.aclose()
 
     app = FastAPI(
         title="rlserve",
@@ -164,6 +179,7 @@ def create_app(
         scoring_router,
         kl_router,
         envs_router,
+        datasets_router,
         rollouts_router,
         weights_router,
         transfer_router,

@@ -15,5 +15,5 @@ fi
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet torch==2.13.0 "tensordict<0.15" "$torchrl_spec"
-"$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
+"$venv/bin/python" -m pip install --quiet -e ".[test,ifeval]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

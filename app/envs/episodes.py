@@ -12,7 +12,7 @@ from typing import Any
 from app.common.failures import invalid
 from app.common.inputs import Conversation, InputPreparer
 from app.common.turns import continuation_ids, continuation_text
-from app.envs.datasets import Problem
+from app.datasets.rows import Problem
 from app.envs.hashing import chain_hash
 from app.envs.protocol import Action, EnvConfig, Message, Observation, ResetRequest
 
@@ -23,6 +23,7 @@ class Row:
 
     ids: list[int]
     answer: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)  # the dataset row's extra fields
     history: Conversation | None = None  # chat environments
     text: str | None = None  # text environments
     turns: int = 0
@@ -81,6 +82,19 @@ def _fresh_row(
     messages: Conversation | None = None,
     tokens: list[int] | None = None,
     answer: str | None = None,
+    fields: dict[str, Any] | None = None,
+) -> Row:
+    row = _templated_row(config, preparer, query, messages, tokens)
+    row.answer, row.fields = answer, dict(fields or {})
+    return row
+
+
+def _templated_row(
+    config: EnvConfig,
+    preparer: InputPreparer,
+    query: str | None,
+    messages: Conversation | None,
+    tokens: list[int] | None,
 ) -> Row:
     if config.kind == "chat":
         system = (
@@ -91,13 +105,13 @@ def _fresh_row(
         else:
             history = [*system, {"role": "user", "content": query or ""}]
         ids = preparer.template(history, generation_prompt=True).ids
-        return Row(ids=ids, answer=answer, history=history)
+        return Row(ids=ids, history=history)
     if config.kind == "text":
         text = query if query is not None else preparer.decode(tokens or [])
         ids = list(tokens) if tokens is not None else preparer.encode(text)
-        return Row(ids=ids, answer=answer, text=text)
+        return Row(ids=ids, text=text)
     ids = list(tokens) if tokens is not None else preparer.encode(query or "")
-    return Row(ids=ids, answer=answer)
+    return Row(ids=ids)
 
 
 def dataset_problems(config: EnvConfig, problems: list[Problem], cursor: int) -> list[Problem]:
@@ -128,27 +142,34 @@ def reset(
         raise invalid("messages", f"needs kind 'chat', this environment is '{config.kind}'")
     if request.tokens is not None and config.kind == "chat":
         raise invalid("tokens", "a chat environment takes query or messages")
+    fields = request.fields
+    if fields is not None and len(fields) != size:
+        raise invalid("fields", f"has {len(fields)} entries for batch_size {size}")
+
+    def given_row(i: int, **prompt: Any) -> Row:
+        answer = answers[i] if answers else None
+        return _fresh_row(
+            config, preparer, answer=answer, fields=fields[i] if fields else None, **prompt
+        )
+
     if request.query is not None:
-        rows = [
-            _fresh_row(config, preparer, query=q, answer=answers[i] if answers else None)
-            for i, q in enumerate(request.query)
-        ]
+        rows = [given_row(i, query=q) for i, q in enumerate(request.query)]
     elif request.messages is not None:
         rows = [
-            _fresh_row(config, preparer, messages=[m.model_dump() for m in conv])
-            for conv in request.messages
+            given_row(i, messages=[m.model_dump() for m in conv])
+            for i, conv in enumerate(request.messages)
         ]
     elif request.tokens is not None:
-        rows = [
-            _fresh_row(config, preparer, tokens=list(t), answer=answers[i] if answers else None)
-            for i, t in enumerate(request.tokens)
-        ]
+        rows = [given_row(i, tokens=list(t)) for i, t in enumerate(request.tokens)]
     else:
         if problems is None:
             raise invalid("query", "required: this environment has no dataset to draw from")
         drawn = dataset_problems(config, problems, state.cursor)
         state.cursor += size // config.repeats
-        rows = [_fresh_row(config, preparer, query=p.query, answer=p.answer) for p in drawn]
+        rows = [
+            _fresh_row(config, preparer, query=p.query, answer=p.answer, fields=p.fields)
+            for p in drawn
+        ]
     state.rows, state.started = rows, True
 
 

@@ -33,16 +33,21 @@ class EnvConfig(WireModel):
         description="Episodes are truncated after this many steps (default and upper bound: "
         "the server's RLSERVE_ENV_MAX_TURNS).",
     )
-    reward: str = Field(default="none", description="A registered reward: none, gsm8k, ...")
+    reward: str = Field(default="none", description="A registered reward: none, gsm8k, ifeval, ...")
     reward_options: dict[str, Any] = Field(
         default_factory=dict,
         description="The reward's options, e.g. gsm8k: answer_tag (first | last), "
-        "correct_reward, format_reward.",
+        "correct_reward, format_reward, set_done_if_answer; ifeval: format_weights, "
+        "answer_bonus, think_bonus, scored (answer_tag | response), set_done_if_answer.",
     )
     tools: list[Literal["python"]] = Field(
         default_factory=list, description="python: run fenced python blocks, sandboxed."
     )
-    dataset: str | None = Field(default=None, description="A registered prompt dataset.")
+    dataset: str | None = Field(
+        default=None,
+        description="A bundled dataset (arithmetic, ifeval) or one this key uploaded "
+        "(POST /v1/datasets).",
+    )
     repeats: int = Field(
         default=1, ge=1, description="Each dataset prompt fills this many rows in a row (GRPO)."
     )
@@ -71,11 +76,17 @@ class EnvCreated(WireModel):
 
 
 class ResetRequest(WireModel):
-    """Queries (one per row, with optional ground-truth answers), conversations, or token
-    prompts (kind tokens); nothing draws the next prompts from the session's dataset."""
+    """Queries (one per row, with optional ground-truth answers and reward fields),
+    conversations, or token prompts (kind tokens); nothing draws the next prompts from the
+    session's dataset."""
 
     query: list[str] | None = None
     answer: list[str | None] | None = None
+    fields: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Per row, the extra fields the reward reads (as a dataset row carries "
+        "them), e.g. ifeval: instruction_id_list and kwargs.",
+    )
     messages: list[Annotated[list[Message], Field(min_length=1)]] | None = None
     tokens: list[Annotated[list[TokenId], Field(min_length=1)]] | None = None
 

@@ -1,10 +1,13 @@
-"""Reward functions by name. Adding one is a single decorated function; a reward with options
-declares them as a pydantic model, validated when a session is created."""
+"""Reward functions by name. Adding one is a single decorated function of a `Sample` (the
+response, the row's answer, prompt and dataset fields); a reward with options declares them as a
+pydantic model, validated when a session is created, and a reward that reads dataset fields
+declares a check of them, run on every row before an episode starts."""
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -12,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.common.failures import invalid
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_THINK_TAG = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+THINK_TAG = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
 @dataclass
@@ -21,6 +24,23 @@ class RewardResult:
     reward: float
     ends_episode: bool = False
     info: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a reward reads of one row's turn."""
+
+    response: str
+    answer: str | None = None
+    prompt: str | None = None
+    """The message the response answers (chat: the last message before it, as TorchRL's
+    `history.prompt[-1]`; text and tokens: the query)."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """The row's extra dataset fields (e.g. IFEval's instruction_id_list and kwargs)."""
+
+
+FieldCheck = Callable[[Mapping[str, Any]], "tuple[str, str] | None"]
+"""A reward's check of one row's fields: None, or (field, what is wrong)."""
 
 
 class NoOptions(BaseModel):
@@ -31,19 +51,28 @@ class NoOptions(BaseModel):
 class Reward:
     fn: Callable[..., RewardResult]
     options: type[BaseModel] | None
+    check_fields: FieldCheck | None = None
+    unavailable: Callable[[], str | None] | None = None
+    """Why the reward cannot run on this server (a package missing), or None."""
 
 
 REWARDS: dict[str, Reward] = {}
 
 
 def register_reward(
-    name: str, *, options: type[BaseModel] | None = None
+    name: str,
+    *,
+    options: type[BaseModel] | None = None,
+    check_fields: FieldCheck | None = None,
+    unavailable: Callable[[], str | None] | None = None,
 ) -> Callable[[Callable[..., RewardResult]], Callable[..., RewardResult]]:
     """`@register_reward("name")` makes `reward: "name"` available to environments. The
-    function takes `(response, answer)`, plus the parsed options when `options` is given."""
+    function takes a `Sample`, plus the parsed options when `options` is given.
+    `check_fields` vets each row's dataset fields before its episode starts (422 when wrong);
+    `unavailable` says why the reward cannot run here (sessions asking for it get a 422)."""
 
     def decorate(fn: Callable[..., RewardResult]) -> Callable[..., RewardResult]:
-        REWARDS[name] = Reward(fn, options)
+        REWARDS[name] = Reward(fn, options, check_fields, unavailable)
         return fn
 
     return decorate
@@ -60,17 +89,35 @@ def parse_options(name: str, options: dict[str, Any]) -> BaseModel:
         raise invalid(f"reward_options.{where}", f"{first['msg']} (reward '{name}')") from None
 
 
-def score_reward(
-    name: str, options: dict[str, Any], response: str, answer: str | None
-) -> RewardResult:
+def score_reward(name: str, options: dict[str, Any], sample: Sample) -> RewardResult:
     reward = REWARDS[name]
     if reward.options is None:
-        return reward.fn(response, answer)
-    return reward.fn(response, answer, parse_options(name, options))
+        return reward.fn(sample)
+    return reward.fn(sample, parse_options(name, options))
+
+
+def first_bad_row(name: str, rows: Iterable[Mapping[str, Any]]) -> tuple[int, str, str] | None:
+    """The first row whose fields this reward cannot score: (index, field, what is wrong)."""
+    check = REWARDS[name].check_fields
+    if check is None:
+        return None
+    for index, fields in enumerate(rows):
+        if (problem := check(fields)) is not None:
+            return index, *problem
+    return None
+
+
+async def require(name: str, param: str = "reward") -> None:
+    """A 422 naming `param` unless `name` is a reward this server can run."""
+    if name not in REWARDS:
+        raise invalid(param, f"unknown reward '{name}' (have {sorted(REWARDS)})")
+    check = REWARDS[name].unavailable
+    if check is not None and (problem := await asyncio.to_thread(check)) is not None:
+        raise invalid(param, f"reward '{name}' cannot run on this server: {problem}")
 
 
 @register_reward("none")
-def no_reward(response: str, answer: str | None) -> RewardResult:
+def no_reward(sample: Sample) -> RewardResult:
     return RewardResult(0.0)
 
 
@@ -103,23 +150,27 @@ class GSM8KOptions(BaseModel):
     format_reward: float = Field(
         default=0.1, allow_inf_nan=False, description="A non-empty but wrong answer."
     )
+    set_done_if_answer: bool = Field(
+        default=True, description="A given answer ends the episode (TorchRL's default)."
+    )
 
 
 @register_reward("gsm8k", options=GSM8KOptions)
-def gsm8k_reward(response: str, answer: str | None, options: GSM8KOptions) -> RewardResult:
+def gsm8k_reward(sample: Sample, options: GSM8KOptions) -> RewardResult:
     """TorchRL's GSM8KRewardParser: correct_reward for a right `<answer>`, format_reward for a
     wrong one, 0.0 without one; an empty `<answer></answer>` is no answer. A given answer ends
-    the episode."""
-    tags = [tag.strip() for tag in _ANSWER_TAG.findall(response)]
+    the episode unless set_done_if_answer is off."""
+    response, answer = sample.response, sample.answer
+    tags = [tag.strip() for tag in ANSWER_TAG.findall(response)]
     given = "" if not tags else tags[0] if options.answer_tag == "first" else tags[-1]
-    think = _THINK_TAG.search(response)
+    think = THINK_TAG.search(response)
     has_answer, has_think = bool(given), bool(think and think.group(1).strip())
     expected = ground_truth(answer) if answer is not None else None
     correct = has_answer and expected is not None and normalize_number(given) == expected
     right = options.correct_reward if correct else options.format_reward if has_answer else 0.0
     return RewardResult(
         right,
-        ends_episode=has_answer,
+        ends_episode=has_answer and options.set_done_if_answer,
         info={
             "answer_given": has_answer,
             "think": has_think,

@@ -10,7 +10,7 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,10 @@ from app.common.failures import (
 )
 from app.common.sequences import SequenceSplit
 from app.config import Settings
+from app.datasets.rows import Problem
+from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
-from app.envs import episodes
-from app.envs.datasets import DatasetRegistry
+from app.envs import episodes, ifeval  # noqa: F401 - ifeval registers its reward
 from app.envs.protocol import (
     EnvConfig,
     EnvCreated,
@@ -38,7 +39,7 @@ from app.envs.protocol import (
     StepOutput,
     StepResponse,
 )
-from app.envs.rewards import REWARDS, parse_options, score_reward
+from app.envs.rewards import Sample, first_bad_row, parse_options, require, score_reward
 from app.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from app.envs.store import SessionRecord, SessionStore, now
 from app.envs.tools import ToolBudget, run_python_blocks, tool_messages
@@ -52,7 +53,7 @@ class EnvService:
         self,
         store: SessionStore,
         registry: ModelRegistry,
-        datasets: DatasetRegistry,
+        datasets: DatasetService,
         settings: Settings,
     ) -> None:
         self.store = store
@@ -78,8 +79,7 @@ class EnvService:
     # -- sessions -----------------------------------------------------------------------
 
     async def create(self, config: EnvConfig, owner: str) -> EnvCreated:
-        if config.reward not in REWARDS:
-            raise invalid("reward", f"unknown reward '{config.reward}' (have {sorted(REWARDS)})")
+        await require(config.reward)
         parse_options(config.reward, config.reward_options)
         if "python" in config.tools and self.sandbox.problem is not None:
             raise invalid("tools", f"the python tool is disabled here: {self.sandbox.problem}")
@@ -91,10 +91,8 @@ class EnvService:
                 f"{config.max_turns} exceeds the server's limit of "
                 f"{self.settings.env_max_turns} (RLSERVE_ENV_MAX_TURNS)",
             )
-        if config.dataset is not None and self.datasets.get(config.dataset) is None:
-            raise invalid(
-                "dataset", f"unknown dataset '{config.dataset}' (have {self.datasets.names()})"
-            )
+        if config.dataset is not None:
+            await self._problems(config, owner, missing=invalid)
         if await self.store.count(owner) >= self.settings.max_env_sessions_per_key:
             raise QuotaExceeded(
                 f"this API key has {self.settings.max_env_sessions_per_key} live environment "
@@ -176,11 +174,37 @@ class EnvService:
         preparer = self.registry.get("policy").preparer
         async with self._session(env_id, owner) as (record, state):
             config = EnvConfig(**record.config)
-            problems = self.datasets.get(config.dataset) if config.dataset else None
+            if request.fields is not None:
+                bad = first_bad_row(config.reward, request.fields)
+                if bad is not None:
+                    index, field, what = bad
+                    raise invalid(f"fields[{index}].{field}", f"{what} (reward '{config.reward}')")
+            problems = None
+            if config.dataset is not None and not _gives_prompts(request):
+                problems = await self._problems(config, owner, missing=_deleted)
             episodes.reset(config, state, request, preparer, problems)
             state.last_step = None
             observations = [episodes.observation(config, row, preparer) for row in state.rows]
         return ResetResponse(env_id=env_id, observations=observations)
+
+    async def _problems(
+        self, config: EnvConfig, owner: str, missing: Callable[[str, str], Exception]
+    ) -> list[Problem]:
+        """The session's dataset, every row checked for its reward; `missing` builds the
+        failure when the dataset is gone (a 422 at creation, a 409 later)."""
+        name = str(config.dataset)
+        problems = await self.datasets.problems(name, owner)
+        if problems is None:
+            have = await self.datasets.names(owner)
+            raise missing("dataset", f"unknown dataset '{name}' (have {have})")
+        bad = await self.datasets.first_bad_row(name, owner, config.reward, problems)
+        if bad is not None:
+            index, field, what = bad
+            raise invalid(
+                "dataset",
+                f"row {index + 1} of '{name}', field '{field}': {what} (reward '{config.reward}')",
+            )
+        return problems
 
     async def step(
         self,
@@ -285,8 +309,10 @@ class EnvService:
             if results:
                 following = tool_messages(results)
                 info["tool_results"] = [r.model_dump() for r in results]
+        prompt = row.history[-1]["content"] if row.history else row.text
         episodes.apply_action(config, row, act, preparer, following)
-        result = score_reward(config.reward, config.reward_options, act.text, row.answer)
+        sample = Sample(act.text, row.answer, prompt, row.fields)
+        result = score_reward(config.reward, config.reward_options, sample)
         if row.answer is not None and config.reward != "none":
             info["answer"] = row.answer
         return Turn(
@@ -311,6 +337,16 @@ class EnvService:
             turn.reward -= config.kl.coeff * kl
             turn.breakdown |= {"kl": kl, "kl_penalty": -config.kl.coeff * kl}
         return version
+
+
+def _gives_prompts(request: ResetRequest) -> bool:
+    return any(p is not None for p in (request.query, request.messages, request.tokens))
+
+
+def _deleted(param: str, message: str) -> Exception:
+    return Conflict(
+        f"{param}: {message}; it was deleted after this session was created", param=param
+    )
 
 
 def _digest(actions: list[episodes.Act | None]) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from app.envs.rewards import REWARDS, RewardResult, register_reward
+from app.envs.rewards import REWARDS, RewardResult, Sample, register_reward
 from tests.conftest import assert_close
 
 ENV = {"dataset": "arithmetic", "reward": "byte_sum", "batch_size": 4, "max_turns": 2}
@@ -20,8 +20,8 @@ def byte_sum_reward() -> Iterator[None]:
     """A reward that varies with the sampled text, so group statistics are not trivial."""
 
     @register_reward("byte_sum")
-    def byte_sum(response: str, answer: str | None) -> RewardResult:
-        return RewardResult(float(sum(response.encode()) % 5))
+    def byte_sum(sample: Sample) -> RewardResult:
+        return RewardResult(float(sum(sample.response.encode()) % 5))
 
     yield
     REWARDS.pop("byte_sum")

@@ -7,10 +7,11 @@ import json
 import pytest
 
 from app.common.failures import InvalidInput
-from app.envs.datasets import DatasetRegistry, arithmetic_problems
+from app.datasets.bundled import BundledDatasets, arithmetic_problems
 from app.envs.rewards import (
     REWARDS,
     RewardResult,
+    Sample,
     ground_truth,
     normalize_number,
     parse_options,
@@ -41,7 +42,7 @@ from app.envs.rewards import (
     ],
 )
 def test_gsm8k_reward(response, answer, reward, ends):
-    result = score_reward("gsm8k", {}, response, answer)
+    result = score_reward("gsm8k", {}, Sample(response, answer))
     assert result.reward == reward
     assert result.ends_episode is ends
     assert result.info["answer_given"] is ends
@@ -51,9 +52,9 @@ def test_gsm8k_reward(response, answer, reward, ends):
 def test_gsm8k_options_pick_the_last_tag_and_set_the_values():
     options = {"answer_tag": "last", "correct_reward": 2.0, "format_reward": 0.25}
     both = "<answer>3</answer> then <answer>4</answer>"
-    assert score_reward("gsm8k", options, both, "#### 4").reward == 2.0
-    assert score_reward("gsm8k", options, both, "#### 3").reward == 0.25
-    thought = score_reward("gsm8k", {}, "<think>hm</think><answer>4</answer>", "#### 4")
+    assert score_reward("gsm8k", options, Sample(both, "#### 4")).reward == 2.0
+    assert score_reward("gsm8k", options, Sample(both, "#### 3")).reward == 0.25
+    thought = score_reward("gsm8k", {}, Sample("<think>hm</think><answer>4</answer>", "#### 4"))
     assert thought.info["think"] is True and thought.info["right"] == 1.0
     with pytest.raises(InvalidInput) as bad:
         parse_options("gsm8k", {"answer_tag": "middle"})
@@ -74,11 +75,11 @@ def test_normalisation_rules():
 
 def test_adding_a_reward_is_one_function():
     @register_reward("length")
-    def length(response, answer):  # type: ignore[no-untyped-def]
-        return RewardResult(float(len(response)))
+    def length(sample: Sample) -> RewardResult:
+        return RewardResult(float(len(sample.response)))
 
     try:
-        assert score_reward("length", {}, "abc", None).reward == 3.0
+        assert score_reward("length", {}, Sample("abc")).reward == 3.0
     finally:
         del REWARDS["length"]
 
@@ -97,6 +98,6 @@ def test_bundled_dataset_is_gsm8k_shaped_and_correct():
 def test_jsonl_datasets_are_registered_by_file_name(tmp_path):
     rows = [{"query": "1+1?", "answer": "#### 2"}, {"query": "2+2?", "answer": "#### 4"}]
     (tmp_path / "tiny.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    registry = DatasetRegistry(tmp_path)
-    assert registry.names() == ["arithmetic", "tiny"]
+    registry = BundledDatasets(tmp_path)
+    assert registry.names() == ["arithmetic", "ifeval", "tiny"]
     assert [p.answer for p in registry.get("tiny") or []] == ["#### 2", "#### 4"]

@@ -115,12 +115,12 @@ RESPONSES = [
 def test_gsm8k_reward_equals_torchrl_gsm8k_reward_parser(response, answer):
     from torchrl.envs.llm.reward.gsm8k import GSM8KRewardParser
 
-    from app.envs.rewards import score_reward
+    from app.envs.rewards import Sample, score_reward
 
     parser = GSM8KRewardParser()
     think, given = parser.extract_tags(response)
     theirs = parser._single_correctness_reward(answer.split("#### ")[1], given, think)
-    ours = score_reward("gsm8k", {}, response, answer)
+    ours = score_reward("gsm8k", {}, Sample(response, answer))
     assert ours.reward == pytest.approx(float(theirs["reward"]))
     assert ours.info["answer_given"] == bool(theirs["reward_answer"])
     assert ours.info["think"] == bool(theirs["reward_think"])
@@ -143,11 +143,11 @@ async def test_rollout_advantages_equal_torchrl_mc_advantage(client, how):
     from tensordict import TensorDict
     from torchrl.objectives.llm import MCAdvantage
 
-    from app.envs.rewards import REWARDS, RewardResult, register_reward
+    from app.envs.rewards import REWARDS, RewardResult, Sample, register_reward
 
     @register_reward("byte_parity")
-    def byte_parity(response: str, answer: str | None) -> RewardResult:
-        return RewardResult(float(sum(response.encode()) % 3))
+    def byte_parity(sample: Sample) -> RewardResult:
+        return RewardResult(float(sum(sample.response.encode()) % 3))
 
     try:
         env = {

@@ -174,8 +174,9 @@ class EnvService:
         preparer = self.registry.get("policy").preparer
         async with self._session(env_id, owner) as (record, state):
             config = EnvConfig(**record.config)
-            if request.fields is not None:
-                bad = first_bad_row(config.reward, request.fields)
+            if _gives_prompts(request):
+                given = request.fields or [{}] * config.batch_size
+                bad = first_bad_row(config.reward, given)
                 if bad is not None:
                     index, field, what = bad
                     raise invalid(f"fields[{index}].{field}", f"{what} (reward '{config.reward}')")

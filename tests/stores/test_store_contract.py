@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.envs.store import SessionRecord
 from app.trajectories.store import Turn
 
@@ -71,3 +73,48 @@ async def test_idle_trajectories_expire(stores):
     assert await trajectories.expire(0.0) == 0
     assert await trajectories.expire(float("inf")) == 1
     assert await trajectories.get("old") is None
+
+
+async def test_datasets_by_owner_unique_names_and_quota(store_kind, tmp_path, request):
+    """Uploaded datasets live beside the sessions: two servers on one store see the same ones;
+    a name is taken once per owner, even by two servers at once; the quota holds."""
+    from app.config import Settings
+    from app.datasets.store import DatasetExists, DatasetMeta, TooManyDatasets
+    from app.main import open_dataset_store
+
+    if store_kind == "redis":
+        url = request.getfixturevalue("redis_url")
+        import redis
+
+        redis.Redis.from_url(url).flushdb()
+        settings = Settings(data_dir=tmp_path, session_store=url)
+    else:
+        settings = Settings(data_dir=tmp_path)
+    one, two = open_dataset_store(settings), open_dataset_store(settings)
+
+    def meta(name: str, owner: str = "alice") -> DatasetMeta:
+        return DatasetMeta(name, owner, 1, 10, ["kwargs"], 1.0)
+
+    try:
+        results = await asyncio.gather(
+            one.create(meta("a"), '[["q", null, {}]]', 2),
+            two.create(meta("a"), '[["q", null, {}]]', 2),
+            return_exceptions=True,
+        )
+        assert sorted(type(r).__name__ for r in results) == ["DatasetExists", "NoneType"]
+        await two.create(meta("a", owner="bob"), '[["theirs", null, {}]]', 2)
+        assert await one.rows("alice", "a") == '[["q", null, {}]]'
+        assert await one.rows("bob", "a") == '[["theirs", null, {}]]'
+        await one.create(meta("b"), "[]", 2)
+        with pytest.raises(TooManyDatasets):
+            await two.create(meta("c"), "[]", 2)
+        with pytest.raises(DatasetExists):
+            await two.create(meta("b"), "[]", 5)
+        assert [m.name for m in await two.list("alice")] == ["a", "b"]
+        assert await two.meta("alice", "b") == meta("b")
+        assert await one.delete("alice", "a") and not await two.delete("alice", "a")
+        assert await two.meta("alice", "a") is None and await two.rows("alice", "a") is None
+        assert [m.name for m in await one.list("bob")] == ["a"]
+    finally:
+        await one.aclose()
+        await two.aclose()

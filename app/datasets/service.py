@@ -78,13 +78,16 @@ class DatasetService:
     async def _read(self, path: str | None) -> str:
         """The file, only from inside the import directory (symbolic links resolved first)."""
         base = self.import_dir.resolve()
-        target = (base / (path or "")).resolve()
         outside = invalid(
             "path", f"must name a JSONL file under the server's import directory ({base})"
         )
-        if not target.is_relative_to(base) or not target.is_file():
-            raise outside
-        size = target.stat().st_size
+        try:
+            target = (base / (path or "")).resolve()
+            if not target.is_relative_to(base) or not target.is_file():
+                raise outside
+            size = target.stat().st_size
+        except (OSError, ValueError, RuntimeError):  # too long a name, a NUL, a loop of links
+            raise outside from None
         if size > self.settings.dataset_max_bytes:
             raise TooLarge(
                 f"path: {size} bytes exceed the limit of {self.settings.dataset_max_bytes} "

@@ -63,3 +63,14 @@ def test_ray_serve_benchmark_quick(tmp_path):
     for setup in ("plain", "ray_serve_1_replica"):
         for kind in ("generate", "score"):
             assert report["results"][setup]["8"][kind]["requests"] == 16
+
+
+def test_datasets_benchmark_quick(tmp_path):
+    pytest.importorskip("lm_eval")
+    report = run_quick("datasets", tmp_path)
+    for shape in ("gsm8k", "ifeval"):
+        case = report["uploads"][shape]
+        assert case["rows"] == 2000 and case["rows_per_s"] > 0
+        assert case["first_reset_s"] > 0 and case["cached_reset_s"] > 0
+    assert report["uploads"]["ifeval"]["checked_for_reward"] == "ifeval"
+    assert report["scoring"]["ifeval_ms_per_response"] > 0

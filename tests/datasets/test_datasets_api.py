@@ -251,7 +251,17 @@ async def test_files_are_read_from_the_import_directory_only(client, tmp_path):
         client, {"name": "abs", "path": str(imports / "sums.jsonl"), "fields": MAPPED}
     )
     assert absolute["rows"] == 5
-    for path in ("../secret.jsonl", str(secret), "link.jsonl", "missing.jsonl", "/etc/passwd", "."):
+    strange = ("0" * 300, "a\x00b", "link-loop.jsonl")
+    (imports / "link-loop.jsonl").symlink_to(imports / "link-loop.jsonl")
+    for path in (
+        "../secret.jsonl",
+        str(secret),
+        "link.jsonl",
+        "missing.jsonl",
+        "/etc/passwd",
+        ".",
+        *strange,
+    ):
         error = (await upload(client, {"name": "x", "path": path, "fields": MAPPED}, 422))["error"]
         assert error["param"] == "path", path  # type: ignore[index]
         assert "import directory" in error["message"]  # type: ignore[index]

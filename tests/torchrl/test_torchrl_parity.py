@@ -128,6 +128,22 @@ def test_gsm8k_reward_equals_torchrl_gsm8k_reward_parser(response, answer):
     assert ours.ends_episode == bool(theirs["reward_answer"])  # TorchRL's set_done_if_answer
 
 
+@pytest.mark.parametrize(("response", "answer"), RESPONSES[:4])
+def test_gsm8k_reward_values_are_set_as_in_torchrl(response, answer):
+    from torchrl.envs.llm.reward.gsm8k import GSM8KRewardParser
+
+    from app.envs.rewards import Sample, score_reward
+
+    parser = GSM8KRewardParser(format_reward=0.25, correct_reward=2.0)
+    think, given = parser.extract_tags(response)
+    theirs = parser._single_correctness_reward(answer.split("#### ")[1], given, think)
+    options = {"format_reward": 0.25, "correct_reward": 2.0, "set_done_if_answer": False}
+    ours = score_reward("gsm8k", options, Sample(response, answer))
+    assert ours.reward == pytest.approx(float(theirs["reward"]))
+    assert ours.info["right"] == pytest.approx(float(theirs["reward_right"]))
+    assert ours.ends_episode is False  # as GSM8KRewardParser(set_done_if_answer=False)
+
+
 def test_the_documented_normalisation_difference():
     """TorchRL keeps the space left after removing "$": its parser marks "$ 12" wrong."""
     from torchrl.envs.llm.reward.gsm8k import GSM8KRewardParser

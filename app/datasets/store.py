@@ -89,23 +89,21 @@ class SQLiteDatasetStore(SQLiteFile, DatasetStore):
 
         await self._run(write)
 
-    async def meta(self, owner: str, name: str) -> DatasetMeta | None:
+    async def _column(self, column: str, owner: str, name: str) -> str | None:
         def query() -> Any:
             return self._db.execute(
-                "SELECT meta FROM datasets WHERE owner = ? AND name = ?", (owner, name)
-            ).fetchone()
-
-        row = await self._run(query)
-        return None if row is None else DatasetMeta(**json.loads(row[0]))
-
-    async def rows(self, owner: str, name: str) -> str | None:
-        def query() -> Any:
-            return self._db.execute(
-                "SELECT rows FROM datasets WHERE owner = ? AND name = ?", (owner, name)
+                f"SELECT {column} FROM datasets WHERE owner = ? AND name = ?", (owner, name)
             ).fetchone()
 
         row = await self._run(query)
         return None if row is None else str(row[0])
+
+    async def meta(self, owner: str, name: str) -> DatasetMeta | None:
+        meta = await self._column("meta", owner, name)
+        return None if meta is None else DatasetMeta(**json.loads(meta))
+
+    async def rows(self, owner: str, name: str) -> str | None:
+        return await self._column("rows", owner, name)
 
     async def list(self, owner: str) -> list[DatasetMeta]:
         def query() -> list[Any]:

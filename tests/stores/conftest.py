@@ -22,20 +22,27 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def stores(store_kind: str, tmp_path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    """(session store, trajectory store) of the kind, empty; a second pair on the same data
-    comes from `reopen()` (another server sharing it)."""
+def store_settings(store_kind: str, tmp_path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Settings of a server whose stores are of the kind, empty: a fresh Redis database or
+    a fresh data directory."""
     from app.config import Settings
-    from app.main import open_stores
 
     if store_kind == "redis":
         url = request.getfixturevalue("redis_url")
         import redis
 
         redis.Redis.from_url(url).flushdb()
-        settings = Settings(data_dir=tmp_path, session_store=url)
-    else:
-        settings = Settings(data_dir=tmp_path)
+        return Settings(data_dir=tmp_path, session_store=url)
+    return Settings(data_dir=tmp_path)
+
+
+@pytest.fixture
+async def stores(store_settings):  # type: ignore[no-untyped-def]
+    """(session store, trajectory store) of the kind, empty; a second pair on the same data
+    comes from `reopen()` (another server sharing it)."""
+    from app.main import open_stores
+
+    settings = store_settings
     opened = []
 
     def reopen():  # type: ignore[no-untyped-def]

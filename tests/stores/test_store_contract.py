@@ -75,21 +75,13 @@ async def test_idle_trajectories_expire(stores):
     assert await trajectories.get("old") is None
 
 
-async def test_datasets_by_owner_unique_names_and_quota(store_kind, tmp_path, request):
+async def test_datasets_by_owner_unique_names_and_quota(store_settings):
     """Uploaded datasets live beside the sessions: two servers on one store see the same ones;
     a name is taken once per owner, even by two servers at once; the quota holds."""
-    from app.config import Settings
     from app.datasets.store import DatasetExists, DatasetMeta, TooManyDatasets
     from app.main import open_dataset_store
 
-    if store_kind == "redis":
-        url = request.getfixturevalue("redis_url")
-        import redis
-
-        redis.Redis.from_url(url).flushdb()
-        settings = Settings(data_dir=tmp_path, session_store=url)
-    else:
-        settings = Settings(data_dir=tmp_path)
+    settings = store_settings
     one, two = open_dataset_store(settings), open_dataset_store(settings)
 
     def meta(name: str, owner: str = "alice") -> DatasetMeta:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.torchrl
+from tests.torchrl import torchrl_only
+
+pytestmark = torchrl_only
 
 # A response meant to follow each bundled row's instructions, in the rows' order.
 FOLLOWING = [

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.common.failures import invalid
+from app.envs.rewards import REWARDS
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,16 @@ class FieldMapping:
 
 
 def parse_jsonl(
-    text: str, mapping: FieldMapping, *, param: str, max_rows: int | None = None
+    text: str,
+    mapping: FieldMapping,
+    *,
+    param: str,
+    max_rows: int | None = None,
+    reward: str | None = None,
 ) -> list[Problem]:
     """Every non-blank line as a Problem; a 422 naming `param` with the line number and the
-    row's field at fault for the first bad line."""
+    row's field at fault for the first bad line (with `reward`: also a row it cannot score)."""
+    check = None if reward is None else REWARDS[reward].check_fields
     problems: list[Problem] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -52,7 +59,11 @@ def parse_jsonl(
             raise invalid(param, f"line {number}: not JSON ({error.msg})") from None
         if not isinstance(row, dict):
             raise invalid(param, f"line {number}: a row must be a JSON object")
-        problems.append(_problem(row, mapping, number, param))
+        problem = _problem(row, mapping, number, param)
+        if check is not None and (bad := check(problem.fields)) is not None:
+            field, what = bad
+            raise invalid(param, f"line {number}, field '{field}': {what} (reward '{reward}')")
+        problems.append(problem)
     if not problems:
         raise invalid(param, "has no rows")
     return problems

@@ -28,7 +28,7 @@ class DatasetService:
         self.settings = settings
         self.import_dir = settings.dataset_import_dir or settings.data_dir / "imports"
         self._cache: OrderedDict[tuple[str, str], _Parsed] = OrderedDict()
-        self._checked: dict[tuple[str, str], RowProblem | None] = {}  # bundled, per reward
+        self._bundled = {name: _Parsed(0.0, bundled.get(name) or []) for name in bundled.names()}
 
     async def upload(self, request: DatasetUpload, owner: str) -> DatasetInfo:
         if self.bundled.get(request.name) is not None:
@@ -40,19 +40,17 @@ class DatasetService:
         param = "jsonl" if request.jsonl is not None else "path"
         text = request.jsonl if request.jsonl is not None else await self._read(request.path)
         size = len(text.encode())
-        if size > self.settings.dataset_max_bytes:
-            raise TooLarge(
-                f"{param}: {size} bytes exceed the limit of {self.settings.dataset_max_bytes} "
-                "(RLSERVE_DATASET_MAX_BYTES)",
-                param=param,
-            )
+        self._check_size(param, size)
         fields = request.fields
         mapping = FieldMapping(fields.query, fields.answer, dict(fields.extra))
         problems = await asyncio.to_thread(
-            parse_jsonl, text, mapping, param=param, max_rows=self.settings.dataset_max_rows
+            parse_jsonl,
+            text,
+            mapping,
+            param=param,
+            max_rows=self.settings.dataset_max_rows,
+            reward=request.reward,
         )
-        if request.reward is not None:
-            await self._check_rows(request.reward, problems, param, text)
         meta = DatasetMeta(
             name=request.name,
             owner=owner,
@@ -88,12 +86,7 @@ class DatasetService:
             size = target.stat().st_size
         except (OSError, ValueError, RuntimeError):  # too long a name, a NUL, a loop of links
             raise outside from None
-        if size > self.settings.dataset_max_bytes:
-            raise TooLarge(
-                f"path: {size} bytes exceed the limit of {self.settings.dataset_max_bytes} "
-                "(RLSERVE_DATASET_MAX_BYTES)",
-                param="path",
-            )
+        self._check_size("path", size)
         try:
             return await asyncio.to_thread(target.read_text, encoding="utf-8")
         except UnicodeDecodeError as error:
@@ -101,38 +94,28 @@ class DatasetService:
         except OSError as error:
             raise invalid("path", f"cannot be read by the server ({error.strerror})") from None
 
-    @staticmethod
-    async def _check_rows(reward: str, problems: list[Problem], param: str, text: str) -> None:
-        bad = await _first_bad_row(reward, problems)
-        if bad is not None:
-            index, field, what = bad
-            line = _line_of(text, index)
-            raise invalid(param, f"line {line}, field '{field}': {what} (reward '{reward}')")
+    def _check_size(self, param: str, size: int) -> None:
+        if size > self.settings.dataset_max_bytes:
+            raise TooLarge(
+                f"{param}: {size} bytes exceed the limit of {self.settings.dataset_max_bytes} "
+                "(RLSERVE_DATASET_MAX_BYTES)",
+                param=param,
+            )
 
-    async def problems(self, name: str, owner: str) -> list[Problem] | None:
-        """A dataset's rows as this key sees them: a bundled one, or one it uploaded."""
-        bundled = self.bundled.get(name)
-        if bundled is not None:
-            return bundled
-        parsed = await self._parsed(name, owner)
-        return None if parsed is None else parsed.problems
-
-    async def first_bad_row(
-        self, name: str, owner: str, reward: str, problems: list[Problem]
-    ) -> RowProblem | None:
-        """The first row of the dataset the reward cannot score, checked once per dataset and
-        reward (sessions check at creation and at every reset)."""
-        if self.bundled.get(name) is not None:
-            checked = self._checked
-            key = (name, reward)
-        else:
-            parsed = self._cache.get((owner, name))
-            if parsed is None or parsed.problems is not problems:
-                return await _first_bad_row(reward, problems)
-            checked, key = parsed.checked, ("", reward)
-        if key not in checked:
-            checked[key] = await _first_bad_row(reward, problems)
-        return checked[key]
+    async def rows_for(
+        self, name: str, owner: str, reward: str
+    ) -> tuple[list[Problem], RowProblem | None] | None:
+        """A dataset's rows as this key sees them (a bundled one, or one it uploaded), with the
+        first row the reward cannot score, checked once per dataset and reward (sessions ask
+        at creation and at every reset); None when there is no such dataset."""
+        parsed = self._bundled.get(name) or await self._parsed(name, owner)
+        if parsed is None:
+            return None
+        if reward not in parsed.checked:
+            parsed.checked[reward] = await asyncio.to_thread(
+                first_bad_row, reward, [p.fields for p in parsed.problems]
+            )
+        return parsed.problems, parsed.checked[reward]
 
     async def _parsed(self, name: str, owner: str) -> _Parsed | None:
         meta = await self.store.meta(owner, name)
@@ -187,11 +170,8 @@ RowProblem = tuple[int, str, str]
 class _Parsed:
     created_at: float
     problems: list[Problem]
-    checked: dict[tuple[str, str], RowProblem | None] = field(default_factory=dict)
-
-
-async def _first_bad_row(reward: str, problems: list[Problem]) -> RowProblem | None:
-    return await asyncio.to_thread(first_bad_row, reward, [p.fields for p in problems])
+    checked: dict[str, RowProblem | None] = field(default_factory=dict)
+    """Per reward, the first row it cannot score."""
 
 
 def _info(meta: DatasetMeta) -> DatasetInfo:
@@ -207,14 +187,3 @@ def _info(meta: DatasetMeta) -> DatasetInfo:
 
 def _decode(rows: str) -> list[Problem]:
     return [Problem.from_json(row) for row in json.loads(rows)]
-
-
-def _line_of(text: str, index: int) -> int:
-    """The line number of the index-th non-blank line."""
-    seen = -1
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            seen += 1
-            if seen == index:
-                return number
-    return index + 1

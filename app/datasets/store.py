@@ -174,8 +174,11 @@ class RedisDatasetStore(DatasetStore):
 
     async def list(self, owner: str) -> list[DatasetMeta]:
         names = sorted(await self._redis.smembers(self._owner(owner)))
-        found = [await self.meta(owner, name) for name in names]
-        return [meta for meta in found if meta is not None]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(self._key(owner, name), "meta")
+            found = await pipe.execute()
+        return [DatasetMeta(**json.loads(meta)) for meta in found if meta is not None]
 
     async def delete(self, owner: str, name: str) -> bool:
         async with self._redis.pipeline(transaction=True) as pipe:

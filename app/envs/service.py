@@ -174,14 +174,15 @@ class EnvService:
         preparer = self.registry.get("policy").preparer
         async with self._session(env_id, owner) as (record, state):
             config = EnvConfig(**record.config)
-            if _gives_prompts(request):
+            given_prompts = _gives_prompts(request)
+            if given_prompts:
                 given = request.fields or [{}] * config.batch_size
                 bad = first_bad_row(config.reward, given)
                 if bad is not None:
                     index, field, what = bad
                     raise invalid(f"fields[{index}].{field}", f"{what} (reward '{config.reward}')")
             problems = None
-            if config.dataset is not None and not _gives_prompts(request):
+            if config.dataset is not None and not given_prompts:
                 problems = await self._problems(config, owner, missing=_deleted)
             episodes.reset(config, state, request, preparer, problems)
             state.last_step = None
@@ -194,11 +195,11 @@ class EnvService:
         """The session's dataset, every row checked for its reward; `missing` builds the
         failure when the dataset is gone (a 422 at creation, a 409 later)."""
         name = str(config.dataset)
-        problems = await self.datasets.problems(name, owner)
-        if problems is None:
+        found = await self.datasets.rows_for(name, owner, config.reward)
+        if found is None:
             have = await self.datasets.names(owner)
             raise missing("dataset", f"unknown dataset '{name}' (have {have})")
-        bad = await self.datasets.first_bad_row(name, owner, config.reward, problems)
+        problems, bad = found
         if bad is not None:
             index, field, what = bad
             raise invalid(

@@ -26,10 +26,11 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
+from app.common.failures import Conflict
 from app.config import Settings
-from app.deploy.fanout import ReplicaFanout, outcome
+from app.deploy.fanout import ReplicaFanout, as_failure, outcome
 from app.main import create_app
-from app.weights.protocol import UpdateOptions
+from app.weights.protocol import TransferFinish, TransferInit, TransferUpdate, UpdateOptions
 
 DEPLOYMENT = "rlserve"
 _SHAPE = (
@@ -116,6 +117,84 @@ class RLServeReplica:
     async def weights_abort(self, update_id: str) -> dict[str, Any]:
         self._weights().abort_staged(update_id)
         return {"ok": True}
+
+    # -- the collective transfer over every replica (app.deploy.fanout) ---------------------
+
+    def _transfers(self) -> Any:
+        assert self.server is not None
+        return self.server.state.transfers
+
+    async def transfer_state(self, model: str) -> dict[str, Any]:
+        async def state() -> dict[str, Any]:
+            return {"state": (await self._transfers().state(model, here_only=True)).model_dump()}
+
+        return await outcome(state())
+
+    async def transfer_ranks(self, model: str) -> dict[str, Any]:
+        async def ranks() -> dict[str, Any]:
+            return {"replica": self._replica(), "ranks": self._transfers().ranks(model)}
+
+        return await outcome(ranks())
+
+    async def transfer_join(self, body: dict[str, Any], offsets: dict[str, int]) -> dict[str, Any]:
+        """Join at this replica's rank offset (`offsets`: by replica id)."""
+
+        async def join() -> dict[str, Any]:
+            if (offset := offsets.get(self._replica())) is None:
+                raise Conflict(
+                    "model: the replicas changed while the group formed; init again",
+                    param="model",
+                )
+            request = TransferInit(**{**body, "rank_offset": offset})
+            state = await self._transfers().init(request, here_only=True)
+            return {"state": state.model_dump()}
+
+        return await outcome(join())
+
+    async def transfer_step(self, step: str, model: str) -> dict[str, Any]:
+        """start, abort or close here."""
+
+        async def run() -> dict[str, Any]:
+            state = await getattr(self._transfers(), step)(model, here_only=True)
+            return {"state": state.model_dump()}
+
+        return await outcome(run())
+
+    async def transfer_update(self, body: dict[str, Any]) -> dict[str, Any]:
+        async def update() -> dict[str, Any]:
+            state = await self._transfers().update(TransferUpdate(**body), here_only=True)
+            return {"state": state.model_dump()}
+
+        return await outcome(update())
+
+    async def transfer_received(self, model: str) -> dict[str, Any]:
+        async def received() -> dict[str, Any]:
+            return {"version": await self._transfers().received(model)}
+
+        return await outcome(received())
+
+    async def transfer_commit(self, body: dict[str, Any]) -> dict[str, Any]:
+        async def commit() -> dict[str, Any]:
+            request = TransferFinish(**body)
+            transfers = self._transfers()
+            state = await transfers.state(request.model, here_only=True)
+            versions = self._weights().registry.versions
+            if state.state != "updating" and versions[request.model] == request.version:
+                return {"caught_up": True}  # started after the others received it
+            return {"updated": (await transfers.commit(request)).model_dump()}
+
+        return await outcome(commit())
+
+    async def transfer_abandon(self, model: str, reason: dict[str, Any]) -> dict[str, Any]:
+        async def abandon() -> dict[str, Any]:
+            failure = as_failure({"error": reason}, "on another replica")
+            await self._transfers().abandon(model, failure)
+            return {}
+
+        return await outcome(abandon())
+
+    def _replica(self) -> str:
+        return str(serve.get_replica_context().replica_id.unique_id)
 
     async def check_health(self) -> None:
         """Ray's health check: raise while the engine is not ready or does not answer (Ray

@@ -375,6 +375,11 @@ class VLLMTransfer(WeightTransfer):
                     raise RuntimeError(failed[0])
                 await asyncio.sleep(self.POLL_S)
 
+    async def checkpoint(self) -> bytes:
+        """From the first worker (every worker received every tensor whole)."""
+        files = await self.engine.collective_rpc("rlserve_transfer_checkpoint")
+        return next(f for f in files if f is not None)
+
     async def commit(self, version: int) -> None:
         await self.engine.finish_weight_update(weight_version=str(version))
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
 from app.weights.transfer_engine import TransferSetup
 from app.weights.transport import TransferGroup
@@ -49,6 +50,15 @@ class WeightLoaderExtension:
         if not isinstance(engine, StagedTransferEngine):
             return "this worker has no rlserve weight-transfer engine"
         return engine.status()
+
+    def rlserve_transfer_checkpoint(self) -> bytes | None:
+        """The staged tensors as one safetensors file, from the first worker only."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, StagedTransferEngine) or engine.reception is None:
+            raise RuntimeError("no weight update was received here")
+        if getattr(self, "rank", 0) != 0:
+            return None
+        return to_safetensors(engine.reception.result(0))
 
     def rlserve_transfer_abort(self) -> None:
         """Drop the staged update and end the worker's update session."""

@@ -43,6 +43,34 @@ def layout_of_state(state: dict[str, torch.Tensor]) -> Layout:
     }
 
 
+def to_safetensors(state: dict[str, torch.Tensor]) -> bytes:
+    """`state` as one safetensors file, each tensor copied once, straight from its device into
+    the file's buffer (tensors that share memory, views into one received bucket say, need no
+    copies of their own first, as safetensors' own writer would)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        dtype = TORCH_TO_SAFETENSORS[tensor.dtype]
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    start = 8 + len(text)
+    out = bytearray(start + offset)
+    out[:start] = len(text).to_bytes(8, "little") + text
+    data = torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
+    for name, tensor in state.items():
+        first, last = header[name]["data_offsets"]
+        if last > first:
+            data[start + first : start + last].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+    return bytes(out)
+
+
 def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
     """The `*.safetensors` files of an HF checkpoint directory (or a single file). Only
     regular files: a FIFO or device named like a checkpoint would block the reader forever."""

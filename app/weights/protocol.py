@@ -129,3 +129,8 @@ class TransferState(WireModel):
     last_error: str | None = Field(
         default=None, description="Why the last update failed (the group was closed)."
     )
+    replicas: int = Field(
+        default=1,
+        description="The server replicas this state covers (several on Ray Serve: "
+        "`server_ranks` counts all of theirs, and `state` is the least advanced one's).",
+    )

@@ -84,8 +84,9 @@ async def upload_weights(
 async def transfer_state(
     transfers: TransfersDep, model: Annotated[ModelName, Query()] = "policy"
 ) -> TransferState:
-    """The group state and `server_ranks`: the trainer's world size is 1 + server_ranks."""
-    return transfers.state(model)
+    """The group state and `server_ranks`: the trainer's world size is 1 + server_ranks. On a
+    replica of several, every replica's together (`server_ranks` counts all their ranks)."""
+    return await transfers.state(model)
 
 
 @transfer_router.post(
@@ -93,7 +94,8 @@ async def transfer_state(
 )
 async def transfer_init(request: TransferInit, transfers: TransfersDep) -> TransferState:
     """Join the trainer's process group (the trainer, rank 0, joins it at the same time);
-    returns once every rank is in, or 504 after `timeout_s`."""
+    returns once every rank is in, or 504 after `timeout_s`. On a replica of several, every
+    replica joins, at consecutive ranks from `rank_offset`."""
     return await transfers.init(request)
 
 
@@ -119,7 +121,8 @@ async def transfer_update(request: TransferUpdate, transfers: TransfersDep) -> T
 async def transfer_finish(request: TransferFinish, transfers: TransfersDep) -> WeightsUpdated:
     """Wait until every announced tensor arrived (504 after `timeout_s`; 502 if the trainer
     went away), then swap them in while serving is paused (`pause`, 'keep' by default). Any
-    failure leaves the served weights as they were."""
+    failure leaves the served weights as they were. On a replica of several, every replica
+    swaps them in under one version, or none does."""
     return await transfers.finish(request)
 
 

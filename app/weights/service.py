@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from app.common.failures import Conflict, Malformed, TimedOut, TooLarge
 from app.config import Settings
@@ -28,10 +28,17 @@ from app.weights.checkpoint import (
 from app.weights.protocol import (
     LoadWeightsRequest,
     PauseMode,
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferUpdate,
     UpdateOptions,
     WeightsUpdated,
     WeightsVersion,
 )
+
+if TYPE_CHECKING:
+    from app.weights.transfer import TransferService
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -270,6 +277,23 @@ class Fanout(Protocol):
         """Pause every replica; this one's state afterwards."""
 
     async def resume(self) -> GateState: ...
+
+    async def transfer_state(self, model: str) -> TransferState:
+        """Every replica's collective-transfer state, as one."""
+
+    async def transfer_init(self, request: TransferInit) -> TransferState:
+        """Every replica joins the trainer's group, each at its own ranks."""
+
+    async def transfer_step(
+        self, step: Literal["start", "abort", "close"], model: str
+    ) -> TransferState: ...
+
+    async def transfer_update(self, request: TransferUpdate) -> TransferState: ...
+
+    async def transfer_finish(
+        self, request: TransferFinish, here: TransferService
+    ) -> WeightsUpdated:
+        """Commit the received update on every replica under one version, or on none."""
 
 
 def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:

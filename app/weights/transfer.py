@@ -72,7 +72,10 @@ class TransferService:
         async with link.lock:
             yield link, engine
 
-    def state(self, model: str) -> TransferState:
+    async def state(self, model: str, *, here_only: bool = False) -> TransferState:
+        """This server's state, or every replica's together when this is one of several."""
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_state(model)
         engine = self._engine(model)
         link = self._links.get(model) or _Link()
         setup = link.setup
@@ -86,13 +89,15 @@ class TransferService:
             last_error=link.last_error,
         )
 
-    async def init(self, request: TransferInit) -> TransferState:
-        if self.weights.fanout is not None:
-            raise Unsupported(
-                "model: the weight-transfer group joins one server, and this is one replica of "
-                "several; update them all with PUT /v1/weights or POST /v1/weights/load",
-                param="model",
-            )
+    def ranks(self, model: str) -> int:
+        """The ranks `model`'s workers add to a group (a refusal if it cannot join one)."""
+        return self._engine(model).ranks
+
+    async def init(self, request: TransferInit, *, here_only: bool = False) -> TransferState:
+        """Join the trainer's group; on a replica of several, every replica joins, each at
+        its own ranks (app.deploy.fanout)."""
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_init(request)
         async with self._link(request.model) as (link, engine):
             if link.setup is not None:
                 raise Conflict(
@@ -122,7 +127,7 @@ class TransferService:
             except Exception as exc:
                 raise _peer_failure("joining the trainer's group", exc, request.timeout_s) from exc
             link.setup, link.last_error = setup, None
-        return self.state(request.model)
+        return await self.state(request.model, here_only=True)
 
     def _transport(self, request: TransferInit) -> Transport:
         device = self.registry.get(request.model).backend.info.device
@@ -136,15 +141,19 @@ class TransferService:
             )
         return request.transport
 
-    async def start(self, model: str) -> TransferState:
+    async def start(self, model: str, *, here_only: bool = False) -> TransferState:
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_step("start", model)
         async with self._link(model) as (link, engine):
             self._joined(link)
             await engine.start()
             link.updating, link.announced, link.started_at = True, [], time.perf_counter()
             link.session += 1
-        return self.state(model)
+        return await self.state(model, here_only=True)
 
-    async def update(self, request: TransferUpdate) -> TransferState:
+    async def update(self, request: TransferUpdate, *, here_only: bool = False) -> TransferState:
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_update(request)
         async with self._link(request.model) as (link, engine):
             setup = self._updating(link)
             plan = TransferPlan.parse(
@@ -162,7 +171,7 @@ class TransferService:
             watcher = asyncio.create_task(self._watch(link, engine, setup, link.session))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-        return self.state(request.model)
+        return await self.state(request.model, here_only=True)
 
     async def _watch(
         self, link: _Link, engine: WeightTransfer, setup: TransferSetup, session: int
@@ -177,28 +186,73 @@ class TransferService:
                 if link.updating and link.session == session:
                     await self._drop(link, engine, exc)
 
-    async def finish(self, request: TransferFinish) -> WeightsUpdated:
-        model = request.model
-        async with self._link(model) as (link, engine):
-            setup = self._updating(link)
-            if not link.announced:
-                raise Conflict("no update was announced since start", param="model")
+    async def finish(self, request: TransferFinish, *, here_only: bool = False) -> WeightsUpdated:
+        """Wait for the announced data, then swap it in. On a replica of several, in two
+        phases over every replica (app.deploy.fanout): all received it, then all commit it."""
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_finish(request, self)
+        async with self._link(request.model) as (link, engine):
             try:
-                self.registry.gate.next_version(model, request.version)
-                await _received(engine, setup)
-                async with self.registry.writing(
-                    model, mode=request.pause, version=request.version
-                ) as (_, version):
-                    paused_at = time.perf_counter()
-                    await engine.commit(version)
-                    paused = time.perf_counter() - paused_at
+                self.registry.gate.next_version(request.model, request.version)
             except BaseException as exc:
                 await self._drop(link, engine, exc)
                 raise
-            link.updating = False
-            plans, link.announced = link.announced, []
+            await self._receive_all(link, engine)
+            return await self._commit(link, engine, request)
+
+    async def received(self, model: str) -> int:
+        """A replica's first phase of finish: every announced tensor arrived and passed its
+        checks (else the update is dropped here); the version `model` serves now."""
+        async with self._link(model) as (link, engine):
+            await self._receive_all(link, engine)
+        return self.registry.versions[model]
+
+    async def checkpoint(self, model: str) -> bytes:
+        """What was received (after `received`) as one safetensors file."""
+        async with self._link(model) as (link, engine):
+            self._updating(link)
+            return await engine.checkpoint()
+
+    async def commit(self, request: TransferFinish) -> WeightsUpdated:
+        """A replica's second phase: swap in what was received, as `request.version`."""
+        async with self._link(request.model) as (link, engine):
+            self._updating(link)
+            return await self._commit(link, engine, request)
+
+    async def abandon(self, model: str, failure: Failure) -> None:
+        """Drop the update because it failed elsewhere (another replica's `failure`); a lost
+        or stuck peer ends the group here too, as it does there."""
+        async with self._link(model) as (link, engine):
+            if link.updating:
+                await self._drop(link, engine, failure)
+
+    async def _receive_all(self, link: _Link, engine: WeightTransfer) -> None:
+        setup = self._updating(link)
+        if not link.announced:
+            raise Conflict("no update was announced since start", param="model")
+        try:
+            await _received(engine, setup)
+        except BaseException as exc:
+            await self._drop(link, engine, exc)
+            raise
+
+    async def _commit(
+        self, link: _Link, engine: WeightTransfer, request: TransferFinish
+    ) -> WeightsUpdated:
+        try:
+            async with self.registry.writing(
+                request.model, mode=request.pause, version=request.version
+            ) as (_, version):
+                paused_at = time.perf_counter()
+                await engine.commit(version)
+                paused = time.perf_counter() - paused_at
+        except BaseException as exc:
+            await self._drop(link, engine, exc)
+            raise
+        link.updating = False
+        plans, link.announced = link.announced, []
         return self.weights.updated(
-            model,
+            request.model,
             version,
             sum(len(p.tensors) for p in plans),
             sum(p.nbytes for p in plans),
@@ -206,24 +260,28 @@ class TransferService:
             link.started_at,
         )
 
-    async def abort(self, model: str) -> TransferState:
+    async def abort(self, model: str, *, here_only: bool = False) -> TransferState:
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_step("abort", model)
         async with self._link(model) as (link, engine):
             await engine.abort()
             link.updating, link.announced = False, []
-        return self.state(model)
+        return await self.state(model, here_only=True)
 
-    async def close(self, model: str) -> TransferState:
+    async def close(self, model: str, *, here_only: bool = False) -> TransferState:
+        if self.weights.fanout is not None and not here_only:
+            return await self.weights.fanout.transfer_step("close", model)
         async with self._link(model) as (link, engine):
             await engine.close()
             link.setup, link.updating, link.announced = None, False, []
-        return self.state(model)
+        return await self.state(model, here_only=True)
 
     async def aclose(self) -> None:
         for watcher in list(self._watchers):
             watcher.cancel()
         for model in list(self._links):
             with contextlib.suppress(Exception):
-                await self.close(model)
+                await self.close(model, here_only=True)
 
     async def _drop(self, link: _Link, engine: WeightTransfer, exc: BaseException) -> None:
         """A failed finish: nothing was applied. A lost or stuck peer also ends the group."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from app.common.failures import Conflict
+from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
 from app.weights.transport import Rendezvous, TransferGroup, Transport
 
@@ -66,6 +67,11 @@ class WeightTransfer(ABC):
         """Wait until every announced tensor arrived and was checked."""
 
     @abstractmethod
+    async def checkpoint(self) -> bytes:
+        """The received tensors as one safetensors file (after `received`): what a server
+        that was not in the group needs to serve the same weights."""
+
+    @abstractmethod
     async def commit(self, version: int) -> None:
         """Apply the staged tensors (serving is paused meanwhile) and drop them."""
 
@@ -107,6 +113,9 @@ class InProcessTransfer(WeightTransfer):
     async def received(self, timeout_s: float) -> None:
         reception = self._started()
         await asyncio.to_thread(reception.result, timeout_s)
+
+    async def checkpoint(self) -> bytes:
+        return await asyncio.to_thread(to_safetensors, self._started().result(0))
 
     async def commit(self, version: int) -> None:
         reception = self._started()

@@ -298,9 +298,66 @@ def test_updates_in_parallel_apply_one_after_the_other_and_a_new_replica_catches
         assert_close(replica_scores, expected, 1e-4)
 
 
-def test_the_collective_transfer_is_refused_on_a_replica_of_several(server: Server) -> None:
-    body = {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2}
-    refused = httpx.post(f"{server.url}/v1/weights/transfer/init", json=body, timeout=30)
-    assert refused.status_code == 422, refused.text
-    assert refused.json()["error"]["param"] == "model"
-    assert "PUT /v1/weights" in refused.json()["error"]["message"]
+def test_a_collective_transfer_reaches_every_replica_or_none(  # type: ignore[no-untyped-def]
+    server: Server, cluster: str, model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's one broadcast reaches both replicas (each joined the group at its own
+    rank): both serve the sent weights under one version. A send one replica refuses (a NaN)
+    leaves both on the old version. A replica Ray starts afterwards catches up to the
+    transferred weights; it is not in the group, which the state says and a send refuses,
+    until the trainer joins again."""
+    import torch
+    from rlserve_client import Client, ConflictError, UnprocessableEntityError
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import assert_close, forward_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = [72, 105, 33, 10, 40, 50]
+
+    def sent(scale: float) -> dict[str, torch.Tensor]:
+        return {k: v * scale for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+    def served_everywhere(version: int, weights: dict[str, torch.Tensor]) -> None:
+        versions = versions_by_replica(server.url)
+        assert {v["policy_version"] for v in versions.values()} == {version}, versions  # type: ignore[index]
+        expected_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        expected_model.load_state_dict(weights, strict=False)
+        expected = forward_log_probs(expected_model.eval(), tokens)
+        scores = scores_by_replica(server.url, tokens)
+        assert len(scores) == 2
+        for replica_scores in scores.values():
+            assert_close(replica_scores, expected, 1e-4)
+
+    with Client(base_url=server.url, max_retries=0, timeout=300) as client:
+        state = client.transfer_state()
+        assert (state.replicas, state.server_ranks, state.state) == (2, 2, "idle")
+        old = client.weights_version().policy_version
+        update = sent(0.9)
+        with client.weight_transfer(master_address="127.0.0.1", timeout_s=120) as sync:
+            joined = client.transfer_state()
+            assert (joined.state, joined.world_size, joined.replicas) == ("joined", 3, 2)
+            assert sync.send(update).policy_version == old + 1
+            served_everywhere(old + 1, update)
+
+            poisoned = sent(0.8)
+            next(iter(poisoned.values()))[0] = float("nan")
+            with pytest.raises(UnprocessableEntityError, match="NaN") as refused:
+                sync.send(poisoned)
+            assert "2 of 2 replicas refused it" in str(refused.value)
+            served_everywhere(old + 1, update)
+
+            victim = kill_a_replica(server, cluster, monkeypatch)
+            assert victim not in wait_for_replicas(server.url, 2)
+            served_everywhere(old + 1, update)  # the new replica caught up from the ledger
+            split = client.transfer_state()
+            assert split.state == "idle" and "1 idle, 1 joined" in (split.last_error or "")
+            with pytest.raises(ConflictError, match="init"):
+                sync.send(sent(0.7))
+            served_everywhere(old + 1, update)
+
+        again = sent(0.6)
+        with client.weight_transfer(master_address="127.0.0.1", timeout_s=120) as sync:
+            assert sync.send(again).policy_version == old + 2
+        served_everywhere(old + 2, again)
+        assert client.transfer_state().state == "idle"

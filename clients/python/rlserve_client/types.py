@@ -271,6 +271,7 @@ class TransferState(Result):
     world_size: int | None = None
     announced_bytes: int = 0
     last_error: str | None = None
+    replicas: int = 1
 
 
 class EnvCreated(Result):

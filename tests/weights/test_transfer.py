@@ -5,8 +5,10 @@ bit-identical and the server serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -123,6 +125,81 @@ async def test_bad_announcements_and_bad_values_change_nothing(served, trainer_m
         assert expected in message
     assert await served.scores(SEQUENCES) == before
     assert await version(served) == current + 1
+
+
+@contextlib.asynccontextmanager
+async def opened(served: Served) -> AsyncIterator[Any]:
+    """A trainer's group with the server (joined and left from a thread: the app answers
+    on this loop)."""
+    with served.trainer_client() as client:
+        sync = await asyncio.to_thread(client.weight_transfer().open)
+        try:
+            yield sync
+        finally:
+            await asyncio.to_thread(sync.close)
+
+
+def sent_over(sync: Any, tensors: list[tuple[str, torch.Tensor]], buckets: list[Any]) -> None:
+    """A send without its finish: start, announce, broadcast."""
+    sync._step("start", {})
+    sync._step("update", announcement(tensors, buckets))
+    sync._broadcast(buckets, torch.device("cpu"))
+
+
+async def test_a_replica_finishes_in_two_phases_and_hands_over_what_it_received(
+    served, trainer_model
+):
+    """What a replica of several does at finish (app.deploy.fanout): `received` (every tensor
+    in and checked; serving untouched), `checkpoint` (exactly the sent tensors, as one
+    safetensors file for replicas that were not in the group), then `commit` under the
+    version chosen for all replicas."""
+    from safetensors.torch import load
+
+    from app.weights.protocol import TransferFinish
+
+    transfers = served.app.state.transfers
+    before, current = await served.scores(SEQUENCES), await version(served)
+    sent = {k: v.clone() for k, v in perturbed(trainer_model, 0.7).state_dict().items()}
+    tensors = list(sent.items())
+    buckets = list(_buckets(tensors, 1 << 16, 1 << 12))  # packed and lone tensors
+
+    async with opened(served) as sync:
+        await asyncio.to_thread(sent_over, sync, tensors, buckets)
+        assert await transfers.received("policy") == current
+        assert await served.scores(SEQUENCES) == before  # nothing applied yet
+        handed = load(await transfers.checkpoint("policy"))
+        assert handed.keys() == sent.keys()
+        for name, tensor in sent.items():
+            assert torch.equal(handed[name], tensor), name
+        finish = TransferFinish(model="policy", version=current + 3)
+        assert (await transfers.commit(finish)).policy_version == current + 3
+    assert await version(served) == current + 3
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(trainer_model, sequence), 1e-5)
+
+
+async def test_an_update_that_failed_on_another_replica_is_dropped_here(served, trainer_model):
+    """`abandon` with another replica's failure: nothing applied; a lost peer there ends the
+    group here too, a refused tensor does not."""
+    from app.common.failures import InvalidInput, PeerFailed
+
+    transfers = served.app.state.transfers
+    before, current = await served.scores(SEQUENCES), await version(served)
+    tensors = list(perturbed(trainer_model, 0.6).state_dict().items())
+    buckets = list(_buckets(tensors, 1 << 20, 1 << 20))
+
+    async with opened(served) as sync:
+        for failure, state in [
+            (InvalidInput("weights: a NaN there", param="weights"), "joined"),
+            (PeerFailed("receiving the weights failed there"), "idle"),
+        ]:
+            await asyncio.to_thread(sent_over, sync, tensors, buckets)
+            await transfers.received("policy")
+            await transfers.abandon("policy", failure)
+            got = await transfers.state("policy")
+            assert got.state == state and "there" in (got.last_error or "")
+            assert await served.scores(SEQUENCES) == before
+    assert await version(served) == current
 
 
 def _stalled_trainer(served: Served, weights: dict[str, torch.Tensor], *, die: bool) -> float:

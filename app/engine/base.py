@@ -66,6 +66,10 @@ class Backend(ABC):
         """Names, dtypes and shapes an update may carry; None when unknown (not checked)."""
         return None
 
+    def check_update(self, names: set[str], param: str) -> None:  # noqa: B027
+        """Raise (naming `param`) if this engine cannot apply a file update of exactly these
+        tensors, beyond what the layout check covers."""
+
     async def update_weights(self, files: list[Path]) -> None:
         """Copy the tensors of checked safetensors files into the live model."""
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")

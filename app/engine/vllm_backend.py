@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from app.common.failures import InvalidInput, Unsupported
+from app.common.failures import Conflict, InvalidInput, Unsupported
 from app.engine.abandon import unless_abandoned
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec, assemble, position_scores
@@ -60,6 +60,10 @@ class VLLMBackend(Backend):
         self.info = info
         self.weights = weights
         self.tied_embeddings = False
+        self._transfer: VLLMTransfer | None = None
+        self.transferred: set[str] = set()
+        """Tensors whose served values came over the collective transfer (they are in no
+        file, so a file update cannot complete the model with them)."""
         self.capabilities = Capabilities(
             weight_transfer=True,
             continuous_batching=True,
@@ -176,7 +180,9 @@ class VLLMBackend(Backend):
         await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     def transfer(self) -> WeightTransfer:
-        return VLLMTransfer(self.engine)
+        if self._transfer is None:
+            self._transfer = VLLMTransfer(self.engine, self.transferred)
+        return self._transfer
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         return list(await asyncio.gather(*(self._score_one(seq) for seq in sequences)))
@@ -301,7 +307,7 @@ class VLLMBackend(Backend):
             layout.setdefault("lm_head.weight", embedding)
         return layout
 
-    async def update_weights(self, files: list[Path]) -> None:
+    def check_update(self, names: set[str], param: str) -> None:
         if self.weights is None:
             raise Unsupported(
                 f"model: {self.info.source} is not a local checkpoint, so it cannot be updated",
@@ -313,9 +319,21 @@ class VLLMBackend(Backend):
             raise Unsupported(
                 "model: weight updates of models with tied input/output embeddings are not "
                 "supported with the vLLM backend (vLLM's in-place reload mishandles the tied "
-                "head); use the transformers backend for this model",
+                "head); use the collective transfer or the transformers backend for this model",
                 param="model",
             )
+        if missing := sorted(self.transferred - names):
+            # vLLM reloads whole models from files: the values a transfer sent are in none.
+            raise Conflict(
+                f"{param}: {len(missing)} tensors (e.g. '{missing[0]}') hold values the "
+                "collective transfer sent, which no file has: with the vLLM backend a file "
+                "update after a transfer must carry them too (send the whole model), or "
+                "keep updating over the transfer",
+                param=param,
+            )
+
+    async def update_weights(self, files: list[Path]) -> None:
+        assert self.weights is not None  # check_update refused otherwise
         sources = self.weights.stage(files)
         try:
             await self.engine.collective_rpc("rlserve_reload_weights", args=(sources,))
@@ -323,6 +341,7 @@ class VLLMBackend(Backend):
             self.weights.rollback()
             raise
         self.weights.commit()
+        self.transferred.clear()  # the whole model came from files
 
     async def aclose(self) -> None:
         engine, self.engine = self.engine, None
@@ -338,9 +357,12 @@ class VLLMTransfer(WeightTransfer):
 
     POLL_S = 0.02
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, transferred: set[str]) -> None:
         self.engine = engine
         self.ranks = int(engine.vllm_config.parallel_config.world_size)
+        self.transferred = transferred
+        """The backend's record of the tensors transfers set (committed updates add theirs)."""
+        self._announced: set[str] = set()
 
     async def init(self, setup: TransferSetup) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -350,6 +372,7 @@ class VLLMTransfer(WeightTransfer):
 
     async def start(self) -> None:
         await self.engine.collective_rpc("rlserve_transfer_abort")
+        self._announced = set()
         await self.engine.start_weight_update()
 
     async def update(self, plan: TransferPlan) -> None:
@@ -357,6 +380,7 @@ class VLLMTransfer(WeightTransfer):
 
         request = WeightTransferUpdateRequest(update_info=plan.announcement())
         await self.engine.update_weights(request)
+        self._announced |= {spec.name for spec in plan.tensors}
 
     async def received(self, timeout_s: float) -> None:
         """Poll the workers (a call that waited would stall the engine's loop)."""
@@ -382,6 +406,7 @@ class VLLMTransfer(WeightTransfer):
 
     async def commit(self, version: int) -> None:
         await self.engine.finish_weight_update(weight_version=str(version))
+        self.transferred |= self._announced
 
     async def abort(self) -> None:
         await self.engine.collective_rpc("rlserve_transfer_abort")

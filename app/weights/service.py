@@ -175,6 +175,7 @@ class WeightsService:
         expected = served.backend.weight_layout()
         if expected is not None:
             check_layout(update, expected)
+        served.backend.check_update(set(update), param)
         await self._file_work(check_finite, files, param)
         return Checked(files, len(update), sum(f.stat().st_size for f in files))
 

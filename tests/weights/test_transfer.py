@@ -71,6 +71,37 @@ async def test_a_partial_update_changes_only_its_tensors(served, trainer_model):
         assert_close(got, forward_log_probs(trainer_model, sequence), 1e-5)
 
 
+async def test_a_file_update_after_a_transfer_keeps_the_transferred_tensors(
+    served, trainer_model, backend_name
+):
+    """A partial upload after a transfer changes only its own tensors, the others keeping the
+    values the transfer sent. vLLM reloads whole models from files, and the transferred
+    values are in none: there the partial upload is refused (409 naming the body, nothing
+    changed) and a whole one applies."""
+    from safetensors.torch import save
+
+    sent = perturbed(trainer_model, 0.75)
+    await asyncio.to_thread(send, served, sent)
+    before, current = await served.scores(SEQUENCES), await version(served)
+    name = "model.layers.1.mlp.up_proj.weight"
+    changed = sent.state_dict()[name] * -0.5
+    uploaded = await served.http.put("/v1/weights", content=save({name: changed.contiguous()}))
+    with torch.no_grad():
+        sent.get_parameter(name).copy_(changed)
+    if backend_name == "vllm":
+        assert uploaded.status_code == 409, uploaded.text
+        error = uploaded.json()["error"]
+        assert error["param"] == "body" and "collective transfer" in error["message"]
+        assert await served.scores(SEQUENCES) == before
+        assert await version(served) == current
+        whole = {k: v.contiguous() for k, v in sent.state_dict().items()}
+        uploaded = await served.http.put("/v1/weights", content=save(whole))
+    assert uploaded.status_code == 200, uploaded.text
+    assert await version(served) == current + 1
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(sent, sequence), 1e-5)
+
+
 async def test_versions_only_go_up(served, trainer_model):
     current = await version(served)
     first = perturbed(trainer_model, 0.9)

@@ -36,7 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = Settings(**overrides)
     configure_logging(settings.log_level, settings.log_format)
     if args.replicas is not None:
-        return _serve_replicas(overrides, args.replicas, settings)
+        return _serve_replicas(overrides, args.replicas, settings, args.sticky_sessions)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -49,7 +49,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_replicas(overrides: dict[str, Any], replicas: int, settings: Any) -> int:
+def _serve_replicas(
+    overrides: dict[str, Any], replicas: int, settings: Any, sticky_sessions: bool
+) -> int:
     """The same server as `replicas` replicas on Ray Serve (app.deploy.ray_serve), on the
     cluster RAY_ADDRESS names or a local one, its HTTP proxy on --host/--port."""
     import ray
@@ -62,7 +64,12 @@ def _serve_replicas(overrides: dict[str, Any], replicas: int, settings: Any) -> 
     # pools by its CPUs, and gives it its own CUDA_VISIBLE_DEVICES).
     num_cpus = max(1, (os.cpu_count() or 1) // replicas)
     num_gpus = torch.cuda.device_count() // replicas if torch.cuda.is_available() else 0
-    shape = {"replicas": replicas, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    shape = {
+        "replicas": replicas,
+        "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
+        "sticky_sessions": sticky_sessions,
+    }
     application = build({**overrides, **shape})
     # SIGTERM ends the process through Python (not at once), so Ray's exit hook stops a
     # local cluster this process started along with it.
@@ -127,6 +134,12 @@ def parser() -> argparse.ArgumentParser:
         "--replicas",
         type=int,
         help="run N replicas on Ray Serve (needs RLSERVE_SESSION_STORE=redis://... when N > 1)",
+    )
+    serve.add_argument(
+        "--sticky-sessions",
+        action="store_true",
+        help="with --replicas: send an environment's or trajectory's requests to one replica "
+        "(by their x-session-id header) while it stands",
     )
     serve.set_defaults(func=_serve)
 

@@ -11,9 +11,9 @@ the bounds given. Sessions and trajectories must then live in a store every repl
 Settings come from the RLSERVE_* environment of the process that builds the application
 (handed to every replica) and from the application's args, whose keys are Settings fields;
 `replicas`, `min_replicas`, `max_replicas`, `target_ongoing_requests`,
-`max_ongoing_requests`, `num_cpus` and `num_gpus` shape the deployment (Ray gives a replica's
-torch as many threads as its `num_cpus`). Each replica keeps its local state (uploads, staged
-checkpoints, engine weight copies) in `data_dir/<replica id>`."""
+`max_ongoing_requests`, `num_cpus`, `num_gpus` and `sticky_sessions` shape the deployment
+(Ray gives a replica's torch as many threads as its `num_cpus`). Each replica keeps its local
+state (uploads, staged checkpoints, engine weight copies) in `data_dir/<replica id>`."""
 
 from __future__ import annotations
 
@@ -41,7 +41,12 @@ _SHAPE = (
     "target_ongoing_requests",
     "num_cpus",
     "num_gpus",
+    "sticky_sessions",
 )
+STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+"""Ray Serve's consistent-hash router: requests that carry the same `x-session-id` header
+(the client sends an environment's or a trajectory's id) go to the same replica while it
+stands and has room; others spread evenly."""
 
 
 @serve.ingress()
@@ -233,6 +238,13 @@ def build(args: dict[str, Any]) -> Application:
             },
         },
     }
+    if str(args.get("sticky_sessions", "")).lower() in ("1", "true", "yes"):
+        # Sticky where it helps (the replica's prefix cache holds the episode so far);
+        # correctness never depends on it: any replica serves any session.
+        options["request_router_config"] = {
+            "request_router_class": STICKY_ROUTER,
+            "request_router_kwargs": {"num_fallback_replicas": 2},
+        }
     if "min_replicas" in args or "max_replicas" in args:
         options["autoscaling_config"] = {
             "min_replicas": int(args.get("min_replicas", 1)),

@@ -65,6 +65,16 @@ def test_ray_serve_benchmark_quick(tmp_path):
             assert report["results"][setup]["8"][kind]["requests"] == 16
 
 
+def test_weight_sync_benchmark_quick(tmp_path):
+    pytest.importorskip("ray", reason="ray is installed with the distributed extra")
+    report = run_quick("weight_sync", tmp_path)
+    for setup in ("plain", "ray_serve_2_replicas"):
+        for kind in ("load", "transfer"):
+            figures = report["results"][setup][kind]
+            assert figures["runs"] == 2 and figures["median_s"] > 0
+            assert figures["versions"] == sorted(set(figures["versions"]))  # one per update
+
+
 def test_datasets_benchmark_quick(tmp_path):
     pytest.importorskip("lm_eval")
     report = run_quick("datasets", tmp_path)

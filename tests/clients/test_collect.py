@@ -121,3 +121,36 @@ def test_client_twins_agree_with_the_server():
         assert client_advantages(rewards, 3, how) == server_advantages(rewards, 3, how)  # type: ignore[arg-type]
     for seed, index, turn in [(0, 0, 0), (7, 3, 2), (2**40, 1, 9)]:
         assert client_seed(seed, index, turn) == server_seed(seed, index, turn)
+
+
+async def test_an_episodes_requests_carry_its_session_for_sticky_routing(app):
+    """Every request of one session (its resets, its turns' generations, its steps) carries
+    the session's id in `x-session-id`, the header Ray Serve's consistent-hash router routes
+    by; requests of no session carry none."""
+    import httpx
+    from rlserve_client import AsyncClient
+    from rlserve_client._base import SESSION_HEADER
+
+    seen: list[httpx.Request] = []
+
+    async def record(request: httpx.Request) -> None:
+        seen.append(request)
+
+    transport = httpx.ASGITransport(app=app)
+    async with AsyncClient(base_url="http://rlserve", transport=transport) as api:
+        api._http.event_hooks["request"].append(record)
+        await gather(api, env=ENV, num_envs=2, total_dialog_turns=8)
+        env_id = (await api.create_env(kind="tokens")).env_id
+        await api.get_env(env_id)
+        await api.delete_env(env_id)
+    by_path: dict[str, set[str | None]] = {}
+    for request in seen:
+        by_path.setdefault(request.url.path, set()).add(request.headers.get(SESSION_HEADER))
+    sessions = {p.split("/")[3] for p in by_path if p.startswith("/v1/envs/") and "/" in p[9:]}
+    assert len(sessions) == 2
+    for session in sessions:
+        assert by_path[f"/v1/envs/{session}/reset"] == {session}
+        assert by_path[f"/v1/envs/{session}/step"] == {session}
+    assert by_path["/v1/generate"] == sessions  # each turn's generation: its session's id
+    assert by_path[f"/v1/envs/{env_id}"] == {env_id}
+    assert by_path["/v1/envs"] == {None}

@@ -16,7 +16,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "docker" / "ray-serve.yaml"
 def test_the_serve_config_follows_ray_serves_schema(monkeypatch):
     from ray.serve.schema import ServeDeploySchema
 
-    from app.deploy.ray_serve import build
+    from app.deploy.ray_serve import STICKY_ROUTER, build
 
     config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
     (application,) = config.applications
@@ -31,6 +31,9 @@ def test_the_serve_config_follows_ray_serves_schema(monkeypatch):
     assert options["num_gpus"] == 1 and options["num_cpus"] == 4
     env = options["runtime_env"]["env_vars"]
     assert env["RLSERVE_SESSION_STORE"] == "redis://redis:6379/0"
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_class == STICKY_ROUTER
+    assert router.get_request_router_class().__name__ == "ConsistentHashRouter"
 
 
 def test_several_replicas_need_a_shared_store(monkeypatch):

@@ -1,7 +1,8 @@
 """rlserve as 2 replicas on Ray Serve (a local Ray cluster) with sessions in a real
-redis-server: requests spread over both replicas, each labels its answers and metrics, and an
-environment episode survives the replica that served it being killed (Ray starts another; no
-completed step is lost)."""
+redis-server: requests spread over both replicas, each labels its answers and metrics, a
+session's requests stick to one replica, and an environment episode survives that replica
+being killed (Ray starts another; no completed step is lost). Weight updates (a load, an
+upload, the collective transfer) reach both replicas or neither."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rlserve_client._base import SESSION_HEADER
 
 from tests.e2e.server import Server, free_port, running_process
 from tests.stores.redis_server import running_redis
@@ -74,7 +76,10 @@ def server(cluster: str, tmp_path_factory: pytest.TempPathFactory, settings) -> 
             "RLSERVE_SESSION_STORE": redis_url,
             "RLSERVE_BACKEND": "transformers",
         }
-        command = [sys.executable, "-m", "app.cli", "serve", "--replicas", "2", "--port", str(port)]
+        command = [
+            *[sys.executable, "-m", "app.cli", "serve", "--replicas", "2", "--sticky-sessions"],
+            *["--port", str(port)],
+        ]
         with running_process(
             command, port, "/ready", env=env, log=tmp / "serve.log", timeout=300
         ) as running:
@@ -117,13 +122,13 @@ def test_an_episode_survives_its_replica_being_killed(
     from rlserve_client import Client
 
     with Client(base_url=server.url, max_retries=8) as client:
-        env_id = client.create_env(kind="tokens").env_id
+        env_id = client.create_env(kind="tokens").env_id  # its requests stick to one replica
         client.reset_env(env_id, tokens=[[5, 6]])
         for step in range(2):
             client.step_env(env_id, actions=[{"tokens": [7 + step]}])
         state = client.get_env(env_id)
         assert state.rows[0].turns == 2
-        victim = kill_a_replica(server, cluster, monkeypatch)
+        victim = kill_a_replica(server, cluster, monkeypatch, session=env_id)
         for step in range(2, 5):  # served by the survivor while Ray starts a replacement
             result = client.step_env(env_id, actions=[{"tokens": [7 + step]}])
         assert result.outputs[0].observation.prompt_tokens == [5, 6, 7, 8, 9, 10, 11]
@@ -132,9 +137,12 @@ def test_an_episode_survives_its_replica_being_killed(
     assert victim not in seen  # the killed replica was replaced by a new one
 
 
-def kill_a_replica(server: Server, cluster: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Kill the replica that answers next (Ray starts another); its id."""
-    victim = httpx.get(f"{server.url}/ready", timeout=30).headers["x-rlserve-replica"]
+def kill_a_replica(
+    server: Server, cluster: str, monkeypatch: pytest.MonkeyPatch, session: str | None = None
+) -> str:
+    """Kill the replica that answers next, or the one `session` sticks to (Ray starts
+    another); its id."""
+    victim = replica_of(server, session)
     for name, value in RAY_ENV.items():
         monkeypatch.setenv(name, value)
     ray.init(address=cluster, namespace="serve", log_to_driver=False)
@@ -149,6 +157,24 @@ def kill_a_replica(server: Server, cluster: str, monkeypatch: pytest.MonkeyPatch
     finally:
         ray.shutdown()
     return victim
+
+
+def replica_of(server: Server, session: str | None = None) -> str:
+    headers = {SESSION_HEADER: session} if session else {}
+    return httpx.get(f"{server.url}/ready", headers=headers, timeout=30).headers[
+        "x-rlserve-replica"
+    ]
+
+
+def test_a_session_sticks_to_one_replica(server: Server) -> None:
+    """`--sticky-sessions`: the requests of one session (its `x-session-id`) all reach one
+    replica, and sessions spread over both."""
+    homes = {}
+    for session in [f"episode-{i}" for i in range(16)]:
+        seen = {replica_of(server, session) for _ in range(5)}
+        assert len(seen) == 1, (session, seen)
+        homes[session] = seen.pop()
+    assert len(set(homes.values())) == 2
 
 
 def versions_by_replica(url: str, path: str = "/v1/weights/version") -> dict[str, object]:

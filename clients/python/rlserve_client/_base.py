@@ -50,6 +50,16 @@ class Retry(Enum):
     with Retry-After (another server applied a change first; this call applied nothing)."""
 
 
+SESSION_HEADER = "x-session-id"
+"""Ray Serve's sticky-routing header: with its consistent-hash router (`rlserve serve
+--replicas N --sticky-sessions`) requests carrying the same value go to the same replica.
+Sent with an environment's or a trajectory's id; a single server ignores it."""
+
+
+def session(key: str | None) -> dict[str, str]:
+    return {SESSION_HEADER: key} if key else {}
+
+
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One API call and the model of its result, independent of the transport."""
@@ -87,11 +97,19 @@ def has_tensors(body: Any) -> bool:
 
 
 def tensor_call(
-    path: str, result: type[T], body: dict[str, Any], *, tensors: bool, timeout: Timeout
+    path: str,
+    result: type[T],
+    body: dict[str, Any],
+    *,
+    tensors: bool,
+    timeout: Timeout,
+    headers: dict[str, str] | None = None,
 ) -> Call[T]:
     """A POST whose body goes as binary when it holds tensors, and whose reply comes as
     binary when `tensors` (its arrays then decode to torch tensors, not lists)."""
-    headers = {"Accept": TENSOR_MEDIA_TYPE} if tensors else {}
+    headers = dict(headers or {})
+    if tensors:
+        headers["Accept"] = TENSOR_MEDIA_TYPE
     if not has_tensors(body):
         return Call("POST", path, result, json=body, timeout=timeout, headers=headers)
     from rlserve_client.tensor_wire import encode

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlserve_client import types
-from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout, tensor_call
+from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout, session, tensor_call
 
 
 def _given(**fields: Any) -> dict[str, Any]:
@@ -23,6 +23,7 @@ def generate(
     tokens: Any = None,
     model: str = "policy",
     tensors: bool = False,
+    sticky: str | None = None,
     timeout: Timeout = NOT_GIVEN,
     **params: Any,
 ) -> Call[types.GenerateResult]:
@@ -30,9 +31,18 @@ def generate(
     top_k, repetition_penalty, seed, stop, return_prompt_log_probs, top_logprobs (k most
     likely tokens at every generated step), entropy, ...
     `tensors=True`: the reply travels as binary and its arrays are torch tensors (for
-    building TensorDicts); tensors given as inputs always travel as binary."""
+    building TensorDicts); tensors given as inputs always travel as binary.
+    `sticky`: an episode's id, so that its turns reach one replica of several (its prefix
+    cache holds the episode so far)."""
     body = _given(messages=messages, text=text, tokens=tokens, model=model, **params)
-    return tensor_call("/v1/generate", types.GenerateResult, body, tensors=tensors, timeout=timeout)
+    return tensor_call(
+        "/v1/generate",
+        types.GenerateResult,
+        body,
+        tensors=tensors,
+        timeout=timeout,
+        headers=session(sticky),
+    )
 
 
 def logprobs(
@@ -308,6 +318,7 @@ def reset_env(
         json=body,
         timeout=timeout,
         retry=Retry.UNSENT,
+        headers=session(env_id),
     )
 
 
@@ -324,12 +335,14 @@ def step_env(
         json=body,
         timeout=timeout,
         retry=Retry.KEYED,
-        headers={"Idempotency-Key": uuid.uuid4().hex},
+        headers={"Idempotency-Key": uuid.uuid4().hex, **session(env_id)},
     )
 
 
 def get_env(env_id: str, /, *, timeout: Timeout = NOT_GIVEN) -> Call[types.EnvState]:
-    return Call("GET", f"/v1/envs/{env_id}", types.EnvState, timeout=timeout)
+    return Call(
+        "GET", f"/v1/envs/{env_id}", types.EnvState, timeout=timeout, headers=session(env_id)
+    )
 
 
 def list_envs(
@@ -340,7 +353,9 @@ def list_envs(
 
 
 def delete_env(env_id: str, /, *, timeout: Timeout = NOT_GIVEN) -> Call[types.Json]:
-    return Call("DELETE", f"/v1/envs/{env_id}", types.Json, timeout=timeout)
+    return Call(
+        "DELETE", f"/v1/envs/{env_id}", types.Json, timeout=timeout, headers=session(env_id)
+    )
 
 
 def rollouts(
@@ -362,7 +377,13 @@ def rollouts(
         generation=generation,
     )
     return Call(
-        "POST", "/v1/rollouts", types.RolloutResult, json=body, timeout=timeout, retry=Retry.UNSENT
+        "POST",
+        "/v1/rollouts",
+        types.RolloutResult,
+        json=body,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+        headers=session(env_id),
     )
 
 
@@ -372,7 +393,11 @@ def trajectory(
     """The completions recorded under `trajectory_id` (the OpenAI routes' `trajectory_id`
     field or X-Trajectory-ID header), as token sequences: `.to_tensordict()` for a trainer."""
     return Call(
-        "GET", f"/v1/trajectories/{trajectory_id}", types.RecordedTrajectory, timeout=timeout
+        "GET",
+        f"/v1/trajectories/{trajectory_id}",
+        types.RecordedTrajectory,
+        timeout=timeout,
+        headers=session(trajectory_id),
     )
 
 
@@ -385,8 +410,15 @@ def set_trajectory_reward(
         types.Json,
         json={"reward": reward},
         timeout=timeout,
+        headers=session(trajectory_id),
     )
 
 
 def delete_trajectory(trajectory_id: str, /, *, timeout: Timeout = NOT_GIVEN) -> Call[types.Json]:
-    return Call("DELETE", f"/v1/trajectories/{trajectory_id}", types.Json, timeout=timeout)
+    return Call(
+        "DELETE",
+        f"/v1/trajectories/{trajectory_id}",
+        types.Json,
+        timeout=timeout,
+        headers=session(trajectory_id),
+    )

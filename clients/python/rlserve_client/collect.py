@@ -172,7 +172,7 @@ class _Runner:
         self.num_live_rows += len(live)
         turn = 0
         while live:
-            generated = await self._generate([observations[i] for i in live], index, turn)
+            generated = await self._generate(env_id, [observations[i] for i in live], index, turn)
             self.pad_token_id = generated.pad_token_id
             samples = dict(zip(live, generated.samples, strict=True))
             actions = [
@@ -200,11 +200,14 @@ class _Runner:
             for row, row_steps in enumerate(steps)
         ]
 
-    async def _generate(self, rows: list[Observation], index: int, turn: int) -> GenerateResult:
+    async def _generate(
+        self, env_id: str, rows: list[Observation], index: int, turn: int
+    ) -> GenerateResult:
         params = dict(self.generation)
         if params.get("seed") is not None:
             params["seed"] = turn_seed(params["seed"], index, turn)
-        return await self.client.generate(tokens=[o.prompt_tokens for o in rows], n=1, **params)
+        tokens = [o.prompt_tokens for o in rows]
+        return await self.client.generate(tokens=tokens, n=1, sticky=env_id, **params)
 
 
 def _step(sample: Sample, output: StepOutput, version: int) -> Step:

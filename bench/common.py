@@ -17,7 +17,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app.engine.builtin_model import BUILDER_VERSION, build_model  # noqa: E402
-from tests.e2e.server import free_port, running_process, running_server  # noqa: E402
+from tests.e2e.server import (  # noqa: E402
+    free_port,
+    running_process,
+    running_server,
+    wait_for_replicas,
+)
 
 __all__ = [
     "ROOT",
@@ -25,11 +30,26 @@ __all__ = [
     "bench_model",
     "drive",
     "free_port",
+    "ray_serve_env",
     "running_process",
     "running_server",
     "summarize",
     "vllm_serve_command",
+    "wait_for_replicas",
 ]
+
+
+def ray_serve_env(output: Path) -> dict[str, str]:
+    """The environment of a benchmark's servers, plain or on a local Ray cluster: the
+    transformers backend, no reference model, data under `output`, Ray without token
+    authentication or usage reports."""
+    return {
+        "RLSERVE_DATA_DIR": str(output / ".data"),
+        "RLSERVE_BACKEND": "transformers",
+        "RLSERVE_LOAD_REFERENCE": "false",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_DISABLE_USAGE_STATS": "1",
+    }
 
 
 def bench_model(output: Path, hidden: int, layers: int, seed: int = 0) -> Path:

@@ -22,6 +22,7 @@ from common import (
     bench_model,
     drive,
     free_port,
+    ray_serve_env,
     running_process,
     running_server,
     throughput_ratios,
@@ -66,13 +67,7 @@ def main() -> None:
     args.clients = [8] if args.quick else [8, 32]
     args.output.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model(args.output, hidden, layers)
-    env = {
-        "RLSERVE_DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_BACKEND": "transformers",
-        "RLSERVE_LOAD_REFERENCE": "false",
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_DISABLE_USAGE_STATS": "1",
-    }
+    env = ray_serve_env(args.output)
     with running_server(
         "--model", str(model_dir), env=env, log=args.output / "plain.log", ready_timeout=600
     ) as plain:

@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, bench_model, free_port, running_process, running_server
+from common import (
+    ROOT,
+    bench_model,
+    free_port,
+    ray_serve_env,
+    running_process,
+    running_server,
+    wait_for_replicas,
+)
 
 from tests.stores.redis_server import running_redis
 
@@ -69,13 +77,7 @@ def main() -> None:
     repeats = 2 if args.quick else 5
     args.output.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model(args.output, hidden, layers)
-    env = {
-        "RLSERVE_DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_BACKEND": "transformers",
-        "RLSERVE_LOAD_REFERENCE": "false",
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_DISABLE_USAGE_STATS": "1",
-    }
+    env = ray_serve_env(args.output)
     results = {}
     with running_server(
         "--model", str(model_dir), env=env, log=args.output / "plain.log", ready_timeout=600
@@ -89,7 +91,7 @@ def main() -> None:
         log = args.output / "ray-serve.log"
         replicas_env = {**env, "RLSERVE_SESSION_STORE": redis_url}
         with running_process(command, port, "/ready", env=replicas_env, log=log, timeout=600) as s:
-            wait_for_both(s.url)
+            wait_for_replicas(s.url, 2, timeout=600)
             results["ray_serve_2_replicas"] = updates(s.url, model_dir, repeats)
             print("ray serve", results["ray_serve_2_replicas"], flush=True)
     report = {
@@ -100,22 +102,6 @@ def main() -> None:
     name = "weight_sync-quick" if args.quick else "weight_sync"
     (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-
-
-def wait_for_both(url: str, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen = set()
-        for _ in range(10):
-            answer = httpx.get(f"{url}/ready", timeout=30)
-            if answer.status_code == 200:
-                seen.add(answer.headers["x-rlserve-replica"])
-        if len(seen) == 2:
-            return
-        time.sleep(1)
-    raise RuntimeError("the second replica did not become ready")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI
@@ -30,7 +31,13 @@ from app.common.failures import Conflict
 from app.config import Settings
 from app.deploy.fanout import ReplicaFanout, as_failure, outcome
 from app.main import create_app
-from app.weights.protocol import TransferFinish, TransferInit, TransferUpdate, UpdateOptions
+from app.weights.protocol import (
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferUpdate,
+    UpdateOptions,
+)
 
 DEPLOYMENT = "rlserve"
 _SHAPE = (
@@ -130,10 +137,7 @@ class RLServeReplica:
         return self.server.state.transfers
 
     async def transfer_state(self, model: str) -> dict[str, Any]:
-        async def state() -> dict[str, Any]:
-            return {"state": (await self._transfers().state(model, here_only=True)).model_dump()}
-
-        return await outcome(state())
+        return await _state(self._transfers().state(model, here_only=True))
 
     async def transfer_ranks(self, model: str) -> dict[str, Any]:
         async def ranks() -> dict[str, Any]:
@@ -144,33 +148,24 @@ class RLServeReplica:
     async def transfer_join(self, body: dict[str, Any], offsets: dict[str, int]) -> dict[str, Any]:
         """Join at this replica's rank offset (`offsets`: by replica id)."""
 
-        async def join() -> dict[str, Any]:
+        async def join() -> TransferState:
             if (offset := offsets.get(self._replica())) is None:
                 raise Conflict(
                     "model: the replicas changed while the group formed; init again",
                     param="model",
                 )
             request = TransferInit(**{**body, "rank_offset": offset})
-            state = await self._transfers().init(request, here_only=True)
-            return {"state": state.model_dump()}
+            return await self._transfers().init(request, here_only=True)
 
-        return await outcome(join())
+        return await _state(join())
 
     async def transfer_step(self, step: str, model: str) -> dict[str, Any]:
         """start, abort or close here."""
-
-        async def run() -> dict[str, Any]:
-            state = await getattr(self._transfers(), step)(model, here_only=True)
-            return {"state": state.model_dump()}
-
-        return await outcome(run())
+        return await _state(getattr(self._transfers(), step)(model, here_only=True))
 
     async def transfer_update(self, body: dict[str, Any]) -> dict[str, Any]:
-        async def update() -> dict[str, Any]:
-            state = await self._transfers().update(TransferUpdate(**body), here_only=True)
-            return {"state": state.model_dump()}
-
-        return await outcome(update())
+        update = TransferUpdate(**body)
+        return await _state(self._transfers().update(update, here_only=True))
 
     async def transfer_received(self, model: str) -> dict[str, Any]:
         async def received() -> dict[str, Any]:
@@ -209,6 +204,15 @@ class RLServeReplica:
         problem = await self.server.state.probe.problem()
         if problem is not None and self.server.state.registry.status != "loading":
             raise RuntimeError(problem)
+
+
+async def _state(work: Awaitable[TransferState]) -> dict[str, Any]:
+    """A replica's transfer state after `work`, or its failure, as data."""
+
+    async def state() -> dict[str, Any]:
+        return {"state": (await work).model_dump()}
+
+    return await outcome(state())
 
 
 def build(args: dict[str, Any]) -> Application:

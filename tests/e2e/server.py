@@ -84,3 +84,24 @@ def _wait_ready(server: Server, ready_path: str, deadline: float) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"server not ready in time:\n{server.log.read_text()[-3000:]}")
+
+
+def replicas_answering(url: str, tries: int = 40) -> set[str]:
+    """The replicas (their X-RLServe-Replica) that answered `tries` GETs of /ready."""
+    seen = set()
+    for _ in range(tries):
+        response = httpx.get(f"{url}/ready", timeout=30)
+        if response.status_code == 200:
+            seen.add(response.headers["x-rlserve-replica"])
+    return seen
+
+
+def wait_for_replicas(url: str, count: int, timeout: float = 240) -> set[str]:
+    """Wait until `count` replicas behind a Ray Serve proxy answer /ready; which did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = replicas_answering(url, 10)
+        if len(seen) >= count:
+            return seen
+        time.sleep(1)
+    raise AssertionError(f"fewer than {count} replicas became ready")

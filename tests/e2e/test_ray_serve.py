@@ -18,7 +18,13 @@ import httpx
 import pytest
 from rlserve_client._base import SESSION_HEADER
 
-from tests.e2e.server import Server, free_port, running_process
+from tests.e2e.server import (
+    Server,
+    free_port,
+    replicas_answering,
+    running_process,
+    wait_for_replicas,
+)
 from tests.stores.redis_server import running_redis
 
 ray = pytest.importorskip("ray", reason="ray is installed with the distributed extra")
@@ -85,25 +91,6 @@ def server(cluster: str, tmp_path_factory: pytest.TempPathFactory, settings) -> 
         ) as running:
             wait_for_replicas(running.url, 2)
             yield running
-
-
-def replicas_answering(url: str, tries: int = 40) -> set[str]:
-    seen = set()
-    for _ in range(tries):
-        response = httpx.get(f"{url}/ready", timeout=30)
-        if response.status_code == 200:
-            seen.add(response.headers["x-rlserve-replica"])
-    return seen
-
-
-def wait_for_replicas(url: str, count: int, timeout: float = 240) -> set[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen = replicas_answering(url, 10)
-        if len(seen) >= count:
-            return seen
-        time.sleep(1)
-    raise AssertionError(f"fewer than {count} replicas became ready")
 
 
 def test_requests_spread_over_both_replicas(server: Server) -> None:
@@ -332,6 +319,8 @@ def test_a_collective_transfer_reaches_every_replica_or_none(  # type: ignore[no
     leaves both on the old version. A replica Ray starts afterwards catches up to the
     transferred weights; it is not in the group, which the state says and a send refuses,
     until the trainer joins again."""
+    import copy
+
     import torch
     from rlserve_client import Client, ConflictError, UnprocessableEntityError
     from transformers import AutoModelForCausalLM
@@ -347,9 +336,9 @@ def test_a_collective_transfer_reaches_every_replica_or_none(  # type: ignore[no
     def served_everywhere(version: int, weights: dict[str, torch.Tensor]) -> None:
         versions = versions_by_replica(server.url)
         assert {v["policy_version"] for v in versions.values()} == {version}, versions  # type: ignore[index]
-        expected_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        expected_model = copy.deepcopy(model)
         expected_model.load_state_dict(weights, strict=False)
-        expected = forward_log_probs(expected_model.eval(), tokens)
+        expected = forward_log_probs(expected_model, tokens)
         scores = scores_by_replica(server.url, tokens)
         assert len(scores) == 2
         for replica_scores in scores.values():

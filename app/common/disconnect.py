@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -14,19 +13,18 @@ T = TypeVar("T")
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it if the client disconnects first (the body is already read,
-    so the next ASGI message can only be the disconnect)."""
+    so the next ASGI message can only be the disconnect), or if this request is cancelled
+    itself (as when the shutdown grace is over)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        unfinished = [t for t in (task, watcher) if not t.done()]
+        for pending in unfinished:
+            pending.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)
+    if task.cancelled():
         raise asyncio.CancelledError("client disconnected")
     return task.result()
 

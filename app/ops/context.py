@@ -1,10 +1,12 @@
 """The outermost middleware: what every request gets whatever happens to it. Its id
 (X-Request-ID, echoed or made), the route it will reach (matched once, read by the auth and
 body-size middleware), a 400 for paths with control characters, one error body with the id
-for an unexpected failure, the access log line and the request metrics."""
+for an unexpected failure or a request cancelled at shutdown, the access log line and the
+request metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -80,6 +82,12 @@ class RequestContextMiddleware:
             if not sent:
                 await error_response(_internal_error(exc))(scope, receive, send_with_id)
             status = 500
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when the shutdown grace (shutdown_timeout_s)
+            # is over: the client gets an answer it may retry, not a bare 500 or nothing.
+            if not sent:
+                await error_response(_cancelled())(scope, receive, send_with_id)
+            raise
         finally:
             self._record(scope, route, request_id, status, time.perf_counter() - started)
 
@@ -112,6 +120,15 @@ class RequestContextMiddleware:
                 "latency_ms": round(seconds * 1000, 3),
             },
         )
+
+
+def _cancelled() -> APIError:
+    return APIError(
+        503,
+        "request cancelled before it finished: the server is shutting down; retry it",
+        type="unavailable_error",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _internal_error(exc: Exception) -> APIError:

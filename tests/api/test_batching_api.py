@@ -72,30 +72,47 @@ async def test_full_queue_answers_503_with_retry_after(small_queue_app, monkeypa
         assert (await waiting).status_code == 200
 
 
+class _ConnectedRequest:
+    """A client that stays connected until `disconnect` is set."""
+
+    def __init__(self) -> None:
+        self.disconnect = asyncio.Event()
+
+    async def receive(self) -> dict[str, str]:
+        await self.disconnect.wait()
+        return {"type": "http.disconnect"}
+
+
+async def _cancellable_work(cancelled: asyncio.Event) -> int:
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    return 1
+
+
 async def test_disconnect_cancels_queued_work():
-    disconnect = asyncio.Event()
-
-    class FakeRequest:
-        async def receive(self) -> dict[str, str]:
-            await disconnect.wait()
-            return {"type": "http.disconnect"}
-
-    cancelled = asyncio.Event()
-
-    async def work() -> int:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return 1
-
-    task = asyncio.create_task(cancel_on_disconnect(FakeRequest(), work()))  # type: ignore[arg-type]
+    request, cancelled = _ConnectedRequest(), asyncio.Event()
+    task = asyncio.create_task(cancel_on_disconnect(request, _cancellable_work(cancelled)))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
-    disconnect.set()
+    request.disconnect.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert cancelled.is_set()
+
+
+async def test_cancelling_the_request_cancels_its_work():
+    """As uvicorn does when the shutdown grace is over: the client is still there, and the
+    work must not run on (or it keeps the process from exiting)."""
+    request, cancelled = _ConnectedRequest(), asyncio.Event()
+    task = asyncio.create_task(cancel_on_disconnect(request, _cancellable_work(cancelled)))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cancelled.is_set()
+    assert {t for t in asyncio.all_tasks() if not t.done()} == {asyncio.current_task()}
 
 
 async def test_concurrent_requests_share_calls_and_equal_sequential(client):

@@ -57,22 +57,51 @@ def final_text(text: str, stops: list[str]) -> str:
 
 
 class IncrementalText:
-    """The text of a growing token list, released as it becomes certain."""
+    """The text of a growing token list, released as it becomes certain.
+
+    Each step decodes a short window, as vLLM's and TGI's detokenizers do: the tokens added
+    since the text last settled on a whole character, after the tokens of the step before as
+    context (so a tokenizer that drops a leading space at the start of a decode drops it from
+    both), and keeps what the window adds past its context's own text. A stream of n tokens
+    costs O(n) decoding, not O(n^2) (2 s of event-loop time for a 4,000-token stream on the
+    built-in model's tokenizer before). A stop string can only start in the text not sent yet,
+    so only that is searched. `full_text` decodes the whole list once: the reference a
+    stream's last chunk completes."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
         self._decode = decode
         self._stops = stops
         self.ids: list[int] = []
         self.sent = ""
+        self._text = ""  # the text of ids[:_read], settled on whole characters
+        self._context = 0  # where the next window starts: the step before's tokens
+        self._read = 0
+        self._stopped = False
 
     def add(self, ids: list[int]) -> str:
         """The new text that is safe to show after `ids` (maybe empty)."""
         self.ids += ids
-        text, stopped = cut_at_stop(self._decode(self.ids), self._stops)
-        if not stopped:
-            text = text.rstrip(REPLACEMENT)  # an unfinished character may complete later
+        if self._stopped:
+            return ""
+        self._settle()
+        text, self._stopped = cut_at_stop(self._text[len(self.sent) :], self._stops)
+        if not self._stopped:  # the start of a stop string may yet complete
             text = text[: len(text) - _stop_prefix_len(text, self._stops)]
-        return self._release(text)
+        self.sent += text
+        return text
+
+    def _settle(self) -> None:
+        if self._read == len(self.ids):
+            return
+        context = self._decode(self.ids[self._context : self._read])
+        window = self._decode(self.ids[self._context :])
+        # Wait while the window ends in an unfinished character (or adds nothing); a window
+        # that does not extend its context (no tokenizer known does that) waits for the
+        # whole decode at the end.
+        settled = len(window) > len(context) and window.startswith(context)
+        if settled and not window.endswith(REPLACEMENT):
+            self._text += window[len(context) :]
+            self._context, self._read = self._read, len(self.ids)
 
     def full_text(self) -> str:
         """The whole text so far, cut at a stop string."""

@@ -2,7 +2,7 @@
 (X-Request-ID, echoed or made), the route it will reach (matched once, read by the auth and
 body-size middleware), a 400 for paths with control characters, one error body with the id
 for an unexpected failure or a request cancelled at shutdown, the access log line and the
-request metrics."""
+request metrics (status 499 for a request whose client went away before its answer)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,13 @@ class RequestContextMiddleware:
         state = scope.setdefault("state", {})
         state.update(request_id=request_id, owner=ANONYMOUS, route=route)
         started = time.perf_counter()
-        status, sent = 500, False
+        status, sent, gone = 500, False, False
+
+        async def receive_noting_disconnect() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, sent
@@ -69,7 +75,7 @@ class RequestContextMiddleware:
                 problem = APIError(400, "path: contains control characters", param="path")
                 await error_response(problem)(scope, receive, send_with_id)
             else:
-                await self.app(scope, receive, send_with_id)
+                await self.app(scope, receive_noting_disconnect, send_with_id)
         except Exception as exc:
             # Here, not in an exception handler: Starlette runs those outside every
             # middleware, so their 500 would go out without the request id.
@@ -83,9 +89,11 @@ class RequestContextMiddleware:
                 await error_response(_internal_error(exc))(scope, receive, send_with_id)
             status = 500
         except asyncio.CancelledError:
-            # uvicorn cancels what still runs when the shutdown grace (shutdown_timeout_s)
-            # is over: the client gets an answer it may retry, not a bare 500 or nothing.
-            if not sent:
+            if gone and not sent:  # its client went away: nginx's "client closed request"
+                status = 499
+            elif not sent:
+                # uvicorn cancels what still runs when the shutdown grace (shutdown_timeout_s)
+                # is over: the client gets an answer it may retry, not a bare 500 or nothing.
                 await error_response(_cancelled())(scope, receive, send_with_id)
             raise
         finally:

@@ -468,7 +468,7 @@ class _Chunks:
             completion_logprobs = None
             if job.logprobs is not None:
                 completion_logprobs = self.texts.completion_logprobs(
-                    tokens.ids, tokens.log_probs, None, start=len(text.sent) - len(new)
+                    tokens.ids, tokens.log_probs, None, start=text.shown_length - len(new)
                 )
             choice = CompletionChoice(
                 index=index, text=new, logprobs=completion_logprobs, token_ids=ids

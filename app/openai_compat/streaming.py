@@ -72,11 +72,17 @@ class IncrementalText:
         self._decode = decode
         self._stops = stops
         self.ids: list[int] = []
-        self.sent = ""
-        self._text = ""  # the text of ids[:_read], settled on whole characters
+        self._shown: list[str] = []  # the chunks released so far
+        self.shown_length = 0
+        self._held = ""  # settled text not shown yet (it may start a stop string)
         self._context = 0  # where the next window starts: the step before's tokens
-        self._read = 0
+        self._read = 0  # the tokens whose text has settled
         self._stopped = False
+
+    @property
+    def sent(self) -> str:
+        """All the text released so far."""
+        return "".join(self._shown)
 
     def add(self, ids: list[int]) -> str:
         """The new text that is safe to show after `ids` (maybe empty)."""
@@ -84,11 +90,11 @@ class IncrementalText:
         if self._stopped:
             return ""
         self._settle()
-        text, self._stopped = cut_at_stop(self._text[len(self.sent) :], self._stops)
+        text, self._stopped = cut_at_stop(self._held, self._stops)
         if not self._stopped:  # the start of a stop string may yet complete
             text = text[: len(text) - _stop_prefix_len(text, self._stops)]
-        self.sent += text
-        return text
+        self._held = self._held[len(text) :]
+        return self._show(text)
 
     def _settle(self) -> None:
         if self._read == len(self.ids):
@@ -100,7 +106,7 @@ class IncrementalText:
         # whole decode at the end.
         settled = len(window) > len(context) and window.startswith(context)
         if settled and not window.endswith(REPLACEMENT):
-            self._text += window[len(context) :]
+            self._held += window[len(context) :]
             self._context, self._read = self._read, len(self.ids)
 
     def full_text(self) -> str:
@@ -109,10 +115,11 @@ class IncrementalText:
 
     def finish(self) -> str:
         """Everything not shown yet, once no token will follow."""
-        return self._release(self.full_text())
+        text, sent = self.full_text(), self.sent
+        return self._show(text[len(sent) :] if text.startswith(sent) else "")
 
-    def _release(self, text: str) -> str:
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        new, self.sent = text[len(self.sent) :], text
-        return new
+    def _show(self, text: str) -> str:
+        if text:
+            self._shown.append(text)
+            self.shown_length += len(text)
+        return text

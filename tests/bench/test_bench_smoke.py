@@ -84,3 +84,9 @@ def test_datasets_benchmark_quick(tmp_path):
         assert case["first_reset_s"] > 0 and case["cached_reset_s"] > 0
     assert report["uploads"]["ifeval"]["checked_for_reward"] == "ifeval"
     assert report["scoring"]["ifeval_ms_per_response"] > 0
+
+
+def test_stream_text_benchmark_quick(tmp_path):
+    report = run_quick("stream_text", tmp_path)
+    for figures in report["results"].values():  # it exits non-zero if the texts differ
+        assert figures["windowed_s"] > 0 and figures["whole_list_s"] > 0

@@ -63,10 +63,9 @@ class IncrementalText:
     since the text last settled on a whole character, after the tokens of the step before as
     context (so a tokenizer that drops a leading space at the start of a decode drops it from
     both), and keeps what the window adds past its context's own text. A stream of n tokens
-    costs O(n) decoding, not O(n^2) (2 s of event-loop time for a 4,000-token stream on the
-    built-in model's tokenizer before). A stop string can only start in the text not sent yet,
-    so only that is searched. `full_text` decodes the whole list once: the reference a
-    stream's last chunk completes."""
+    costs O(n) decoding on the event loop, not O(n^2) (bench/stream_text.py). A stop string
+    can only start in the text not shown yet, so only that is searched. `full_text` decodes
+    the whole list once: the reference a stream's last chunk completes."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
         self._decode = decode

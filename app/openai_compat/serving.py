@@ -387,7 +387,9 @@ class OpenAIService:
                     yield line
             sampled = task.result()
             turn = await self._record(job, sampled)
-            for line in chunks.closing(sampled.generations, turn):
+            # The whole text's one decode (and tool-call parsing) off the event loop.
+            preparer = job.served.preparer
+            for line in await preparer.off_loop(chunks.closing, sampled.generations, turn):
                 yield line
         except Exception as exc:
             yield _event(_error_body(exc))

@@ -101,7 +101,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (413, "Request too large"),
         (422, "Invalid request"),
         (500, "Internal error"),
-        (503, "Not ready or overloaded"),
+        (503, "Not ready, overloaded, or shutting down (retry it)"),
     )
 }
 

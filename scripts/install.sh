@@ -24,7 +24,7 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet "$torch_spec"
 fi
 if [ "$editable" = "--editable" ]; then
-  "$venv/bin/python" -m pip install --quiet -e "$target"
+  flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e "$target"  # see setup-vllm.sh
 else
   "$venv/bin/python" -m pip install --quiet "$target"
 fi

@@ -15,5 +15,7 @@ fi
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet torch==2.13.0 "tensordict<0.15" "$torchrl_spec"
-"$venv/bin/python" -m pip install --quiet -e ".[test,ifeval]" -e "clients/python[torch]"
+# One editable install of the project at a time (scripts/test.sh builds venvs side by side:
+# each writes the same egg-info directories).
+flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test,ifeval]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

@@ -18,5 +18,7 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "$vllm_spec" torch==2.13.0
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
-"$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
+# One editable install of the project at a time (scripts/test.sh builds venvs side by side:
+# each writes the same egg-info directories).
+flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

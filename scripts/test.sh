@@ -6,6 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# The extra venvs build in the background, side by side with each other and the checks below
+# (one pip uses one core), and are waited for before the tests start.
+setups=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$setups"' EXIT
+if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then
+  ./scripts/setup-torchrl.sh > "$setups/torchrl.log" 2>&1 &
+  echo $! > "$setups/torchrl.pid"
+fi
+if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then
+  ./scripts/setup-vllm.sh > "$setups/vllm.log" 2>&1 &
+  echo $! > "$setups/vllm.pid"
+fi
 # The Docker smoke test (tests/docker/test_smoke.py) needs an engine and Compose v2: CI
 # installs them from Debian (the test skips, saying why, where they are missing).
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_DOCKER:-0}" = "1" ]; then
@@ -15,6 +27,17 @@ if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_DOCKER:-0}" = "1" ]; then
 fi
 ./scripts/lint.sh
 ./scripts/check-docker.sh
+# Nothing else competes with the tests for the cores.
+for pid in "$setups"/*.pid; do
+  [ -e "$pid" ] || continue
+  name=$(basename "$pid" .pid)
+  if ! wait "$(cat "$pid")"; then
+    echo "setting up the $name venv failed:" >&2
+    cat "$setups/$name.log" >&2
+    exit 1
+  fi
+  cat "$setups/$name.log"
+done
 .venv/bin/python -m pytest "$@"
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then
   ./scripts/test-torchrl.sh

@@ -6,18 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-# The extra venvs build in the background, side by side with each other and the checks below
+extras=()
+if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then extras+=(torchrl); fi
+if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then extras+=(vllm); fi
+# Their venvs build in the background, side by side with each other and the checks below
 # (one pip uses one core), and are waited for before the tests start.
 setups=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$setups"' EXIT
-if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then
-  ./scripts/setup-torchrl.sh > "$setups/torchrl.log" 2>&1 &
-  echo $! > "$setups/torchrl.pid"
-fi
-if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then
-  ./scripts/setup-vllm.sh > "$setups/vllm.log" 2>&1 &
-  echo $! > "$setups/vllm.pid"
-fi
+# (On exit: a build still running is stopped. `set -e` holds in the trap too, hence || true.)
+trap 'jobs -p | xargs -r kill 2>/dev/null || true; rm -rf "$setups"' EXIT
+for name in "${extras[@]}"; do
+  "./scripts/setup-$name.sh" > "$setups/$name.log" 2>&1 &
+  echo $! > "$setups/$name.pid"
+done
 # The Docker smoke test (tests/docker/test_smoke.py) needs an engine and Compose v2: CI
 # installs them from Debian (the test skips, saying why, where they are missing).
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_DOCKER:-0}" = "1" ]; then
@@ -28,10 +28,8 @@ fi
 ./scripts/lint.sh
 ./scripts/check-docker.sh
 # Nothing else competes with the tests for the cores.
-for pid in "$setups"/*.pid; do
-  [ -e "$pid" ] || continue
-  name=$(basename "$pid" .pid)
-  if ! wait "$(cat "$pid")"; then
+for name in "${extras[@]}"; do
+  if ! wait "$(cat "$setups/$name.pid")"; then
     echo "setting up the $name venv failed:" >&2
     cat "$setups/$name.log" >&2
     exit 1
@@ -39,9 +37,6 @@ for pid in "$setups"/*.pid; do
   cat "$setups/$name.log"
 done
 .venv/bin/python -m pytest "$@"
-if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then
-  ./scripts/test-torchrl.sh
-fi
-if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then
-  ./scripts/test-vllm.sh
-fi
+for name in "${extras[@]}"; do
+  "./scripts/test-$name.sh"
+done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,9 +15,14 @@ from tests.e2e.server import running_server
 pytestmark = pytest.mark.slow
 
 
-def test_serve_builtin_model_end_to_end(tmp_path):
+def server_env(tmp_path: Path, **settings: str) -> dict[str, str]:
+    """The built-in model cached and the state kept under `tmp_path`, plus `settings`."""
     env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache"), "RLSERVE_DATA_DIR": str(tmp_path / "data")}
-    with running_server(env=env, log=tmp_path / "server.log") as server:
+    return env | {f"RLSERVE_{name.upper()}": value for name, value in settings.items()}
+
+
+def test_serve_builtin_model_end_to_end(tmp_path):
+    with running_server(env=server_env(tmp_path), log=tmp_path / "server.log") as server:
         assert server.startup_seconds < 60
         models = httpx.get(f"{server.url}/v1/models").json()
         assert models["models"][0]["builtin"] is True
@@ -61,12 +67,8 @@ def _generate_in_background(url: str, body: dict) -> tuple[threading.Thread, dic
 
 
 def test_sigterm_lets_in_flight_requests_finish(tmp_path):
-    env = {
-        "RLSERVE_CACHE_DIR": str(tmp_path / "cache"),
-        "RLSERVE_DATA_DIR": str(tmp_path / "data"),
-        # A grace no loaded CI machine runs out of: this test is about what happens inside it.
-        "RLSERVE_SHUTDOWN_TIMEOUT_S": "300",
-    }
+    # A grace no loaded CI machine runs out of: this test is about what happens inside it.
+    env = server_env(tmp_path, shutdown_timeout_s="300")
     with running_server(env=env, log=tmp_path / "server.log") as server:
         # Some seconds of decoding: still running when the signal comes.
         body = {"tokens": [[1, 2, 3]] * 16, "max_tokens": 600, "ignore_eos": True}
@@ -87,11 +89,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
 
 
 def test_a_request_outliving_the_shutdown_grace_gets_a_retryable_503(tmp_path):
-    env = {
-        "RLSERVE_CACHE_DIR": str(tmp_path / "cache"),
-        "RLSERVE_DATA_DIR": str(tmp_path / "data"),
-        "RLSERVE_SHUTDOWN_TIMEOUT_S": "1",
-    }
+    env = server_env(tmp_path, shutdown_timeout_s="1")
     with running_server(env=env, log=tmp_path / "server.log") as server:
         # Minutes of decoding: far longer than the grace.
         body = {"tokens": [[1, 2, 3]] * 32, "max_tokens": 4000, "ignore_eos": True}

@@ -56,8 +56,10 @@ class Connection:
 
 
 def counted(app: FastAPI, status: str) -> float:
-    metric = app.state.metrics.requests.labels("/v1/generate", "POST", status)
-    return float(metric._value.get())
+    """rlserve_requests_total for /v1/generate with `status`, as /metrics reports it."""
+    labels = {"route": "/v1/generate", "method": "POST", "status": status}
+    value = app.state.metrics.registry.get_sample_value("rlserve_requests_total", labels)
+    return float(value or 0.0)
 
 
 async def generating(app: FastAPI, connection: Connection) -> asyncio.Task[None]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, Figures, bench_model, running_server, summarize
+from common import Figures, bench_arguments, bench_model, running_server, summarize
 
 from app.engine.transformers_backend import TransformersBackend
 from app.engine.types import GenerateItem, SamplingConfig
@@ -162,11 +162,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="small model and few requests")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser = bench_arguments(__doc__)
     parser.add_argument("--report-only", action="store_true", help="redraw from the saved JSON")
     args = parser.parse_args()
     name = "batching-quick" if args.quick else "batching"

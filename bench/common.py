@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import sys
@@ -27,6 +28,7 @@ from tests.e2e.server import (  # noqa: E402
 __all__ = [
     "ROOT",
     "Figures",
+    "bench_arguments",
     "bench_model",
     "drive",
     "free_port",
@@ -37,6 +39,15 @@ __all__ = [
     "vllm_serve_command",
     "wait_for_replicas",
 ]
+
+
+def bench_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line: --quick (a smoke run, on the small model where one is
+    built) and --output (where the JSON report goes); a script adds its own options."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    return parser
 
 
 def ray_serve_env(output: Path) -> dict[str, str]:

@@ -11,7 +11,6 @@ next to gsm8k's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT
+from common import ROOT, bench_arguments
 
 sys.path.insert(0, str(ROOT))
 from app.datasets.bundled import arithmetic_problems, ifeval_problems
@@ -142,10 +141,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser = bench_arguments(__doc__)
     ARGS = parser.parse_args()
     main()

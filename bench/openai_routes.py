@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 from common import (
-    ROOT,
+    bench_arguments,
     bench_model,
     drive,
     free_port,
@@ -119,12 +119,8 @@ def vllm_serve(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_arguments(__doc__)
     parser.add_argument("--vllm", action="store_true", help="also the vLLM backend and vllm serve")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (512, 6)
     args.requests = 16 if args.quick else 128

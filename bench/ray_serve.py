@@ -14,11 +14,10 @@ import asyncio
 import json
 import random
 import sys
-from pathlib import Path
 from typing import Any
 
 from common import (
-    ROOT,
+    bench_arguments,
     bench_model,
     drive,
     free_port,
@@ -56,11 +55,7 @@ def measure(name: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser = bench_arguments(__doc__)
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (512, 6)
     args.requests = 16 if args.quick else 128

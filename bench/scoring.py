@@ -10,7 +10,6 @@ server's CPU seconds for the request, and end-to-end seconds until the caller ho
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import ROOT, running_server
+from common import bench_arguments, running_server
 from rlserve_client import Client
 from rlserve_client.types import LogProbsResult
 
@@ -156,11 +155,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_arguments(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
     ARGS = parser.parse_args()
     main()

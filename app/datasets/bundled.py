@@ -1,6 +1,7 @@
-"""The datasets every server has: the arithmetic word problems (GSM8K format) and IFEval-style
-instruction-following prompts, both written here so nothing is downloaded, plus every `*.jsonl`
-in the server's datasets directory (rows of {"query", "answer"}, named by file stem)."""
+"""The datasets every server has: the arithmetic word problems and one-step sums (GSM8K format)
+and IFEval-style instruction-following prompts, all written here so nothing is downloaded, plus
+every `*.jsonl` in the server's datasets directory (rows of {"query", "answer"}, named by file
+stem)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from app.datasets.rows import FieldMapping, Problem, parse_jsonl
 
 ARITHMETIC = "arithmetic"
+ADDITION = "addition"
 IFEVAL = "ifeval"
 
 
@@ -29,6 +31,18 @@ def arithmetic_problems(num_problems: int = 256, seed: int = 0) -> list[Problem]
         )
         steps = f"{start} + {bought} = {start + bought}. {start + bought} - {given} = {end}."
         problems.append(Problem(query, f"{steps}\n#### {end}"))
+    return problems
+
+
+def sum_problems(num_problems: int = 256, seed: int = 0, largest: int = 9) -> list[Problem]:
+    """One-step sums ("What is 7 + 5?") of numbers from 1 to `largest`, answers after `#### `.
+    SmolLM2-135M-Instruct ends its reply on the right number in about 15% of samples at
+    temperature 1: a task a policy can be seen to learn (the word problems start at 0%)."""
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(num_problems):
+        a, b = rng.randint(1, largest), rng.randint(1, largest)
+        problems.append(Problem(f"What is {a} + {b}?", f"{a} + {b} = {a + b}\n#### {a + b}"))
     return problems
 
 
@@ -128,7 +142,11 @@ class BundledDatasets:
     """The bundled datasets plus every `*.jsonl` in `directory` (named by file stem)."""
 
     def __init__(self, directory: Path | None) -> None:
-        self._datasets = {ARITHMETIC: arithmetic_problems(), IFEVAL: ifeval_problems()}
+        self._datasets = {
+            ARITHMETIC: arithmetic_problems(),
+            ADDITION: sum_problems(),
+            IFEVAL: ifeval_problems(),
+        }
         if directory is not None and directory.is_dir():
             for path in sorted(directory.glob("*.jsonl")):
                 self._datasets[path.stem] = load_jsonl(path)

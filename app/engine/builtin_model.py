@@ -1,4 +1,5 @@
-"""The built-in demo model: a tiny random-weights Qwen2 LM with a byte-level ChatML tokenizer.
+"""The tiny built-in model (`builtin:tiny`): a random-weights Qwen2 LM with a byte-level ChatML
+tokenizer, for fast tests.
 
 It is built offline and deterministically from a seed, so tests and newcomers never need a hub.
 """

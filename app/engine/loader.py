@@ -1,4 +1,5 @@
-"""Find and load the served models: a configured path or hub id, or the built-in demo model."""
+"""Find and load the served models: a folder, a hub id, or a built-in model (`builtin:NAME`:
+SmolLM2-135M-Instruct from its PyPI wheel, the default, or the tiny random one for tests)."""
 
 from __future__ import annotations
 
@@ -7,54 +8,94 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from app.config import Settings
+from app.engine import smollm2
 from app.engine.base import Backend
 from app.engine.builtin_model import BUILDER_VERSION, DEMO_MARKER, build_model
 
 logger = logging.getLogger(__name__)
 
 
+BUILTIN_PREFIX = "builtin:"
+TINY = "tiny"
+
+
 def builtin_model_dir(settings: Settings) -> Path:
-    """Build the demo model once into the cache directory (atomically) and return its path."""
+    """The tiny random-weights model (`builtin:tiny`), built once into the cache directory."""
     name = (
         f"builtin-v{BUILDER_VERSION}-qwen2-h{settings.builtin_hidden_size}"
         f"-l{settings.builtin_num_layers}-s{settings.builtin_seed}"
     )
-    target = settings.cache_dir / name
-    if (target / DEMO_MARKER).exists():
-        return target
-    settings.cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=settings.cache_dir))
-    try:
-        build_model(
+    return _cached(
+        settings.cache_dir,
+        name,
+        DEMO_MARKER,
+        lambda staging: build_model(
             staging,
             hidden_size=settings.builtin_hidden_size,
             num_layers=settings.builtin_num_layers,
             seed=settings.builtin_seed,
-        )
+        ),
+    )
+
+
+def smollm2_dir(settings: Settings) -> Path:
+    """SmolLM2-135M-Instruct (`builtin:smollm2-135m-instruct`, the default), converted once
+    from its wheel into the cache directory."""
+    name = f"{smollm2.NAME}-v{smollm2.CONVERTER_VERSION}"
+    return _cached(settings.cache_dir, name, smollm2.MARKER, smollm2.convert)
+
+
+def _cached(cache_dir: Path, name: str, marker: str, build: Callable[[Path], Path]) -> Path:
+    """`build` into a staging folder renamed into place (atomic: concurrent starts agree)."""
+    target = cache_dir / name
+    if (target / marker).exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    try:
+        build(staging)
         try:
             os.rename(staging, target)
         except OSError:  # another process built it first
-            if not (target / DEMO_MARKER).exists():
+            if not (target / marker).exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def resolve_source(settings: Settings) -> tuple[str, bool]:
-    """(model source, whether it is the built-in demo model)."""
-    if settings.model:
-        return settings.model, False
-    path = builtin_model_dir(settings)
-    logger.warning(
-        "serving the built-in demo model (%s): random weights, for trying the API only. "
-        "Point at a real model with --model PATH_OR_HUB_ID or RLSERVE_MODEL.",
-        path,
-    )
+BUILTIN_MODELS: dict[str, Callable[[Settings], Path]] = {
+    smollm2.NAME: smollm2_dir,
+    TINY: builtin_model_dir,
+}
+
+
+def resolve_model(settings: Settings, model: str) -> tuple[str, bool]:
+    """(model source, whether it is built in) for a `builtin:NAME`, a folder or a hub id."""
+    if not model.startswith(BUILTIN_PREFIX):
+        return model, False
+    name = model.removeprefix(BUILTIN_PREFIX)
+    build = BUILTIN_MODELS.get(name)
+    if build is None:
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+        raise ValueError(f"unknown built-in model {model!r} (have {known})")
+    path = build(settings)
+    if name == TINY:
+        logger.warning(
+            "serving the tiny built-in model (%s): random weights, for tests only. "
+            "Leave RLSERVE_MODEL unset for the default real model.",
+            path,
+        )
     return str(path), True
+
+
+def resolve_source(settings: Settings) -> tuple[str, bool]:
+    """(policy source, whether it is built in)."""
+    return resolve_model(settings, settings.model)
 
 
 def resolve_backend(settings: Settings) -> str:

@@ -15,7 +15,7 @@ from app.common.inputs import InputPreparer
 from app.config import Settings
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
-from app.engine.loader import load_backend, resolve_source
+from app.engine.loader import load_backend, resolve_model, resolve_source
 from app.engine.served import ModelPair, ServedModel
 
 logger = logging.getLogger(__name__)
@@ -78,11 +78,16 @@ class ModelRegistry:
             self.add(policy)
             if self.settings.load_reference:
                 # By default the reference is a frozen copy of the policy as loaded.
+                ref_source, ref_builtin = source, builtin
+                if self.settings.ref_model:
+                    ref_source, ref_builtin = await asyncio.to_thread(
+                        resolve_model, self.settings, self.settings.ref_model
+                    )
                 reference = await load_backend(
                     self.settings,
                     name="reference",
-                    source=self.settings.ref_model or source,
-                    builtin=builtin and not self.settings.ref_model,
+                    source=ref_source,
+                    builtin=ref_builtin,
                     num_engines=num_engines,
                 )
                 check_same_vocabulary(policy, reference)

@@ -181,3 +181,32 @@ def gsm8k_reward(sample: Sample, options: GSM8KOptions) -> RewardResult:
             "correct": correct,
         },
     )
+
+
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+class NumberOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    which: Literal["last", "first"] = Field(
+        default="last",
+        description="Which number of the response is its answer. last (as lm-eval's GSM8K "
+        "flexible-extract filter reads a free-form reply): the number it ends on.",
+    )
+    correct_reward: float = Field(default=1.0, allow_inf_nan=False)
+
+
+@register_reward("number", options=NumberOptions)
+def number_reward(sample: Sample, options: NumberOptions) -> RewardResult:
+    """correct_reward when the response's last (or first) number equals the answer (GSM8K's
+    `#### N`, or a bare number), compared as normalize_number leaves them; 0.0 otherwise. No
+    answer format is asked of the model, so a small model earns reward from its first step."""
+    numbers = NUMBER.findall(sample.response)
+    given = normalize_number(numbers[-1 if options.which == "last" else 0]) if numbers else None
+    expected = ground_truth(sample.answer) if sample.answer is not None else None
+    correct = given is not None and given == expected
+    return RewardResult(
+        options.correct_reward if correct else 0.0,
+        info={"given": given, "expected": expected, "correct": correct, "success": correct},
+    )

@@ -81,7 +81,7 @@ async def test_an_upload_with_a_field_mapping_serves_an_environment(client):
     info = await upload(client, {"name": "sums", "jsonl": jsonl(QUESTIONS), "fields": MAPPED})
     assert (info["rows"], info["bundled"], info["fields"]) == (5, False, [])
     listed = (await client.get("/v1/datasets", headers=bearer(KEYS[0]))).json()["datasets"]
-    assert {d["name"] for d in listed if d["bundled"]} == {"arithmetic", "ifeval"}
+    assert {d["name"] for d in listed if d["bundled"]} == {"addition", "arithmetic", "ifeval"}
     assert await names(client) == ["sums"]
     env = {"dataset": "sums", "reward": "gsm8k", "batch_size": 5, "seed": 1}
     created = await client.post("/v1/envs", json=env, headers=bearer(KEYS[0]))

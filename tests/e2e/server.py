@@ -15,6 +15,10 @@ from pathlib import Path
 
 import httpx
 
+# Servers started here run the tiny random model unless a test or benchmark says otherwise
+# (`--model`, or RLSERVE_MODEL in its env): the default real model is the slow tier's.
+SERVER_DEFAULTS = {"RLSERVE_MODEL": "builtin:tiny"}
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -56,7 +60,10 @@ def running_process(
     ready_timeout = timeout
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            command, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT
+            command,
+            env={**os.environ, **SERVER_DEFAULTS, **(env or {})},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
         )
     server = Server(process, f"http://127.0.0.1:{port}", 0.0, log)
     try:

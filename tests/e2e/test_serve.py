@@ -21,7 +21,7 @@ def server_env(tmp_path: Path, **settings: str) -> dict[str, str]:
     return env | {f"RLSERVE_{name.upper()}": value for name, value in settings.items()}
 
 
-def test_serve_builtin_model_end_to_end(tmp_path):
+def test_serve_tiny_builtin_model_end_to_end(tmp_path):
     with running_server(env=server_env(tmp_path), log=tmp_path / "server.log") as server:
         assert server.startup_seconds < 60
         models = httpx.get(f"{server.url}/v1/models").json()
@@ -38,7 +38,7 @@ def test_serve_builtin_model_end_to_end(tmp_path):
         # uvicorn shuts down gracefully, then re-raises the signal it caught
         assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
     log = (tmp_path / "server.log").read_text()
-    assert "built-in demo model" in log and "RLSERVE_MODEL" in log
+    assert "tiny built-in model" in log and "RLSERVE_MODEL" in log
     assert "Application shutdown complete" in log
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from app.common.failures import InvalidInput
-from app.datasets.bundled import BundledDatasets, arithmetic_problems
+from app.datasets.bundled import BundledDatasets, arithmetic_problems, sum_problems
 from app.envs.rewards import (
     REWARDS,
     RewardResult,
@@ -95,9 +96,39 @@ def test_bundled_dataset_is_gsm8k_shaped_and_correct():
         assert ground_truth(p.answer) == str(start + bought - given)
 
 
+def test_the_sums_are_right_and_reproducible():
+    problems = sum_problems(64, seed=5, largest=9)
+    assert problems == sum_problems(64, seed=5, largest=9)
+    assert len({p.query for p in problems}) > 20
+    for p in problems:
+        a, b = (int(x) for x in re.fullmatch(r"What is (\d) \+ (\d)\?", p.query).groups())
+        assert ground_truth(p.answer) == str(a + b)
+        assert score_reward("number", {}, Sample(f"{a} + {b} = {a + b}.", p.answer)).reward == 1
+
+
+@pytest.mark.parametrize(
+    ("response", "options", "reward", "given"),
+    [
+        ("7 + 5 = 12", {}, 1.0, "12"),
+        ("The answer is 12.", {}, 1.0, "12"),
+        ("12 is 7 + 5", {}, 0.0, "5"),
+        ("12 is 7 + 5", {"which": "first"}, 1.0, "12"),
+        ("It is 1,012.0 in all", {}, 0.0, "1012"),
+        ("twelve", {}, 0.0, None),
+        ("7 + 5 = 12", {"correct_reward": 2.5}, 2.5, "12"),
+        ("-12", {}, 0.0, "-12"),
+    ],
+)
+def test_number_reward_reads_the_number_the_reply_ends_on(response, options, reward, given):
+    result = score_reward("number", options, Sample(response, "7 + 5 = 12\n#### 12"))
+    assert result.reward == reward
+    assert result.info["given"] == given and result.info["expected"] == "12"
+    assert result.info["correct"] is (reward > 0) and not result.ends_episode
+
+
 def test_jsonl_datasets_are_registered_by_file_name(tmp_path):
     rows = [{"query": "1+1?", "answer": "#### 2"}, {"query": "2+2?", "answer": "#### 4"}]
     (tmp_path / "tiny.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     registry = BundledDatasets(tmp_path)
-    assert registry.names() == ["arithmetic", "ifeval", "tiny"]
+    assert registry.names() == ["addition", "arithmetic", "ifeval", "tiny"]
     assert [p.answer for p in registry.get("tiny") or []] == ["#### 2", "#### 4"]

@@ -70,7 +70,13 @@ async def fake_app(
     tmp: Path, policy: FakeBackend, reference: FakeBackend, **settings_: Any
 ) -> AsyncIterator[FastAPI]:
     """The real app and services with the fake models in place of loaded ones."""
-    settings = Settings(cache_dir=tmp / "cache", data_dir=tmp / "data", batching=False, **settings_)
+    settings = Settings(
+        model="builtin:tiny",
+        cache_dir=tmp / "cache",
+        data_dir=tmp / "data",
+        batching=False,
+        **settings_,
+    )
     app = create_app(settings, load_models=False)
     async with app.router.lifespan_context(app):
         registry = app.state.registry

@@ -1,26 +1,42 @@
-"""`examples/grpo_loop.py` runs end to end against a real server (short)."""
+"""`examples/grpo.py` on the default model: two GRPO steps against a real server, each one
+sampling with the policy the step before pushed, its behaviour log-probs equal to the
+trainer's own forward (the importance ratio starts at 1)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from app.config import DEFAULT_MODEL
 from tests.e2e.server import running_server
 
 pytestmark = pytest.mark.slow
-EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo_loop.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo.py"
 
 
-def test_grpo_example_learns_and_pushes_weights(tmp_path, settings):
-    env = {"RLSERVE_CACHE_DIR": str(settings.cache_dir), "RLSERVE_DATA_DIR": str(tmp_path)}
-    with running_server(env=env, log=tmp_path / "server.log") as server:
-        command = [sys.executable, str(EXAMPLE), "--url", server.url, "--iterations", "2"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
+    env = {
+        "RLSERVE_MODEL": DEFAULT_MODEL,
+        "RLSERVE_DATA_DIR": str(tmp_path),
+        "RLSERVE_BACKEND": "transformers",
+        "RLSERVE_LOAD_REFERENCE": "false",
+    }
+    log = tmp_path / "steps.jsonl"
+    with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:
+        command = [
+            *[sys.executable, str(EXAMPLE), "--url", server.url, "--steps", "2"],
+            *["--prompts", "2", "--group-size", "4", "--log", str(log)],
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert lines[0].endswith("at version 0; 2 groups of 4")
-    assert lines[1].startswith("iteration 0: 8 episodes") and lines[1].find("-> 1 (") > 0
-    assert lines[2].startswith("iteration 1: 8 episodes") and lines[2].find("-> 2 (") > 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert [r["policy_version"] for r in records] == [1, 2]
+    for record in records:
+        assert 0.0 <= record["reward"] <= 1.0
+        assert record["behaviour_drift"] < 1e-3  # the ratio starts at 1 (measured: 3e-5)
+    assert done.stdout.splitlines()[1].startswith("step   1  reward ")

@@ -1,0 +1,188 @@
+"""GRPO on SmolLM2-135M-Instruct, the bundled addition task: through rlserve vs in-process.
+
+Both loops take the same steps with the same hyper-parameters, seeds and loss
+(examples/grpo.py's `grpo_step`):
+- rlserve: examples/grpo.py against a server (transformers backend): `/v1/rollouts` samples
+  and rewards each step's groups, the trainer learns, the collective transfer pushes weights;
+- local: no server; transformers `generate` samples the same number of prompts (drawn from the
+  same bundled problems), the same reward function scores them, the same step learns.
+
+Prints reward (= accuracy: the reward is 1 for a right answer, else 0) per step, steps/s and
+wall time; writes learning.json and learning.png (reward per step, both loops).
+
+    .venv/bin/python bench/learning.py                # 40 steps each (about 30 minutes here)
+    .venv/bin/python bench/learning.py --quick        # 2 steps each
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import bench_arguments, running_server
+from rlserve_client import Client
+from rlserve_client.advantages import group_advantages
+
+from app.config import DEFAULT_MODEL, Settings
+from app.datasets.bundled import sum_problems
+from app.engine.loader import smollm2_dir
+from app.envs.rewards import Sample, score_reward
+from examples.grpo import Rollout, arguments, grpo_step, train
+
+
+def local_rollouts(model: Any, tokenizer: Any, args: Any, step: int) -> list[Rollout]:
+    """The server's episode without a server: prompts from the bundled problems, templated
+    by the model's chat template, sampled by `generate` at temperature 1 (no top-k/top-p)."""
+    rng = random.Random(args.seed * 100_003 + step)
+    problems = rng.sample(sum_problems(), args.prompts)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.query}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for p in problems
+    ]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    # left padding, by length: the pad token (<|im_end|>) also ends every templated turn
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(args.seed * 100_003 + step)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.max_new_tokens,
+            num_return_sequences=args.group_size,
+            pad_token_id=pad,
+        )
+    rollouts, rewards = [], []
+    for i, row in enumerate(out[:, width:].tolist()):
+        problem, prompt = problems[i // args.group_size], prompts[i // args.group_size]
+        eos = tokenizer.eos_token_id
+        response = row[: row.index(eos) + 1] if eos in row else row
+        text = tokenizer.decode(response)
+        reward = score_reward("number", {}, Sample(text, problem.answer)).reward
+        rollouts.append(Rollout(prompt, response, reward, 0.0))
+        rewards.append([reward])
+    for rollout, (advantage,) in zip(
+        rollouts, group_advantages(rewards, args.group_size), strict=True
+    ):
+        rollout.advantage = advantage
+    return rollouts
+
+
+def train_local(args: Any) -> list[dict[str, float]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_dir(Settings())
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    records = []
+    for step in range(args.steps):
+        started = time.perf_counter()
+        model.eval()
+        rollouts = local_rollouts(model, tokenizer, args, step)
+        sampled = time.perf_counter()
+        stats = grpo_step(model, optimizer, rollouts, args.clip)
+        record = {
+            "step": step,
+            "reward": statistics.fmean(r.reward for r in rollouts),
+            **stats,
+            "sample_s": sampled - started,
+            "step_s": time.perf_counter() - started,
+        }
+        print("local", json.dumps(record), flush=True)
+        records.append(record)
+    return records
+
+
+def train_rlserve(args: Any, output: Path) -> list[dict[str, float]]:
+    env = {
+        "RLSERVE_DATA_DIR": str(output / ".data"),
+        "RLSERVE_BACKEND": "transformers",
+        "RLSERVE_LOAD_REFERENCE": "false",
+    }
+    log = output / "learning-server.log"
+    records = []
+    with running_server("--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600) as server:
+        args.url = server.url
+        with Client(base_url=server.url, timeout=600) as client:
+            for record in train(client, args):
+                print("rlserve", json.dumps(record), flush=True)
+                records.append(record)
+    return records
+
+
+def summary(records: list[dict[str, float]]) -> dict[str, float]:
+    rewards = [r["reward"] for r in records]
+    third = max(len(rewards) // 3, 1)
+    total = sum(r["step_s"] for r in records)
+    return {
+        "steps": len(records),
+        "first_third_reward": statistics.fmean(rewards[:third]),
+        "last_third_reward": statistics.fmean(rewards[-third:]),
+        "steps_per_s": len(records) / total,
+        "wall_s": total,
+        "sample_s": sum(r["sample_s"] for r in records),
+        "max_behaviour_drift": max(r["behaviour_drift"] for r in records),
+    }
+
+
+def plot(loops: dict[str, list[dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, records in loops.items():
+        steps = [r["step"] for r in records]
+        rewards = [r["reward"] for r in records]
+        window = 5
+        smooth = [statistics.fmean(rewards[max(0, i - window + 1) : i + 1]) for i in steps]
+        (line,) = axis.plot(steps, smooth, label=f"{name} (mean of last {window} steps)")
+        axis.plot(steps, rewards, alpha=0.3, color=line.get_color())
+    axis.set_xlabel("GRPO step")
+    axis.set_ylabel("mean reward = accuracy")
+    axis.set_title("SmolLM2-135M-Instruct, addition task, 2-core CPU")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = bench_arguments(__doc__)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--loops", default="rlserve,local")
+    options = parser.parse_args()
+    steps = 2 if options.quick else options.steps
+    args = arguments(["--steps", str(steps)])
+    output: Path = options.output
+    output.mkdir(parents=True, exist_ok=True)
+    loops: dict[str, list[dict[str, float]]] = {}
+    for name in options.loops.split(","):
+        loops[name] = train_rlserve(args, output) if name == "rlserve" else train_local(args)
+    report = {
+        "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("url", "log")},
+        "summary": {name: summary(records) for name, records in loops.items()},
+        "steps": loops,
+    }
+    stem = "learning-quick" if options.quick else "learning"
+    (output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(loops, output / f"{stem}.png")
+    print(json.dumps(report["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Episodes on the real tokenizer: token actions enter the history exactly as sent (even
+where re-encoding their text would give other ids), and an OpenAI-SDK agent's turns are
+recorded as one token-exact trajectory."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import assert_close
+from tests.e2e.server import Server, running_server
+from tests.realmodel.conftest import post
+from tests.realmodel.test_parity import TOLERANCE
+
+pytestmark = pytest.mark.slow
+
+
+def ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def test_token_actions_enter_the_episode_exactly(real_client, real_tokenizer):
+    created = await real_client.post("/v1/envs", json={"max_turns": 3})
+    assert created.status_code == 201, created.text
+    env = created.json()["env_id"]
+    reset = await post(real_client, f"/v1/envs/{env}/reset", {"query": ["What is 7 + 5?"]})
+    prompt = reset["observations"][0]["prompt_tokens"]
+    # "Paris" written as two pieces, then <|im_end|>: the tokenizer encodes the text otherwise.
+    action = [*ids(real_tokenizer, "The answer is Par"), *ids(real_tokenizer, "is"), 2]
+    assert ids(real_tokenizer, real_tokenizer.decode(action)) != action
+    step = await post(real_client, f"/v1/envs/{env}/step", {"actions": [{"tokens": action}]})
+    following = step["outputs"][0]["observation"]["prompt_tokens"]
+    assert following == prompt + action + ids(real_tokenizer, "\n<|im_start|>assistant\n")
+    # A generated reply stepped back as tokens extends the prompt by exactly its tokens.
+    body = {"tokens": [following], "max_tokens": 12, "temperature": 0}
+    (reply,) = (await post(real_client, "/v1/generate", body))["outputs"][0]
+    step = await post(
+        real_client,
+        f"/v1/envs/{env}/step",
+        {"actions": [{"tokens": reply["tokens"]["response"]}]},
+    )
+    after = step["outputs"][0]["observation"]["prompt_tokens"]
+    assert after[: len(following) + len(reply["tokens"]["response"])] == reply["tokens"]["full"]
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory: pytest.TempPathFactory, real_settings) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("real-openai")
+    env = {
+        "RLSERVE_MODEL": real_settings.model,
+        "RLSERVE_CACHE_DIR": str(real_settings.cache_dir),
+        "RLSERVE_DATA_DIR": str(tmp),
+        "RLSERVE_BACKEND": "transformers",
+        "RLSERVE_LOAD_REFERENCE": "false",
+    }
+    with running_server(env=env, log=tmp / "server.log", ready_timeout=300) as running:
+        yield running
+
+
+def test_an_openai_sdk_agent_is_one_token_exact_trajectory(real_server, real_dir):
+    from openai import OpenAI
+    from rlserve_client import Client
+
+    trajectory = uuid.uuid4().hex
+    messages = [{"role": "user", "content": "Give me a number between 1 and 10."}]
+    with OpenAI(base_url=f"{real_server.url}/v1", api_key="-", max_retries=0) as sdk:
+        for turn in range(3):
+            reply = sdk.chat.completions.create(
+                model="policy",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=16,
+                seed=turn,
+                extra_headers={"X-Trajectory-ID": trajectory},
+            )
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                {"role": "user", "content": "Another one, please."},
+            ]
+    with Client(base_url=real_server.url) as client:
+        recorded = client.trajectory(trajectory)
+        assert recorded.num_turns == 3
+        (segment,) = recorded.segments  # every turn's prompt extends the one before
+        full = segment.tokens.full
+        assert full is not None and segment.log_probs is not None
+        assert len(segment.turns) == 3
+        scored = client.logprobs(tokens=[full]).outputs[0].log_probs
+        assert scored is not None and scored.full is not None
+        mask = segment.masks.all_assistant_mask
+        assert mask is not None
+        at = [i for i, m in enumerate(mask) if m]
+        assert len(at) == sum(t.end - t.start for t in segment.turns)
+        assert_close(
+            [segment.log_probs.full[i] for i in at], [scored.full[i] for i in at], TOLERANCE
+        )

@@ -135,6 +135,7 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
             sampled = time.perf_counter()
             rollouts = rollouts_of(result)
             stats = grpo_step(model, optimizer, rollouts, args.clip)
+            trained = time.perf_counter()
             updated = sync.send(model)
             yield {
                 "step": step,
@@ -142,6 +143,8 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
                 **stats,
                 "policy_version": updated.policy_version,
                 "sample_s": sampled - started,
+                "train_s": trained - sampled,
+                "push_s": time.perf_counter() - trained,
                 "step_s": time.perf_counter() - started,
             }
 

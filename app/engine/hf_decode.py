@@ -120,22 +120,29 @@ def generate(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     want_prompt = any(c.return_prompt_log_probs for c in configs)
     version = control.checkpoint()
+    # A prompt shared by several rows (a GRPO group, n > 1) is prefilled once; its cache and
+    # logits are then copied to each of its rows.
+    firsts, expand = _distinct_prompts(items, device)
     out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
+        input_ids=ids[firsts],
+        attention_mask=mask[firsts],
+        position_ids=positions[firsts],
         use_cache=True,
         logits_to_keep=0 if want_prompt else 1,
     )
-    prompt_lps = token_log_probs(out.logits, ids).cpu() if want_prompt else None
+    cache, prefill_logits = out.past_key_values, out.logits
+    if expand is not None:
+        cache.reorder_cache(expand)
+        prefill_logits = prefill_logits.index_select(0, expand)
+    prompt_lps = token_log_probs(prefill_logits, ids).cpu() if want_prompt else None
     seen = None
     if sampler.needs_penalty:
-        vocab = out.logits.shape[-1]
+        vocab = prefill_logits.shape[-1]
         seen = torch.zeros((len(items), vocab), dtype=torch.bool, device=device)
         seen.scatter_(1, ids, mask.bool())
     rows = _Rows(items)
-    logits = out.logits[:, -1].float()
-    cache = out.past_key_values
+    logits = prefill_logits[:, -1].float()
+    del out, prefill_logits
     next_position = positions[:, -1:] + 1
     columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
     for _step in range(max(c.max_new_tokens for c in configs)):
@@ -181,6 +188,25 @@ def generate(
         cache, next_position = out.past_key_values, next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps) for i in range(len(items))]
+
+
+def _distinct_prompts(
+    items: Sequence[GenerateItem], device: torch.device
+) -> tuple[list[int], torch.Tensor | None]:
+    """The first row of each distinct prompt, and each row's index among those (None when
+    every prompt is distinct)."""
+    first: dict[tuple[int, ...], int] = {}
+    firsts: list[int] = []
+    index = []
+    for row, item in enumerate(items):
+        key = tuple(item.prompt_ids)
+        if key not in first:
+            first[key] = len(firsts)
+            firsts.append(row)
+        index.append(first[key])
+    if len(firsts) == len(items):
+        return firsts, None
+    return firsts, torch.tensor(index, dtype=torch.long, device=device)
 
 
 def _advance(

@@ -90,3 +90,22 @@ def test_stream_text_benchmark_quick(tmp_path):
     report = run_quick("stream_text", tmp_path)
     for figures in report["results"].values():  # it exits non-zero if the texts differ
         assert figures["windowed_s"] > 0 and figures["whole_list_s"] > 0
+
+
+def test_learning_benchmark_quick(tmp_path):
+    """The in-process loop (the rlserve one is tests/e2e/test_grpo_example.py) for 2 steps."""
+    command = [sys.executable, "bench/learning.py", "--quick", "--loops", "local"]
+    subprocess.run([*command, "--output", str(tmp_path)], cwd=ROOT, check=True, timeout=600)
+    report = json.loads((tmp_path / "learning-quick.json").read_text())
+    assert [r["step"] for r in report["steps"]["local"]] == [0, 1]
+    assert report["summary"]["local"]["max_behaviour_drift"] == 0.0  # on-policy by definition
+    assert report["hyper_parameters"]["group_size"] == 8
+    assert (tmp_path / "learning-quick.png").stat().st_size > 0
+
+
+def test_real_model_benchmark_quick(tmp_path):
+    report = run_quick("real_model", tmp_path)
+    for name in ("rlserve_transformers", "in_process_transformers"):
+        for kind in ("generate", "score"):
+            assert report["results"][name]["8"][kind]["requests"] == 16
+    assert report["ratios"]["rlserve_transformers_over_in_process"]["8"]["score"] > 0

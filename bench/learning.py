@@ -8,7 +8,9 @@ Both loops take the same steps with the same hyper-parameters, seeds and loss
   same bundled problems), the same reward function scores them, the same step learns.
 
 Prints reward (= accuracy: the reward is 1 for a right answer, else 0) per step, steps/s and
-wall time; writes learning.json and learning.png (reward per step, both loops).
+wall time; writes learning.json and learning.png (reward per step, both loops). Then times a
+few more steps of each loop at equal work (every reply runs max_new_tokens: the learning runs'
+policies soon differ in reply length, and with it in cost per step).
 
     .venv/bin/python bench/learning.py                # 40 steps each (about 30 minutes here)
     .venv/bin/python bench/learning.py --quick        # 2 steps each
@@ -61,6 +63,7 @@ def local_rollouts(model: Any, tokenizer: Any, args: Any, step: int) -> list[Rol
             top_k=0,
             top_p=1.0,
             max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.max_new_tokens if args.fixed_length else None,
             num_return_sequences=args.group_size,
             pad_token_id=pad,
         )
@@ -68,7 +71,7 @@ def local_rollouts(model: Any, tokenizer: Any, args: Any, step: int) -> list[Rol
     for i, row in enumerate(out[:, width:].tolist()):
         problem, prompt = problems[i // args.group_size], prompts[i // args.group_size]
         eos = tokenizer.eos_token_id
-        response = row[: row.index(eos) + 1] if eos in row else row
+        response = row[: row.index(eos) + 1] if eos in row and not args.fixed_length else row
         text = tokenizer.decode(response)
         reward = score_reward("number", {}, Sample(text, problem.answer)).reward
         rollouts.append(Rollout(prompt, response, reward, 0.0))
@@ -99,7 +102,9 @@ def train_local(args: Any) -> list[dict[str, float]]:
             "step": step,
             "reward": statistics.fmean(r.reward for r in rollouts),
             **stats,
+            "response_tokens": sum(len(r.response) for r in rollouts),
             "sample_s": sampled - started,
+            "train_s": time.perf_counter() - sampled,
             "step_s": time.perf_counter() - started,
         }
         print("local", json.dumps(record), flush=True)
@@ -125,17 +130,39 @@ def train_rlserve(args: Any, output: Path) -> list[dict[str, float]]:
 
 
 def summary(records: list[dict[str, float]]) -> dict[str, float]:
+    """Reward at the start and the end (the mean of each third of the steps, with the standard
+    error of the step means: the run-to-run noise), and where the time went."""
     rewards = [r["reward"] for r in records]
     third = max(len(rewards) // 3, 1)
+    first, last = rewards[:third], rewards[-third:]
     total = sum(r["step_s"] for r in records)
     return {
         "steps": len(records),
-        "first_third_reward": statistics.fmean(rewards[:third]),
-        "last_third_reward": statistics.fmean(rewards[-third:]),
+        "first_third_reward": statistics.fmean(first),
+        "first_third_reward_sem": _sem(first),
+        "last_third_reward": statistics.fmean(last),
+        "last_third_reward_sem": _sem(last),
         "steps_per_s": len(records) / total,
         "wall_s": total,
         "sample_s": sum(r["sample_s"] for r in records),
+        "response_tokens": sum(r["response_tokens"] for r in records),
         "max_behaviour_drift": max(r["behaviour_drift"] for r in records),
+    }
+
+
+def _sem(values: list[float]) -> float:
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
+def speed(records: list[dict[str, float]]) -> dict[str, float]:
+    """Steps of equal work (fixed-length replies); the first one, a warm-up, is left out."""
+    timed = records[1:] or records
+    return {
+        "steps": len(timed),
+        "steps_per_s": len(timed) / sum(r["step_s"] for r in timed),
+        "sample_s": statistics.fmean(r["sample_s"] for r in timed),
+        "train_s": statistics.fmean(r["train_s"] for r in timed),
+        "push_s": statistics.fmean(r.get("push_s", 0.0) for r in timed),
     }
 
 
@@ -161,27 +188,37 @@ def plot(loops: dict[str, list[dict[str, float]]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def run(name: str, args: Any, output: Path) -> list[dict[str, float]]:
+    return train_rlserve(args, output) if name == "rlserve" else train_local(args)
+
+
 def main() -> None:
     parser = bench_arguments(__doc__)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--speed-steps", type=int, default=5, help="fixed-length steps, timed")
     parser.add_argument("--loops", default="rlserve,local")
     options = parser.parse_args()
-    steps = 2 if options.quick else options.steps
-    args = arguments(["--steps", str(steps)])
+    steps, speed_steps = (2, 2) if options.quick else (options.steps, options.speed_steps)
+    names = options.loops.split(",")
     output: Path = options.output
     output.mkdir(parents=True, exist_ok=True)
-    loops: dict[str, list[dict[str, float]]] = {}
-    for name in options.loops.split(","):
-        loops[name] = train_rlserve(args, output) if name == "rlserve" else train_local(args)
+    args = arguments(["--steps", str(steps)])
+    loops = {name: run(name, args, output) for name in names}
+    timing = arguments(["--steps", str(speed_steps), "--fixed-length"])
+    timed = {name: speed(run(name, timing, output)) for name in names}
     report = {
         "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("url", "log")},
         "summary": {name: summary(records) for name, records in loops.items()},
+        "equal_work": timed,
         "steps": loops,
     }
+    if "rlserve" in timed and "local" in timed:
+        ratio = timed["rlserve"]["steps_per_s"] / timed["local"]["steps_per_s"]
+        report["equal_work_rlserve_over_local"] = ratio
     stem = "learning-quick" if options.quick else "learning"
     (output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(loops, output / f"{stem}.png")
-    print(json.dumps(report["summary"], indent=2))
+    print(json.dumps({k: report[k] for k in report if k != "steps"}, indent=2))
 
 
 if __name__ == "__main__":

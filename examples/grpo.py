@@ -120,7 +120,8 @@ def rollouts_of(result: RolloutResult) -> list[Rollout]:
 def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]]:
     """The loop: sample groups on the server, learn, push the weights; one record per step."""
     torch.manual_seed(args.seed)
-    source = client.models().models[0].source  # the served folder, when it is on this host
+    # The served folder, when the server runs on this host (else pass a copy of the policy).
+    source = next(m.source for m in client.models().models if m.name == "policy")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     with client.weight_transfer() as sync:

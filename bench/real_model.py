@@ -14,7 +14,6 @@ text, one per request; in-process, batches of `clients` through one forward and 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -23,13 +22,13 @@ from typing import Any
 import torch
 from common import bench_arguments as arguments
 from common import (
-    drive,
     free_port,
     running_process,
     running_server,
     throughput_ratios,
     vllm_serve_command,
 )
+from vs_vllm_serve import measure, rlserve_bodies, vllm_bodies
 
 from app.config import DEFAULT_MODEL, Settings
 from app.datasets.bundled import arithmetic_problems
@@ -52,49 +51,6 @@ def workloads(tokenizer: Any, num_requests: int) -> dict[str, list[list[int]]]:
     sequences = [ids[i * SCORE_TOKENS : (i + 1) * SCORE_TOKENS] for i in range(num_requests)]
     assert all(len(s) == SCORE_TOKENS for s in sequences), "not enough text to score"
     return {"generate": prompts, "score": sequences}
-
-
-def rlserve_bodies(work: dict[str, list[list[int]]], new_tokens: int) -> dict[str, Any]:
-    generate = [
-        {"tokens": [p], "max_tokens": new_tokens, "ignore_eos": True, "seed": i}
-        for i, p in enumerate(work["generate"])
-    ]
-    return {
-        "generate": ("/v1/generate", generate),
-        "score": ("/v1/logprobs", [{"tokens": [s]} for s in work["score"]]),
-    }
-
-
-def vllm_bodies(work: dict[str, list[list[int]]], new_tokens: int) -> dict[str, Any]:
-    generate = [
-        {
-            "model": "policy",
-            "prompt": p,
-            "max_tokens": new_tokens,
-            "ignore_eos": True,
-            "seed": i,
-            "temperature": 1.0,
-            "logprobs": 0,
-        }
-        for i, p in enumerate(work["generate"])
-    ]
-    score = [
-        {"model": "policy", "prompt": s, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
-        for s in work["score"]
-    ]
-    return {"generate": ("/v1/completions", generate), "score": ("/v1/completions", score)}
-
-
-def measure(name: str, url: str, workload: dict[str, Any], args: argparse.Namespace) -> Any:
-    tokens = {"generate": args.new_tokens, "score": SCORE_TOKENS}
-    results = {}
-    for clients in args.clients:
-        results[str(clients)] = {
-            kind: asyncio.run(drive(url, route, bodies, clients, tokens[kind])).as_dict()
-            for kind, (route, bodies) in workload.items()
-        }
-        print(name, clients, json.dumps(results[str(clients)]), flush=True)
-    return results
 
 
 @torch.inference_mode()
@@ -144,6 +100,7 @@ def main() -> None:
     args.requests = 16 if args.quick else 64
     args.clients = [8] if args.quick else [8, 32]
     args.new_tokens = 8 if args.quick else 32
+    args.seq_len = SCORE_TOKENS
     args.output.mkdir(parents=True, exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -176,7 +133,7 @@ def main() -> None:
         log = args.output / "real-model-vllm-serve.log"
         with running_process(command, port, "/v1/models", log=log, timeout=600) as server:
             results["vllm_serve"] = measure(
-                "vllm serve", server.url, vllm_bodies(work, args.new_tokens), args
+                "vllm serve", server.url, vllm_bodies(work, args.new_tokens, "policy"), args
             )
     kinds = ("generate", "score")
     ratios = {

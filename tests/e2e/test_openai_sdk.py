@@ -100,25 +100,32 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server, sdk):
     assert in_flight(server) == 0
 
 
-def test_a_multi_turn_agent_becomes_a_training_sample(server, sdk):
-    """An agent loop through the SDK with a trajectory id; the rlserve client reads the
-    trajectory back as a TensorDict whose sampled log-probs equal /v1/logprobs."""
-    from rlserve_client import Client
-
+def agent_turns(sdk: OpenAI, opening: str, follow_up: str, *, max_tokens: int) -> str:
+    """Three chat turns through the SDK under a new trajectory id (returned), each reply sent
+    back in the next request's history with `follow_up` after it."""
     trajectory = uuid.uuid4().hex
-    messages: list[dict[str, str]] = [{"role": "user", "content": "Let's talk."}]
+    messages: list[dict[str, str]] = [{"role": "user", "content": opening}]
     for turn in range(3):
         reply = sdk.chat.completions.create(
             model="policy",
-            messages=messages,
-            max_tokens=6,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
             seed=turn,
             extra_headers={"X-Trajectory-ID": trajectory},
         )
         messages += [
             {"role": "assistant", "content": reply.choices[0].message.content or ""},
-            {"role": "user", "content": "Go on."},
+            {"role": "user", "content": follow_up},
         ]
+    return trajectory
+
+
+def test_a_multi_turn_agent_becomes_a_training_sample(server, sdk):
+    """An agent loop through the SDK with a trajectory id; the rlserve client reads the
+    trajectory back as a TensorDict whose sampled log-probs equal /v1/logprobs."""
+    from rlserve_client import Client
+
+    trajectory = agent_turns(sdk, "Let's talk.", "Go on.", max_tokens=6)
     with Client(base_url=server.url) as client:
         client.set_trajectory_reward(trajectory, reward=2.0)
         recorded = client.trajectory(trajectory)

@@ -4,13 +4,13 @@ recorded as one token-exact trajectory."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import assert_close
 from tests.e2e.server import Server, running_server
+from tests.e2e.test_openai_sdk import agent_turns
 from tests.realmodel.conftest import post
 from tests.realmodel.test_parity import TOLERANCE
 
@@ -59,25 +59,14 @@ def real_server(tmp_path_factory: pytest.TempPathFactory, real_settings) -> Iter
         yield running
 
 
-def test_an_openai_sdk_agent_is_one_token_exact_trajectory(real_server, real_dir):
+def test_an_openai_sdk_agent_is_one_token_exact_trajectory(real_server):
     from openai import OpenAI
     from rlserve_client import Client
 
-    trajectory = uuid.uuid4().hex
-    messages = [{"role": "user", "content": "Give me a number between 1 and 10."}]
     with OpenAI(base_url=f"{real_server.url}/v1", api_key="-", max_retries=0) as sdk:
-        for turn in range(3):
-            reply = sdk.chat.completions.create(
-                model="policy",
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=16,
-                seed=turn,
-                extra_headers={"X-Trajectory-ID": trajectory},
-            )
-            messages += [
-                {"role": "assistant", "content": reply.choices[0].message.content or ""},
-                {"role": "user", "content": "Another one, please."},
-            ]
+        trajectory = agent_turns(
+            sdk, "Give me a number between 1 and 10.", "Another one, please.", max_tokens=16
+        )
     with Client(base_url=real_server.url) as client:
         recorded = client.trajectory(trajectory)
         assert recorded.num_turns == 3

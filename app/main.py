@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from rlserve_client import tensor_wire
 
 from app import __version__
-from app.common import tensor_wire
 from app.config import Settings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.router import router as datasets_router

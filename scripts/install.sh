@@ -24,9 +24,10 @@ python3 -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet "$torch_spec"
 fi
+# The client package comes from the tree in the same command: the server imports it.
 if [ "$editable" = "--editable" ]; then
-  flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e "$target"  # see setup-vllm.sh
+  flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e clients/python -e "$target"  # see setup-vllm.sh
 else
-  "$venv/bin/python" -m pip install --quiet "$target"
+  "$venv/bin/python" -m pip install --quiet ./clients/python "$target"
 fi
 scripts/install-model.sh "$venv/bin/python"

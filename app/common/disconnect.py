@@ -1,14 +1,42 @@
-"""Drop a request's queued model work when its client goes away."""
+"""Drop a request's work when its client goes away. A route declares it once, with
+`@cancellable` under its router decorator (its router's route class must be
+`CancellableRoute` or a subclass): the whole endpoint then runs as a task that is cancelled
+when the client disconnects, queued model work included."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+_MARK = "__rlserve_cancellable__"
+
+
+def cancellable(endpoint: F) -> F:
+    """Mark an endpoint to be cancelled when its client goes away."""
+    setattr(endpoint, _MARK, True)
+    return endpoint
+
+
+class CancellableRoute(APIRoute):
+    """Runs the endpoints marked `cancellable` under `cancel_on_disconnect`, the body read
+    first (so the watcher can only see the disconnect)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if not getattr(self.endpoint, _MARK, False):
+            return handler
+
+        async def cancelling(request: Request) -> Response:
+            await request.body()
+            return await cancel_on_disconnect(request, handler(request))
+
+        return cancelling
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -1,4 +1,5 @@
-"""Routes whose bodies may be tensors (app.common.tensor_wire): requests sent as MEDIA_TYPE
+"""Routes whose bodies may be tensors (the format: `rlserve_client.tensor_wire`, which the
+client and the server share): requests sent as MEDIA_TYPE
 are read as the JSON body they stand for, and a response is MEDIA_TYPE when the Accept
 header asks for it. JSON stays the default both ways."""
 
@@ -8,11 +9,18 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from rlserve_client.tensor_wire import (
+    MEDIA_TYPE,
+    WireFormatError,
+    decode_values,
+    encode,
+    wants_binary,
+)
 
+from app.common.disconnect import CancellableRoute
+from app.common.failures import Malformed
 from app.common.protocol import json_response
-from app.common.tensor_wire import MEDIA_TYPE, decode, encode, wants_binary
 
 TENSOR_BODY_DOCS: dict[str, Any] = {
     "requestBody": {
@@ -38,8 +46,8 @@ TENSOR_REPLY_DOCS: dict[int | str, dict[str, Any]] = {
 }
 
 
-class TensorBodyRoute(APIRoute):
-    """An APIRoute that also takes its body as MEDIA_TYPE."""
+class TensorBodyRoute(CancellableRoute):
+    """A route that also takes its body as MEDIA_TYPE."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -47,10 +55,17 @@ class TensorBodyRoute(APIRoute):
         async def route_handler(request: Request) -> Response:
             if _is_tensor_body(request.headers.get("content-type")):
                 raw = await request.body()
-                request = _as_json(request, raw, decode(raw))
+                request = _as_json(request, raw, _decode(raw))
             return await handler(request)
 
         return route_handler
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return decode_values(raw)
+    except WireFormatError as error:
+        raise Malformed(str(error), param="body") from error
 
 
 def _is_tensor_body(content_type: str | None) -> bool:

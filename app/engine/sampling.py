@@ -21,13 +21,6 @@ def row_seed(seed: int | None, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def turn_seed(seed: int, round_index: int, turn: int) -> int:
-    """The generation seed of one turn of one round of a seeded rollout. The client's `collect`
-    derives the same (its `seeds` twin), so both paths give the same trajectories."""
-    digest = hashlib.blake2b(f"{seed}:{round_index}:{turn}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def filter_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:

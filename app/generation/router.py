@@ -1,6 +1,6 @@
 from fastapi import APIRouter, Request, Response
 
-from app.common.disconnect import cancel_on_disconnect
+from app.common.disconnect import cancellable
 from app.common.tensor_http import TENSOR_BODY_DOCS, TENSOR_REPLY_DOCS, TensorBodyRoute, reply
 from app.deps import GenerationDep
 from app.errors import ERROR_RESPONSES
@@ -17,10 +17,10 @@ router = APIRouter(tags=["generation"], route_class=TensorBodyRoute)
     openapi_extra=TENSOR_BODY_DOCS,
     summary="Generate continuations",
 )
+@cancellable
 async def generate(
     request: GenerateRequest, service: GenerationDep, http_request: Request
 ) -> Response:
     """Sample `n` continuations per input. `log_probs.response` is the raw model distribution;
     `log_probs.response_processed` the distribution actually sampled from."""
-    result = await cancel_on_disconnect(http_request, service.generate(request))
-    return reply(http_request, result)
+    return reply(http_request, await service.generate(request))

@@ -1,6 +1,6 @@
 from fastapi import APIRouter, Request, Response
 
-from app.common.disconnect import cancel_on_disconnect
+from app.common.disconnect import cancellable
 from app.common.tensor_http import TENSOR_BODY_DOCS, TENSOR_REPLY_DOCS, TensorBodyRoute, reply
 from app.deps import KLDep
 from app.errors import ERROR_RESPONSES
@@ -17,9 +17,9 @@ router = APIRouter(tags=["kl"], route_class=TensorBodyRoute)
     openapi_extra=TENSOR_BODY_DOCS,
     summary="Per-token KL between policy and reference",
 )
+@cancellable
 async def kl(request: KLRequest, service: KLDep, http_request: Request) -> Response:
     """Per-token KL(policy || reference) with estimators k1/k2/k3/abs, assistant-only masks and
     optional reward shaping. Reference log-probs are always computed by the server; policy
     log-probs too, unless the client sends them."""
-    result = await cancel_on_disconnect(http_request, service.kl(request))
-    return reply(http_request, result)
+    return reply(http_request, await service.kl(request))

@@ -7,9 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from fastapi.routing import APIRoute
 
-from app.common.disconnect import cancel_on_disconnect
+from app.common.disconnect import CancellableRoute, cancellable
 from app.common.failures import Failure
 from app.common.protocol import json_response
 from app.deps import OpenAIDep, OwnerDep
@@ -30,7 +29,7 @@ from app.openai_compat.protocol import (
 from app.openai_compat.serving import Job, OpenAIService
 
 
-class OpenAIRoute(APIRoute):
+class OpenAIRoute(CancellableRoute):
     """Answers an invalid request with 400 (OpenAI's status) instead of this API's 422."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -76,12 +75,12 @@ TrajectoryHeader = Annotated[
 ]
 
 
-async def _answer(job: Job, service: OpenAIService, request: Request) -> Response:
+async def _answer(job: Job, service: OpenAIService) -> Response:
     if job.request.stream:
-        events = await cancel_on_disconnect(request, service.open_stream(job))
+        events = await service.open_stream(job)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    return json_response(await cancel_on_disconnect(request, service.complete(job)))
+    return json_response(await service.complete(job))
 
 
 @router.post(
@@ -91,16 +90,16 @@ async def _answer(job: Job, service: OpenAIService, request: Request) -> Respons
     responses=RESPONSES,
     summary="OpenAI chat completions",
 )
+@cancellable
 async def chat_completions(
     body: ChatCompletionRequest,
     service: OpenAIDep,
     owner: OwnerDep,
-    request: Request,
     trajectory: TrajectoryHeader = None,
 ) -> Response:
     """OpenAI's chat completions over the served model's chat template, with rlserve's
     extensions (token ids, raw or processed log-probs, policy versions, trajectories)."""
-    return await _answer(await service.chat_job(body, owner, trajectory), service, request)
+    return await _answer(await service.chat_job(body, owner, trajectory), service)
 
 
 @router.post(
@@ -110,12 +109,12 @@ async def chat_completions(
     responses=RESPONSES,
     summary="OpenAI completions",
 )
+@cancellable
 async def completions(
     body: CompletionRequest,
     service: OpenAIDep,
     owner: OwnerDep,
-    request: Request,
     trajectory: TrajectoryHeader = None,
 ) -> Response:
     """OpenAI's (legacy) completions of text or token prompts, with rlserve's extensions."""
-    return await _answer(await service.completion_job(body, owner, trajectory), service, request)
+    return await _answer(await service.completion_job(body, owner, trajectory), service)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
+from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn
 
 from app.common.protocol import (
     VERSIONS_DESCRIPTION,
@@ -25,7 +26,6 @@ from app.common.protocol import (
 from app.engine.types import SamplingConfig
 from app.envs.protocol import EnvConfig
 from app.generation.protocol import StopList
-from app.rollouts.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn
 
 
 class RolloutGeneration(WireModel):

@@ -6,17 +6,18 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from rlserve_client.advantages import TrajectoryReturn, group_advantages
+from rlserve_client.seeds import turn_seed
+
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer
 from app.common.protocol import TextFields, wire_spans
 from app.common.sequences import SequenceSplit
-from app.engine.sampling import turn_seed
 from app.engine.types import Generation
 from app.envs.episodes import Act
 from app.envs.protocol import EnvConfig, ResetRequest, StepOutput
 from app.envs.service import EnvService
 from app.generation.serving import GenerationService
-from app.rollouts.advantages import TrajectoryReturn, group_advantages
 from app.rollouts.protocol import (
     RolloutGeneration,
     RolloutRequest,

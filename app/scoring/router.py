@@ -1,6 +1,6 @@
 from fastapi import APIRouter, Request, Response
 
-from app.common.disconnect import cancel_on_disconnect
+from app.common.disconnect import cancellable
 from app.common.tensor_http import (
     TENSOR_BODY_DOCS,
     TENSOR_REPLY_DOCS,
@@ -23,10 +23,9 @@ router = APIRouter(tags=["scoring"], route_class=TensorBodyRoute)
     openapi_extra=TENSOR_BODY_DOCS,
     summary="Score given sequences",
 )
+@cancellable
 async def logprobs(
     request: LogProbsRequest, service: ScoringDep, http_request: Request
 ) -> Response:
     """Log-probability of every token under the model (raw distribution, position 0 is 0.0)."""
-    scoring = service.score(request, tensors=asks_binary(http_request))
-    result = await cancel_on_disconnect(http_request, scoring)
-    return reply(http_request, result)
+    return reply(http_request, await service.score(request, tensors=asks_binary(http_request)))

@@ -10,11 +10,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from rlserve_client.tensor_wire import MEDIA_TYPE
 from rlserve_client.tensor_wire import decode as client_decode
 from rlserve_client.tensor_wire import encode as client_encode
 from safetensors.torch import load, save
-
-from app.common.tensor_wire import MEDIA_TYPE
 
 PROMPTS = [[5, 77, 12, 200, 3], [9, 41]]
 RESPONSES = [[9, 41, 8, 130, 66], [2, 17, 250]]

@@ -106,23 +106,6 @@ async def test_the_same_seed_gives_the_same_trajectories_as_rollouts(api):
     assert [essence(t) for t in other.trajectories] != [essence(t) for t in served]
 
 
-def test_client_twins_agree_with_the_server():
-    import random
-
-    from rlserve_client.advantages import group_advantages as client_advantages
-    from rlserve_client.seeds import turn_seed as client_seed
-
-    from app.engine.sampling import turn_seed as server_seed
-    from app.rollouts.advantages import group_advantages as server_advantages
-
-    rng = random.Random(0)
-    rewards = [[rng.choice([0.0, 0.1, 1.0]) for _ in range(rng.randint(1, 4))] for _ in range(12)]
-    for how in ("steps", "sum", "mean", "max", "last"):
-        assert client_advantages(rewards, 3, how) == server_advantages(rewards, 3, how)  # type: ignore[arg-type]
-    for seed, index, turn in [(0, 0, 0), (7, 3, 2), (2**40, 1, 9)]:
-        assert client_seed(seed, index, turn) == server_seed(seed, index, turn)
-
-
 async def test_an_episodes_requests_carry_its_session_for_sticky_routing(app):
     """Every request of one session (its resets, its turns' generations, its steps) carries
     the session's id in `x-session-id`, the header Ray Serve's consistent-hash router routes

@@ -142,6 +142,19 @@ DATASET_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
+def error_body(exc: BaseException) -> dict[str, object]:
+    """The error shape of any exception (a failure's own, else an internal error), for an
+    answer already under way, such as a stream."""
+    if isinstance(exc, Failure):
+        error = failure_error(exc)
+        info = ErrorInfo(
+            message=error.message, type=error.type, param=error.param, code=error.status_code
+        )
+    else:
+        info = ErrorInfo(message="internal error", type="internal_error", code=500)
+    return ErrorResponse(error=info).model_dump()
+
+
 def error_response(exc: APIError) -> JSONResponse:
     info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.status_code)
     body = ErrorResponse(error=info).model_dump()

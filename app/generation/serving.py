@@ -8,14 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from app.common.failures import TooLarge, invalid
-from app.common.inputs import InputPreparer, Prepared, check_num_items
+from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import messages
 from app.common.sequences import SequenceSplit
-from app.config import Settings
+from app.common.serving import ModelServing
 from app.engine.base import Backend, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec
-from app.engine.registry import ModelRegistry
 from app.engine.sampling import row_seed
 from app.engine.types import GenerateItem, Generation, SamplingConfig, TokenSink
 from app.generation.protocol import (
@@ -37,18 +36,7 @@ class Sampled:
     """Per generation, what the request asked beyond log-probs, over its response."""
 
 
-class GenerationService:
-    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
-        self.registry = registry
-        self.settings = settings
-
-    def max_new_tokens(self, requested: int | None, field: str = "max_new_tokens") -> int:
-        value = requested or self.settings.default_max_new_tokens
-        limit = self.settings.max_new_tokens_limit
-        if value > limit:
-            raise invalid(field, f"{value} exceeds the server's limit of {limit}")
-        return value
-
+class GenerationService(ModelServing):
     async def sample(
         self,
         model: str,
@@ -128,30 +116,24 @@ class GenerationService:
         return await self.sample("policy", prepared, config, seed=seed)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        served = self.registry.get(request.model)
-        field = request.given_inputs()[0]
-        num_samples = request.num_samples
-        check_num_items(
-            request.num_items() * num_samples, self.settings.max_items_per_request, field
-        )
         max_new_tokens = self.max_new_tokens(
             request.max_tokens or request.max_new_tokens,
             "max_tokens" if request.max_tokens else "max_new_tokens",
         )
-        preparer = served.preparer
-        prompts = await preparer.off_loop(
-            preparer.checked_prompts, request, field, max_new_tokens=max_new_tokens
+        inputs = await self.prompts(
+            request, request.model, max_new_tokens=max_new_tokens, per_item=request.num_samples
         )
         config = request.to_sampling_config(max_new_tokens)
-        asks = self._asks(request, prompts, max_new_tokens, served.backend)
+        asks = self._asks(request, inputs.items, max_new_tokens, inputs.served.backend)
         sampled = await self.sample(
-            request.model, prompts, config, n=num_samples, seed=request.seed, asks=asks
+            request.model, inputs.items, config, n=request.num_samples, seed=request.seed, asks=asks
         )
+        preparer = inputs.preparer
         outputs = await preparer.off_loop(_generated_samples, sampled, preparer, request)
         return GenerateResponse(
             policy_version=sampled.version,
             model=request.model,
-            pad_token_id=served.preparer.pad_token_id,
+            pad_token_id=preparer.pad_token_id,
             outputs=outputs,
         )
 

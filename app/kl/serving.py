@@ -5,19 +5,14 @@ from __future__ import annotations
 import math
 
 from app.common.failures import invalid
-from app.common.inputs import Prepared, check_num_items
+from app.common.inputs import Prepared
 from app.common.protocol import TokenFields
-from app.config import Settings
-from app.engine.registry import ModelRegistry
+from app.common.serving import ModelServing
 from app.kl.estimators import per_token_kl, shape_rewards
 from app.kl.protocol import KLRequest, KLResponse, KLSample
 
 
-class KLService:
-    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
-        self.registry = registry
-        self.settings = settings
-
+class KLService(ModelServing):
     async def kl(self, request: KLRequest) -> KLResponse:
         pair = self.registry.get_pair()
         field = request.given_inputs()[0]
@@ -27,9 +22,7 @@ class KLService:
                 f"needs messages or a prompt/response split to know which tokens count, got "
                 f"{field}; send assistant_only=false to count every token",
             )
-        check_num_items(request.num_items(), self.settings.max_items_per_request, field)
-        preparer = pair.policy.preparer
-        prepared = await preparer.off_loop(preparer.checked_sequences, request, field)
+        prepared = (await self.sequences(request, "policy")).items
         given = request.policy_log_probs
         if given is not None:
             for i, (item, values) in enumerate(zip(prepared, given, strict=True)):

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions` and `POST /v1/completions`: OpenAI's shapes, OpenAI's status
 codes (an invalid request is a 400, as OpenAI answers it), server-sent events with `stream`."""
 
-from collections.abc import Callable, Coroutine
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request, Response
@@ -16,6 +17,7 @@ from app.errors import (
     ERROR_RESPONSES,
     APIError,
     ErrorResponse,
+    error_body,
     error_response,
     failure_error,
     validation_error,
@@ -27,6 +29,9 @@ from app.openai_compat.protocol import (
     CompletionRequest,
 )
 from app.openai_compat.serving import Job, OpenAIService
+from app.openai_compat.streaming import sse_event
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIRoute(CancellableRoute):
@@ -79,8 +84,20 @@ async def _answer(job: Job, service: OpenAIService) -> Response:
     if job.request.stream:
         events = await service.open_stream(job)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_sse(events), media_type="text/event-stream", headers=headers)
     return json_response(await service.complete(job))
+
+
+async def _sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, then `[DONE]`; a failure after the stream started is an `error` event in
+    OpenAI's error shape (the status line is already sent)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        logger.warning("stream failed: %r", exc)
+        yield sse_event(error_body(exc))
+    yield "data: [DONE]\n\n"
 
 
 @router.post(

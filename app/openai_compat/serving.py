@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.common.failures import NotFound, invalid
-from app.common.inputs import Prepared, check_num_items
+from app.common.inputs import Prepared
 from app.common.protocol import wire_spans
+from app.common.serving import ModelServing
 from app.config import Settings
 from app.engine.distribution import ScoreSpec
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
 from app.engine.types import Generation, SamplingConfig
-from app.errors import FAILURES, ErrorInfo, ErrorResponse, failure_error
 from app.generation.serving import GenerationService, Sampled
 from app.openai_compat.protocol import (
     AssistantMessage,
@@ -43,7 +42,13 @@ from app.openai_compat.protocol import (
     ToolCallDelta,
     Usage,
 )
-from app.openai_compat.streaming import IncrementalText, Tokens, TokenStream, final_text
+from app.openai_compat.streaming import (
+    IncrementalText,
+    Tokens,
+    TokenStream,
+    final_text,
+    sse_event,
+)
 from app.openai_compat.tokens import TokenTexts
 from app.openai_compat.tools import parse_tool_calls
 from app.scoring.extras import extras
@@ -87,7 +92,7 @@ class Job:
         return self.prompts[choice // self.n]
 
 
-class OpenAIService:
+class OpenAIService(ModelServing):
     def __init__(
         self,
         registry: ModelRegistry,
@@ -95,15 +100,15 @@ class OpenAIService:
         trajectories: TrajectoryService,
         settings: Settings,
     ) -> None:
-        self.registry = registry
+        super().__init__(registry, settings)
         self.generation = generation
         self.trajectories = trajectories
-        self.settings = settings
         self._texts: dict[str, TokenTexts] = {}
 
     # -- checking ----------------------------------------------------------------------
 
-    def _served(self, name: str) -> ServedModel:
+    def served(self, name: str) -> ServedModel:
+        """The model named in the request; OpenAI answers an unknown one with 404."""
         if self.registry.not_ready_reason() is None and name not in self.registry.models:
             served = ", ".join(sorted(self.registry.models))
             raise NotFound(f"model '{name}' does not exist (served: {served})", param="model")
@@ -112,7 +117,7 @@ class OpenAIService:
     async def chat_job(
         self, request: ChatCompletionRequest, owner: str, trajectory_id: str | None
     ) -> Job:
-        served = self._served(request.model)
+        served = self.served(request.model)
         preparer = served.preparer
         if not preparer.has_chat_template:
             raise invalid("messages", "this model's tokenizer has no chat template")
@@ -122,7 +127,7 @@ class OpenAIService:
                 raise invalid("tools", "this model's chat template does not render tools")
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         messages = [m.for_template() for m in request.messages]
-        max_new = self.generation.max_new_tokens(
+        max_new = self.max_new_tokens(
             request.max_new_tokens,
             "max_completion_tokens" if request.max_completion_tokens else "max_tokens",
         )
@@ -139,9 +144,9 @@ class OpenAIService:
     async def completion_job(
         self, request: CompletionRequest, owner: str, trajectory_id: str | None
     ) -> Job:
-        served = self._served(request.model)
+        served = self.served(request.model)
         preparer = served.preparer
-        max_new = self.generation.max_new_tokens(request.max_tokens, "max_tokens")
+        max_new = self.max_new_tokens(request.max_tokens, "max_tokens")
         texts, token_lists = request.prompts()
 
         def prepare() -> list[Prepared]:
@@ -174,7 +179,7 @@ class OpenAIService:
         owner: str,
         trajectory_id: str | None,
     ) -> Job:
-        check_num_items(len(prompts) * request.n, self.settings.max_items_per_request, "n")
+        self.check_num_items(len(prompts) * request.n, "n")
         top_field = "top_logprobs" if kind == "chat" else "logprobs"
         if logprobs and logprobs > self.settings.max_top_logprobs:
             raise invalid(
@@ -334,7 +339,8 @@ class OpenAIService:
     async def open_stream(self, job: Job) -> AsyncIterator[str]:
         """Start sampling and wait until it is admitted (a failure until then is an ordinary
         error reply); then the server-sent events: OpenAI's chunks as tokens are sampled, and
-        `[DONE]`. A failure after that is an `error` event in OpenAI's error shape."""
+        `[DONE]` (added by the route, which also turns a failure after the start into an
+        `error` event in OpenAI's error shape)."""
         await self._check_trajectory(job)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Tokens]] = asyncio.Queue()
@@ -391,11 +397,8 @@ class OpenAIService:
             preparer = job.served.preparer
             for line in await preparer.off_loop(chunks.closing, sampled.generations, turn):
                 yield line
-        except Exception as exc:
-            yield _event(_error_body(exc))
         finally:
             await _stop(task)  # a client that went away: its rows stop at their next token
-        yield "data: [DONE]\n\n"
 
 
 async def _stop(task: asyncio.Task[Sampled]) -> None:
@@ -429,7 +432,7 @@ class _Chunks:
             body: Any = ChatCompletionChunk(id=f"chatcmpl-{job.id}", choices=choices, **common)
         else:
             body = Completion(id=f"cmpl-{job.id}", choices=choices, **common)
-        return _event(body.model_dump(mode="json", exclude_none=True))
+        return sse_event(body.model_dump(mode="json", exclude_none=True))
 
     def opening(self) -> list[str]:
         if self.job.kind != "chat":
@@ -553,20 +556,3 @@ def _usage(job: Job, generations: list[Generation]) -> Usage:
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
-
-
-def _event(data: Any) -> str:
-    """One server-sent event. The JSON is ASCII: a U+2028 or a NEL in a reply would end the
-    line for clients that split lines the way Python's str.splitlines does."""
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _error_body(exc: Exception) -> dict[str, Any]:
-    if any(cls in FAILURES for cls in type(exc).__mro__):
-        error = failure_error(exc)  # type: ignore[arg-type]
-        info = ErrorInfo(
-            message=error.message, type=error.type, param=error.param, code=error.status_code
-        )
-    else:
-        info = ErrorInfo(message="internal error", type="internal_error", code=500)
-    return ErrorResponse(error=info).model_dump()

@@ -5,8 +5,10 @@ unfinished UTF-8 character), so the chunks of a stream add up to the non-streame
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 REPLACEMENT = "\ufffd"
 
@@ -122,3 +124,9 @@ class IncrementalText:
             self._shown.append(text)
             self.shown_length += len(text)
         return text
+
+
+def sse_event(data: Any) -> str:
+    """One server-sent event. The JSON is ASCII: a U+2028 or a NEL in a reply would end the
+    line for clients that split lines the way Python's str.splitlines does."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

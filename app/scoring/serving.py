@@ -8,32 +8,29 @@ from dataclasses import replace
 from typing import Any
 
 from app.common.failures import TooLarge, invalid
-from app.common.inputs import Prepared, check_num_items
+from app.common.inputs import Prepared
 from app.common.protocol import WireModel
 from app.common.samples import scored_sample
-from app.config import Settings
+from app.common.serving import ModelServing
 from app.engine.distribution import ScoreSpec
-from app.engine.registry import ModelRegistry
 from app.scoring.extras import extras, mismatch
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse, ScoredSample, Span
 
 
-class ScoringService:
-    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
-        self.registry = registry
-        self.settings = settings
-
+class ScoringService(ModelServing):
     async def score(
         self, request: LogProbsRequest, *, tensors: bool = False
     ) -> LogProbsResponse | dict[str, Any]:
         """The response; with `tensors`, as a body for the binary reply, whose per-position
         extras stay tensors (never Python lists)."""
-        served = self.registry.get(request.model)
-        field = request.given_inputs()[0]
-        check_num_items(request.num_items(), self.settings.max_items_per_request, field)
-        self._check_asks(request, served.backend.info.vocab_size)
-        preparer = served.preparer
-        prepared = await preparer.off_loop(preparer.checked_sequences, request, field)
+        self._check_asks(request, self.served(request.model).backend.info.vocab_size)
+        inputs = await self.sequences(request, request.model)
+        served, field, prepared, preparer = (
+            inputs.served,
+            inputs.field,
+            inputs.items,
+            inputs.preparer,
+        )
         spans = [_span(request, item) for item in prepared]
         _check_reference(request, prepared, spans)
         asks = _asks(request)

@@ -327,3 +327,40 @@ async def test_events_are_ascii_lines(client):
     text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
     reply = await client.post("/v1/completions", json={**body, "stream": False})
     assert text == reply.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("raised", ["failure", "bug"])
+async def test_a_failure_after_the_stream_started_is_an_error_event(app, client, raised):
+    """Once the status line is sent, a failure is the stream's last event before [DONE]: its
+    own error shape for a domain failure, an internal error (no details) for anything else."""
+    from app.common.failures import Conflict
+
+    service = app.state.openai
+
+    async def fail(job, sampled):  # type: ignore[no-untyped-def]
+        if raised == "failure":
+            raise Conflict("the trajectory changed", param="trajectory_id")
+        raise RuntimeError("a secret detail")
+
+    service._record = fail
+    body = {"model": "policy", "prompt": "x", "max_tokens": 4, "seed": 3, "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    lines = [line for line in response.text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all("error" not in json.loads(line[6:]) for line in lines[:-2])
+    error = json.loads(lines[-2][6:])["error"]
+    if raised == "failure":
+        assert error == {
+            "message": "the trajectory changed",
+            "type": "conflict_error",
+            "param": "trajectory_id",
+            "code": 409,
+        }
+    else:
+        assert error == {
+            "message": "internal error",
+            "type": "internal_error",
+            "param": None,
+            "code": 500,
+        }

@@ -1,0 +1,70 @@
+"""The preamble every model route shares, in one base class (vLLM's `OpenAIServing` plays this
+part): find the model, bound the number of items, check the generation length, and prepare
+the inputs on the model's tokenizer thread, never on the event loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.common.failures import invalid
+from app.common.inputs import InputPreparer, Prepared, check_num_items
+from app.config import Settings
+from app.engine.registry import ModelRegistry
+from app.engine.served import ServedModel
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A request's inputs, checked and prepared for one served model."""
+
+    served: ServedModel
+    field: str
+    """The request field the inputs came from (errors name it)."""
+    items: list[Prepared]
+
+    @property
+    def preparer(self) -> InputPreparer:
+        return self.served.preparer
+
+
+class ModelServing:
+    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+        self.registry = registry
+        self.settings = settings
+
+    def served(self, model: str) -> ServedModel:
+        return self.registry.get(model)
+
+    def max_new_tokens(self, requested: int | None, field: str = "max_new_tokens") -> int:
+        value = requested or self.settings.default_max_new_tokens
+        limit = self.settings.max_new_tokens_limit
+        if value > limit:
+            raise invalid(field, f"{value} exceeds the server's limit of {limit}")
+        return value
+
+    def check_num_items(self, num_items: int, field: str) -> None:
+        check_num_items(num_items, self.settings.max_items_per_request, field)
+
+    async def prompts(
+        self, request: Any, model: str, *, max_new_tokens: int, per_item: int = 1
+    ) -> Inputs:
+        """The prompts of a generation request (messages, text or tokens), `per_item`
+        generations each counted against the item limit."""
+        served = self.served(model)
+        field = request.given_inputs()[0]
+        self.check_num_items(request.num_items() * per_item, field)
+        preparer = served.preparer
+        items = await preparer.off_loop(
+            preparer.checked_prompts, request, field, max_new_tokens=max_new_tokens
+        )
+        return Inputs(served, field, items)
+
+    async def sequences(self, request: Any, model: str) -> Inputs:
+        """The whole sequences of a scoring request (messages, text, tokens or splits)."""
+        served = self.served(model)
+        field = request.given_inputs()[0]
+        self.check_num_items(request.num_items(), field)
+        preparer = served.preparer
+        items = await preparer.off_loop(preparer.checked_sequences, request, field)
+        return Inputs(served, field, items)

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeVar
 
+from rlserve_client.sequences import SequenceSplit
+
 from app.common.failures import TooLarge, invalid
 from app.common.masks import (
+    Conversation,
     TemplateFraming,
     assistant_spans,
     assistant_spans_by_prefixes,
     template_framing,
 )
-from app.common.sequences import SequenceSplit
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-Conversation = list[dict[str, str]]
 T = TypeVar("T")
 
 

@@ -11,11 +11,9 @@ assistant header."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from app.common.inputs import Conversation, InputPreparer
-
+Conversation = list[dict[str, str]]
 Spans = list[tuple[int, int]]
 _OPEN, _CLOSE, _END = "\ue000", "\ue001", "\ue002"
 _PROBE = "\ue003"
@@ -30,7 +28,16 @@ class TemplateFraming(NamedTuple):
     end_of_turn: str  # what closes it, trailing whitespace excluded
 
 
-def template_framing(preparer: InputPreparer) -> TemplateFraming:
+class ChatTemplate(Protocol):
+    """What the spans need of a model's input preparer (`app.common.inputs.InputPreparer`)."""
+
+    def render(self, conversation: Conversation, *, generation_prompt: bool) -> str: ...
+
+    @property
+    def framing(self) -> TemplateFraming: ...
+
+
+def template_framing(preparer: ChatTemplate) -> TemplateFraming:
     """The template's assistant framing, from a probe conversation (cached by the preparer)."""
     user = [{"role": "user", "content": _PROBE}]
     opened = preparer.render(user, generation_prompt=True)
@@ -43,7 +50,7 @@ def template_framing(preparer: InputPreparer) -> TemplateFraming:
 
 
 def assistant_spans(
-    preparer: InputPreparer, conversation: Conversation, text: str, *, generation_prompt: bool
+    preparer: ChatTemplate, conversation: Conversation, text: str, *, generation_prompt: bool
 ) -> Spans | None:
     """Spans from one marked rendering; None when the markers cannot be trusted."""
     if any(c in m["content"] for m in conversation for c in (_OPEN, _CLOSE, _END, _PROBE)):
@@ -100,7 +107,7 @@ def _strip_markers(rendered: str) -> tuple[str, dict[tuple[str, int], int]]:
 
 
 def assistant_spans_by_prefixes(
-    preparer: InputPreparer, conversation: Conversation, text: str
+    preparer: ChatTemplate, conversation: Conversation, text: str
 ) -> Spans:
     """Two renders per assistant turn (quadratic); for templates that rewrite content."""
     spans: Spans = []

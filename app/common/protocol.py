@@ -3,11 +3,13 @@ TorchRL-style sample containers (text / tokens / masks / log_probs / history).""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from fastapi import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+from rlserve_client import types as containers
 
 from app.engine import types as engine_types
 
@@ -15,6 +17,27 @@ ModelName = Literal["policy", "reference"]
 TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+def one_of(*choices: tuple[str, ...], optional: bool = False) -> Callable[[dict[str, Any]], None]:
+    """A model's JSON-schema hook (`json_schema_extra`) stating what its validator checks:
+    exactly one choice (at most one with `optional`) has all its fields given (non-null),
+    and every field of the other choices is absent or null. So the spec promises no more
+    than validation allows."""
+    fields = [name for choice in choices for name in choice]
+
+    def given(choice: tuple[str, ...]) -> dict[str, Any]:
+        properties: dict[str, Any] = {n: {"not": {"type": "null"}} for n in choice}
+        properties |= {n: {"type": "null"} for n in fields if n not in choice}
+        return {"required": list(choice), "properties": properties}
+
+    def hook(schema: dict[str, Any]) -> None:
+        alternatives = [given(choice) for choice in choices]
+        if optional:
+            alternatives.append({"properties": {n: {"type": "null"} for n in fields}})
+        schema["oneOf"] = alternatives
+
+    return hook
 
 
 def field_error(field: str, message: str) -> PydanticCustomError:
@@ -97,6 +120,8 @@ Conversation = Annotated[list[Message], Field(min_length=1)]
 class InputFields(WireModel):
     """Exactly one of `messages`, `text` or `tokens`; each a list with one entry per sequence."""
 
+    model_config = ConfigDict(json_schema_extra=one_of(("messages",), ("text",), ("tokens",)))
+
     messages: Annotated[list[Conversation], Field(min_length=1)] | None = Field(
         default=None, description="Chat conversations, templated with the model's chat template."
     )
@@ -126,6 +151,16 @@ def check_exactly_one(model: InputFields, allowed: tuple[str, ...]) -> None:
 class SplitInputFields(InputFields):
     """Scoring inputs: also a prompt/response split, as text or as tokens."""
 
+    model_config = ConfigDict(
+        json_schema_extra=one_of(
+            ("messages",),
+            ("text",),
+            ("tokens",),
+            ("prompt_text", "response_text"),
+            ("prompt_tokens", "response_tokens"),
+        )
+    )
+
     prompt_text: Annotated[list[str], Field(min_length=1)] | None = None
     response_text: Annotated[list[str], Field(min_length=1)] | None = None
     prompt_tokens: Annotated[list[list[TokenId]], Field(min_length=1)] | None = None
@@ -151,42 +186,24 @@ class SplitInputFields(InputFields):
         return len(getattr(self, self.given_inputs()[0]))
 
 
-class TextFields(WireModel):
-    prompt: str | None = None
-    response: str | None = None
-    full: str | None = None
+# TorchRL's containers: their fields are the client's (one definition both sides read), with
+# the strictness of every wire model here (WireModel last: its configuration wins).
 
 
-class TokenFields(WireModel):
-    prompt: list[int] | None = None
-    response: list[int] | None = None
-    full: list[int] | None = None
+class TextFields(containers.Text, WireModel):
+    pass
 
 
-class LogProbFields(WireModel):
-    prompt: list[float] | None = None
-    response: list[float] | None = Field(
-        default=None,
-        description="Log-probs of the response tokens under the raw model distribution "
-        "(temperature 1, no top-k/top-p/penalty): what a trainer's own forward computes.",
-    )
-    response_processed: list[float] | None = Field(
-        default=None,
-        description="Generation only: log-probs of the sampled tokens under the distribution "
-        "actually sampled from (after repetition penalty, temperature, top-k and top-p).",
-    )
-    full: list[float] | None = Field(
-        default=None,
-        description="log p(x_t | x_<t) for every token of tokens.full; position 0 is 0.0.",
-    )
+class TokenFields(containers.Tokens, WireModel):
+    pass
 
 
-class Masks(WireModel):
-    all_attention_mask: list[int] | None = None
-    all_assistant_mask: list[int] | None = Field(
-        default=None,
-        description="1 on tokens written by the assistant (content and end-of-turn token).",
-    )
+class LogProbFields(containers.LogProbs, WireModel):
+    pass
+
+
+class Masks(containers.Masks, WireModel):
+    pass
 
 
 class HistoryFields(WireModel):
@@ -195,10 +212,8 @@ class HistoryFields(WireModel):
     full: list[Message] | None = None
 
 
-class VersionSpan(WireModel):
-    version: int
-    start: int = Field(description="First response token (index into tokens.response).")
-    end: int = Field(description="One past the last response token.")
+class VersionSpan(containers.VersionSpan, WireModel):
+    pass
 
 
 def wire_spans(spans: list[engine_types.VersionSpan] | None) -> list[VersionSpan] | None:

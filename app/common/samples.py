@@ -1,9 +1,37 @@
-"""Assemble TorchRL-style samples from prepared inputs and backend results."""
+"""Assemble TorchRL-style samples from prepared inputs and backend results: the wire forms
+of the sample layout that `rlserve_client.sequences` builds."""
 
 from __future__ import annotations
 
+from rlserve_client.sequences import LogProbParts, MaskParts, Parts
+
 from app.common.inputs import InputPreparer, Prepared
-from app.common.protocol import HistoryFields, Message, Sample, TextFields
+from app.common.protocol import (
+    HistoryFields,
+    LogProbFields,
+    Masks,
+    Message,
+    Sample,
+    TextFields,
+    TokenFields,
+)
+
+
+def token_fields(parts: Parts[int]) -> TokenFields:
+    return TokenFields(full=parts.full, prompt=parts.prompt, response=parts.response)
+
+
+def mask_fields(masks: MaskParts) -> Masks:
+    return Masks(all_attention_mask=masks.attention, all_assistant_mask=masks.assistant)
+
+
+def log_prob_fields(parts: LogProbParts) -> LogProbFields:
+    return LogProbFields(
+        full=parts.full,
+        prompt=parts.prompt,
+        response=parts.response,
+        response_processed=parts.response_processed,
+    )
 
 
 def messages(conversation: list[dict[str, str]] | None) -> list[Message] | None:
@@ -30,8 +58,8 @@ def scored_sample(
             history.response = messages(item.history[len(item.prompt_history) :])
     return Sample(
         text=text,
-        tokens=split.tokens(),
-        masks=split.masks(),
-        log_probs=split.log_probs(full=values),
+        tokens=token_fields(split.token_parts()),
+        masks=mask_fields(split.mask_parts()),
+        log_probs=log_prob_fields(split.log_prob_parts(full=values)),
         history=history,
     )

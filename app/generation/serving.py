@@ -7,11 +7,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from rlserve_client.sequences import SequenceSplit
+
 from app.common.failures import TooLarge, invalid
 from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import HistoryFields, TextFields, wire_spans
-from app.common.samples import messages
-from app.common.sequences import SequenceSplit
+from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
 from app.common.serving import ModelServing
 from app.engine.base import Backend, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec
@@ -90,10 +91,10 @@ class GenerationService(ModelServing):
         """The per-step extras a request asks for, checked against the server's bounds."""
         if not request.top_logprobs and not request.entropy:
             return None
-        if request.top_logprobs > self.settings.max_top_logprobs:
+        if request.top_logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 "top_logprobs",
-                f"at most {self.settings.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
             )
         limit = backend.full_distribution_limit()
         longest = max(len(p.ids) for p in prompts) + max_new_tokens
@@ -188,10 +189,12 @@ def generated_sample(
     split = SequenceSplit.generated(prompt.ids, response)
     log_probs = None
     if with_log_probs:
-        log_probs = split.log_probs(
-            response=generation.log_probs,
-            prompt=generation.prompt_log_probs,
-            response_processed=generation.processed_log_probs,
+        log_probs = log_prob_fields(
+            split.log_prob_parts(
+                response=generation.log_probs,
+                prompt=generation.prompt_log_probs,
+                response_processed=generation.processed_log_probs,
+            )
         )
     history = None
     if prompt.history is not None:
@@ -208,8 +211,8 @@ def generated_sample(
             response=preparer.decode(response, skip_special=skip_special_tokens),
             full=preparer.decode(split.ids),
         ),
-        tokens=split.tokens(),
-        masks=split.masks(),
+        tokens=token_fields(split.token_parts()),
+        masks=mask_fields(split.mask_parts()),
         log_probs=log_probs,
         history=history,
         finish_reason=generation.finish_reason,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field
+from rlserve_client import types as containers
 
 from app.common.protocol import WireModel
 
@@ -23,22 +24,8 @@ class ReadyResponse(WireModel):
     pause_mode: Literal["wait", "abort", "keep"] | None = None
 
 
-class ModelCard(WireModel):
+class ModelCard(containers.ModelCard, WireModel):
     """OpenAI's model object (`id`, `object`, `created`, `owned_by`) with rlserve's fields."""
-
-    id: str = Field(description="The name requests use (OpenAI's field; equals name).")
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "rlserve"
-    name: str
-    source: str
-    backend: str
-    dtype: str
-    device: str
-    max_model_len: int
-    vocab_size: int
-    builtin: bool
-    pad_token_id: int
 
 
 class ModelsResponse(WireModel):

@@ -1,12 +1,15 @@
-"""Wire models of `POST /v1/rollouts`: the server runs the generate -> step loop itself."""
+"""Wire models of `POST /v1/rollouts`: the server runs the generate -> step loop itself. Steps
+and trajectories are built here from the domain values of a turn (`of`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn
+from rlserve_client.sequences import SequenceSplit
 
+from app.common.inputs import Conversation
 from app.common.protocol import (
     VERSIONS_DESCRIPTION,
     LogProbFields,
@@ -22,9 +25,13 @@ from app.common.protocol import (
     VersionSpan,
     WireModel,
     field_error,
+    one_of,
+    wire_spans,
 )
-from app.engine.types import SamplingConfig
-from app.envs.protocol import EnvConfig
+from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
+from app.engine.types import Generation, SamplingConfig
+from app.envs.engine import RowOutcome
+from app.envs.protocol import EnvConfig, step_info
 from app.generation.protocol import StopList
 
 
@@ -57,9 +64,17 @@ class RolloutGeneration(WireModel):
         )
 
 
+def _rollout_choices(schema: dict[str, Any]) -> None:
+    """Exactly one of env and env_id; with env_id, num_envs is 1."""
+    one_of(("env",), ("env_id",))(schema)
+    schema["oneOf"][1]["properties"]["num_envs"] = {"const": 1}
+
+
 class RolloutRequest(WireModel):
     """Run `num_episodes` episodes: in `num_envs` temporary sessions made from `env`, or in the
     existing session `env_id`. Episodes draw their prompts from the session's dataset."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: _rollout_choices(schema))
 
     env: EnvConfig | None = None
     env_id: str | None = None
@@ -112,6 +127,32 @@ class RolloutStep(WireModel):
         default=None, description="GRPO groups: this step's advantage (see trajectory_return)."
     )
 
+    @classmethod
+    def of(
+        cls,
+        prompt: list[int],
+        generation: Generation,
+        response_text: str,
+        version: int,
+        outcome: RowOutcome,
+    ) -> RolloutStep:
+        """The turn that answered `prompt` with `generation` (its text decoded as given)."""
+        split = SequenceSplit.generated(prompt, generation.token_ids)
+        return cls(
+            text=TextFields(response=response_text),
+            tokens=token_fields(split.token_parts()),
+            log_probs=log_prob_fields(split.log_prob_parts(response=generation.log_probs)),
+            masks=mask_fields(split.mask_parts()),
+            reward=outcome.reward,
+            done=outcome.done,
+            terminated=outcome.terminated,
+            truncated=outcome.truncated,
+            policy_version=version,
+            policy_versions=wire_spans(generation.versions),
+            finish_reason=generation.finish_reason,
+            info=step_info(outcome),
+        )
+
 
 class Trajectory(WireModel):
     env_id: str
@@ -127,6 +168,18 @@ class Trajectory(WireModel):
         "group std (unbiased, clamped at 1e-6), as TorchRL's MCAdvantage computes it.",
     )
     history: list[Message] | None = Field(default=None, description="Chat: the final history.")
+
+    @classmethod
+    def of(
+        cls, env_id: str, row: int, steps: list[RolloutStep], history: Conversation | None
+    ) -> Trajectory:
+        return cls(
+            env_id=env_id,
+            row=row,
+            steps=steps,
+            reward=sum(s.reward for s in steps),
+            history=messages(history),
+        )
 
 
 class RolloutResponse(WireModel):

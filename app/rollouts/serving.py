@@ -1,22 +1,23 @@
-"""Server-side rollouts: the generate -> step loop of `collect`, without a round trip per turn."""
+"""Server-side rollouts: the round loop of `collect` (`rlserve_client.rounds`), without a round
+trip per turn."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TypeAlias
 
-from rlserve_client.advantages import TrajectoryReturn, group_advantages
-from rlserve_client.seeds import turn_seed
+from rlserve_client.advantages import assign_advantages
+from rlserve_client.rounds import Turn, Versioned, play_round
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer
-from app.common.protocol import TextFields, wire_spans
-from app.common.sequences import SequenceSplit
-from app.engine.types import Generation
-from app.envs.episodes import Act
-from app.envs.protocol import EnvConfig, ResetRequest, StepOutput
+from app.engine.types import Generation, SamplingConfig
+from app.envs.engine import RowOutcome
+from app.envs.episodes import Act, Observation
 from app.envs.service import EnvService
+from app.envs.spec import EnvSpec
 from app.generation.serving import GenerationService
 from app.rollouts.protocol import (
     RolloutGeneration,
@@ -28,14 +29,20 @@ from app.rollouts.protocol import (
 
 
 class RolloutService:
-    def __init__(self, envs: EnvService, generation: GenerationService) -> None:
+    def __init__(
+        self, envs: EnvService, generation: GenerationService, *, max_rollout_turns: int
+    ) -> None:
         self.envs = envs
         self.generation = generation
+        self.max_rollout_turns = max_rollout_turns
 
     async def run(self, request: RolloutRequest, owner: str) -> RolloutResponse:
         """Episodes in the caller's session (`env_id`) or in temporary sessions it owns."""
-        config = request.env or (await self.envs.get(request.env_id or "", owner)).config
-        limit = self.generation.settings.max_rollout_turns
+        if request.env is not None:
+            config = request.env.to_spec()
+        else:
+            config = (await self.envs.get(request.env_id or "", owner)).config
+        limit = self.max_rollout_turns
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
         num_rounds = request.num_episodes // config.batch_size
         rounds = iter(range(num_rounds))  # shared: each session takes the next round it can
@@ -59,7 +66,7 @@ class RolloutService:
 
     @contextlib.asynccontextmanager
     async def _sessions(
-        self, request: RolloutRequest, owner: str, config: EnvConfig, num_rounds: int
+        self, request: RolloutRequest, owner: str, config: EnvSpec, num_rounds: int
     ) -> AsyncIterator[list[str]]:
         """The existing session, or temporary ones deleted afterwards (also on failure)."""
         if request.env_id is not None:
@@ -79,63 +86,52 @@ class RolloutService:
         self,
         env_id: str,
         owner: str,
-        config: EnvConfig,
+        config: EnvSpec,
         generation: RolloutGeneration,
         index: int,
     ) -> list[Trajectory]:
-        """One batch of episodes in one session: reset from the dataset, then turns until
-        every row is done."""
-        observations = (await self.envs.reset(env_id, owner, ResetRequest())).observations
-        steps: list[list[RolloutStep]] = [[] for _ in observations]
-        live = list(range(len(observations)))
+        """One batch of episodes in one session (the loop `collect` runs too)."""
         sampling = generation.to_sampling_config(
             self.generation.max_new_tokens(generation.max_new_tokens, "generation.max_new_tokens")
         )
+        session = _PolicySession(self, env_id, owner, sampling)
+        played = await play_round(session, generation.seed, index)
         preparer = self.envs.registry.get("policy").preparer
-        turn = 0
-        while live:
-            seed = None if generation.seed is None else turn_seed(generation.seed, index, turn)
-            prompts = [observations[i].prompt_tokens for i in live]
-            sampled = await self.generation.sample_tokens(prompts, sampling, seed=seed)
-            made = dict(zip(live, sampled.generations, strict=True))
-            actions = [
-                Act(tokens=made[i].token_ids) if i in made else None
-                for i in range(len(observations))
-            ]
-            stepped = await self.envs.step(env_id, owner, actions)
-            for i, made_i in made.items():
-                output = stepped.outputs[i]
-                prompt = observations[i].prompt_tokens
-                steps[i].append(_step(prompt, made_i, output, sampled.version, preparer))
-                observations[i] = output.observation
-            live = [i for i in live if not stepped.outputs[i].done]
-            turn += 1
+        texts = iter(await preparer.off_loop(_responses, preparer, played.turns))
         return [
-            Trajectory(
-                env_id=env_id,
-                row=row,
-                steps=row_steps,
-                reward=sum(s.reward for s in row_steps),
-                history=observations[row].history,
-            )
-            for row, row_steps in enumerate(steps)
+            Trajectory.of(env_id, row, [_step(t, next(texts)) for t in row_turns], last.history)
+            for row, (row_turns, last) in enumerate(zip(played.turns, played.last, strict=True))
         ]
 
 
-def assign_advantages(
-    trajectories: list[Trajectory], group_size: int, how: TrajectoryReturn
-) -> None:
-    """Group ids and advantages of consecutive groups of `group_size` trajectories."""
-    rewards = [[step.reward for step in t.steps] for t in trajectories]
-    advantages = group_advantages(rewards, group_size, how)
-    for i, (trajectory, values) in enumerate(zip(trajectories, advantages, strict=True)):
-        trajectory.group = i // group_size
-        trajectory.advantage = None if how == "steps" else values[0]
-        for step, value in zip(trajectory.steps, values, strict=True):
-            step.advantage = value
+Made: TypeAlias = Versioned[Generation]
 
 
-def _check(config: EnvConfig, num_episodes: int, max_turns: int, *, given_env: bool) -> None:
+class _PolicySession:
+    """A round's calls (`rlserve_client.rounds.Session`) on this server's services."""
+
+    def __init__(
+        self, service: RolloutService, env_id: str, owner: str, sampling: SamplingConfig
+    ) -> None:
+        self.service = service
+        self.env_id = env_id
+        self.owner = owner
+        self.sampling = sampling
+
+    async def reset(self) -> list[Observation]:
+        return await self.service.envs.reset(self.env_id, self.owner)
+
+    async def generate(self, observations: list[Observation], seed: int | None) -> list[Made]:
+        prompts = [o.prompt_tokens for o in observations]
+        sampled = await self.service.generation.sample_tokens(prompts, self.sampling, seed=seed)
+        return [Versioned(g, sampled.version) for g in sampled.generations]
+
+    async def step(self, actions: list[Made | None]) -> list[RowOutcome]:
+        acts = [None if a is None else Act(tokens=a.value.token_ids) for a in actions]
+        return (await self.service.envs.step(self.env_id, self.owner, acts)).outputs
+
+
+def _check(config: EnvSpec, num_episodes: int, max_turns: int, *, given_env: bool) -> None:
     def where(name: str) -> str:
         return f"env.{name}" if given_env else "env_id"
 
@@ -157,25 +153,15 @@ def _check(config: EnvConfig, num_episodes: int, max_turns: int, *, given_env: b
         )
 
 
-def _step(
-    prompt: list[int],
-    generation: Generation,
-    output: StepOutput,
-    version: int,
-    preparer: InputPreparer,
-) -> RolloutStep:
-    split = SequenceSplit.generated(prompt, generation.token_ids)
-    return RolloutStep(
-        text=TextFields(response=preparer.decode(generation.token_ids)),
-        tokens=split.tokens(),
-        log_probs=split.log_probs(response=generation.log_probs),
-        masks=split.masks(),
-        reward=output.reward,
-        done=output.done,
-        terminated=output.terminated,
-        truncated=output.truncated,
-        policy_version=version,
-        policy_versions=wire_spans(generation.versions),
-        finish_reason=generation.finish_reason,
-        info=output.info,
-    )
+PlayedTurn: TypeAlias = Turn[Observation, Made, RowOutcome]
+
+
+def _step(turn: PlayedTurn, response_text: str) -> RolloutStep:
+    made = turn.generation
+    prompt = turn.observation.prompt_tokens
+    return RolloutStep.of(prompt, made.value, response_text, made.version, turn.outcome)
+
+
+def _responses(preparer: InputPreparer, turns: list[list[PlayedTurn]]) -> list[str]:
+    """Every turn's generated text, row by row (on the tokenizer thread)."""
+    return [preparer.decode(t.generation.value.token_ids) for row in turns for t in row]

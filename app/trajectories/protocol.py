@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 from pydantic import Field
+from rlserve_client import types as containers
 
 from app.common.protocol import Sample, WireModel
 
 
-class TurnSpan(WireModel):
-    turn: int
-    start: int = Field(description="First token of this turn's completion in tokens.full.")
-    end: int = Field(description="One past its last token.")
-    finish_reason: str
-    policy_versions: list[list[int]] = Field(
-        description="[version, start, end] in tokens.full positions: which weights sampled "
-        "which of its tokens."
-    )
+class TurnSpan(containers.TurnSpan, WireModel):
+    pass
 
 
 class TrajectorySegment(Sample):
@@ -31,16 +25,8 @@ class TrajectorySegment(Sample):
     )
 
 
-class TrajectoryResponse(WireModel):
-    trajectory_id: str
-    num_turns: int
-    reward: float | None = None
-    segments: list[TrajectorySegment]
-    created_at: float
-    updated_at: float
-    pad_token_id: int | None = Field(
-        default=None, description="The recording model's pad token (for padding segments)."
-    )
+class TrajectoryResponse(containers.RecordedTrajectory, WireModel):
+    segments: list[TrajectorySegment]  # type: ignore[assignment]  # the server's segments
 
 
 class RewardRequest(WireModel):

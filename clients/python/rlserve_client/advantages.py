@@ -8,13 +8,14 @@
   group, and the trajectory's advantage is broadcast to its steps.
 
 Normalisation is (x - mean) / std with the unbiased std clamped at 1e-6, as in TorchRL. For
-single-turn episodes every choice gives the same advantages. Twin of the server's
-`app.rollouts.advantages` (the client does not depend on the server; tests check they agree)."""
+single-turn episodes every choice gives the same advantages. The server's `/v1/rollouts`
+imports this module too, so both paths give the same advantages."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, Protocol
 
 TrajectoryReturn = Literal["steps", "sum", "mean", "max", "last"]
 DEFAULT_TRAJECTORY_RETURN: TrajectoryReturn = "sum"
@@ -58,3 +59,34 @@ def group_advantages(
             returns = _normalise([trajectory_return(rewards, how) for rewards in group])
             out.extend([a] * len(rewards) for a, rewards in zip(returns, group, strict=True))
     return out
+
+
+class _Step(Protocol):
+    reward: float
+    advantage: float | None
+
+
+class _Trajectory(Protocol):
+    @property
+    def steps(self) -> Sequence[_Step]: ...
+
+    group: int | None
+    advantage: float | None
+
+
+def assign_advantages(
+    trajectories: Sequence[_Trajectory],
+    group_size: int,
+    how: TrajectoryReturn = DEFAULT_TRAJECTORY_RETURN,
+    first_group: int = 0,
+) -> None:
+    """Set the group ids (from `first_group` on) and advantages of consecutive groups of
+    `group_size` trajectories, and of their steps: the trajectory's advantage is None when
+    each step has its own ("steps")."""
+    rewards = [[step.reward for step in t.steps] for t in trajectories]
+    advantages = group_advantages(rewards, group_size, how)
+    for i, (trajectory, values) in enumerate(zip(trajectories, advantages, strict=True)):
+        trajectory.group = first_group + i // group_size
+        trajectory.advantage = None if how == "steps" else values[0]
+        for step, value in zip(trajectory.steps, values, strict=True):
+            step.advantage = value

@@ -10,19 +10,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rlserve_client._client import AsyncClient
-from rlserve_client._sequences import generated
-from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, group_advantages
+from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, assign_advantages
 from rlserve_client.progress import progress_bar
-from rlserve_client.seeds import turn_seed
+from rlserve_client.rounds import Turn, Versioned, play_round
+from rlserve_client.sequences import SequenceSplit
 from rlserve_client.types import (
-    GenerateResult,
     LogProbs,
+    Masks,
     Observation,
     RolloutResult,
     Sample,
     Step,
     StepOutput,
     Text,
+    Tokens,
     Trajectory,
 )
 
@@ -145,14 +146,7 @@ class _Runner:
     def _group(self, trajectories: list[Trajectory]) -> None:
         if self.repeats < 2:
             return
-        how = self.trajectory_return
-        rewards = [[step.reward for step in t.steps] for t in trajectories]
-        advantages = group_advantages(rewards, self.repeats, how)
-        for i, (trajectory, values) in enumerate(zip(trajectories, advantages, strict=True)):
-            trajectory.group = self.num_groups + i // self.repeats
-            trajectory.advantage = None if how == "steps" else values[0]
-            for step, value in zip(trajectory.steps, values, strict=True):
-                step.advantage = value
+        assign_advantages(trajectories, self.repeats, self.trajectory_return, self.num_groups)
         self.num_groups += len(trajectories) // self.repeats
 
     async def _result(self, trajectories: list[Trajectory]) -> RolloutResult:
@@ -166,62 +160,70 @@ class _Runner:
 
     async def _round(self, env_id: str, index: int) -> list[Trajectory]:
         """Reset from the dataset, then generate and step until every row is done."""
-        observations: list[Observation] = (await self.client.reset_env(env_id)).observations
-        steps: list[list[Step]] = [[] for _ in observations]
-        live = list(range(len(observations)))
-        self.num_live_rows += len(live)
-        turn = 0
-        while live:
-            generated = await self._generate(env_id, [observations[i] for i in live], index, turn)
-            self.pad_token_id = generated.pad_token_id
-            samples = dict(zip(live, generated.samples, strict=True))
-            actions = [
-                {"tokens": samples[i].tokens.response or []} if i in samples else None
-                for i in range(len(observations))
-            ]
-            stepped = await self.client.step_env(env_id, actions=actions)
-            for i, sample in samples.items():
-                output = stepped.outputs[i]
-                steps[i].append(_step(sample, output, generated.policy_version))
-                observations[i] = output.observation
-            live = [i for i in live if not stepped.outputs[i].done]
-            self.num_live_rows -= len(samples) - len(live)
-            self.num_turns += len(samples)
-            self.on_turns(len(samples))
-            turn += 1
+        seed = self.generation.get("seed")
+        played = await play_round(_RemoteSession(self, env_id), seed, index)
         return [
             Trajectory(
                 env_id=env_id,
                 row=row,
-                steps=row_steps,
-                reward=sum(s.reward for s in row_steps),
-                history=observations[row].history,
+                steps=[_step(t) for t in row_turns],
+                reward=sum(t.outcome.reward for t in row_turns),
+                history=last.history,
             )
-            for row, row_steps in enumerate(steps)
+            for row, (row_turns, last) in enumerate(zip(played.turns, played.last, strict=True))
         ]
 
-    async def _generate(
-        self, env_id: str, rows: list[Observation], index: int, turn: int
-    ) -> GenerateResult:
-        params = dict(self.generation)
-        if params.get("seed") is not None:
-            params["seed"] = turn_seed(params["seed"], index, turn)
-        tokens = [o.prompt_tokens for o in rows]
-        return await self.client.generate(tokens=tokens, n=1, sticky=env_id, **params)
+
+Made = Versioned[Sample]
 
 
-def _step(sample: Sample, output: StepOutput, version: int) -> Step:
-    tokens, masks = generated(sample.tokens.prompt or [], sample.tokens.response or [])
+class _RemoteSession:
+    """A round's calls (`rounds.Session`) over HTTP, counted for the progress bar."""
+
+    def __init__(self, collector: _Runner, env_id: str) -> None:
+        self.collector = collector
+        self.env_id = env_id
+
+    async def reset(self) -> list[Observation]:
+        observations = (await self.collector.client.reset_env(self.env_id)).observations
+        self.collector.num_live_rows += len(observations)
+        return observations
+
+    async def generate(self, observations: list[Observation], seed: int | None) -> list[Made]:
+        params = {k: v for k, v in self.collector.generation.items() if k != "seed"}
+        if seed is not None:
+            params["seed"] = seed
+        tokens = [o.prompt_tokens for o in observations]
+        client = self.collector.client
+        generated = await client.generate(tokens=tokens, n=1, sticky=self.env_id, **params)
+        self.collector.pad_token_id = generated.pad_token_id
+        return [Made(sample, generated.policy_version) for sample in generated.samples]
+
+    async def step(self, actions: list[Made | None]) -> list[StepOutput]:
+        wire = [None if a is None else {"tokens": a.value.tokens.response or []} for a in actions]
+        outputs = (await self.collector.client.step_env(self.env_id, actions=wire)).outputs
+        stepped = [o for a, o in zip(actions, outputs, strict=True) if a is not None]
+        collector = self.collector
+        collector.num_live_rows -= sum(o.done for o in stepped)
+        collector.num_turns += len(stepped)
+        collector.on_turns(len(stepped))
+        return outputs
+
+
+def _step(turn: Turn[Observation, Made, StepOutput]) -> Step:
+    sample, output = turn.generation.value, turn.outcome
+    split = SequenceSplit.generated(sample.tokens.prompt or [], sample.tokens.response or [])
+    tokens, masks = split.token_parts(), split.mask_parts()
     return Step(
         text=Text(response=sample.text.response if sample.text else None),
-        tokens=tokens,
+        tokens=Tokens(full=tokens.full, prompt=tokens.prompt, response=tokens.response),
         log_probs=LogProbs(response=sample.log_probs.response if sample.log_probs else []),
-        masks=masks,
+        masks=Masks(all_attention_mask=masks.attention, all_assistant_mask=masks.assistant),
         reward=output.reward,
         done=output.done,
         terminated=output.terminated,
         truncated=output.truncated,
-        policy_version=version,
+        policy_version=turn.generation.version,
         policy_versions=sample.policy_versions,
         finish_reason=sample.finish_reason,
         info=output.info,

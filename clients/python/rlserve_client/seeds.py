@@ -1,5 +1,5 @@
-"""Seed derivation of seeded episode collection: the twin of the server's
-`app.engine.sampling.turn_seed`, so `collect` and `/v1/rollouts` give the same trajectories."""
+"""Seed derivation of seeded episode collection. The server's `/v1/rollouts` imports it too, so
+`collect` and `/v1/rollouts` give the same trajectories."""
 
 from __future__ import annotations
 

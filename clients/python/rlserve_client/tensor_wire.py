@@ -1,104 +1,288 @@
-"""The server's binary bodies (media type MEDIA_TYPE, needs the `[torch]` extra): a safetensors
-file whose metadata entry "rlserve" is the JSON body with its numeric arrays taken out, each
-replaced by `{"$tensor": name, "row": i}` (optionally narrowed by "start"/"stop"): row i of
-the column `name`, stored as `name` (rows concatenated along dim 0) and `name.offsets`.
-A JSON null is NaN in a float column and -1 in an integer one (a removed token's log-prob is
--inf). The server's OpenAPI document describes the same format.
+"""Tensors on the wire: a request or response body as one safetensors file, so token ids,
+log-probs, top-k tables and masks travel as raw little-endian arrays instead of JSON numbers.
 
-Decoding builds no Python lists: every array is a view of one tensor per column, integers
-widened to int64 (torch's index type) and masks as bool."""
+Why safetensors: a maintained format with readers in Python, Rust and JavaScript, a bounded
+JSON header (no pickle, nothing executable) and zero-copy views; numpy and torch both load it.
 
+The format (media type MEDIA_TYPE):
+- The file's metadata entry "rlserve" is the body as JSON with every numeric array taken out.
+  In its place stands `{"$tensor": name, "row": i}`: row i of the column `name`, optionally
+  narrowed to `[start:stop]`.
+- A column is two tensors: `name`, its rows concatenated along dim 0, and `name.offsets`
+  (int64, one more than the rows): row i is `name[offsets[i]:offsets[i+1]]`. A row is 1-D
+  (per token) or 2-D (per token, k values: top-k tables, candidate ids).
+- Integers take the narrowest of uint8, int16, int32 and int64 that holds the column; floats
+  are float32 (what the server computes in). A JSON null is NaN in a float column and -1 in an
+  integer one; a removed token's log-prob (null in JSON) is -inf where the server scores
+  straight into tensors.
+- In a group holding `full`, `prompt` and `response` (tokens, log-probs), prompt and
+  response are slices of full's row, not sent twice."""
+
+# The one implementation of the format: the client and the server both import it (it needs the
+# client's `[torch]` extra; the server has torch anyway).
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
 try:
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load, save
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "binary bodies need torch and safetensors: pip install 'rlserve-client[torch]'"
     ) from error
 
+MEDIA_TYPE = "application/x-safetensors"
 METADATA_KEY = "rlserve"
+_SPLIT_PARTS = ("prompt", "response")
 M = TypeVar("M", bound=BaseModel)
 
 
-def _is_array(value: Any) -> bool:
-    return hasattr(value, "__dlpack__")  # torch tensors and numpy arrays
+class WireFormatError(ValueError):
+    """Bytes that are not a MEDIA_TYPE body."""
+
+
+def wants_binary(accept: str | None) -> bool:
+    """Whether an Accept header asks for MEDIA_TYPE (JSON stays the default)."""
+    if not accept:
+        return False
+    return any(part.split(";")[0].strip().lower() == MEDIA_TYPE for part in accept.split(","))
+
+
+# -- encoding -----------------------------------------------------------------------------
 
 
 def encode(body: dict[str, Any]) -> bytes:
-    """A request body whose tensors (torch or numpy) travel as columns; everything else stays
-    JSON. A 2-D tensor is one row of equal-length sequences (e.g. `tokens`), a list of 1-D
-    tensors one row each."""
+    """A body (plain values, lists, and torch or numpy arrays) as MEDIA_TYPE bytes. A 2-D
+    array is one row of equal-length sequences (e.g. `tokens`), a list of 1-D arrays one row
+    each; numeric lists become columns too."""
+    columns: dict[str, list[torch.Tensor]] = {}
+    skeleton = _take(body, "", columns)
     tensors: dict[str, torch.Tensor] = {}
+    for name, rows in columns.items():
+        values = torch.cat(rows) if len(rows) > 1 else rows[0]
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([len(r) for r in rows]).cumsum(0)
+        tensors[name] = _narrow(values).contiguous()
+        tensors[name + ".offsets"] = offsets
+    header = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
+    return save(tensors, metadata={METADATA_KEY: header})
 
-    def take(node: Any, path: str) -> Any:
-        if _is_array(node):
-            name = f"{path}~{len(tensors) // 2}"  # each given tensor is a column of one row
-            row = torch.as_tensor(node).detach().cpu()
-            tensors[name] = _narrow(row).contiguous()
-            tensors[name + ".offsets"] = torch.tensor([0, len(row)], dtype=torch.int64)
-            return {"$tensor": name, "row": 0}
-        if isinstance(node, dict):
-            return {k: take(v, f"{path}.{k}" if path else k) for k, v in node.items()}
-        if isinstance(node, list | tuple):
-            return [take(v, path) for v in node]
-        return node
 
-    skeleton = take(body, "")
-    return save(tensors, metadata={METADATA_KEY: json.dumps(skeleton, separators=(",", ":"))})
+def _take(node: Any, path: str, columns: dict[str, list[torch.Tensor]]) -> Any:
+    """`node` with its arrays moved into `columns` (placeholders left behind)."""
+    if isinstance(node, torch.Tensor):
+        return _add(columns, path, node)
+    if hasattr(node, "__dlpack__"):  # numpy and other array libraries
+        return _add(columns, path, torch.as_tensor(node))
+    if isinstance(node, dict):
+        return _take_dict(node, path, columns)
+    if isinstance(node, list | tuple):
+        rows = _as_rows(node)
+        if rows is not None:
+            return _add(columns, path, rows)
+        return [_take(item, path, columns) for item in node]
+    return node
+
+
+def _take_dict(node: dict[str, Any], path: str, columns: dict[str, list[torch.Tensor]]) -> Any:
+    out: dict[str, Any] = {}
+    full = node.get("full")
+    if full is not None and all(node.get(p) is not None for p in _SPLIT_PARTS):
+        placeholder = _take(full, _join(path, "full"), columns)
+        if isinstance(placeholder, dict) and _is_split_of(full, node["prompt"], node["response"]):
+            cut = len(node["prompt"])
+            out["prompt"] = {**placeholder, "stop": cut}
+            out["response"] = {**placeholder, "start": cut}
+        out["full"] = placeholder
+    for key, value in node.items():
+        if key not in out:
+            out[key] = _take(value, _join(path, key), columns)
+    return out
+
+
+def _is_split_of(full: Any, prompt: Any, response: Any) -> bool:
+    cut = len(prompt)
+    if len(full) != cut + len(response):
+        return False
+    if isinstance(full, torch.Tensor):
+        return bool(
+            torch.equal(full[:cut], torch.as_tensor(prompt, dtype=full.dtype))
+            and torch.equal(full[cut:], torch.as_tensor(response, dtype=full.dtype))
+        )
+    return list(full[:cut]) == list(prompt) and list(full[cut:]) == list(response)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _add(columns: dict[str, list[torch.Tensor]], name: str, row: torch.Tensor) -> dict[str, Any]:
+    rows = columns.setdefault(name, [])
+    if rows and (rows[0].shape[1:], rows[0].is_floating_point()) != (
+        row.shape[1:],
+        row.is_floating_point(),
+    ):  # a column keeps one row shape and kind: anything else is a column of its own
+        kind = "f" if row.is_floating_point() else "i"
+        return _add(columns, f"{name}~{row.dim()}{kind}", row)
+    rows.append(row.detach().cpu())
+    return {"$tensor": name, "row": len(rows) - 1}
+
+
+def _as_rows(values: list[Any] | tuple[Any, ...]) -> torch.Tensor | None:
+    """A numeric list (1-D), or a list of equal-length numeric lists (2-D), as a tensor;
+    None for anything else. Nulls become NaN (floats) or -1 (integers)."""
+    first = next((v for v in values if v is not None), None)
+    if first is None:
+        return torch.zeros(0, dtype=torch.int64) if not values else None
+    if _is_number(first):
+        return _tensor(values, None)
+    if isinstance(first, list | tuple) and _is_number(next((v for v in first if v is not None), 0)):
+        width = len(first)
+        if all(v is None or len(v) == width for v in values):
+            return _tensor(values, width)
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _tensor(values: Any, width: int | None) -> torch.Tensor:
+    floating = _has_float(values, width)
+    fill: float = math.nan if floating else -1
+    dtype = torch.float32 if floating else torch.int64
+    if width is None:
+        if None in values:
+            values = [fill if v is None else v for v in values]
+        return torch.tensor(values, dtype=dtype)
+    rows = [_filled(row, width, fill) for row in values]
+    return torch.tensor(rows, dtype=dtype).reshape(len(values), width)
+
+
+def _filled(row: Any, width: int, fill: float) -> Any:
+    if row is None:
+        return [fill] * width
+    return [fill if v is None else v for v in row] if None in row else row
+
+
+def _has_float(values: Any, width: int | None) -> bool:
+    rows = values if width is not None else [values]
+    return any(isinstance(v, float) for row in rows if row is not None for v in row)
 
 
 def _narrow(values: torch.Tensor) -> torch.Tensor:
-    """Floats as float32, integers in the narrowest type that holds them (as the server)."""
+    """Floats as float32; integers in the narrowest type that holds them."""
     if values.is_floating_point():
         return values.to(torch.float32)
     if values.dtype == torch.bool or values.numel() == 0:
         return values
     low, high = int(values.min()), int(values.max())
     for dtype in (torch.uint8, torch.int16, torch.int32):
-        if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
+        info = torch.iinfo(dtype)
+        if info.min <= low and high <= info.max:
             return values.to(dtype)
     return values.to(torch.int64)
 
 
+# -- decoding -----------------------------------------------------------------------------
+
+
 def decode(data: bytes) -> Any:
-    """A binary body as the JSON body it stands for, arrays as tensors (views, no lists)."""
-    tensors = load(data)
-    size = int.from_bytes(data[:8], "little")
-    skeleton = json.loads(json.loads(data[8 : 8 + size])["__metadata__"][METADATA_KEY])
+    """A MEDIA_TYPE body with its arrays as tensors: views of one tensor per column, no
+    Python lists; integers widened to int64 (torch's index type), masks (a field whose name
+    ends in "mask") as bool. WireFormatError when `data` is not such a body."""
+    return _decoded(data, _canonical, lambda part: part)
+
+
+def decode_values(data: bytes) -> Any:
+    """A MEDIA_TYPE body as plain JSON values: what the same body sent as JSON parses to.
+    WireFormatError when `data` is not such a body."""
+    return _decoded(data, lambda _name, column: column, lambda part: part.tolist())
+
+
+def _decoded(
+    data: bytes,
+    column: Callable[[str, torch.Tensor], torch.Tensor],
+    row: Callable[[torch.Tensor], Any],
+) -> Any:
+    """The skeleton with each placeholder replaced by `row` of its slice of `column` (each
+    column converted once)."""
+    try:
+        tensors = load(data)
+        skeleton = json.loads(_metadata(data)[METADATA_KEY])
+    except (SafetensorError, ValueError, KeyError, TypeError) as error:
+        raise WireFormatError(
+            f"not a {MEDIA_TYPE} body with an '{METADATA_KEY}' metadata entry: {error}"
+        ) from error
     columns = {
-        name: _canonical(name, values)
+        name: column(name, values)
         for name, values in tensors.items()
         if not name.endswith(".offsets")
     }
-    offsets = {name: tensors[name + ".offsets"].tolist() for name in columns}
 
     def resolve(node: Any) -> Any:
         if isinstance(node, dict):
             if "$tensor" in node:
-                name, row = node["$tensor"], node["row"]
-                part = columns[name][offsets[name][row] : offsets[name][row + 1]]
-                return part[node.get("start") : node.get("stop")]
-            return {k: resolve(v) for k, v in node.items()}
+                return row(_slice(node, columns, tensors))
+            return {key: resolve(value) for key, value in node.items()}
         if isinstance(node, list):
-            return [resolve(v) for v in node]
+            return [resolve(item) for item in node]
         return node
 
     return resolve(skeleton)
 
 
+def _metadata(data: bytes) -> dict[str, str]:
+    size = int.from_bytes(data[:8], "little")
+    if size <= 0 or size > len(data) - 8:
+        raise ValueError("bad header length")
+    metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("metadata is not an object")
+    return metadata
+
+
+def _slice(
+    placeholder: dict[str, Any],
+    columns: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    name, row = placeholder.get("$tensor"), placeholder.get("row")
+    values, offsets = columns.get(f"{name}"), tensors.get(f"{name}.offsets")
+    begin, end = placeholder.get("start"), placeholder.get("stop")
+    if (
+        values is None
+        or offsets is None
+        or not isinstance(row, int)
+        or not 0 <= row < len(offsets) - 1
+        or not all(b is None or isinstance(b, int) for b in (begin, end))
+    ):
+        raise WireFormatError(f"the body refers to row {row} of a column {name!r} it lacks")
+    start, stop = int(offsets[row]), int(offsets[row + 1])
+    if not 0 <= start <= stop <= len(values):
+        raise WireFormatError(f"column {name!r} has offsets outside its values")
+    part = values[start:stop]
+    if begin is not None or end is not None:
+        part = part[begin:end]
+    return part
+
+
 def _canonical(name: str, values: torch.Tensor) -> torch.Tensor:
     if values.is_floating_point() or values.dtype == torch.bool:
         return values
-    if name.rsplit(".", 1)[-1].endswith("mask"):
+    if name.rsplit(".", 1)[-1].split("~")[0].endswith("mask"):
         return values.to(torch.bool)
     return values.to(torch.int64)
+
+
+# -- typed results without validation (arrays stay tensors) ---------------------------------
 
 
 def construct(model: type[M], tree: Any) -> M:

@@ -1,5 +1,6 @@
 """Typed results: the response bodies as pydantic models mirroring TorchRL's containers
-(text / tokens / masks / log_probs / history, each with prompt / response / full).
+(text / tokens / masks / log_probs / history, each with prompt / response / full). The server's
+wire models of these containers extend the ones here, so both read one definition.
 
 Unknown fields are kept (a newer server never breaks an older client); `.to_tensordict()`
 needs the `[torch]` extra."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
@@ -38,14 +39,28 @@ class Tokens(Result):
 
 class LogProbs(Result):
     prompt: list[float] | None = None
-    response: list[float] | None = None
-    response_processed: list[float] | None = None
-    full: list[float] | None = None
+    response: list[float] | None = Field(
+        default=None,
+        description="Log-probs of the response tokens under the raw model distribution "
+        "(temperature 1, no top-k/top-p/penalty): what a trainer's own forward computes.",
+    )
+    response_processed: list[float] | None = Field(
+        default=None,
+        description="Generation only: log-probs of the sampled tokens under the distribution "
+        "actually sampled from (after repetition penalty, temperature, top-k and top-p).",
+    )
+    full: list[float] | None = Field(
+        default=None,
+        description="log p(x_t | x_<t) for every token of tokens.full; position 0 is 0.0.",
+    )
 
 
 class Masks(Result):
     all_attention_mask: list[int] | None = None
-    all_assistant_mask: list[int] | None = None
+    all_assistant_mask: list[int] | None = Field(
+        default=None,
+        description="1 on tokens written by the assistant (content and end-of-turn token).",
+    )
 
 
 class History(Result):
@@ -58,8 +73,8 @@ class VersionSpan(Result):
     """Response tokens [start, end) were sampled by weights of policy version `version`."""
 
     version: int
-    start: int
-    end: int
+    start: int = Field(description="First response token (index into tokens.response).")
+    end: int = Field(description="One past the last response token.")
 
 
 class Sample(Result):
@@ -164,10 +179,13 @@ class LogProbsResult(Result):
 
 class TurnSpan(Result):
     turn: int
-    start: int
-    end: int
+    start: int = Field(description="First token of this turn's completion in tokens.full.")
+    end: int = Field(description="One past its last token.")
     finish_reason: str
-    policy_versions: list[list[int]]
+    policy_versions: list[list[int]] = Field(
+        description="[version, start, end] in tokens.full positions: which weights sampled "
+        "which of its tokens."
+    )
 
 
 class TrajectorySegment(Sample):
@@ -186,7 +204,9 @@ class RecordedTrajectory(Result):
     segments: list[TrajectorySegment]
     created_at: float
     updated_at: float
-    pad_token_id: int | None = None
+    pad_token_id: int | None = Field(
+        default=None, description="The recording model's pad token (for padding segments)."
+    )
 
     def to_tensordict(
         self, *, padded: bool = True, pad_token_id: int | None = None
@@ -225,6 +245,12 @@ class Ready(Result):
 
 
 class ModelCard(Result):
+    """OpenAI's model object (`id`, `object`, `created`, `owned_by`) with rlserve's fields."""
+
+    id: str = Field(description="The name requests use (OpenAI's field; equals name).")
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rlserve"
     name: str
     source: str
     backend: str
@@ -233,6 +259,7 @@ class ModelCard(Result):
     max_model_len: int
     vocab_size: int
     builtin: bool
+    pad_token_id: int
 
 
 class Models(Result):

@@ -24,46 +24,52 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlserve_client.types import TransferState, WeightsUpdated
 
 if TYPE_CHECKING:
     import torch
 
-    from rlserve_client._client import Client
 
-# The server's app.weights.transport agrees on these.
-STORE_PREFIX = "rlserve-weight-transfer"
-WARMUP_BYTES = 1 << 20
+class TransferRoutes(Protocol):
+    """The client calls a transfer makes (`rlserve_client.Client` has them)."""
+
+    def transfer_state(self, *, model: str = ...) -> TransferState: ...
+
+    def transfer_step(self, *, step: str, body: dict[str, Any]) -> TransferState: ...
+
+    def transfer_finish(
+        self, *, model: str = ..., version: int | None = ..., pause: str = ...
+    ) -> WeightsUpdated: ...
+
 PACKED_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How the trainer joins the group and sends (`Client.weight_transfer`'s options)."""
+
+    model: str = "policy"
+    master_address: str = "127.0.0.1"
+    """Where the server's ranks reach this trainer's rendezvous."""
+    master_port: int = 0
+    """0: any free port."""
+    transport: str = "auto"
+    """'gloo', 'nccl', or 'auto' (NCCL when the weights are on a GPU)."""
+    bucket_bytes: int = 512 << 20
+    pack_below_bytes: int = 1 << 20
+    streams: int = 4
+    timeout_s: float = 120.0
 
 
 class WeightSync:
     """A joined transfer group; `send` pushes one version of the weights."""
 
-    def __init__(
-        self,
-        client: Client,
-        *,
-        model: str = "policy",
-        master_address: str = "127.0.0.1",
-        master_port: int = 0,
-        transport: str = "auto",
-        bucket_bytes: int = 512 << 20,
-        pack_below_bytes: int = 1 << 20,
-        streams: int = 4,
-        timeout_s: float = 120.0,
-    ) -> None:
+    def __init__(self, client: TransferRoutes, **options: Any) -> None:
         self.client = client
-        self.model = model
-        self.master_address = master_address
-        self.master_port = master_port
-        self.transport = transport
-        self.bucket_bytes = bucket_bytes
-        self.pack_below_bytes = pack_below_bytes
-        self.streams = streams
-        self.timeout_s = timeout_s
+        self.options = TransferOptions(**options)
         self._group: Any = None
         self._store: Any = None
 
@@ -72,12 +78,14 @@ class WeightSync:
     def open(self) -> WeightSync:
         import torch.distributed as dist
 
-        state = self.client.transfer_state(model=self.model)
+        from rlserve_client.collective import STORE_PREFIX
+
+        state = self.client.transfer_state(model=self.options.model)
         world_size = 1 + state.server_ranks
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        timeout = datetime.timedelta(seconds=self.options.timeout_s)
         self._store = dist.TCPStore(  # type: ignore[attr-defined]
             "0.0.0.0",
-            self.master_port,
+            self.options.master_port,
             world_size,
             is_master=True,
             timeout=timeout,
@@ -85,28 +93,28 @@ class WeightSync:
         )
         transport = self._transport()
         body = {
-            "model": self.model,
-            "master_address": self.master_address,
+            "model": self.options.model,
+            "master_address": self.options.master_address,
             "master_port": self._store.port,
             "world_size": world_size,
             "transport": transport,
-            "bucket_bytes": self.bucket_bytes,
-            "streams": self.streams,
-            "timeout_s": self.timeout_s,
+            "bucket_bytes": self.options.bucket_bytes,
+            "streams": self.options.streams,
+            "timeout_s": self.options.timeout_s,
         }
         # Both sides block in the rendezvous until everyone is in: the server's init runs on
         # a thread while this rank joins; an error from either side ends the wait.
         joined = _in_thread(self.client.transfer_step, step="init", body=body)
         prefixed = dist.PrefixStore(STORE_PREFIX, self._store)  # type: ignore[attr-defined]
         group = _in_thread(self._join, transport, prefixed, world_size)
-        _first_error(joined, group, self.timeout_s + 10)
+        _first_error(joined, group, self.options.timeout_s + 10)
         self._group = group.result()
         joined.result()
         return self
 
     def _transport(self) -> str:
-        if self.transport != "auto":
-            return self.transport
+        if self.options.transport != "auto":
+            return self.options.transport
         import torch
 
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -129,7 +137,7 @@ class WeightSync:
             )
         tensors = _named_tensors(weights)
         device = _device(self._transport())
-        buckets = list(_buckets(tensors, self.bucket_bytes, self.pack_below_bytes))
+        buckets = list(_buckets(tensors, self.options.bucket_bytes, self.options.pack_below_bytes))
         self._step("start", {})
         try:
             self._step("update", announcement(tensors, buckets))
@@ -138,42 +146,36 @@ class WeightSync:
             with contextlib.suppress(Exception):
                 self._step("abort", {})
             raise
-        return self.client.transfer_finish(model=self.model, version=version, pause=pause)
+        return self.client.transfer_finish(model=self.options.model, version=version, pause=pause)
 
     def _broadcast(self, buckets: list[list[torch.Tensor]], device: torch.device) -> None:
         """Send every bucket in order, keeping several in flight."""
+        from rlserve_client.collective import broadcast_slices
+
         in_flight: deque[tuple[bool, list[Any]]] = deque()
         for bucket in buckets:
             buffer, copied = _payload(bucket, device)
             while copied and sum(c for c, _ in in_flight) >= PACKED_IN_FLIGHT:
                 self._wait(in_flight.popleft()[1])
-            in_flight.append((copied, _post(self._group, buffer, self.streams)))
+            in_flight.append((copied, broadcast_slices(self._group, buffer, self.options.streams)))
         while in_flight:
             self._wait(in_flight.popleft()[1])
 
     def _wait(self, works: list[Any]) -> None:
-        for work in works:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        from rlserve_client.collective import wait_all
+
+        wait_all(works, self.options.timeout_s)
 
     def _join(self, transport: str, store: Any, world_size: int) -> Any:
         """Rank 0's group, warmed up with the server's ranks (see `open`)."""
-        import torch
-        import torch.distributed as dist
+        from rlserve_client.collective import process_group, warm_up
 
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        group: Any
-        if transport == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, 0, world_size, options)
-        else:
-            group = dist.ProcessGroupGloo(store, 0, world_size, timeout)
-        warmup = torch.zeros(WARMUP_BYTES, dtype=torch.uint8, device=_device(transport))
-        self._wait(_post(group, warmup, self.streams))
+        group = process_group(transport, store, 0, world_size, self.options.timeout_s)
+        warm_up(group, _device(transport), self.options.streams, self.options.timeout_s)
         return group
 
     def _step(self, step: str, body: dict[str, Any]) -> TransferState:
-        return self.client.transfer_step(step=step, body={"model": self.model, **body})
+        return self.client.transfer_step(step=step, body={"model": self.options.model, **body})
 
     # -- leaving ---------------------------------------------------------------------------
 
@@ -254,21 +256,6 @@ def _payload(bucket: list[torch.Tensor], device: torch.device) -> tuple[torch.Te
         return bucket[0].reshape(-1).view(torch.uint8), False
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in bucket]
     return torch.cat([p.to(device, non_blocking=True) for p in parts]), True
-
-
-def _post(group: Any, buffer: torch.Tensor, streams: int) -> list[Any]:
-    """Start broadcasting `buffer` as `streams` slices; the works to wait for."""
-    import torch.distributed as dist
-
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    size = buffer.numel()
-    if size == 0:
-        return []
-    step = -(-size // max(1, streams))
-    return [
-        group.broadcast([buffer[start : start + step]], options) for start in range(0, size, step)
-    ]
 
 
 def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:

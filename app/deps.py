@@ -17,8 +17,7 @@ from app.openai_compat.serving import OpenAIService
 from app.rollouts.serving import RolloutService
 from app.scoring.serving import ScoringService
 from app.trajectories.service import TrajectoryService
-from app.weights.service import WeightsService
-from app.weights.transfer import TransferService
+from app.weights.control import WeightsControl
 
 
 def _settings(request: Request) -> Settings:
@@ -72,8 +71,8 @@ def _rollouts(request: Request) -> RolloutService:
     return rollouts
 
 
-def _weights(request: Request) -> WeightsService:
-    weights: WeightsService = request.app.state.weights
+def _weights(request: Request) -> WeightsControl:
+    weights: WeightsControl = request.app.state.weights
     return weights
 
 
@@ -87,11 +86,6 @@ def _trajectories(request: Request) -> TrajectoryService:
     return trajectories
 
 
-def _transfers(request: Request) -> TransferService:
-    transfers: TransferService = request.app.state.transfers
-    return transfers
-
-
 OwnerDep = Annotated[str, Depends(_owner)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 ProbeDep = Annotated[EngineProbe, Depends(_probe)]
@@ -102,7 +96,6 @@ KLDep = Annotated[KLService, Depends(_kl)]
 EnvsDep = Annotated[EnvService, Depends(_envs)]
 DatasetsDep = Annotated[DatasetService, Depends(_datasets)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
-WeightsDep = Annotated[WeightsService, Depends(_weights)]
-TransfersDep = Annotated[TransferService, Depends(_transfers)]
+WeightsDep = Annotated[WeightsControl, Depends(_weights)]
 OpenAIDep = Annotated[OpenAIService, Depends(_openai)]
 TrajectoriesDep = Annotated[TrajectoryService, Depends(_trajectories)]

@@ -55,6 +55,11 @@ class TimedOut(Failure):
     """Work on the request's behalf (e.g. reading a checkpoint) ran out of time."""
 
 
+class PeerAbsent(Conflict):
+    """The trainer a request named did not take part (it never joined a transfer group in
+    time): the caller's failure, not the server's."""
+
+
 class PeerFailed(Failure):
     """The other side of a collective (a trainer in a weight transfer) failed or went away."""
 

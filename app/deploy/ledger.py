@@ -1,37 +1,69 @@
 """What every replica of one deployment must serve: the checkpoint each model last committed
-(its files, in Ray's object store, owned here so they outlive the replica that received the
-update) and whether serving is paused. A replica that starts (Ray restarting one, or scaling
-up) applies it before it takes traffic, so it serves what the others serve.
+and whether serving is paused. A replica that starts (Ray restarting one, or scaling up)
+applies it before it takes traffic, so it serves what the others serve.
 
 It also orders updates: an update holds its model's lease from staging to the end of its
 commit (a second one waits), and is decided here between the two phases, so a replica that
 starts meanwhile catches up to it.
 
-One ledger per deployment generation: `build` draws a generation id each time the
-application is deployed, and a deploy starts from the base weights (as a restarted server
-does); the first replica of a generation removes the ledgers of earlier ones."""
+`Ledger` is what replicas ask; `LocalLedger` keeps the record in its own process (inside the
+deployment's Ray actor, `app.deploy.ray_ledger`, or in a test)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
-import ray
+from app.weights.protocol import PauseMode
+from app.weights.shipment import Chunk, Held, Shipment, ShippedFile, ship_bytes
 
-PREFIX = "rlserve-ledger"
+
+@dataclass(frozen=True)
+class Recorded:
+    """A model's last committed version and the checkpoint that replays every update."""
+
+    version: int
+    shipment: Shipment
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
-class WeightLedger:
-    def __init__(self) -> None:
-        self.latest: dict[str, tuple[int, ray.ObjectRef]] = {}
-        self.leases: dict[str, tuple[str, float]] = {}  # model: (update id, expiry)
-        self.paused: str | None = None
+@dataclass(frozen=True)
+class LedgerState:
+    models: dict[str, Recorded] = field(default_factory=dict)
+    paused: PauseMode | None = None
+    """The pause mode in force (None: serving)."""
 
-    def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
+
+class Ledger(Protocol):
+    async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         """Take `model`'s update lease, unless another live update holds it."""
+
+    async def decide(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+        """Record `shipment` as `model`'s `version`, if `update_id` still holds the lease."""
+
+    async def release(self, model: str, update_id: str) -> None: ...
+
+    async def record_pause(self, mode: PauseMode | None) -> None: ...
+
+    async def state(self) -> LedgerState: ...
+
+    async def tidy(self) -> int:
+        """Remove what earlier deployments of this application left; how many."""
+
+
+class LocalLedger:
+    """The ledger's record in this process. `keep` holds a chunk for as long as the ledger
+    needs it (the sender's chunks may die with the sender)."""
+
+    def __init__(self, keep: Callable[[bytes], Chunk] = Held) -> None:
+        self.keep = keep
+        self.latest: dict[str, Recorded] = {}
+        self.leases: dict[str, tuple[str, float]] = {}  # model: (update id, expiry)
+        self.paused: PauseMode | None = None
+
+    async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         now = time.monotonic()
         held = self.leases.get(model)
         if held is not None and held[0] != update_id and held[1] > now:
@@ -39,33 +71,57 @@ class WeightLedger:
         self.leases[model] = (update_id, now + lease_s)
         return True
 
-    def decide(self, model: str, update_id: str, version: int, files: list[ray.ObjectRef]) -> bool:
-        """Record `files` as `model`'s `version`, if `update_id` still holds the lease. The
-        ledger keeps its own copy (the caller's object dies with the caller): the update
-        merged over the ones before it, so one checkpoint replays them all."""
-        held = self.leases.get(model)
-        if held is None or held[0] != update_id:
+    async def decide(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+        """The ledger keeps its own copy: the update merged over the ones before it, so one
+        checkpoint replays them all."""
+        if not self._holds(model, update_id):
             return False
-        update: dict[str, bytes] = ray.get(files[0])
-        if (before := self.latest.get(model)) is not None:
-            update = merged(ray.get(before[1]), update)
-        self.latest[model] = (version, ray.put(update))
+        before = self.latest.get(model)
+        kept = await self._merged(before.shipment if before else None, shipment)
+        if not self._holds(model, update_id):  # the lease ran out meanwhile
+            return False
+        self.latest[model] = Recorded(version, kept)
         return True
 
-    def release(self, model: str, update_id: str) -> None:
-        if self.leases.get(model, ("",))[0] == update_id:
+    def _holds(self, model: str, update_id: str) -> bool:
+        return self.leases.get(model, ("",))[0] == update_id
+
+    async def _merged(self, before: Shipment | None, update: Shipment) -> Shipment:
+        """A whole update is kept as it is (copied chunk by chunk); a partial one is merged
+        into one file with the tensors before it."""
+        if before is None or await _names(before) <= await _names(update):
+            kept = []
+            for shipped in update.files:
+                chunks = [self.keep(await chunk.fetch()) for chunk in shipped.chunks]
+                kept.append(ShippedFile(shipped.name, shipped.size, tuple(chunks)))
+            return Shipment(tuple(kept))
+        return ship_bytes(merged(await before.whole(), await update.whole()), self.keep)
+
+    async def release(self, model: str, update_id: str) -> None:
+        if self._holds(model, update_id):
             del self.leases[model]
 
-    def record_pause(self, mode: str | None) -> None:
+    async def record_pause(self, mode: PauseMode | None) -> None:
         self.paused = mode
 
-    def state(self) -> dict[str, Any]:
-        """Each model's committed version and files (a reference, wrapped so it is not
-        fetched here), and the pause mode in force (None: serving)."""
-        return {
-            "models": {model: (version, [ref]) for model, (version, ref) in self.latest.items()},
-            "paused": self.paused,
-        }
+    async def state(self) -> LedgerState:
+        return LedgerState(dict(self.latest), self.paused)
+
+    async def tidy(self) -> int:
+        return 0
+
+
+async def _names(shipment: Shipment) -> set[str]:
+    """The tensor names in shipped safetensors files, from the chunks holding their headers."""
+    names: set[str] = set()
+    for shipped in shipment.files:
+        head = b""
+        for chunk in shipped.chunks:
+            head += await chunk.fetch()
+            if len(head) >= 8 and len(head) >= 8 + int.from_bytes(head[:8], "little"):
+                break
+        names |= tensor_names({shipped.name: head})
+    return names
 
 
 def merged(before: dict[str, bytes], update: dict[str, bytes]) -> dict[str, bytes]:
@@ -90,27 +146,3 @@ def tensor_names(files: dict[str, bytes]) -> set[str]:
         size = int.from_bytes(data[:8], "little")
         names |= set(json.loads(data[8 : 8 + size])) - {"__metadata__"}
     return names
-
-
-def ledger(app_name: str, generation: str) -> Any:
-    """This deployment generation's ledger (created by the first replica that asks)."""
-    return WeightLedger.options(  # type: ignore[attr-defined]
-        name=f"{PREFIX}-{app_name}-{generation}", lifetime="detached", get_if_exists=True
-    ).remote()
-
-
-def remove_earlier(app_name: str, generation: str) -> int:
-    """Kill the ledgers earlier generations of this application left; how many."""
-    namespace = ray.get_runtime_context().namespace
-    ours = f"{PREFIX}-{app_name}-{generation}"
-    earlier = [
-        actor["name"]
-        for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["namespace"] == namespace
-        and actor["name"].startswith(f"{PREFIX}-{app_name}-")
-        and actor["name"] != ours
-    ]
-    for name in earlier:
-        with contextlib.suppress(ValueError):  # another replica removed it first
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-    return len(earlier)

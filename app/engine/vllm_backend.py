@@ -30,7 +30,7 @@ from app.engine.types import (
 )
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import TransferSetup, WeightTransfer
+from app.weights.transfer_engine import TransferSetup, WeightTransfer, rendezvous_listening
 
 logger = logging.getLogger(__name__)
 
@@ -367,6 +367,7 @@ class VLLMTransfer(WeightTransfer):
     async def init(self, setup: TransferSetup) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        await rendezvous_listening(setup.address, setup.port, setup.timeout_s)
         info = dataclasses.asdict(setup)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 

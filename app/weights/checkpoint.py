@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from app.common.failures import Conflict, Malformed, invalid
+from app.common.failures import Conflict, Malformed, NotFound, invalid
 
 # (safetensors dtype name, shape)
 Layout = dict[str, tuple[str, tuple[int, ...]]]
@@ -75,10 +75,10 @@ def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
     """The `*.safetensors` files of an HF checkpoint directory (or a single file). Only
     regular files: a FIFO or device named like a checkpoint would block the reader forever."""
     if not directory.exists():
-        raise invalid(param, f"{directory} does not exist on the server")
+        raise NotFound(f"{param}: {directory} does not exist on the server", param=param)
     files = [directory] if not directory.is_dir() else sorted(directory.glob("*.safetensors"))
     if not files:
-        raise invalid(param, f"{directory} holds no .safetensors files")
+        raise NotFound(f"{param}: {directory} holds no .safetensors files", param=param)
     for path in files:
         if not stat.S_ISREG(path.stat().st_mode):
             raise invalid(param, f"{path} is not a regular file")
@@ -106,15 +106,17 @@ def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
     return copies
 
 
-def read_whole(files: list[Path], param: str) -> dict[str, bytes]:
-    """Each file's bytes by its name, refused (409) as `snapshot` refuses a file that changed
-    while it was read: what one version of the checkpoint held."""
-    contents: dict[str, bytes] = {}
-    for path in files:
-        before = _signature(path)
-        contents[path.name] = data = path.read_bytes()
-        _unchanged(path, before, len(data), param)
-    return contents
+def read_chunks(path: Path, param: str, chunk_bytes: int) -> Iterator[bytes]:
+    """The file's bytes in chunks of `chunk_bytes` (the last may be shorter), refused (409) at
+    the end as `snapshot` refuses a file that changed while it was read: what one version of
+    the checkpoint held."""
+    before = _signature(path)
+    size = 0
+    with path.open("rb") as source:
+        while data := source.read(chunk_bytes):
+            size += len(data)
+            yield data
+    _unchanged(path, before, size, param)
 
 
 def _unchanged(path: Path, before: tuple[int, ...], copied: int, param: str) -> None:

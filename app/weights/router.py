@@ -4,9 +4,14 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from app.common.protocol import ModelName
-from app.deps import RegistryDep, TransfersDep, WeightsDep
+from app.deps import RegistryDep, WeightsDep
 from app.engine.gate import GateState
-from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
+from app.errors import (
+    ERROR_RESPONSES,
+    TRANSFER_ERROR_RESPONSES,
+    WEIGHTS_ERROR_RESPONSES,
+    ErrorResponse,
+)
 from app.ops.access import Access, Body, access
 from app.weights.protocol import (
     LoadWeightsRequest,
@@ -82,62 +87,72 @@ async def upload_weights(
     "", response_model=TransferState, summary="Transfer state", openapi_extra=ADMIN
 )
 async def transfer_state(
-    transfers: TransfersDep, model: Annotated[ModelName, Query()] = "policy"
+    weights: WeightsDep, model: Annotated[ModelName, Query()] = "policy"
 ) -> TransferState:
     """The group state and `server_ranks`: the trainer's world size is 1 + server_ranks. On a
     replica of several, every replica's together (`server_ranks` counts all their ranks)."""
-    return await transfers.state(model)
+    return await weights.transfer_state(model)
 
 
 @transfer_router.post(
-    "/init", response_model=TransferState, summary="Join the trainer", openapi_extra=ADMIN
+    "/init",
+    response_model=TransferState,
+    summary="Join the trainer",
+    openapi_extra=ADMIN,
+    responses={
+        409: {
+            "model": ErrorResponse,
+            "description": "Already in a group, or no trainer joined within timeout_s",
+        }
+    },
 )
-async def transfer_init(request: TransferInit, transfers: TransfersDep) -> TransferState:
+async def transfer_init(request: TransferInit, weights: WeightsDep) -> TransferState:
     """Join the trainer's process group (the trainer, rank 0, joins it at the same time);
-    returns once every rank is in, or 504 after `timeout_s`. On a replica of several, every
-    replica joins, at consecutive ranks from `rank_offset`."""
-    return await transfers.init(request)
+    returns once every rank is in, or 409 naming `timeout_s` when the trainer did not join
+    in time (or could not be reached). On a replica of several, every replica joins, at
+    consecutive ranks from `rank_offset`."""
+    return await weights.transfer_init(request)
 
 
 @transfer_router.post(
     "/start", response_model=TransferState, summary="Begin an update", openapi_extra=ADMIN
 )
-async def transfer_start(request: TransferTarget, transfers: TransfersDep) -> TransferState:
-    return await transfers.start(request.model)
+async def transfer_start(request: TransferTarget, weights: WeightsDep) -> TransferState:
+    return await weights.transfer_start(request.model)
 
 
 @transfer_router.post(
     "/update", response_model=TransferState, summary="Announce tensors", openapi_extra=ADMIN
 )
-async def transfer_update(request: TransferUpdate, transfers: TransfersDep) -> TransferState:
+async def transfer_update(request: TransferUpdate, weights: WeightsDep) -> TransferState:
     """Announce the tensors of the next buckets (checked against the model: 422 names the
     field) and start receiving them; returns at once, and the trainer then broadcasts."""
-    return await transfers.update(request)
+    return await weights.transfer_update(request)
 
 
 @transfer_router.post(
     "/finish", response_model=WeightsUpdated, summary="Commit the update", openapi_extra=ADMIN
 )
-async def transfer_finish(request: TransferFinish, transfers: TransfersDep) -> WeightsUpdated:
+async def transfer_finish(request: TransferFinish, weights: WeightsDep) -> WeightsUpdated:
     """Wait until every announced tensor arrived (504 after `timeout_s`; 502 if the trainer
     went away), then swap them in while serving is paused (`pause`, 'keep' by default). Any
     failure leaves the served weights as they were. On a replica of several, every replica
     swaps them in under one version, or none does."""
-    return await transfers.finish(request)
+    return await weights.transfer_finish(request)
 
 
 @transfer_router.post(
     "/abort", response_model=TransferState, summary="Drop the update", openapi_extra=ADMIN
 )
-async def transfer_abort(request: TransferTarget, transfers: TransfersDep) -> TransferState:
-    return await transfers.abort(request.model)
+async def transfer_abort(request: TransferTarget, weights: WeightsDep) -> TransferState:
+    return await weights.transfer_abort(request.model)
 
 
 @transfer_router.post(
     "/close", response_model=TransferState, summary="Leave the group", openapi_extra=ADMIN
 )
-async def transfer_close(request: TransferTarget, transfers: TransfersDep) -> TransferState:
-    return await transfers.close(request.model)
+async def transfer_close(request: TransferTarget, weights: WeightsDep) -> TransferState:
+    return await weights.transfer_close(request.model)
 
 
 # -- pause and resume -------------------------------------------------------------------------

@@ -1,46 +1,34 @@
-"""Weight updates: check a safetensors checkpoint against the served model, then swap it in
-while all model work is paused; the version goes up only when the update succeeded."""
+"""Checkpoint updates on this server: check a safetensors checkpoint against the served model,
+then swap it in while all model work is paused; the version goes up only when the update
+succeeded. Also each step a replica of several takes in one update over all of them
+(app.deploy.replicated): stage, then commit or abort."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from app.common.failures import Conflict, Malformed, TimedOut, TooLarge
-from app.config import Settings
-from app.engine.gate import GateState
+from app.config import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.weights.checkpoint import (
     check_finite,
     check_layout,
     checkpoint_files,
     read_layout,
-    read_whole,
     snapshot,
 )
-from app.weights.protocol import (
-    LoadWeightsRequest,
-    PauseMode,
-    TransferFinish,
-    TransferInit,
-    TransferState,
-    TransferUpdate,
-    UpdateOptions,
-    WeightsUpdated,
-    WeightsVersion,
-)
+from app.weights.outcome import updated
+from app.weights.protocol import LoadWeightsRequest, UpdateOptions, WeightsUpdated
+from app.weights.shipment import CHUNK_BYTES, Put, Shipment, ship
 
-if TYPE_CHECKING:
-    from app.weights.transfer import TransferService
-
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _WRITE_BATCH_BYTES = 8 << 20
 _DISK_RESERVE = 64 << 20  # left free for the session store and logs
@@ -56,33 +44,15 @@ class Checked:
 
 
 class WeightsService:
-    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+    def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
         self.registry = registry
         self.settings = settings
+        self.data_dir = data_dir
         self._staged: dict[str, Checked] = {}
-        self.fanout: Fanout | None = None
-        """Set on a replica of several (app.deploy): loads and uploads reach every replica."""
-
-    async def pause(self, mode: PauseMode, *, here_only: bool = False) -> GateState:
-        """Pause serving here, or on every replica when this is one of several."""
-        if self.fanout is not None and not here_only:
-            return await self.fanout.pause(mode)
-        return await self.registry.gate.pause(mode)
-
-    async def resume(self, *, here_only: bool = False) -> GateState:
-        if self.fanout is not None and not here_only:
-            return await self.fanout.resume()
-        return await self.registry.gate.resume()
-
-    def version(self) -> WeightsVersion:
-        versions = self.registry.versions
-        return WeightsVersion(
-            policy_version=versions["policy"], reference_version=versions["reference"]
-        )
 
     @property
     def uploads(self) -> Path:
-        return self.settings.data_dir / "uploads"
+        return self.data_dir / "uploads"
 
     def clean_uploads(self) -> None:
         """Remove uploads a killed server left behind (at start-up, before any upload)."""
@@ -91,13 +61,9 @@ class WeightsService:
 
     async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
         """Load a checkpoint the server can read. By default from a private snapshot taken
-        first, so a checkpoint rewritten during the load is applied whole or not at all. On
-        a replica of several, every replica loads it, as one transaction."""
+        first, so a checkpoint rewritten during the load is applied whole or not at all."""
         files = await self._file_work(checkpoint_files, Path(request.path))
-        if self.fanout is not None:  # read once here, shipped to every replica
-            contents = await self._file_work(read_whole, files, "path")
-            return await self.fanout.update(contents, request.model, request, "path")
-        if not self.settings.weights_snapshot_loads:
+        if not self.settings.snapshot_loads:
             return await self._apply(files, request.model, "path", request)
         self.uploads.mkdir(parents=True, exist_ok=True)
         needed = sum(f.stat().st_size for f in files)
@@ -105,7 +71,7 @@ class WeightsService:
         if needed > room:
             raise TooLarge(
                 f"path: the checkpoint ({needed} bytes) does not fit the free disk ({room} "
-                "bytes) for its snapshot; free space or set RLSERVE_WEIGHTS_SNAPSHOT_LOADS=false",
+                "bytes) for its snapshot; free space or set RLSERVE_WEIGHTS__SNAPSHOT_LOADS=false",
                 param="path",
             )
         copies = await self._file_work(snapshot, files, self.uploads, "path")
@@ -115,6 +81,20 @@ class WeightsService:
             for copy in copies:
                 copy.unlink(missing_ok=True)
 
+    async def ship(
+        self, files: Mapping[str, Path], put: Put, param: str, chunk_bytes: int = CHUNK_BYTES
+    ) -> Shipment:
+        """Files (by the name they travel under) read chunk by chunk into `put`, for other
+        servers to stage; `param` names the request field they came from."""
+        return await self._file_work(ship, files, put, param, chunk_bytes)
+
+    async def ship_checkpoint(
+        self, path: str, put: Put, chunk_bytes: int = CHUNK_BYTES
+    ) -> Shipment:
+        """The checkpoint at `path` (one this server can read), shipped as `ship` does."""
+        found = await self._file_work(checkpoint_files, Path(path))
+        return await self.ship({f.name: f for f in found}, put, "path", chunk_bytes)
+
     def _disk_room(self) -> int:
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
         return shutil.disk_usage(self.uploads).free - _DISK_RESERVE
@@ -122,12 +102,18 @@ class WeightsService:
     async def upload(
         self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
     ) -> WeightsUpdated:
-        """Stream the body to a file on disk (memory stays bounded; writes in a thread), then
-        apply it. The file is gone afterwards, whatever happened (a client that went away
-        included); the limit is max_weights_bytes or the free disk space, the smaller."""
+        """Stream the body to a file on disk, then apply it."""
+        async with self.received(chunks) as path:
+            return await self._apply([path], model, "body", options)
+
+    @contextlib.asynccontextmanager
+    async def received(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[Path]:
+        """The body streamed to a file on disk (memory stays bounded; writes in a thread). The
+        file is gone afterwards, whatever happened (a client that went away included); the
+        limit is weights.max_bytes or the free disk space, the smaller."""
         self.uploads.mkdir(parents=True, exist_ok=True)
         room = self._disk_room()
-        limit = min(self.settings.max_weights_bytes, room)
+        limit = min(self.settings.max_bytes, room)
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             size = written = 0
             pending: list[bytes] = []  # written in ~8 MiB batches: one thread hop each
@@ -136,7 +122,7 @@ class WeightsService:
                 if size > limit:
                     raise TooLarge(
                         f"body: the upload exceeds {max(limit, 0)} bytes "
-                        f"(max_weights_bytes {self.settings.max_weights_bytes}, "
+                        f"(weights.max_bytes {self.settings.max_bytes}, "
                         f"free disk {room + _DISK_RESERVE})",
                         param="body",
                     )
@@ -147,15 +133,12 @@ class WeightsService:
             await asyncio.to_thread(_write_and_flush, sink, pending)
             if size == 0:
                 raise Malformed("body: the upload is empty", param="body")
-            if self.fanout is not None:
-                data = await asyncio.to_thread(Path(sink.name).read_bytes)
-                return await self.fanout.update({"model.safetensors": data}, model, options, "body")
-            return await self._apply([Path(sink.name)], model, "body", options)
+            yield Path(sink.name)
 
     async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
         """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a
         hung network mount) costs a 504, never the event loop."""
-        timeout = self.settings.weights_io_timeout_s
+        timeout = self.settings.io_timeout_s
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.to_thread(work, *args)
@@ -188,12 +171,15 @@ class WeightsService:
             paused_at = time.perf_counter()
             await target.backend.update_weights(checked.files)
             paused = time.perf_counter() - paused_at
-        return self.updated(model, version, checked.num_tensors, checked.num_bytes, paused, start)
+        versions = self.registry.versions
+        return updated(
+            versions, model, version, checked.num_tensors, checked.num_bytes, paused, start
+        )
 
-    # -- one update over several replicas (app.deploy.fanout): stage, then commit or abort --
+    # -- one update over several replicas (app.deploy.replicated): stage, then commit or abort
 
-    async def stage(self, update_id: str, files: dict[str, bytes], model: str, param: str) -> int:
-        """Write a checkpoint's files (name to bytes) into this server's data and check them,
+    async def stage(self, update_id: str, shipment: Shipment, model: str, param: str) -> int:
+        """Write a shipped checkpoint into this server's data, chunk by chunk, and check it,
         without touching serving; the current version of `model`. Whatever goes wrong raises
         (naming `param`, the request field the checkpoint came from) and leaves nothing
         staged."""
@@ -201,9 +187,12 @@ class WeightsService:
         folder = self.uploads / f"staged-{update_id}"
         try:
             folder.mkdir()
-            copies = [folder / Path(name).name for name in sorted(files)]
-            for copy in copies:
-                await self._file_work(copy.write_bytes, files[copy.name])
+            copies = []
+            for shipped in sorted(shipment.files, key=lambda f: f.name):
+                copies.append(copy := folder / Path(shipped.name).name)
+                with copy.open("wb") as sink:
+                    for chunk in shipped.chunks:
+                        await self._file_work(sink.write, await chunk.fetch())
             self._staged[update_id] = await self._check(copies, model, param)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -228,73 +217,12 @@ class WeightsService:
         self._staged.pop(update_id, None)
         shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
 
-    async def adopt(self, model: str, version: int, files: dict[str, bytes]) -> WeightsUpdated:
+    async def adopt(self, model: str, version: int, shipment: Shipment) -> WeightsUpdated:
         """Serve a checkpoint the other replicas committed as `version` (a replica catching
         up before it takes traffic)."""
         update_id = f"adopt-{model}-{version}"
-        await self.stage(update_id, files, model, "path")
+        await self.stage(update_id, shipment, model, "path")
         return await self.commit_staged(update_id, model, UpdateOptions(version=version))
-
-    def updated(
-        self,
-        model: str,
-        version: int,
-        num_tensors: int,
-        num_bytes: int,
-        paused: float,
-        start: float,
-    ) -> WeightsUpdated:
-        """The answer to a committed update; `version` is the one this update published."""
-        logger.info(
-            "loaded %d tensors (%d bytes) into %s as version %d; serving paused %.3f s",
-            num_tensors,
-            num_bytes,
-            model,
-            version,
-            paused,
-        )
-        versions = dict(self.registry.versions, **{model: version})
-        return WeightsUpdated(
-            model=model,  # type: ignore[arg-type]
-            policy_version=versions["policy"],
-            reference_version=versions["reference"],
-            num_tensors=num_tensors,
-            num_bytes=num_bytes,
-            seconds=paused,
-            total_seconds=time.perf_counter() - start,
-        )
-
-
-class Fanout(Protocol):
-    async def update(
-        self, files: dict[str, bytes], model: str, options: UpdateOptions, param: str
-    ) -> WeightsUpdated:
-        """Apply a checkpoint (its files' bytes by name) on every replica, or on none."""
-
-    async def catch_up(self, weights: WeightsService) -> None:
-        """Bring this replica to what the others serve, before it takes traffic."""
-
-    async def pause(self, mode: PauseMode) -> GateState:
-        """Pause every replica; this one's state afterwards."""
-
-    async def resume(self) -> GateState: ...
-
-    async def transfer_state(self, model: str) -> TransferState:
-        """Every replica's collective-transfer state, as one."""
-
-    async def transfer_init(self, request: TransferInit) -> TransferState:
-        """Every replica joins the trainer's group, each at its own ranks."""
-
-    async def transfer_step(
-        self, step: Literal["start", "abort", "close"], model: str
-    ) -> TransferState: ...
-
-    async def transfer_update(self, request: TransferUpdate) -> TransferState: ...
-
-    async def transfer_finish(
-        self, request: TransferFinish, here: TransferService
-    ) -> WeightsUpdated:
-        """Commit the received update on every replica under one version, or on none."""
 
 
 def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:

@@ -16,9 +16,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed, TimedOut, Unsupported
+from app.common.failures import (
+    Conflict,
+    Failure,
+    InvalidInput,
+    PeerAbsent,
+    PeerFailed,
+    TimedOut,
+    Unsupported,
+)
 from app.engine.registry import ModelRegistry
 from app.weights.checkpoint import check_layout
+from app.weights.outcome import updated
 from app.weights.protocol import (
     TransferFinish,
     TransferInit,
@@ -26,7 +35,6 @@ from app.weights.protocol import (
     TransferUpdate,
     WeightsUpdated,
 )
-from app.weights.service import WeightsService
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer
 from app.weights.transport import Transport
@@ -49,9 +57,8 @@ class _Link:
 
 
 class TransferService:
-    def __init__(self, registry: ModelRegistry, weights: WeightsService) -> None:
+    def __init__(self, registry: ModelRegistry) -> None:
         self.registry = registry
-        self.weights = weights
         self._links: dict[str, _Link] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
@@ -72,10 +79,8 @@ class TransferService:
         async with link.lock:
             yield link, engine
 
-    async def state(self, model: str, *, here_only: bool = False) -> TransferState:
-        """This server's state, or every replica's together when this is one of several."""
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_state(model)
+    async def state(self, model: str) -> TransferState:
+        """This server's state of `model`'s transfer."""
         engine = self._engine(model)
         link = self._links.get(model) or _Link()
         setup = link.setup
@@ -93,11 +98,8 @@ class TransferService:
         """The ranks `model`'s workers add to a group (a refusal if it cannot join one)."""
         return self._engine(model).ranks
 
-    async def init(self, request: TransferInit, *, here_only: bool = False) -> TransferState:
-        """Join the trainer's group; on a replica of several, every replica joins, each at
-        its own ranks (app.deploy.fanout)."""
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_init(request)
+    async def init(self, request: TransferInit) -> TransferState:
+        """Join the trainer's group at `request.rank_offset`."""
         async with self._link(request.model) as (link, engine):
             if link.setup is not None:
                 raise Conflict(
@@ -125,9 +127,14 @@ class TransferService:
             except Failure:
                 raise
             except Exception as exc:
-                raise _peer_failure("joining the trainer's group", exc, request.timeout_s) from exc
+                text = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+                raise PeerAbsent(
+                    f"timeout_s: no trainer joined the group at {request.master_address}:"
+                    f"{request.master_port} within {request.timeout_s:g} s ({text})",
+                    param="timeout_s",
+                ) from exc
             link.setup, link.last_error = setup, None
-        return await self.state(request.model, here_only=True)
+        return await self.state(request.model)
 
     def _transport(self, request: TransferInit) -> Transport:
         device = self.registry.get(request.model).backend.info.device
@@ -141,19 +148,15 @@ class TransferService:
             )
         return request.transport
 
-    async def start(self, model: str, *, here_only: bool = False) -> TransferState:
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_step("start", model)
+    async def start(self, model: str) -> TransferState:
         async with self._link(model) as (link, engine):
             self._joined(link)
             await engine.start()
             link.updating, link.announced, link.started_at = True, [], time.perf_counter()
             link.session += 1
-        return await self.state(model, here_only=True)
+        return await self.state(model)
 
-    async def update(self, request: TransferUpdate, *, here_only: bool = False) -> TransferState:
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_update(request)
+    async def update(self, request: TransferUpdate) -> TransferState:
         async with self._link(request.model) as (link, engine):
             setup = self._updating(link)
             plan = TransferPlan.parse(
@@ -171,7 +174,7 @@ class TransferService:
             watcher = asyncio.create_task(self._watch(link, engine, setup, link.session))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-        return await self.state(request.model, here_only=True)
+        return await self.state(request.model)
 
     async def _watch(
         self, link: _Link, engine: WeightTransfer, setup: TransferSetup, session: int
@@ -186,11 +189,9 @@ class TransferService:
                 if link.updating and link.session == session:
                     await self._drop(link, engine, exc)
 
-    async def finish(self, request: TransferFinish, *, here_only: bool = False) -> WeightsUpdated:
-        """Wait for the announced data, then swap it in. On a replica of several, in two
-        phases over every replica (app.deploy.fanout): all received it, then all commit it."""
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_finish(request, self)
+    async def finish(self, request: TransferFinish) -> WeightsUpdated:
+        """Wait for the announced data, then swap it in. (A replica of several takes the
+        same two steps as `received` and `commit`, with every other replica between them.)"""
         async with self._link(request.model) as (link, engine):
             try:
                 self.registry.gate.next_version(request.model, request.version)
@@ -251,7 +252,8 @@ class TransferService:
             raise
         link.updating = False
         plans, link.announced = link.announced, []
-        return self.weights.updated(
+        return updated(
+            self.registry.versions,
             request.model,
             version,
             sum(len(p.tensors) for p in plans),
@@ -260,28 +262,24 @@ class TransferService:
             link.started_at,
         )
 
-    async def abort(self, model: str, *, here_only: bool = False) -> TransferState:
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_step("abort", model)
+    async def abort(self, model: str) -> TransferState:
         async with self._link(model) as (link, engine):
             await engine.abort()
             link.updating, link.announced = False, []
-        return await self.state(model, here_only=True)
+        return await self.state(model)
 
-    async def close(self, model: str, *, here_only: bool = False) -> TransferState:
-        if self.weights.fanout is not None and not here_only:
-            return await self.weights.fanout.transfer_step("close", model)
+    async def close(self, model: str) -> TransferState:
         async with self._link(model) as (link, engine):
             await engine.close()
             link.setup, link.updating, link.announced = None, False, []
-        return await self.state(model, here_only=True)
+        return await self.state(model)
 
     async def aclose(self) -> None:
         for watcher in list(self._watchers):
             watcher.cancel()
         for model in list(self._links):
             with contextlib.suppress(Exception):
-                await self.close(model, here_only=True)
+                await self.close(model)
 
     async def _drop(self, link: _Link, engine: WeightTransfer, exc: BaseException) -> None:
         """A failed finish: nothing was applied. A lost or stuck peer also ends the group."""

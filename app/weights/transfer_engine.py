@@ -9,13 +9,14 @@ trainer that dies mid-transfer leaves the served weights bit-identical."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from app.common.failures import Conflict
+from app.common.failures import Conflict, PeerAbsent
 from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
 from app.weights.transport import Rendezvous, TransferGroup, Transport
@@ -44,6 +45,36 @@ class TransferSetup:
             timeout_s=self.timeout_s,
             streams=self.streams,
         )
+
+
+# A trainer opens its rendezvous before (or just as) it asks the server to join: a port that
+# refuses connections for this long has no trainer behind it.
+_LISTEN_GRACE_S = 5.0
+
+
+async def rendezvous_listening(address: str, port: int, timeout_s: float) -> None:
+    """Return once something accepts connections at address:port; a PeerAbsent naming
+    `master_address` when nothing does within the grace (or `timeout_s`, if shorter), so a
+    wrong address is refused at once rather than after the whole join timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(_LISTEN_GRACE_S, timeout_s)
+    while True:
+        try:
+            async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
+                _, writer = await asyncio.open_connection(address, port)
+        except (OSError, TimeoutError) as exc:
+            if loop.time() >= deadline:
+                raise PeerAbsent(
+                    f"master_address: nothing accepts connections at {address}:{port} (the "
+                    f"trainer's rendezvous): {type(exc).__name__}: {exc}",
+                    param="master_address",
+                ) from exc
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
 
 
 class WeightTransfer(ABC):
@@ -100,6 +131,7 @@ class InProcessTransfer(WeightTransfer):
     async def init(self, setup: TransferSetup) -> None:
         if self._group is not None:
             raise Conflict("the model is already in a weight-transfer group; close it first")
+        await rendezvous_listening(setup.address, setup.port, setup.timeout_s)
         self._group = await asyncio.to_thread(TransferGroup, setup.rendezvous(0), self.device)
 
     async def start(self) -> None:

@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load, save
 
-pytest.importorskip("ray", reason="ray is installed with the distributed extra")
+from app.deploy.ledger import merged, tensor_names
 
 
 def test_a_partial_update_merges_over_the_earlier_ones() -> None:
-    from app.deploy.ledger import merged, tensor_names
-
     first = {
         "a.safetensors": save({"x": torch.ones(2), "y": torch.zeros(3)}),
         "b.safetensors": save({"z": torch.ones(1, dtype=torch.bfloat16)}),
@@ -28,8 +25,6 @@ def test_a_partial_update_merges_over_the_earlier_ones() -> None:
 
 
 def test_a_whole_update_replaces_the_record() -> None:
-    from app.deploy.ledger import merged
-
     first = {"a.safetensors": save({"x": torch.ones(2)})}
     whole = {"m.safetensors": save({"x": torch.zeros(2), "w": torch.ones(1)})}
     assert merged(first, whole) is whole

@@ -59,11 +59,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 async def served(settings: Settings, backend_name: str) -> AsyncIterator[Served]:
-    config = backend_settings(settings, backend_name).model_copy(
-        update={
-            "data_dir": settings.data_dir / f"weights-{backend_name}",
-            "max_new_tokens_limit": 4000,
-        }
+    config = backend_settings(settings, backend_name).replace(
+        storage={"data_dir": settings.storage.data_dir / f"weights-{backend_name}"},
+        limits={"max_new_tokens": 4000},
     )
     app = create_app(config)
     async with app.router.lifespan_context(app):

@@ -180,7 +180,7 @@ def sent_over(sync: Any, tensors: list[tuple[str, torch.Tensor]], buckets: list[
 async def test_a_replica_finishes_in_two_phases_and_hands_over_what_it_received(
     served, trainer_model
 ):
-    """What a replica of several does at finish (app.deploy.fanout): `received` (every tensor
+    """What a replica of several does at finish (app.deploy.replicated): `received` (every tensor
     in and checked; serving untouched), `checkpoint` (exactly the sent tensors, as one
     safetensors file for replicas that were not in the group), then `commit` under the
     version chosen for all replicas."""
@@ -188,7 +188,7 @@ async def test_a_replica_finishes_in_two_phases_and_hands_over_what_it_received(
 
     from app.weights.protocol import TransferFinish
 
-    transfers = served.app.state.transfers
+    transfers = served.app.state.weights.transfers
     before, current = await served.scores(SEQUENCES), await version(served)
     sent = {k: v.clone() for k, v in perturbed(trainer_model, 0.7).state_dict().items()}
     tensors = list(sent.items())
@@ -214,7 +214,7 @@ async def test_an_update_that_failed_on_another_replica_is_dropped_here(served, 
     group here too, a refused tensor does not."""
     from app.common.failures import InvalidInput, PeerFailed
 
-    transfers = served.app.state.transfers
+    transfers = served.app.state.weights.transfers
     before, current = await served.scores(SEQUENCES), await version(served)
     tensors = list(perturbed(trainer_model, 0.6).state_dict().items())
     buckets = list(_buckets(tensors, 1 << 20, 1 << 20))
@@ -278,13 +278,46 @@ async def test_a_trainer_lost_mid_transfer_changes_nothing(served, trainer_model
     assert result.policy_version == current + 1
 
 
+async def test_a_trainer_that_never_joins_is_the_callers_failure(served, trainer_model):
+    """Nobody at the rendezvous address: a 409 naming master_address within seconds. Something
+    listening there that never joins: a 409 naming timeout_s once it has passed. Either way a
+    4xx (the caller's failure, not the server's), the server out of any group, and a real
+    trainer gets in afterwards."""
+    import socket
+
+    from tests.e2e.server import free_port
+
+    body = {"master_address": "127.0.0.1", "world_size": 2, "rank_offset": 1, "timeout_s": 2}
+    start = time.monotonic()
+    nobody = await served.http.post(
+        "/v1/weights/transfer/init", json={**body, "master_port": free_port()}
+    )
+    assert nobody.status_code == 409, nobody.text
+    assert nobody.json()["error"]["param"] == "master_address"
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never speaks
+        port = silent.getsockname()[1]
+        joined = await served.http.post(
+            "/v1/weights/transfer/init", json={**body, "master_port": port}
+        )
+    assert joined.status_code == 409, joined.text
+    error = joined.json()["error"]
+    assert error["param"] == "timeout_s" and "no trainer joined" in error["message"]
+    assert time.monotonic() - start < 60
+    state = (await served.http.get("/v1/weights/transfer")).json()
+    assert state["state"] == "idle"
+    current = await version(served)
+    result = await asyncio.to_thread(send, served, trainer_model)
+    assert result.policy_version == current + 1
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 async def test_vllm_takes_tied_embedding_models_over_the_transfer(settings, tmp_path):
     """Refused over HTTP (vLLM's file reload mishandles the tied head); exact here."""
     tied_dir = build_model(tmp_path / "tied", seed=2, tie_embeddings=True)
-    config = backend_settings(settings, "vllm").model_copy(
-        update={"model": str(tied_dir), "load_reference": False, "data_dir": tmp_path / "data"}
+    config = backend_settings(settings, "vllm").replace(
+        models={"model": str(tied_dir), "load_reference": False},
+        storage={"data_dir": tmp_path / "data"},
     )
     app = create_app(config)
     async with app.router.lifespan_context(app):

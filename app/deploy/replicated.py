@@ -1,0 +1,303 @@
+"""The weight controls of a replica of several: every update reaches every replica, as one
+transaction, with the deployment's ledger (app.deploy.ledger):
+
+1. the replica that received the update ships the checkpoint in bounded chunks (an upload
+   streamed to its disk first, a path read there, so it need only be readable there); it
+   waits for the model's update lease, so updates never interleave;
+2. every replica copies it into its own data, chunk by chunk, and checks it (layout, finite
+   values), serving untouched;
+3. if any replica failed, every replica drops its copy and the update is refused with that
+   replica's error: all stay on the old version;
+4. otherwise the ledger records the checkpoint under its new version (a replica starting from
+   now on catches up to it), and every replica swaps it in under that version.
+
+Step 4 only swaps checked tensors; a replica that still fails there (its device, say) is
+reported, and the deployment's health check replaces it with one that catches up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed
+from app.deploy.answers import cause, combined, of_kind, serving
+from app.deploy.ledger import Ledger
+from app.deploy.replica import Commit, Committed, Ranks, Refusal, ReplicaEndpoint, Stage
+from app.engine.gate import GateState
+from app.weights.local import LocalWeights
+from app.weights.protocol import (
+    LoadWeightsRequest,
+    PauseMode,
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferUpdate,
+    UpdateOptions,
+    WeightsUpdated,
+    WeightsVersion,
+)
+from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
+
+logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Replicas(Protocol):
+    """Every replica of the deployment (this one included), and its ledger."""
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    async def each(
+        self,
+        step: Callable[Concatenate[ReplicaEndpoint, P], Awaitable[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> list[T | Refusal]:
+        """`step` on every replica at once; a replica that could not answer is a Refusal."""
+        ...
+
+    def put(self, data: bytes) -> Chunk:
+        """Leave a chunk where every replica can fetch it."""
+        ...
+
+
+class ReplicatedWeights:
+    """`app.weights.control.WeightsControl` over every replica, `local` being this one's."""
+
+    def __init__(
+        self, local: LocalWeights, replicas: Replicas, wait_s: float, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        self.local = local
+        self.replicas = replicas
+        self.wait_s = wait_s
+        """How long an update waits for another one to finish (and holds its lease)."""
+        self.chunk_bytes = chunk_bytes
+
+    async def open(self) -> None:
+        await self.local.open()
+
+    async def aclose(self) -> None:
+        await self.local.aclose()
+
+    def version(self) -> WeightsVersion:
+        return self.local.version()
+
+    async def catch_up(self) -> None:
+        """Apply what the ledger says every replica serves (a starting replica, before it
+        takes traffic): each model's last committed checkpoint, and a pause in force."""
+        ledger = self.replicas.ledger
+        if removed := await ledger.tidy():
+            logger.info("removed %d ledgers of earlier deployments", removed)
+        state = await ledger.state()
+        for model, recorded in state.models.items():
+            if self.local.registry.versions.get(model, recorded.version) < recorded.version:
+                await self.local.files.adopt(model, recorded.version, recorded.shipment)
+                logger.info("caught up with version %d of %s", recorded.version, model)
+        if state.paused is not None:
+            await self.local.pause(state.paused)
+            logger.info("paused (%s), as every replica is", state.paused)
+
+    # -- checkpoint updates ----------------------------------------------------------------
+
+    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+        """Read once here, shipped to every replica."""
+        put, files = self.replicas.put, self.local.files
+        shipment = await files.ship_checkpoint(request.path, put, self.chunk_bytes)
+        return await self._update(shipment, request.model, request, "path")
+
+    async def upload(
+        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
+    ) -> WeightsUpdated:
+        """Streamed to disk here, then shipped to every replica from there."""
+        files = self.local.files
+        async with files.received(chunks) as path:
+            shipped = {"model.safetensors": path}
+            shipment = await files.ship(shipped, self.replicas.put, "body", self.chunk_bytes)
+        return await self._update(shipment, model, options, "body")
+
+    async def _update(
+        self, shipment: Shipment, model: str, options: UpdateOptions, param: str
+    ) -> WeightsUpdated:
+        each = self.replicas.each
+
+        async def stage(update_id: str) -> list[int | Refusal]:
+            return await each(
+                ReplicaEndpoint.weights_stage, Stage(update_id, shipment, model, param)
+            )
+
+        async def shipped() -> Shipment:
+            return shipment
+
+        async def abort(update_id: str, _: Failure) -> None:
+            await each(ReplicaEndpoint.weights_abort, update_id)
+
+        async def commit(update_id: str, chosen: UpdateOptions) -> list[Committed | Refusal]:
+            return await each(ReplicaEndpoint.weights_commit, Commit(update_id, model, chosen))
+
+        return await self._transaction(
+            model, options, stage=stage, shipment=shipped, abort=abort, commit=commit
+        )
+
+    async def _transaction(
+        self,
+        model: str,
+        options: UpdateOptions,
+        *,
+        stage: Callable[[str], Awaitable[list[int | Refusal]]],
+        shipment: Callable[[], Awaitable[Shipment]],
+        abort: Callable[[str, Failure], Awaitable[None]],
+        commit: Callable[[str, UpdateOptions], Awaitable[list[Committed | Refusal]]],
+    ) -> WeightsUpdated:
+        """Stage on every replica (each answers the version it serves, or its refusal),
+        decide in the ledger (with the checkpoint a later replica catches up to), then commit
+        on every replica, or abort on every one; the model's lease is held throughout."""
+        ledger, update_id = self.replicas.ledger, uuid.uuid4().hex
+        await self._acquire(model, update_id)
+        try:
+            staged = await stage(update_id)
+            refused = [r for r in staged if isinstance(r, Refusal)]
+            current = max((r for r in staged if isinstance(r, int)), default=0)
+            problem: Failure | None = None
+            if refused:
+                context = f"{len(refused)} of {len(staged)} replicas refused it"
+                problem = cause(refused).failure(context)
+            elif options.version is not None and options.version <= current:
+                problem = Conflict(
+                    f"version: {options.version} is not above the current version {current} "
+                    f"of '{model}'",
+                    param="version",
+                )
+            version = options.version or current + 1
+            if problem is None and not await ledger.decide(
+                model, update_id, version, await shipment()
+            ):
+                problem = Conflict(
+                    f"the update of '{model}' took over {self.wait_s:g} s and lost its turn to "
+                    "a later one; send it again",
+                    param="model",
+                )
+            if problem is not None:
+                await abort(update_id, problem)
+                raise problem
+            chosen = UpdateOptions(version=version, pause=options.pause)
+            committed = await commit(update_id, chosen)
+        finally:
+            await ledger.release(model, update_id)
+        if failed := [r for r in committed if isinstance(r, Refusal)]:
+            raise PeerFailed(
+                f"{len(failed)} of {len(committed)} replicas failed to swap in version "
+                f"{version} after all had checked it: {failed[0].message}"
+            )
+        return next(
+            r.updated for r in committed if isinstance(r, Committed) and r.updated is not None
+        )
+
+    async def _acquire(self, model: str, update_id: str) -> None:
+        """Wait for `model`'s update lease (another update holds it while it runs)."""
+        deadline = time.monotonic() + self.wait_s
+        while not await self.replicas.ledger.acquire(model, update_id, self.wait_s):
+            if time.monotonic() > deadline:
+                raise Conflict(
+                    f"another update of '{model}' has been running for over {self.wait_s:g} s; "
+                    "try again later",
+                    param="model",
+                )
+            await asyncio.sleep(0.2)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode) -> GateState:
+        """Every replica pauses (the ledger first: a replica starting meanwhile pauses too)."""
+        await self.replicas.ledger.record_pause(mode)
+        states = await self.replicas.each(ReplicaEndpoint.serving_pause, mode)
+        return serving(states)
+
+    async def resume(self) -> GateState:
+        await self.replicas.ledger.record_pause(None)
+        states = await self.replicas.each(ReplicaEndpoint.serving_resume)
+        return serving(states)
+
+    # -- the collective transfer's group over every replica ---------------------------------
+
+    async def transfer_state(self, model: str) -> TransferState:
+        """Every replica's state, as one."""
+        states = await self.replicas.each(ReplicaEndpoint.transfer_state, model)
+        return combined(model, states)
+
+    async def transfer_init(self, request: TransferInit) -> TransferState:
+        """Every replica joins the trainer's group at once, at consecutive ranks from
+        `rank_offset` (in replica id order); if any cannot, every replica leaves it."""
+        each = self.replicas.each
+        counted = await each(ReplicaEndpoint.transfer_ranks, request.model)
+        if failed := [r for r in counted if isinstance(r, Refusal)]:
+            raise failed[0].failure(f"{len(failed)} of {len(counted)} replicas")
+        offsets, next_rank = {}, request.rank_offset
+        for replica in sorted(of_kind(counted, Ranks), key=lambda r: r.replica):
+            offsets[replica.replica] = next_rank
+            next_rank += replica.ranks
+        if next_rank > request.world_size:
+            raise InvalidInput(
+                f"world_size: {request.world_size} leaves no room for the "
+                f"{next_rank - request.rank_offset} ranks of {len(counted)} replicas from "
+                f"rank_offset {request.rank_offset} (GET /v1/weights/transfer counts them)",
+                param="world_size",
+            )
+        joined = await each(ReplicaEndpoint.transfer_join, request, offsets)
+        if failed := [r for r in joined if isinstance(r, Refusal)]:
+            await each(ReplicaEndpoint.transfer_close, request.model)
+            raise cause(failed).failure(f"{len(failed)} of {len(joined)} replicas could not join")
+        return combined(request.model, joined)
+
+    async def transfer_start(self, model: str) -> TransferState:
+        """A start that fails on one replica is aborted on all."""
+        states = await self.replicas.each(ReplicaEndpoint.transfer_start, model)
+        if any(isinstance(s, Refusal) for s in states):
+            await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
+        return combined(model, states)
+
+    async def transfer_update(self, request: TransferUpdate) -> TransferState:
+        """Announce the tensors to every replica; if one refuses, every replica drops the
+        update (the trainer sends nothing after a refusal)."""
+        states = await self.replicas.each(ReplicaEndpoint.transfer_update, request)
+        if any(isinstance(s, Refusal) for s in states):
+            await self.replicas.each(ReplicaEndpoint.transfer_abort, request.model)
+        return combined(request.model, states)
+
+    async def transfer_finish(self, request: TransferFinish) -> WeightsUpdated:
+        """The finish over every replica, as one transaction: all received and checked the
+        update, then all swap it in under one version. The ledger keeps what this replica
+        received (a replica that starts later was not in the group)."""
+        each, model = self.replicas.each, request.model
+
+        async def received(_: str) -> list[int | Refusal]:
+            return await each(ReplicaEndpoint.transfer_received, model)
+
+        async def shipment() -> Shipment:
+            data = await self.local.transfers.checkpoint(model)
+            return ship_bytes({"model.safetensors": data}, self.replicas.put, self.chunk_bytes)
+
+        async def abandon(_: str, problem: Failure) -> None:
+            reason = Refusal.of(problem)
+            await each(ReplicaEndpoint.transfer_abandon, model, reason)
+
+        async def commit(_: str, chosen: UpdateOptions) -> list[Committed | Refusal]:
+            finish = TransferFinish(model=model, version=chosen.version, pause=chosen.pause)
+            return await each(ReplicaEndpoint.transfer_commit, finish)
+
+        return await self._transaction(
+            model, request, stage=received, shipment=shipment, abort=abandon, commit=commit
+        )
+
+    async def transfer_abort(self, model: str) -> TransferState:
+        states = await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
+        return combined(model, states)
+
+    async def transfer_close(self, model: str) -> TransferState:
+        states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)
+        return combined(model, states)

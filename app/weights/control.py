@@ -1,0 +1,63 @@
+"""The weight controls the routes use: pause and resume serving, load or upload a checkpoint,
+and the collective transfer's steps. One server implements them alone
+(`app.weights.local.LocalWeights`); a replica of several implements them over every replica
+as one (`app.deploy.replicated.ReplicatedWeights`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from app.engine.gate import GateState
+from app.weights.protocol import (
+    LoadWeightsRequest,
+    PauseMode,
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferUpdate,
+    UpdateOptions,
+    WeightsUpdated,
+    WeightsVersion,
+)
+
+
+class WeightsControl(Protocol):
+    async def open(self) -> None:
+        """Before serving: clear what a killed server left behind."""
+
+    async def aclose(self) -> None:
+        """Leave any transfer group; nothing is applied after this."""
+
+    def version(self) -> WeightsVersion:
+        """The versions this server serves."""
+
+    async def pause(self, mode: PauseMode) -> GateState:
+        """Pause serving; the state afterwards (once in-flight work met `mode`)."""
+
+    async def resume(self) -> GateState: ...
+
+    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+        """Apply a checkpoint from a path the server can read, whole or not at all."""
+
+    async def upload(
+        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
+    ) -> WeightsUpdated:
+        """Apply a checkpoint streamed as `chunks`, whole or not at all."""
+
+    async def transfer_state(self, model: str) -> TransferState: ...
+
+    async def transfer_init(self, request: TransferInit) -> TransferState:
+        """Join the trainer's group."""
+
+    async def transfer_start(self, model: str) -> TransferState: ...
+
+    async def transfer_update(self, request: TransferUpdate) -> TransferState:
+        """Check announced tensors and start receiving them."""
+
+    async def transfer_finish(self, request: TransferFinish) -> WeightsUpdated:
+        """Swap in what was received, whole or not at all."""
+
+    async def transfer_abort(self, model: str) -> TransferState: ...
+
+    async def transfer_close(self, model: str) -> TransferState: ...

@@ -1,0 +1,81 @@
+"""The weight controls of one server: its serving gate, its checkpoint updates
+(`app.weights.service`) and its collective transfers (`app.weights.transfer`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from app.config import WeightSettings
+from app.engine.gate import GateState
+from app.engine.registry import ModelRegistry
+from app.weights.protocol import (
+    LoadWeightsRequest,
+    PauseMode,
+    TransferFinish,
+    TransferInit,
+    TransferState,
+    TransferUpdate,
+    UpdateOptions,
+    WeightsUpdated,
+    WeightsVersion,
+)
+from app.weights.service import WeightsService
+from app.weights.transfer import TransferService
+
+
+class LocalWeights:
+    """`app.weights.control.WeightsControl` on this server alone."""
+
+    def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
+        self.registry = registry
+        self.files = WeightsService(registry, settings, data_dir)
+        self.transfers = TransferService(registry)
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self.files.clean_uploads)
+
+    async def aclose(self) -> None:
+        await self.transfers.aclose()
+
+    def version(self) -> WeightsVersion:
+        versions = self.registry.versions
+        return WeightsVersion(
+            policy_version=versions["policy"], reference_version=versions["reference"]
+        )
+
+    async def pause(self, mode: PauseMode) -> GateState:
+        return await self.registry.gate.pause(mode)
+
+    async def resume(self) -> GateState:
+        return await self.registry.gate.resume()
+
+    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+        return await self.files.load(request)
+
+    async def upload(
+        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
+    ) -> WeightsUpdated:
+        return await self.files.upload(chunks, model, options)
+
+    async def transfer_state(self, model: str) -> TransferState:
+        return await self.transfers.state(model)
+
+    async def transfer_init(self, request: TransferInit) -> TransferState:
+        return await self.transfers.init(request)
+
+    async def transfer_start(self, model: str) -> TransferState:
+        return await self.transfers.start(model)
+
+    async def transfer_update(self, request: TransferUpdate) -> TransferState:
+        return await self.transfers.update(request)
+
+    async def transfer_finish(self, request: TransferFinish) -> WeightsUpdated:
+        return await self.transfers.finish(request)
+
+    async def transfer_abort(self, model: str) -> TransferState:
+        return await self.transfers.abort(model)
+
+    async def transfer_close(self, model: str) -> TransferState:
+        return await self.transfers.close(model)

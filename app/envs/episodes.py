@@ -1,7 +1,10 @@
 """Episode state and its transitions (TorchRL ChatEnv / LLMEnv semantics), free of HTTP and
 storage. Every row keeps its exact token history: a token action enters it as sent, and the
 next prompt is the previous prompt + the action + what the chat template adds after it
-(`app.common.turns`), never a re-encoding of decoded text."""
+(`app.common.turns`), never a re-encoding of decoded text.
+
+The transitions tokenize, template and decode: they block, and run on the tokenizer thread
+(`app.envs.engine`), never on the event loop."""
 
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.common.failures import invalid
+from app.common.failures import Conflict, invalid
 from app.common.inputs import Conversation, InputPreparer
 from app.common.turns import continuation_ids, continuation_text
 from app.datasets.rows import Problem
 from app.envs.hashing import chain_hash
-from app.envs.protocol import Action, EnvConfig, Message, Observation, ResetRequest
+from app.envs.spec import EnvSpec
 
 
 @dataclass
@@ -75,7 +78,7 @@ class ActionTokens:
 
 
 def _fresh_row(
-    config: EnvConfig,
+    config: EnvSpec,
     preparer: InputPreparer,
     *,
     query: str | None = None,
@@ -90,7 +93,7 @@ def _fresh_row(
 
 
 def _templated_row(
-    config: EnvConfig,
+    config: EnvSpec,
     preparer: InputPreparer,
     query: str | None,
     messages: Conversation | None,
@@ -114,7 +117,23 @@ def _templated_row(
     return Row(ids=ids)
 
 
-def dataset_problems(config: EnvConfig, problems: list[Problem], cursor: int) -> list[Problem]:
+@dataclass(frozen=True)
+class Prompts:
+    """What a reset starts from: queries (with ground-truth answers and reward fields per
+    row), conversations, or token prompts; none of them draws from the session's dataset."""
+
+    query: list[str] | None = None
+    answer: list[str | None] | None = None
+    fields: list[dict[str, Any]] | None = None
+    messages: list[Conversation] | None = None
+    tokens: list[list[int]] | None = None
+
+    @property
+    def given(self) -> bool:
+        return any(p is not None for p in (self.query, self.messages, self.tokens))
+
+
+def dataset_problems(config: EnvSpec, problems: list[Problem], cursor: int) -> list[Problem]:
     """The next batch of prompts: a seeded order, each prompt repeated `repeats` times."""
     order = list(range(len(problems)))
     random.Random(config.seed).shuffle(order)
@@ -124,25 +143,25 @@ def dataset_problems(config: EnvConfig, problems: list[Problem], cursor: int) ->
 
 
 def reset(
-    config: EnvConfig,
+    config: EnvSpec,
     state: EpisodeState,
-    request: ResetRequest,
+    prompts: Prompts,
     preparer: InputPreparer,
     problems: list[Problem] | None,
 ) -> None:
     size = config.batch_size
-    answers = request.answer
-    given = request.query or request.messages or request.tokens
+    answers = prompts.answer
+    given = prompts.query or prompts.messages or prompts.tokens
     if given is not None and len(given) != size:
-        name = "query" if request.query else "messages" if request.messages else "tokens"
+        name = "query" if prompts.query else "messages" if prompts.messages else "tokens"
         raise invalid(name, f"has {len(given)} entries for batch_size {size}")
     if answers is not None and len(answers) != size:
         raise invalid("answer", f"has {len(answers)} entries for batch_size {size}")
-    if request.messages is not None and config.kind != "chat":
+    if prompts.messages is not None and config.kind != "chat":
         raise invalid("messages", f"needs kind 'chat', this environment is '{config.kind}'")
-    if request.tokens is not None and config.kind == "chat":
+    if prompts.tokens is not None and config.kind == "chat":
         raise invalid("tokens", "a chat environment takes query or messages")
-    fields = request.fields
+    fields = prompts.fields
     if fields is not None and len(fields) != size:
         raise invalid("fields", f"has {len(fields)} entries for batch_size {size}")
 
@@ -152,18 +171,20 @@ def reset(
             config, preparer, answer=answer, fields=fields[i] if fields else None, **prompt
         )
 
-    if request.query is not None:
-        rows = [given_row(i, query=q) for i, q in enumerate(request.query)]
-    elif request.messages is not None:
+    if prompts.query is not None:
+        rows = [given_row(i, query=q) for i, q in enumerate(prompts.query)]
+    elif prompts.messages is not None:
         rows = [
-            given_row(i, messages=[m.model_dump() for m in conv])
-            for i, conv in enumerate(request.messages)
+            given_row(i, messages=[dict(m) for m in conv])
+            for i, conv in enumerate(prompts.messages)
         ]
-    elif request.tokens is not None:
-        rows = [given_row(i, tokens=list(t)) for i, t in enumerate(request.tokens)]
+    elif prompts.tokens is not None:
+        rows = [given_row(i, tokens=list(t)) for i, t in enumerate(prompts.tokens)]
     else:
         if problems is None:
-            raise invalid("query", "required: this environment has no dataset to draw from")
+            raise Conflict(  # the body is fine; this session has nothing to draw from
+                "query: required: this environment has no dataset to draw from", param="query"
+            )
         drawn = dataset_problems(config, problems, state.cursor)
         state.cursor += size // config.repeats
         rows = [
@@ -173,15 +194,34 @@ def reset(
     state.rows, state.started = rows, True
 
 
-def observation(config: EnvConfig, row: Row, preparer: InputPreparer) -> Observation:
-    history = [Message(**m) for m in row.history] if row.history is not None else None
+@dataclass(frozen=True)
+class Observation:
+    """What the policy sees of a row: its history (chat) or text, and the prompt to generate
+    from, as text and as exact ids."""
+
+    history: Conversation | None
+    text: str | None
+    prompt_text: str
+    prompt_tokens: list[int]
+    hash: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Observation:
+        return cls(**data)
+
+
+def observation(config: EnvSpec, row: Row, preparer: InputPreparer) -> Observation:
+    history = [dict(m) for m in row.history] if row.history is not None else None
     prompt_text = preparer.decode(row.ids)
     text = None if config.kind == "chat" else row.text if row.text is not None else prompt_text
     return Observation(
         history=history,
         text=text,
         prompt_text=prompt_text,
-        prompt_tokens=row.ids,
+        prompt_tokens=list(row.ids),
         hash=chain_hash(row.ids) if config.hashing else None,
     )
 
@@ -192,10 +232,6 @@ class Act:
 
     text: str | None = None
     tokens: list[int] | None = None
-
-    @classmethod
-    def from_wire(cls, action: Action | None) -> Act | None:
-        return None if action is None else cls(action.text, action.tokens)
 
 
 def action_tokens(row: Row, action: Act, preparer: InputPreparer) -> ActionTokens:
@@ -209,7 +245,7 @@ def action_tokens(row: Row, action: Act, preparer: InputPreparer) -> ActionToken
 
 
 def apply_action(
-    config: EnvConfig,
+    config: EnvSpec,
     row: Row,
     action: ActionTokens,
     preparer: InputPreparer,
@@ -229,7 +265,7 @@ def apply_action(
 
 
 def finish_turn(
-    config: EnvConfig, row: Row, reward: float, ends_episode: bool, max_model_len: int
+    config: EnvSpec, row: Row, reward: float, ends_episode: bool, max_model_len: int
 ) -> None:
     """Count the turn; the episode is truncated at max_turns, or once its history leaves no
     room for another generated token."""

@@ -1,12 +1,18 @@
-"""Wire models of the environment routes (`/v1/envs`)."""
+"""Wire models of the environment routes (`/v1/envs`), and their mapping to and from the
+domain values the environment service takes and answers (`to_*` and `of`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import Message, Seed, TokenId, WireModel, field_error
+from app.common.protocol import Message, Seed, TokenId, WireModel, field_error, one_of
+from app.envs import episodes
+from app.envs.engine import RowOutcome, StepResult
+from app.envs.sessions import SessionView
+from app.envs.spec import EnvSpec
+from app.envs.tools import BlockResult
 from app.kl.estimators import Estimator
 
 EnvKind = Literal["chat", "text", "tokens"]
@@ -31,7 +37,7 @@ class EnvConfig(WireModel):
         default=None,
         ge=1,
         description="Episodes are truncated after this many steps (default and upper bound: "
-        "the server's RLSERVE_ENV_MAX_TURNS).",
+        "the server's RLSERVE_ENVS__MAX_TURNS).",
     )
     reward: str = Field(default="none", description="A registered reward: none, gsm8k, ifeval, ...")
     reward_options: dict[str, Any] = Field(
@@ -69,16 +75,29 @@ class EnvConfig(WireModel):
             raise field_error("kind", "tools and system_prompt need kind 'chat'")
         return self
 
+    def to_spec(self) -> EnvSpec:
+        return EnvSpec.from_json(self.model_dump())
+
+    @classmethod
+    def of(cls, spec: EnvSpec) -> EnvConfig:
+        return cls(**spec.to_json())
+
 
 class EnvCreated(WireModel):
     env_id: str
     config: EnvConfig
+
+    @classmethod
+    def of(cls, session: SessionView) -> EnvCreated:
+        return cls(env_id=session.env_id, config=EnvConfig.of(session.config))
 
 
 class ResetRequest(WireModel):
     """Queries (one per row, with optional ground-truth answers and reward fields),
     conversations, or token prompts (kind tokens); nothing draws the next prompts from the
     session's dataset."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: _reset_choices(schema))
 
     query: list[str] | None = None
     answer: list[str | None] | None = None
@@ -99,6 +118,26 @@ class ResetRequest(WireModel):
             raise field_error("answer", "needs query or tokens")
         return self
 
+    def to_prompts(self) -> episodes.Prompts:
+        messages = None
+        if self.messages is not None:
+            messages = [[m.model_dump() for m in conv] for conv in self.messages]
+        return episodes.Prompts(
+            query=self.query,
+            answer=self.answer,
+            fields=self.fields,
+            messages=messages,
+            tokens=self.tokens,
+        )
+
+
+def _reset_choices(schema: dict[str, Any]) -> None:
+    """At most one of query, messages and tokens; `answer` only with query or tokens."""
+    one_of(("query",), ("messages",), ("tokens",), optional=True)(schema)
+    for choice in schema["oneOf"]:
+        if "query" not in choice.get("required", ()) and "tokens" not in choice.get("required", ()):
+            choice["properties"]["answer"] = {"type": "null"}
+
 
 class Observation(WireModel):
     history: list[Message] | None = Field(default=None, description="Chat environments.")
@@ -107,13 +146,30 @@ class Observation(WireModel):
     prompt_tokens: list[int] = Field(description="Exact ids to send to /v1/generate.")
     hash: int | None = Field(default=None, description="SipHash chain of prompt_tokens.")
 
+    @classmethod
+    def of(cls, observation: episodes.Observation) -> Observation:
+        history = observation.history
+        return cls(
+            history=None if history is None else [Message(**m) for m in history],
+            text=observation.text,
+            prompt_text=observation.prompt_text,
+            prompt_tokens=observation.prompt_tokens,
+            hash=observation.hash,
+        )
+
 
 class ResetResponse(WireModel):
     env_id: str
     observations: list[Observation]
 
+    @classmethod
+    def of(cls, env_id: str, observations: list[episodes.Observation]) -> ResetResponse:
+        return cls(env_id=env_id, observations=[Observation.of(o) for o in observations])
+
 
 class Action(WireModel):
+    model_config = ConfigDict(json_schema_extra=one_of(("text",), ("tokens",)))
+
     text: str | None = None
     tokens: list[TokenId] | None = None
 
@@ -123,17 +179,27 @@ class Action(WireModel):
             raise field_error("actions", "each action has exactly one of text or tokens")
         return self
 
+    def to_act(self) -> episodes.Act:
+        return episodes.Act(self.text, self.tokens)
+
 
 class StepRequest(WireModel):
     actions: list[Action | None] = Field(
         description="One per row; null for rows whose episode is done."
     )
 
+    def to_acts(self) -> list[episodes.Act | None]:
+        return [None if a is None else a.to_act() for a in self.actions]
+
 
 class ToolResult(WireModel):
     block: int
     ok: bool
     output: str
+
+    @classmethod
+    def of(cls, result: BlockResult) -> ToolResult:
+        return cls(block=result.block, ok=result.ok, output=result.output)
 
 
 class StepOutput(WireModel):
@@ -144,11 +210,35 @@ class StepOutput(WireModel):
     truncated: bool
     info: dict[str, object]
 
+    @classmethod
+    def of(cls, outcome: RowOutcome) -> StepOutput:
+        return cls(
+            observation=Observation.of(outcome.observation),
+            reward=outcome.reward,
+            done=outcome.done,
+            terminated=outcome.terminated,
+            truncated=outcome.truncated,
+            info=step_info(outcome),
+        )
+
+
+def step_info(outcome: RowOutcome) -> dict[str, object]:
+    """A row's step info: the tool results (when tools ran), the answer, the reward breakdown."""
+    if outcome.tool_results is None:
+        return dict(outcome.info)
+    results = [ToolResult.of(r).model_dump() for r in outcome.tool_results]
+    return {"tool_results": results, **outcome.info}
+
 
 class StepResponse(WireModel):
     env_id: str
     policy_version: int
     outputs: list[StepOutput]
+
+    @classmethod
+    def of(cls, result: StepResult) -> StepResponse:
+        outputs = [StepOutput.of(o) for o in result.outputs]
+        return cls(env_id=result.env_id, policy_version=result.policy_version, outputs=outputs)
 
 
 class RowState(WireModel):
@@ -157,6 +247,16 @@ class RowState(WireModel):
     terminated: bool
     truncated: bool
     total_reward: float
+
+    @classmethod
+    def of(cls, row: episodes.Row) -> RowState:
+        return cls(
+            turns=row.turns,
+            done=row.done,
+            terminated=row.terminated,
+            truncated=row.truncated,
+            total_reward=row.total_reward,
+        )
 
 
 class EnvState(WireModel):
@@ -167,9 +267,25 @@ class EnvState(WireModel):
     created_at: float
     updated_at: float
 
+    @classmethod
+    def of(cls, session: SessionView) -> EnvState:
+        return cls(
+            env_id=session.env_id,
+            config=EnvConfig.of(session.config),
+            started=session.started,
+            rows=[RowState.of(r) for r in session.rows],
+            created_at=session.created_at,
+            updated_at=session.updated_at,
+        )
+
 
 class EnvList(WireModel):
     envs: list[EnvState]
     total: int
     offset: int
     limit: int
+
+    @classmethod
+    def of(cls, sessions: list[SessionView], total: int, offset: int, limit: int) -> EnvList:
+        envs = [EnvState.of(s) for s in sessions]
+        return cls(envs=envs, total=total, offset=offset, limit=limit)

@@ -1,7 +1,7 @@
-"""Sessions in Redis (`RLSERVE_SESSION_STORE=redis://host:port/db`), for several servers that
-share them: the same interface as the SQLite store, and the same compare-and-set `replace`
-(a Lua script, so it is atomic on the server), so a step is applied once or not at all even
-when two replicas receive the same session.
+"""Sessions in Redis (`RLSERVE_STORAGE__SESSION_STORE=redis://host:port/db`), for several
+servers that share them: the same interface as the SQLite store, and the same compare-and-set
+`replace` (a Lua script, so it is atomic on the server), so a step is applied once or not at all
+even when two replicas receive the same session.
 
 Layout, under the `rlserve:` prefix: a hash per session (`session:<id>`), a sorted set of all
 sessions by last update (`sessions:updated`, for expiry and counting) and one per owner by

@@ -1,10 +1,9 @@
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Query, Response
 
-from app.common.disconnect import cancel_on_disconnect
+from app.common.disconnect import CancellableRoute, cancellable
 from app.deps import EnvsDep, OwnerDep
-from app.envs.episodes import Act
 from app.envs.protocol import (
     EnvConfig,
     EnvCreated,
@@ -17,12 +16,15 @@ from app.envs.protocol import (
 )
 from app.errors import ENV_ERROR_RESPONSES
 
-router = APIRouter(tags=["environments"], responses=ENV_ERROR_RESPONSES)
+EnvId = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+router = APIRouter(
+    tags=["environments"], responses=ENV_ERROR_RESPONSES, route_class=CancellableRoute
+)
 
 
 @router.post("/v1/envs", response_model=EnvCreated, status_code=201, summary="Create a session")
 async def create_env(config: EnvConfig, envs: EnvsDep, owner: OwnerDep) -> EnvCreated:
-    return await envs.create(config, owner)
+    return EnvCreated.of(await envs.create(config.to_spec(), owner))
 
 
 @router.get("/v1/envs", response_model=EnvList, summary="List sessions")
@@ -32,16 +34,17 @@ async def list_envs(
     offset: Annotated[int, Query(ge=0, le=1_000_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> EnvList:
-    return await envs.page(owner, offset, limit)
+    sessions, total = await envs.page(owner, offset, limit)
+    return EnvList.of(sessions, total, offset, limit)
 
 
 @router.get("/v1/envs/{env_id}", response_model=EnvState, summary="Session config and state")
-async def get_env(env_id: str, envs: EnvsDep, owner: OwnerDep) -> EnvState:
-    return await envs.get(env_id, owner)
+async def get_env(env_id: EnvId, envs: EnvsDep, owner: OwnerDep) -> EnvState:
+    return EnvState.of(await envs.get(env_id, owner))
 
 
 @router.delete("/v1/envs/{env_id}", status_code=204, summary="Delete a session")
-async def delete_env(env_id: str, envs: EnvsDep, owner: OwnerDep) -> Response:
+async def delete_env(env_id: EnvId, envs: EnvsDep, owner: OwnerDep) -> Response:
     await envs.delete(env_id, owner)
     return Response(status_code=204)
 
@@ -52,10 +55,12 @@ async def delete_env(env_id: str, envs: EnvsDep, owner: OwnerDep) -> Response:
     response_model_exclude_none=True,
     summary="Start new episodes",
 )
+@cancellable
 async def reset_env(
-    env_id: str, request: ResetRequest, envs: EnvsDep, owner: OwnerDep
+    env_id: EnvId, request: ResetRequest, envs: EnvsDep, owner: OwnerDep
 ) -> ResetResponse:
-    return await envs.reset(env_id, owner, request)
+    observations = await envs.reset(env_id, owner, request.to_prompts())
+    return ResetResponse.of(env_id, observations)
 
 
 @router.post(
@@ -64,12 +69,12 @@ async def reset_env(
     response_model_exclude_none=True,
     summary="Apply one assistant action per row",
 )
+@cancellable
 async def step_env(
-    env_id: str,
+    env_id: EnvId,
     request: StepRequest,
     envs: EnvsDep,
     owner: OwnerDep,
-    http_request: Request,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -83,6 +88,5 @@ async def step_env(
     ] = None,
 ) -> StepResponse:
     """A step whose client goes away is cancelled with its tool runs, and changes nothing."""
-    actions = [Act.from_wire(a) for a in request.actions]
-    stepping = envs.step(env_id, owner, actions, idempotency_key)
-    return await cancel_on_disconnect(http_request, stepping)
+    result = await envs.step(env_id, owner, request.to_acts(), idempotency_key)
+    return StepResponse.of(result)

@@ -130,14 +130,17 @@ class Sandbox:
             logger.error("the python tool is disabled: %s", self.problem)
         elif self.isolation == "none":
             logger.warning(
-                "SANDBOX ISOLATION IS OFF (tool_isolation=none): model-written code runs with "
-                "the host's network, processes and files, limited by rlimits only"
+                "SANDBOX ISOLATION IS OFF (RLSERVE_TOOLS__ISOLATION=none): model-written code "
+                "runs with the host's network, processes and files, limited by rlimits only"
             )
         return self.problem
 
     def _probe(self) -> str | None:
         if self.isolation == "bwrap" and shutil.which("bwrap") is None:
-            return "bubblewrap (bwrap) is not installed; install it, or set tool_isolation=none"
+            return (
+                "bubblewrap (bwrap) is not installed; install it, "
+                "or set RLSERVE_TOOLS__ISOLATION=none"
+            )
         if os.geteuid() == 0 and shutil.which("setpriv") is None:
             return "setpriv (util-linux) is needed to run the tool as a non-root user"
         try:

@@ -41,3 +41,38 @@ async def test_token_work_runs_off_the_event_loop(
             answer = await client.post(route, json=body)
     assert answer.status_code == 200, answer.text
     assert threads and all(t.startswith("tokenizer") for t in threads), threads
+
+
+async def test_env_reset_and_step_tokenize_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Templating a conversation, encoding an action, decoding observations: none of it on
+    the event loop's thread, for chat and token environments."""
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.7)
+    calls: list[tuple[str, int]] = []
+    loop_thread = threading.get_ident()
+    async with fake_app(tmp_path, *pair) as app:
+        tokenizer_class = type(app.state.registry.get("policy").preparer.tokenizer)
+        for name in ("__call__", "encode", "decode", "apply_chat_template"):
+            real = getattr(tokenizer_class, name)
+
+            def spy(self: Any, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+                calls.append((_name, threading.get_ident()))
+                return _real(self, *args, **kw)
+
+            monkeypatch.setattr(tokenizer_class, name, spy)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            for kind, prompts, action in [
+                ("chat", {"query": ["What is 2+2?"]}, {"text": "It is 4."}),
+                ("tokens", {"tokens": [[5, 6]]}, {"tokens": [7, 8]}),
+            ]:
+                made = await client.post("/v1/envs", json={"kind": kind, "max_turns": 2})
+                env_id = made.json()["env_id"]
+                reset = await client.post(f"/v1/envs/{env_id}/reset", json=prompts)
+                assert reset.status_code == 200, reset.text
+                step = await client.post(f"/v1/envs/{env_id}/step", json={"actions": [action]})
+                assert step.status_code == 200, step.text
+    assert {"__call__", "decode", "apply_chat_template"} <= {name for name, _ in calls}, calls
+    on_loop = [name for name, thread in calls if thread == loop_thread]
+    assert not on_loop, on_loop

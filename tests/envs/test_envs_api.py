@@ -195,7 +195,7 @@ async def test_errors(client):
         assert response.json()["error"]["param"] == param
     no_dataset = await create(client)
     response = await client.post(f"/v1/envs/{no_dataset}/reset", json={})
-    assert response.status_code == 422 and response.json()["error"]["param"] == "query"
+    assert response.status_code == 409 and response.json()["error"]["param"] == "query"
     assert (await client.delete(f"/v1/envs/{env}")).status_code == 204
     assert (await client.get(f"/v1/envs/{env}")).status_code == 404
 
@@ -211,13 +211,10 @@ async def test_listing_is_paged(client):
 @pytest.fixture
 async def short_lived(settings: Settings, tmp_path) -> AsyncIterator[FastAPI]:  # type: ignore[no-untyped-def]
     app = create_app(
-        settings.model_copy(
-            update={
-                "data_dir": tmp_path,
-                "env_ttl_s": 0.5,
-                "max_env_sessions": 2,
-                "load_reference": False,
-            }
+        settings.replace(
+            storage={"data_dir": tmp_path},
+            envs={"ttl_s": 0.5, "max_sessions": 2},
+            models={"load_reference": False},
         )
     )
     async with app.router.lifespan_context(app):
@@ -240,9 +237,9 @@ async def test_ttl_expiry_and_session_cap(short_lived):
 
 
 async def test_a_running_tool_does_not_hold_up_a_weight_update(settings, tmp_path):
-    app = create_app(settings.model_copy(update={"data_dir": tmp_path, "tool_timeout_s": 3.0}))
+    app = create_app(settings.replace(storage={"data_dir": tmp_path}, tools={"timeout_s": 3.0}))
     payload = (
-        builtin_model_dir(settings.model_copy(update={"builtin_seed": 1})) / "model.safetensors"
+        builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models) / "model.safetensors"
     ).read_bytes()
     async with app.router.lifespan_context(app):
         await started(app)

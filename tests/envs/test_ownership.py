@@ -24,7 +24,10 @@ def bearer(key: str) -> dict[str, str]:
 async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
     async with fake_app(
-        tmp_path, *pair, api_keys=KEYS[:1], admin_api_keys=KEYS[1:], max_env_sessions_per_key=3
+        tmp_path,
+        *pair,
+        auth={"api_keys": KEYS[:1], "admin_api_keys": KEYS[1:]},
+        envs={"max_sessions_per_key": 3},
     ) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:

@@ -62,7 +62,7 @@ async def test_loops_memory_bombs_and_floods_are_stopped() -> None:
 
 
 async def test_the_server_is_invisible_no_environ_no_process_no_keys(monkeypatch) -> None:
-    monkeypatch.setenv("RLSERVE_API_KEYS", "secret-key-123")
+    monkeypatch.setenv("RLSERVE_AUTH__API_KEYS", "secret-key-123")
     code = """
 import os
 pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
@@ -73,7 +73,7 @@ for pid in pids:
         leaked.append(open(f'/proc/{pid}/environ', 'rb').read())
     except OSError:
         pass
-print(b'secret-key-123' in b''.join(leaked), dict(os.environ).get('RLSERVE_API_KEYS'))
+print(b'secret-key-123' in b''.join(leaked), dict(os.environ).get('RLSERVE_AUTH__API_KEYS'))
 try:
     os.kill(SERVER, 9)
     print('killed')

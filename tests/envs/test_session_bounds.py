@@ -19,7 +19,7 @@ MAX_MODEL_LEN = 4096  # the fake backend's
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
-    async with fake_app(tmp_path, *pair, env_max_turns=5) as app:
+    async with fake_app(tmp_path, *pair, envs={"max_turns": 5}) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:
             yield c

@@ -18,9 +18,9 @@ pytestmark = needs_isolation
 
 
 @asynccontextmanager
-async def client_for(tmp: Path, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def client_for(tmp: Path, **tools: Any) -> AsyncIterator[httpx.AsyncClient]:
     pair = FakeBackend("policy", lambda t: -1.0), FakeBackend("reference", lambda t: -1.0)
-    async with fake_app(tmp, *pair, **settings) as app:
+    async with fake_app(tmp, *pair, tools=tools) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
             yield client
@@ -43,7 +43,7 @@ async def tool_step(client: httpx.AsyncClient, *actions: dict[str, str]) -> list
 
 
 async def test_blocks_past_the_cap_are_reported_not_run(tmp_path: Path) -> None:
-    async with client_for(tmp_path, tool_max_blocks=2) as client:
+    async with client_for(tmp_path, max_blocks=2) as client:
         (messages,) = await tool_step(client, blocks("print(1)", "print(2)", "print(3)"))
     assert messages == [
         "Code block 1 executed successfully:\n1\n",
@@ -54,7 +54,7 @@ async def test_blocks_past_the_cap_are_reported_not_run(tmp_path: Path) -> None:
 
 async def test_the_step_budget_is_shared_by_all_rows(tmp_path: Path) -> None:
     sleep = "import time\ntime.sleep(1.0)\nprint('slept')"
-    async with client_for(tmp_path, tool_step_budget_s=1.5, tool_max_concurrent=1) as client:
+    async with client_for(tmp_path, step_budget_s=1.5, max_concurrent=1) as client:
         first, second = await tool_step(client, blocks(sleep, "print('late')"), blocks(sleep))
     # One run at a time: a first block takes 1 s, the block that gets the pool next is
     # killed when the 1.5 s are spent, and nothing starts after that.
@@ -77,6 +77,6 @@ async def test_without_isolation_the_tool_refuses_unless_opted_out(
         assert error["param"] == "tools" and "bubblewrap" in error["message"]
         assert (await client.post("/v1/envs", json={})).status_code == 201  # no tool: fine
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    async with client_for(tmp_path / "b", tool_isolation="none") as client:
+    async with client_for(tmp_path / "b", isolation="none") as client:
         (messages,) = await tool_step(client, blocks("print('unisolated')"))
     assert messages == ["Code block 1 executed successfully:\nunisolated\n"]

@@ -97,7 +97,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in (
         (400, "Malformed request (e.g. control characters in the path)"),
-        (401, "Missing or invalid API key (when RLSERVE_API_KEYS is set)"),
+        (401, "Missing or invalid API key (when RLSERVE_AUTH__API_KEYS is set)"),
         (413, "Request too large"),
         (422, "Invalid request"),
         (500, "Internal error"),
@@ -109,6 +109,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
     400: {"model": ErrorResponse, "description": "Not a valid safetensors checkpoint"},
+    404: {"model": ErrorResponse, "description": "No checkpoint at the path"},
     409: {"model": ErrorResponse, "description": "The checkpoint changed while it was read"},
     504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
 }
@@ -128,8 +129,9 @@ ENV_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     404: {"model": ErrorResponse, "description": "Unknown or expired environment"},
     409: {
         "model": ErrorResponse,
-        "description": "Episode done, or not reset yet; or another server stepped the session "
-        "meanwhile (Retry-After: 0, nothing applied: send it again with its Idempotency-Key)",
+        "description": "Episode done, or not reset yet, or nothing to reset from (no dataset, "
+        "no prompts given); or another server stepped the session meanwhile (Retry-After: 0, "
+        "nothing applied: send it again with its Idempotency-Key)",
     },
     429: {"model": ErrorResponse, "description": "Too many live sessions"},
 }
@@ -198,7 +200,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        headers = dict(exc.headers or {})  # a 405 keeps Starlette's Allow header (RFC 9110)
+        error = APIError(exc.status_code, str(exc.detail), type=kind, headers=headers or None)
+        return error_response(error)
 
     async def _failure(_: Request, exc: Exception) -> JSONResponse:
         return error_response(failure_error(cast(Failure, exc)))

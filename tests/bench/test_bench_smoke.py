@@ -110,3 +110,20 @@ def test_real_model_benchmark_quick(tmp_path):
         for kind in ("generate", "score"):
             assert report["results"][name]["8"][kind]["requests"] == 16
     assert report["ratios"]["rlserve_transformers_over_in_process"]["8"]["score"] > 0
+
+
+def test_load_benchmark_quick(tmp_path):
+    """Mixed traffic with idle pauses as long as a client keeps its connections: every
+    request is answered (the script exits 1 on a 5xx or a dropped connection)."""
+    report = run_quick("load", tmp_path)
+    routes = {key.split()[0] for key in report["outcomes"]}
+    assert routes == {
+        "env_create",
+        "env_reset",
+        "env_step",
+        "env_get",
+        "env_delete",
+        "generate",
+        "logprobs",
+    }
+    assert report["failed"] == 0 and report["requests"] == sum(report["outcomes"].values())

@@ -16,8 +16,12 @@ pytestmark = pytest.mark.slow
 
 
 def server_env(tmp_path: Path, **settings: str) -> dict[str, str]:
-    """The built-in model cached and the state kept under `tmp_path`, plus `settings`."""
-    env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache"), "RLSERVE_DATA_DIR": str(tmp_path / "data")}
+    """The built-in model cached and the state kept under `tmp_path`, plus `settings` named
+    `group__field` (`http__shutdown_timeout_s="1"`: RLSERVE_HTTP__SHUTDOWN_TIMEOUT_S)."""
+    env = {
+        "RLSERVE_MODELS__CACHE_DIR": str(tmp_path / "cache"),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path / "data"),
+    }
     return env | {f"RLSERVE_{name.upper()}": value for name, value in settings.items()}
 
 
@@ -38,12 +42,34 @@ def test_serve_tiny_builtin_model_end_to_end(tmp_path):
         # uvicorn shuts down gracefully, then re-raises the signal it caught
         assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
     log = (tmp_path / "server.log").read_text()
-    assert "tiny built-in model" in log and "RLSERVE_MODEL" in log
+    assert "tiny built-in model" in log and "RLSERVE_MODELS__MODEL" in log
     assert "Application shutdown complete" in log
 
 
+def test_idle_connections_outlive_the_clients_keep_alive(tmp_path):
+    """An idle connection stays open longer than HTTP clients keep one for reuse (httpx: 5 s,
+    the server's old default too): otherwise a request sent on it just as the server closes
+    it is lost without an answer (seen under load as a read error on an env step)."""
+    import http.client
+
+    with running_server(env=server_env(tmp_path), log=tmp_path / "server.log") as server:
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            for _ in range(3):  # one connection: a closed one raises RemoteDisconnected
+                connection.request("GET", "/health")
+                response = connection.getresponse()
+                assert response.status == 200 and response.read()
+                time.sleep(httpx.Limits().keepalive_expiry + 1)  # idle past the client's expiry
+        finally:
+            connection.close()
+
+
 def test_serve_exits_when_the_model_cannot_load(tmp_path):
-    env = {"RLSERVE_DATA_DIR": str(tmp_path), "RLSERVE_MODEL": str(tmp_path / "missing")}
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path),
+        "RLSERVE_MODELS__MODEL": str(tmp_path / "missing"),
+    }
     log = tmp_path / "server.log"
     with (
         pytest.raises(RuntimeError, match="server exited early"),
@@ -68,7 +94,7 @@ def _generate_in_background(url: str, body: dict) -> tuple[threading.Thread, dic
 
 def test_sigterm_lets_in_flight_requests_finish(tmp_path):
     # A grace no loaded CI machine runs out of: this test is about what happens inside it.
-    env = server_env(tmp_path, shutdown_timeout_s="300")
+    env = server_env(tmp_path, http__shutdown_timeout_s="300")
     with running_server(env=env, log=tmp_path / "server.log") as server:
         # Some seconds of decoding: still running when the signal comes.
         body = {"tokens": [[1, 2, 3]] * 16, "max_tokens": 600, "ignore_eos": True}
@@ -89,7 +115,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
 
 
 def test_a_request_outliving_the_shutdown_grace_gets_a_retryable_503(tmp_path):
-    env = server_env(tmp_path, shutdown_timeout_s="1")
+    env = server_env(tmp_path, http__shutdown_timeout_s="1")
     with running_server(env=env, log=tmp_path / "server.log") as server:
         # Minutes of decoding: far longer than the grace.
         body = {"tokens": [[1, 2, 3]] * 32, "max_tokens": 4000, "ignore_eos": True}

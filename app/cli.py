@@ -16,35 +16,34 @@ DEFAULT_SPEC = Path("openapi/openapi.json")
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.config import Settings
+    from app.config import Settings, nest
     from app.main import create_app
     from app.ops.logs import configure_logging
 
-    overrides = {
-        key: value
-        for key, value in {
-            "model": args.model,
-            "host": args.host,
-            "port": args.port,
-            "backend": args.backend,
-            "dtype": args.dtype,
-            "device": args.device,
-            "ref_model": args.ref_model,
-        }.items()
-        if value is not None
+    flags = {
+        "models.model": args.model,
+        "models.ref_model": args.ref_model,
+        "models.backend": args.backend,
+        "models.dtype": args.dtype,
+        "models.device": args.device,
+        "http.host": args.host,
+        "http.port": args.port,
     }
+    overrides = nest({key: value for key, value in flags.items() if value is not None})
     settings = Settings(**overrides)
-    configure_logging(settings.log_level, settings.log_format)
+    http = settings.http
+    configure_logging(http.log_level, http.log_format)
     if args.replicas is not None:
         return _serve_replicas(overrides, args.replicas, settings, args.sticky_sessions)
     uvicorn.run(
         create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
+        host=http.host,
+        port=http.port,
+        log_level=http.log_level,
         log_config=None,  # keep configure_logging's handlers
         access_log=False,  # the service's access log carries the request id
-        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        timeout_graceful_shutdown=http.shutdown_timeout_s,
+        timeout_keep_alive=http.keep_alive_timeout_s,
     )
     return 0
 
@@ -77,7 +76,7 @@ def _serve_replicas(
     # A cluster only when RAY_ADDRESS names one: else a fresh local one, never a stale
     # address a crashed cluster left behind.
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.start(http_options={"host": settings.http.host, "port": settings.http.port})
     serve.run(application, name="rlserve", route_prefix="/", blocking=True)
     return 0
 
@@ -139,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--replicas",
         type=int,
-        help="run N replicas on Ray Serve (needs RLSERVE_SESSION_STORE=redis://... when N > 1)",
+        help="run N replicas on Ray Serve (needs "
+        "RLSERVE_STORAGE__SESSION_STORE=redis://... when N > 1)",
     )
     serve.add_argument(
         "--sticky-sessions",

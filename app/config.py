@@ -1,14 +1,26 @@
-"""Service settings: one pydantic-settings class, every field readable from `RLSERVE_*` env vars."""
+"""Service settings: one pydantic-settings class of groups, one per capability (vLLM's
+`ModelConfig`, `CacheConfig`, ... inside one `VllmConfig`); each component receives only its
+group. A field is read from `RLSERVE_<GROUP>__<FIELD>` (e.g. `RLSERVE_TOOLS__TIMEOUT_S`); the
+old flat names still work, with a warning (`app.deprecated_settings`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from app.batching import BatchingConfig
+from app.deprecated_settings import deprecated_env, deprecated_kwargs
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CommaList = Annotated[list[str], NoDecode]
@@ -20,12 +32,21 @@ def _default_cache_dir() -> Path:
     return Path.home() / ".cache" / "rlserve"
 
 
-class Settings(BaseSettings):
-    """Everything the service reads at start-up; validated before any model is loaded."""
+def _split_commas(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
 
-    model_config = SettingsConfigDict(env_prefix="RLSERVE_", extra="ignore")
 
-    # Model
+class Group(BaseModel):
+    """One capability's settings; an unknown field is an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSettings(Group):
+    """Which models are served, and how they are loaded."""
+
     model: str = Field(
         default=DEFAULT_MODEL,
         description="Local HF model directory, hub id, or a built-in model: "
@@ -52,8 +73,25 @@ class Settings(BaseSettings):
         default=True,
         description="Stop the server when a model fails to load, so a supervisor restarts it.",
     )
+    # The shape of builtin:tiny
+    builtin_hidden_size: int = Field(default=64, gt=0)
+    builtin_num_layers: int = Field(default=2, gt=0)
+    builtin_seed: int = 0
 
-    # vLLM engine options (backend "vllm")
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_is_default(cls, value: Any) -> Any:
+        return DEFAULT_MODEL if value in ("", None) else value
+
+    @field_validator("ref_model", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+
+class VllmSettings(Group):
+    """vLLM engine options (backend "vllm")."""
+
     gpu_memory_utilization: float = Field(
         default=0.9,
         gt=0,
@@ -68,7 +106,7 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(default=1, gt=0)
     enable_prefix_caching: bool | None = Field(default=None, description="Default: vLLM's own.")
     enforce_eager: bool = False
-    vllm_processed_log_probs: bool = Field(
+    processed_log_probs: bool = Field(
         default=False,
         description="vLLM samples with logprobs_mode processed_logprobs, so generations "
         "carry response_processed (the distribution sampled from), and scores each finished "
@@ -77,142 +115,39 @@ class Settings(BaseSettings):
         "False: raw log-probs of the weights that sampled each token, no response_processed.",
     )
 
-    # The shape of builtin:tiny
-    builtin_hidden_size: int = Field(default=64, gt=0)
-    builtin_num_layers: int = Field(default=2, gt=0)
-    builtin_seed: int = 0
 
-    # HTTP
+class HttpSettings(Group):
+    """The HTTP server."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    # Environment sessions
-    data_dir: Path = Field(
-        default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
-        description="Session store (sessions.sqlite3, with uploaded datasets), datasets/ "
-        "(*.jsonl prompt sets every key sees) and imports/ (files datasets may be read from).",
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per log line."
     )
-    replica_id: str | None = Field(
-        default=None,
-        description="This server's name among replicas (set by the Ray Serve deployment): "
-        "the `replica` label of /metrics' target_info.",
-    )
-    session_store: str | None = Field(
-        default=None,
-        pattern=r"^(redis|rediss|unix)://",
-        description="Where sessions and trajectories live: unset for SQLite in data_dir, or a "
-        "Redis URL (redis://host:port/db) that several servers share.",
-    )
-    env_ttl_s: float = Field(default=3600, gt=0, description="Idle sessions expire after this.")
-    max_env_sessions: int = Field(default=1024, gt=0, description="Live sessions; beyond: 429.")
-    max_env_sessions_per_key: int = Field(
-        default=256, gt=0, description="Live sessions of one API key; beyond: 429."
-    )
-    env_max_turns: int = Field(
-        default=64,
+    keep_alive_timeout_s: int = Field(
+        default=75,
         gt=0,
-        description="A session's max_turns when it sets none, and the most it may set.",
+        description="An idle connection is closed after this. Longer than clients keep idle "
+        "connections (httpx: 5 s), or a request sent as the server closes its connection is "
+        "lost without an answer.",
     )
-    dataset_max_bytes: int = Field(
-        default=32 << 20, gt=0, description="Largest dataset upload or import (JSONL bytes)."
+    shutdown_timeout_s: int = Field(
+        default=30, gt=0, description="On SIGTERM, in-flight requests get this long to finish."
     )
-    dataset_max_rows: int = Field(default=100_000, gt=0, description="Most rows of a dataset.")
-    max_datasets_per_key: int = Field(
-        default=64, gt=0, description="Uploaded datasets one API key may keep; beyond: 429."
-    )
-    dataset_import_dir: Path | None = Field(
-        default=None,
-        description="The only directory `POST /v1/datasets` with a `path` reads from (default: "
-        "data_dir/imports).",
-    )
-    trajectory_ttl_s: float = Field(
-        default=86400, gt=0, description="Trajectories not written for this long expire."
-    )
-    trajectory_max_turns: int = Field(
-        default=256, gt=0, description="Completions one trajectory may record; beyond: 409."
-    )
-    tool_timeout_s: float = Field(
-        default=5.0, gt=0, le=3600, description="Wall clock per python block."
-    )
-    tool_memory_mb: int = Field(
-        default=512, gt=0, le=1 << 20, description="Address space of each sandboxed process."
-    )
-    tool_max_output_bytes: int = Field(default=16384, gt=0, le=64 << 20)
-    tool_isolation: Literal["bwrap", "none"] = Field(
-        default="bwrap",
-        description="'bwrap': every python run in its own namespaces (bubblewrap); the tool "
-        "is refused where that does not work. 'none': an explicit, logged opt-out (rlimits "
-        "only, the host's network and processes visible).",
-    )
-    tool_max_concurrent: int = Field(
-        default=4, gt=0, le=1024, description="Python runs at once, server-wide; more wait."
-    )
-    tool_max_processes: int = Field(
-        default=16, ge=2, le=4096, description="Processes of one python run (its init counts)."
-    )
-    tool_tmpfs_mb: int = Field(
-        default=64, gt=0, le=1 << 20, description="Size of each private /tmp, /var/tmp, /dev/shm."
-    )
-    tool_step_budget_s: float = Field(
-        default=30.0, gt=0, le=3600, description="Tool wall clock of one step, all rows together."
-    )
-    tool_max_blocks: int = Field(
-        default=8, gt=0, le=1024, description="Code blocks run per message; more are refused."
-    )
-    tool_uid_base: int = Field(
-        default=200_000,
-        gt=0,
-        lt=1 << 31,
-        description="As root, python runs use host uids tool_uid_base + slot (never root).",
-    )
-
-    # Weight updates
-    max_weights_bytes: int = Field(
-        default=256 << 30,
-        gt=0,
-        description="Largest weight upload (also never more than the free disk space).",
-    )
-    weights_io_timeout_s: float = Field(
-        default=600, gt=0, description="Reading a checkpoint's files; beyond it the load is 504."
-    )
-    weights_snapshot_loads: bool = Field(
-        default=True,
-        description="Path loads copy the checkpoint to data_dir first (needs the disk space), "
-        "so one rewritten during the load is applied whole or refused (409); false reads it "
-        "in place.",
-    )
-    ready_probe_interval_s: float = Field(
-        default=5,
-        ge=0,
-        description="/ready probes each engine at most this often (a request answered within "
-        "it counts as a probe).",
-    )
-    ready_probe_timeout_s: float = Field(
-        default=30,
-        gt=0,
-        description="An engine that does not answer a probe within this is not ready (503).",
-    )
-
-    # Request limits
-    max_items_per_request: int = Field(default=256, gt=0)
-    max_new_tokens_limit: int = Field(default=4096, gt=0)
-    default_max_new_tokens: int = Field(default=256, gt=0)
-
-    max_top_logprobs: int = Field(
-        default=64, ge=0, description="Largest top_logprobs a scoring request may ask for."
-    )
-    max_candidate_ids: int = Field(
-        default=256, ge=0, description="Most token_ids a scoring request may name."
-    )
-    max_rollout_turns: int = Field(
-        default=8192, gt=0, description="num_episodes x max_turns of one /v1/rollouts request."
+    cors_origins: CommaList = Field(
+        default_factory=list, description="Allowed CORS origins (comma-separated); none: off."
     )
     max_body_bytes: int = Field(
         default=64 << 20, gt=0, description="Largest request body (weight uploads excepted): 413."
     )
 
-    # Operations
+    _split = field_validator("cors_origins", mode="before")(_split_commas)
+
+
+class AuthSettings(Group):
+    """API keys."""
+
     api_keys: CommaList = Field(
         default_factory=list,
         repr=False,
@@ -225,54 +160,190 @@ class Settings(BaseSettings):
         description="When set, only these keys may change weights (they also pass as api keys).",
     )
     metrics_auth: bool = Field(default=False, description="Require a key for /metrics too.")
-    cors_origins: CommaList = Field(
-        default_factory=list, description="Allowed CORS origins (comma-separated); none: off."
+
+    _split = field_validator("api_keys", "admin_api_keys", mode="before")(_split_commas)
+
+
+class StorageSettings(Group):
+    """Where state lives, and this server's name among replicas."""
+
+    data_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
+        description="Session store (sessions.sqlite3, with uploaded datasets), datasets/ "
+        "(*.jsonl prompt sets every key sees) and imports/ (files datasets may be read from).",
     )
-    log_format: Literal["text", "json"] = Field(
-        default="text", description="json: one JSON object per log line."
+    session_store: str | None = Field(
+        default=None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="Where sessions and trajectories live: unset for SQLite in data_dir, or a "
+        "Redis URL (redis://host:port/db) that several servers share.",
     )
-    shutdown_timeout_s: int = Field(
-        default=30, gt=0, description="On SIGTERM, in-flight requests get this long to finish."
+    replica_id: str | None = Field(
+        default=None,
+        description="This server's name among replicas (set by the Ray Serve deployment): "
+        "the `replica` label of /metrics' target_info.",
     )
 
-    # Batching (see app/batching.py)
-    batching: bool = Field(default=True, description="Let concurrent requests share model calls.")
+
+class LimitSettings(Group):
+    """Request limits of the model routes."""
+
+    max_items_per_request: int = Field(default=256, gt=0)
+    max_new_tokens: int = Field(default=4096, gt=0)
+    default_max_new_tokens: int = Field(default=256, gt=0)
+    max_top_logprobs: int = Field(
+        default=64, ge=0, description="Largest top_logprobs a scoring request may ask for."
+    )
+    max_candidate_ids: int = Field(
+        default=256, ge=0, description="Most token_ids a scoring request may name."
+    )
+    max_rollout_turns: int = Field(
+        default=8192, gt=0, description="num_episodes x max_turns of one /v1/rollouts request."
+    )
+
+    @model_validator(mode="after")
+    def _check_default(self) -> LimitSettings:
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
+
+
+class EnvSettings(Group):
+    """Environment sessions."""
+
+    ttl_s: float = Field(default=3600, gt=0, description="Idle sessions expire after this.")
+    max_sessions: int = Field(default=1024, gt=0, description="Live sessions; beyond: 429.")
+    max_sessions_per_key: int = Field(
+        default=256, gt=0, description="Live sessions of one API key; beyond: 429."
+    )
+    max_turns: int = Field(
+        default=64,
+        gt=0,
+        description="A session's max_turns when it sets none, and the most it may set.",
+    )
+
+
+class ToolSettings(Group):
+    """The python tool's sandbox."""
+
+    timeout_s: float = Field(default=5.0, gt=0, le=3600, description="Wall clock per python block.")
+    max_memory_mb: int = Field(
+        default=512, gt=0, le=1 << 20, description="Address space of each sandboxed process."
+    )
+    max_output_bytes: int = Field(default=16384, gt=0, le=64 << 20)
+    isolation: Literal["bwrap", "none"] = Field(
+        default="bwrap",
+        description="'bwrap': every python run in its own namespaces (bubblewrap); the tool "
+        "is refused where that does not work. 'none': an explicit, logged opt-out (rlimits "
+        "only, the host's network and processes visible).",
+    )
+    max_concurrent: int = Field(
+        default=4, gt=0, le=1024, description="Python runs at once, server-wide; more wait."
+    )
+    max_processes: int = Field(
+        default=16, ge=2, le=4096, description="Processes of one python run (its init counts)."
+    )
+    tmpfs_mb: int = Field(
+        default=64, gt=0, le=1 << 20, description="Size of each private /tmp, /var/tmp, /dev/shm."
+    )
+    step_budget_s: float = Field(
+        default=30.0, gt=0, le=3600, description="Tool wall clock of one step, all rows together."
+    )
+    max_blocks: int = Field(
+        default=8, gt=0, le=1024, description="Code blocks run per message; more are refused."
+    )
+    uid_base: int = Field(
+        default=200_000,
+        gt=0,
+        lt=1 << 31,
+        description="As root, python runs use host uids uid_base + slot (never root).",
+    )
+
+
+class DatasetSettings(Group):
+    """Uploaded and imported datasets."""
+
+    max_bytes: int = Field(
+        default=32 << 20, gt=0, description="Largest dataset upload or import (JSONL bytes)."
+    )
+    max_rows: int = Field(default=100_000, gt=0, description="Most rows of a dataset.")
+    max_per_key: int = Field(
+        default=64, gt=0, description="Uploaded datasets one API key may keep; beyond: 429."
+    )
+    import_dir: Path | None = Field(
+        default=None,
+        description="The only directory `POST /v1/datasets` with a `path` reads from (default: "
+        "data_dir/imports).",
+    )
+
+
+class TrajectorySettings(Group):
+    """Trajectories recorded by the OpenAI-compatible routes."""
+
+    ttl_s: float = Field(
+        default=86400, gt=0, description="Trajectories not written for this long expire."
+    )
+    max_turns: int = Field(
+        default=256, gt=0, description="Completions one trajectory may record; beyond: 409."
+    )
+
+
+class WeightSettings(Group):
+    """Weight updates."""
+
+    max_bytes: int = Field(
+        default=256 << 30,
+        gt=0,
+        description="Largest weight upload (also never more than the free disk space).",
+    )
+    io_timeout_s: float = Field(
+        default=600, gt=0, description="Reading a checkpoint's files; beyond it the load is 504."
+    )
+    snapshot_loads: bool = Field(
+        default=True,
+        description="Path loads copy the checkpoint to data_dir first (needs the disk space), "
+        "so one rewritten during the load is applied whole or refused (409); false reads it "
+        "in place.",
+    )
+
+
+class ProbeSettings(Group):
+    """The /ready probe of each engine."""
+
+    interval_s: float = Field(
+        default=5,
+        ge=0,
+        description="/ready probes each engine at most this often (a request answered within "
+        "it counts as a probe).",
+    )
+    timeout_s: float = Field(
+        default=30,
+        gt=0,
+        description="An engine that does not answer a probe within this is not ready (503).",
+    )
+
+
+class BatchingSettings(Group):
+    """Batching of concurrent requests (see app/batching.py)."""
+
+    enabled: bool = Field(default=True, description="Let concurrent requests share model calls.")
     min_batch_size: int = Field(
         default=1, gt=0, description="Launch a batch at once when this many items wait."
     )
     max_batch_size: int = Field(default=32, gt=0, description="Items (sequences) per model call.")
-    batching_timeout_ms: float = Field(
-        default=10.0, ge=0, description="Longest a partial batch below min_batch_size waits."
+    timeout_s: float = Field(
+        default=0.01, ge=0, description="Longest a partial batch below min_batch_size waits."
     )
     max_batch_tokens: int = Field(
         default=65536, gt=0, description="Padded-token budget (rows x longest) per model call."
     )
     max_queue: int = Field(default=1024, gt=0, description="Requests waiting; beyond it 503.")
 
-    @field_validator("model", mode="before")
-    @classmethod
-    def _empty_is_default(cls, value: Any) -> Any:
-        return DEFAULT_MODEL if value in ("", None) else value
-
-    @field_validator("ref_model", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, value: Any) -> Any:
-        return None if value == "" else value
-
-    @field_validator("api_keys", "admin_api_keys", "cors_origins", mode="before")
-    @classmethod
-    def _split_commas(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
     @model_validator(mode="after")
-    def _check_limits(self) -> Settings:
-        if self.default_max_new_tokens > self.max_new_tokens_limit:
-            raise ValueError(
-                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
-                f"max_new_tokens_limit ({self.max_new_tokens_limit})"
-            )
+    def _check_sizes(self) -> BatchingSettings:
         if self.min_batch_size > self.max_batch_size:
             raise ValueError(
                 f"min_batch_size ({self.min_batch_size}) exceeds "
@@ -280,11 +351,101 @@ class Settings(BaseSettings):
             )
         return self
 
-    def batching_config(self) -> BatchingConfig:
+    def config(self) -> BatchingConfig | None:
+        """The batchers' config; None when batching is off."""
+        if not self.enabled:
+            return None
         return BatchingConfig(
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
-            timeout_s=self.batching_timeout_ms / 1000,
+            timeout_s=self.timeout_s,
             max_batch_tokens=self.max_batch_tokens,
             max_queue=self.max_queue,
         )
+
+
+def nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Overrides with `group.field` keys (`serve run ... storage.session_store=redis://...`)
+    as nested groups; other keys as they are (old flat names warn in `Settings`)."""
+    nested: dict[str, Any] = {}
+    for key, value in overrides.items():
+        group, dot, name = key.partition(".")
+        if dot:
+            nested.setdefault(group, {})[name] = value
+        elif isinstance(value, dict) and isinstance(nested.get(key), dict):
+            nested[key] = {**value, **nested[key]}
+        else:
+            nested[key] = value
+    return nested
+
+
+class _GroupEnvSource(EnvSettingsSource):
+    """`RLSERVE_<GROUP>__<FIELD>` only: a bare `RLSERVE_<GROUP>` is never a whole group (the
+    old `RLSERVE_BATCHING` switch is read by the deprecated names' source)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        _, key, is_complex = super().get_field_value(field, field_name)
+        return None, key, is_complex
+
+
+class _DeprecatedEnvSource(PydanticBaseSettingsSource):
+    """The old flat `RLSERVE_*` names, below the new ones (a new name set beside an old wins)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return deprecated_env()
+
+
+class Settings(BaseSettings):
+    """Everything the service reads at start-up; validated before any model is loaded."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RLSERVE_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    models: ModelSettings = Field(default_factory=ModelSettings)
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    envs: EnvSettings = Field(default_factory=EnvSettings)
+    tools: ToolSettings = Field(default_factory=ToolSettings)
+    datasets: DatasetSettings = Field(default_factory=DatasetSettings)
+    trajectories: TrajectorySettings = Field(default_factory=TrajectorySettings)
+    weights: WeightSettings = Field(default_factory=WeightSettings)
+    probe: ProbeSettings = Field(default_factory=ProbeSettings)
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+
+    def __init__(self, **values: Any) -> None:
+        # Old flat keywords (`Settings(data_dir=...)`) go through the deprecated names' table.
+        super().__init__(**deprecated_kwargs(values))
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            _GroupEnvSource(settings_cls),
+            _DeprecatedEnvSource(settings_cls),
+            dotenv_settings,
+            file_secret_settings,
+        )
+
+    def replace(self, **groups: dict[str, Any]) -> Settings:
+        """A copy with some fields of some groups changed, validated again (the environment
+        is not read again): `settings.replace(tools={"timeout_s": 3})`."""
+        data = self.model_dump()
+        for group, updates in groups.items():
+            if group not in type(self).model_fields:
+                raise ValueError(f"no settings group {group!r}")
+            data[group].update(updates)
+        return type(self).model_validate(data)

@@ -16,13 +16,15 @@ from fastapi.openapi.utils import get_openapi
 from rlserve_client import tensor_wire
 
 from app import __version__
-from app.config import Settings
+from app.config import Settings, StorageSettings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService
 from app.datasets.store import DatasetStore, SQLiteDatasetStore
+from app.deploy.replicated import Replicas, ReplicatedWeights
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
+from app.envs.build import build_env_service, build_sandbox
 from app.envs.router import router as envs_router
 from app.envs.service import EnvService
 from app.envs.store import SessionStore, SQLiteSessionStore
@@ -46,17 +48,16 @@ from app.scoring.serving import ScoringService
 from app.trajectories.router import router as trajectories_router
 from app.trajectories.service import TrajectoryService
 from app.trajectories.store import SQLiteTrajectoryStore, TrajectoryStore
+from app.weights.local import LocalWeights
 from app.weights.router import router as weights_router
 from app.weights.router import serving_router, transfer_router
-from app.weights.service import Fanout, WeightsService
-from app.weights.transfer import TransferService
 
 logger = logging.getLogger(__name__)
 
 
-async def load_or_exit(registry: ModelRegistry) -> None:
+async def load_or_exit(registry: ModelRegistry, exit_on_failure: bool) -> None:
     await registry.load()
-    if registry.status == "failed" and registry.settings.exit_on_load_failure:
+    if registry.status == "failed" and exit_on_failure:
         logger.error("stopping: the model failed to load (%s)", registry.error)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -75,9 +76,9 @@ async def reap_forever(envs: EnvService, trajectories: TrajectoryService, ttl_s:
             logger.exception("reaping sessions or trajectories failed")
 
 
-def open_stores(settings: Settings) -> tuple[SessionStore, TrajectoryStore]:
-    """Sessions and trajectories: in Redis when RLSERVE_SESSION_STORE names one (servers
-    that share it share them), else in SQLite in the data directory."""
+def open_stores(settings: StorageSettings) -> tuple[SessionStore, TrajectoryStore]:
+    """Sessions and trajectories: in Redis when RLSERVE_STORAGE__SESSION_STORE names one
+    (servers that share it share them), else in SQLite in the data directory."""
     if settings.session_store is not None:
         from app.envs.redis_store import RedisSessionStore
         from app.trajectories.redis_store import RedisTrajectoryStore
@@ -88,7 +89,7 @@ def open_stores(settings: Settings) -> tuple[SessionStore, TrajectoryStore]:
     return SQLiteSessionStore(path), SQLiteTrajectoryStore(path)
 
 
-def open_dataset_store(settings: Settings) -> DatasetStore:
+def open_dataset_store(settings: StorageSettings) -> DatasetStore:
     """Uploaded datasets live beside the sessions (the same Redis, or the same SQLite file)."""
     if settings.session_store is not None:
         from app.datasets.store import RedisDatasetStore
@@ -98,24 +99,36 @@ def open_dataset_store(settings: Settings) -> DatasetStore:
 
 
 def build_services(
-    app: FastAPI, registry: ModelRegistry, envs: EnvService, trajectories: TrajectoryService
+    app: FastAPI,
+    registry: ModelRegistry,
+    envs: EnvService,
+    trajectories: TrajectoryService,
+    replicas: Replicas | None = None,
 ) -> None:
     """The services, built once per app on `app.state`: routes reach them through `app.deps`
     and convert wire models to their typed domain calls."""
     settings: Settings = app.state.settings
     app.state.envs = envs
-    app.state.generation = generation = GenerationService(registry, settings)
-    app.state.scoring = ScoringService(registry, settings)
-    app.state.kl = KLService(registry, settings)
-    app.state.rollouts = RolloutService(envs, generation)
+    limits = settings.limits
+    app.state.generation = generation = GenerationService(registry, limits)
+    app.state.scoring = ScoringService(registry, limits)
+    app.state.kl = KLService(registry, limits)
+    app.state.rollouts = RolloutService(
+        envs, generation, max_rollout_turns=limits.max_rollout_turns
+    )
     app.state.trajectories = trajectories
-    app.state.openai = OpenAIService(registry, generation, trajectories, settings)
-    app.state.weights = weights = WeightsService(registry, settings)
-    app.state.transfers = TransferService(registry, weights)
+    app.state.openai = OpenAIService(registry, generation, trajectories, limits)
+    app.state.weights = LocalWeights(registry, settings.weights, settings.storage.data_dir)
+    if replicas is not None:  # one of several replicas: updates reach them all
+        wait_s = settings.weights.io_timeout_s
+        app.state.weights = ReplicatedWeights(app.state.weights, replicas, wait_s)
 
 
 def create_app(
-    settings: Settings | None = None, *, load_models: bool = True, fanout: Fanout | None = None
+    settings: Settings | None = None,
+    *,
+    load_models: bool = True,
+    replicas: Replicas | None = None,
 ) -> FastAPI:
     """Build the FastAPI app. Models load in the background once the app starts, so `/health`
     answers at once and `/ready` turns true when loading is done."""
@@ -123,34 +136,39 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = ModelRegistry(settings)
+        data_dir = settings.storage.data_dir
+        registry = ModelRegistry(
+            settings.models,
+            settings.vllm,
+            batching=settings.batching.config(),
+            state_dir=data_dir / "vllm-weights",
+        )
         app.state.registry = registry
         app.state.probe = EngineProbe(
-            registry,
-            interval_s=settings.ready_probe_interval_s,
-            timeout_s=settings.ready_probe_timeout_s,
+            registry, interval_s=settings.probe.interval_s, timeout_s=settings.probe.timeout_s
         )
         metrics.watch(registry)
-        store, recorded = open_stores(settings)
-        trajectories = TrajectoryService(recorded, registry, settings)
-        dataset_store = open_dataset_store(settings)
-        bundled = BundledDatasets(settings.data_dir / "datasets")
-        app.state.datasets = datasets = DatasetService(dataset_store, bundled, settings)
-        envs = EnvService(store, registry, datasets, settings)
-        build_services(app, registry, envs, trajectories)
-        app.state.weights.fanout = fanout  # one of several replicas: updates reach them all
-        await asyncio.to_thread(app.state.envs.sandbox.probe)
-        await asyncio.to_thread(app.state.weights.clean_uploads)
+        store, recorded = open_stores(settings.storage)
+        trajectories = TrajectoryService(recorded, registry, settings.trajectories)
+        dataset_store = open_dataset_store(settings.storage)
+        bundled = BundledDatasets(data_dir / "datasets")
+        datasets = DatasetService(dataset_store, bundled, settings.datasets, data_dir)
+        app.state.datasets = datasets
+        sandbox = build_sandbox(settings.tools)
+        envs = build_env_service(store, sandbox, registry, datasets, settings.envs, settings.tools)
+        build_services(app, registry, envs, trajectories, replicas)
+        await asyncio.to_thread(sandbox.probe)
+        await app.state.weights.open()
         loading = None
-        if fanout is not None and load_models:
+        if replicas is not None and load_models:
             # A replica of several takes traffic only once it serves what the others serve.
-            await load_or_exit(registry)
+            await load_or_exit(registry, exit_on_failure)
             if registry.status == "ready":
-                await fanout.catch_up(app.state.weights)
+                await app.state.weights.catch_up()
         elif load_models:
-            loading = asyncio.create_task(load_or_exit(registry))
+            loading = asyncio.create_task(load_or_exit(registry, exit_on_failure))
         app.state.loading = loading
-        ttl = min(settings.env_ttl_s, settings.trajectory_ttl_s)
+        ttl = min(settings.envs.ttl_s, settings.trajectories.ttl_s)
         reaper = asyncio.create_task(reap_forever(envs, trajectories, ttl))
         try:
             yield
@@ -158,7 +176,7 @@ def create_app(
             reaper.cancel()
             if loading is not None:
                 await loading
-            await app.state.transfers.aclose()
+            await app.state.weights.aclose()
             await registry.aclose()
             await store.aclose()
             await recorded.aclose()
@@ -171,7 +189,8 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.settings = settings
-    metrics = Metrics(replica=settings.replica_id)
+    exit_on_failure = settings.models.exit_on_load_failure
+    metrics = Metrics(replica=settings.storage.replica_id)
     app.state.metrics = metrics
     install_error_handlers(app)
     routers = (
@@ -191,15 +210,18 @@ def create_app(
     routes = [route for router in routers for route in router.routes]
     app.state.routes = routes  # flat, with each route's declared policy (app.ops.access)
     # Added innermost first: the request context wraps auth, which wraps the body limit.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, settings=settings)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.http.max_body_bytes)
+    app.add_middleware(AuthMiddleware, settings=settings.auth)
     app.add_middleware(
-        RequestContextMiddleware, metrics=metrics, routes=routes, replica=settings.replica_id
+        RequestContextMiddleware,
+        metrics=metrics,
+        routes=routes,
+        replica=settings.storage.replica_id,
     )
-    if settings.cors_origins:  # added last: it runs first, answering preflights itself
+    if settings.http.cors_origins:  # added last: it runs first, answering preflights itself
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=settings.cors_origins,
+            allow_origins=settings.http.cors_origins,
             allow_methods=["*"],
             allow_headers=["*"],
             expose_headers=["X-Request-ID"],
@@ -225,7 +247,8 @@ def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
             "bearerAuth": {
                 "type": "http",
                 "scheme": "bearer",
-                "description": "An RLSERVE_API_KEYS key (weight routes: RLSERVE_ADMIN_API_KEYS "
+                "description": "An RLSERVE_AUTH__API_KEYS key (weight routes: "
+                "RLSERVE_AUTH__ADMIN_API_KEYS "
                 "when set). Not required when the server has no keys configured.",
             }
         }
@@ -249,7 +272,7 @@ def declare_access(operation: dict[str, Any], level: Access) -> None:
         responses.pop("401", None)
     if level is Access.ADMIN:
         responses["403"] = {
-            "description": "Needs an admin key (when RLSERVE_ADMIN_API_KEYS is set)",
+            "description": "Needs an admin key (when RLSERVE_AUTH__ADMIN_API_KEYS is set)",
             "content": {
                 "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
             },

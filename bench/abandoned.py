@@ -42,7 +42,7 @@ async def scoring_memory(registry: ModelRegistry, release: bool) -> tuple[int, i
 
 
 async def latency_after_abandon(registry: ModelRegistry, settings: Settings) -> tuple[float, float]:
-    service = GenerationService(registry, settings)
+    service = GenerationService(registry, settings.limits)
     prompts = registry.get("policy").preparer.prompts(None, None, [[5, 6, 7]], "tokens")
     small = SamplingConfig(max_new_tokens=3)
     started = time.perf_counter()
@@ -58,8 +58,13 @@ async def latency_after_abandon(registry: ModelRegistry, settings: Settings) -> 
 
 
 async def main(release: bool) -> None:
-    settings = Settings(model="builtin:tiny", load_reference=False)
-    registry = ModelRegistry(settings)
+    settings = Settings(models={"model": "builtin:tiny", "load_reference": False})
+    registry = ModelRegistry(
+        settings.models,
+        settings.vllm,
+        batching=settings.batching.config(),
+        state_dir=settings.storage.data_dir / "vllm-weights",
+    )
     await registry.load()
     before, after = await scoring_memory(registry, release)
     state = "on" if release else "off"

@@ -61,9 +61,9 @@ def measure_server(
 ) -> dict[str, dict[int, Figures]]:
     scoring, prompts = make_work(args)
     env = {
-        "RLSERVE_DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_BATCHING": str(batching).lower(),
-        "RLSERVE_MAX_BATCH_SIZE": str(args.batch),
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_BATCHING__ENABLED": str(batching).lower(),
+        "RLSERVE_BATCHING__MAX_BATCH_SIZE": str(args.batch),
     }
     results: dict[str, dict[int, Figures]] = {"logprobs": {}, "generate": {}}
     with running_server("--model", str(model_dir), env=env, log=log) as server:

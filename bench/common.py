@@ -55,9 +55,9 @@ def ray_serve_env(output: Path) -> dict[str, str]:
     transformers backend, no reference model, data under `output`, Ray without token
     authentication or usage reports."""
     return {
-        "RLSERVE_DATA_DIR": str(output / ".data"),
-        "RLSERVE_BACKEND": "transformers",
-        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_STORAGE__DATA_DIR": str(output / ".data"),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
         "RAY_AUTH_MODE": "disabled",
         "RAY_DISABLE_USAGE_STATS": "1",
     }

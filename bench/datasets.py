@@ -61,7 +61,7 @@ async def uploads(rows: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
-        async with fake_app(Path(tmp), *pair, max_body_bytes=256 << 20) as app:
+        async with fake_app(Path(tmp), *pair, http={"max_body_bytes": 256 << 20}) as app:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://b") as client:
                 cases = {

@@ -86,7 +86,7 @@ def local_rollouts(model: Any, tokenizer: Any, args: Any, step: int) -> list[Rol
 def train_local(args: Any) -> list[dict[str, float]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = smollm2_dir(Settings())
+    source = smollm2_dir(Settings().models)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -114,9 +114,9 @@ def train_local(args: Any) -> list[dict[str, float]]:
 
 def train_rlserve(args: Any, output: Path) -> list[dict[str, float]]:
     env = {
-        "RLSERVE_DATA_DIR": str(output / ".data"),
-        "RLSERVE_BACKEND": "transformers",
-        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_STORAGE__DATA_DIR": str(output / ".data"),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
     }
     log = output / "learning-server.log"
     records = []

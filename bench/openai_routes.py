@@ -94,11 +94,11 @@ def measure(
 
 def rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict[str, Any]:
     env = {
-        "RLSERVE_DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_BACKEND": backend,
-        "RLSERVE_DTYPE": "float32",
-        "RLSERVE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
-        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__BACKEND": backend,
+        "RLSERVE_MODELS__DTYPE": "float32",
+        "RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
     }
     routes = {
         "generate": ("/v1/generate", bodies("generate", args, "policy")),

@@ -104,19 +104,19 @@ def main() -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir: Path = smollm2_dir(Settings())
+    model_dir: Path = smollm2_dir(Settings().models)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     work = workloads(tokenizer, args.requests)
     env = {
-        "RLSERVE_DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_LOAD_REFERENCE": "false",
-        "RLSERVE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
     }
     results: dict[str, Any] = {}
     backends = ["transformers", "vllm"] if args.vllm else ["transformers"]
     for backend in backends:
         log = args.output / f"real-model-rlserve-{backend}.log"
-        env["RLSERVE_BACKEND"] = backend
+        env["RLSERVE_MODELS__BACKEND"] = backend
         with running_server(
             "--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600
         ) as server:

@@ -91,7 +91,10 @@ def main() -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     model = bench_model(args.output, hidden, layers)
     log = args.output / "rollouts-server.log"
-    env = {"RLSERVE_DATA_DIR": str(args.output / ".data"), "RLSERVE_DTYPE": "float32"}
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__DTYPE": "float32",
+    }
     with running_server("--model", str(model), env=env, log=log) as server:
         results = asyncio.run(measure(server.url, parallels, rounds, args))
     report = {

@@ -102,9 +102,9 @@ def main() -> None:
     rows = torch.randint(0, VOCAB, (sequences, length), generator=torch.Generator().manual_seed(0))
     ARGS.output.mkdir(parents=True, exist_ok=True)
     env = {
-        "RLSERVE_LOAD_REFERENCE": "false",
-        "RLSERVE_DATA_DIR": str(ARGS.output / ".data"),
-        "RLSERVE_MAX_MODEL_LEN": str(max(length, 256)),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_STORAGE__DATA_DIR": str(ARGS.output / ".data"),
+        "RLSERVE_MODELS__MAX_MODEL_LEN": str(max(length, 256)),
     }
     counter = Counter()
     cases: dict[str, dict[str, Any]] = {}

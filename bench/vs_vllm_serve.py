@@ -5,7 +5,7 @@
 
 Generation: rlserve /v1/generate vs `vllm serve` /v1/completions with token-id prompts (both
 return the sampled tokens' log-probs), and rlserve's generation again with
-RLSERVE_VLLM_PROCESSED_LOG_PROBS=true (raw and processed log-probs). Scoring: rlserve
+RLSERVE_VLLM__PROCESSED_LOG_PROBS=true (raw and processed log-probs). Scoring: rlserve
 /v1/logprobs vs /v1/completions with `prompt_logprobs=0` and `max_tokens=1`.
 """
 
@@ -88,19 +88,19 @@ def measure(name: str, url: str, workload: Workload, args: argparse.Namespace) -
 def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     work = workloads(args)
     env = {
-        "RLSERVE_DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_BACKEND": "vllm",
-        "RLSERVE_DTYPE": "float32",
-        "RLSERVE_KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
-        "RLSERVE_LOAD_REFERENCE": "false",
-        "RLSERVE_MAX_ITEMS_PER_REQUEST": "256",
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__BACKEND": "vllm",
+        "RLSERVE_MODELS__DTYPE": "float32",
+        "RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES": str(KV_CACHE_BYTES),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "256",
     }
     log = args.output / "rlserve-vllm.log"
     with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
         rlserve = measure("rlserve", server.url, rlserve_bodies(work, args.new_tokens), args)
     # The processed log-probs mode: vLLM samples in processed mode and each finished sequence
     # is scored once more for its raw log-probs.
-    env["RLSERVE_VLLM_PROCESSED_LOG_PROBS"] = "true"
+    env["RLSERVE_VLLM__PROCESSED_LOG_PROBS"] = "true"
     generate_only = {"generate": rlserve_bodies(work, args.new_tokens)["generate"]}
     with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
         processed = measure("rlserve processed", server.url, generate_only, args)

@@ -84,7 +84,7 @@ def main() -> None:
         command = [sys.executable, "-m", "app.cli", "serve", "--replicas", "2"]
         command += ["--port", str(port), "--model", str(model_dir)]
         log = args.output / "ray-serve.log"
-        replicas_env = {**env, "RLSERVE_SESSION_STORE": redis_url}
+        replicas_env = {**env, "RLSERVE_STORAGE__SESSION_STORE": redis_url}
         with running_process(command, port, "/ready", env=replicas_env, log=log, timeout=600) as s:
             wait_for_replicas(s.url, 2, timeout=600)
             results["ray_serve_2_replicas"] = updates(s.url, model_dir, repeats)

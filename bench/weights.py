@@ -158,7 +158,10 @@ def main() -> None:
     dirs = [bench_model(args.output, hidden, layers, seed) for seed in (0, 1, 2)]
     payloads = {"http_upload": dirs[1], "path_load": dirs[2], "collective_transfer": dirs[1]}
     size = (dirs[1] / "model.safetensors").stat().st_size
-    env = {"RLSERVE_LOAD_REFERENCE": "false", "RLSERVE_DATA_DIR": str(args.output / ".data")}
+    env = {
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+    }
     log = args.output / "weights-server.log"
     updates = {"http_upload": upload, "path_load": load, "collective_transfer": transfer}
     figures: dict[str, Any] = {"quiet": {}, "under_scoring": {}}

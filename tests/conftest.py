@@ -25,18 +25,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def settings(cache_dir: Path) -> Settings:
     return Settings(
-        model="builtin:tiny",
-        cache_dir=cache_dir,
-        data_dir=cache_dir / "data",
-        backend="transformers",
-        max_items_per_request=32,
-        max_new_tokens_limit=512,
+        models={"model": "builtin:tiny", "cache_dir": cache_dir, "backend": "transformers"},
+        storage={"data_dir": cache_dir / "data"},
+        limits={"max_items_per_request": 32, "max_new_tokens": 512},
     )
 
 
 @pytest.fixture(scope="session")
 def model_dir(settings: Settings) -> Path:
-    return builtin_model_dir(settings)
+    return builtin_model_dir(settings.models)
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +90,8 @@ def backend_settings(settings: Settings, backend: str) -> Settings:
     """The vLLM engines run the same built-in model with a small KV cache each, at the default
     dtype: `auto` resolves to the checkpoint's float32 for both backends."""
     if backend == "transformers":
-        return settings.model_copy(update={"backend": "transformers"})
-    return settings.model_copy(update={"backend": "vllm", "kv_cache_memory_bytes": 256 << 20})
+        return settings.replace(models={"backend": "transformers"})
+    return settings.replace(models={"backend": "vllm"}, vllm={"kv_cache_memory_bytes": 256 << 20})
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +99,7 @@ async def app(settings: Settings, backend_name: str) -> AsyncIterator[FastAPI]:
     """The app on each backend; vLLM in its processed log-probs mode (the weights tests run
     its default raw mode)."""
     configured = backend_settings(settings, backend_name)
-    configured = configured.model_copy(update={"vllm_processed_log_probs": True})
+    configured = configured.replace(vllm={"processed_log_probs": True})
     application = create_app(configured)
     async with application.router.lifespan_context(application):
         await started(application)
@@ -119,10 +116,11 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture(scope="session")
 async def two_model_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """A server whose reference is another built-in model (seed 1), so KL is not zero."""
-    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
+    ref_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
     app: FastAPI = create_app(
-        settings.model_copy(
-            update={"ref_model": str(ref_dir), "data_dir": settings.data_dir / "two-models"}
+        settings.replace(
+            models={"ref_model": str(ref_dir)},
+            storage={"data_dir": settings.storage.data_dir / "two-models"},
         )
     )
     async with app.router.lifespan_context(app):
@@ -134,7 +132,7 @@ async def two_model_client(settings: Settings) -> AsyncIterator[httpx.AsyncClien
 
 @pytest.fixture(scope="session")
 def ref_model(settings: Settings) -> torch.nn.Module:
-    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
+    ref_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
     return AutoModelForCausalLM.from_pretrained(ref_dir).eval()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
-from app.config import Settings
+from app.config import LimitSettings
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
 
@@ -29,22 +29,22 @@ class Inputs:
 
 
 class ModelServing:
-    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+    def __init__(self, registry: ModelRegistry, limits: LimitSettings) -> None:
         self.registry = registry
-        self.settings = settings
+        self.limits = limits
 
     def served(self, model: str) -> ServedModel:
         return self.registry.get(model)
 
     def max_new_tokens(self, requested: int | None, field: str = "max_new_tokens") -> int:
-        value = requested or self.settings.default_max_new_tokens
-        limit = self.settings.max_new_tokens_limit
+        value = requested or self.limits.default_max_new_tokens
+        limit = self.limits.max_new_tokens
         if value > limit:
             raise invalid(field, f"{value} exceeds the server's limit of {limit}")
         return value
 
     def check_num_items(self, num_items: int, field: str) -> None:
-        check_num_items(num_items, self.settings.max_items_per_request, field)
+        check_num_items(num_items, self.limits.max_items_per_request, field)
 
     async def prompts(
         self, request: Any, model: str, *, max_new_tokens: int, per_item: int = 1

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import WireModel, field_error
+from app.common.protocol import WireModel, field_error, one_of
 
 DatasetName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 RowField = Annotated[str, Field(min_length=1, max_length=256)]
@@ -31,13 +31,15 @@ class FieldMap(WireModel):
 class DatasetUpload(WireModel):
     """A JSONL dataset, sent inline or read from a file in the server's import directory."""
 
+    model_config = ConfigDict(json_schema_extra=one_of(("jsonl",), ("path",)))
+
     name: DatasetName
     jsonl: str | None = Field(default=None, description="The rows, one JSON object per line.")
     path: str | None = Field(
         default=None,
         min_length=1,
         max_length=4096,
-        description="A JSONL file under the server's RLSERVE_DATASET_IMPORT_DIR (relative to "
+        description="A JSONL file under the server's RLSERVE_DATASETS__IMPORT_DIR (relative to "
         "it, or absolute inside it).",
     )
     fields: FieldMap = Field(default_factory=FieldMap)

@@ -52,7 +52,7 @@ def parse_jsonl(
         if not line.strip():
             continue
         if max_rows is not None and len(problems) == max_rows:
-            raise invalid(param, f"has more than {max_rows} rows (RLSERVE_DATASET_MAX_ROWS)")
+            raise invalid(param, f"has more than {max_rows} rows (RLSERVE_DATASETS__MAX_ROWS)")
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:

@@ -8,9 +8,10 @@ import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from app.common.failures import Conflict, NotFound, QuotaExceeded, TooLarge, invalid
-from app.config import Settings
+from app.config import DatasetSettings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.protocol import DatasetInfo, DatasetList, DatasetUpload
 from app.datasets.rows import FieldMapping, Problem, parse_jsonl
@@ -22,11 +23,17 @@ _CACHED = 8
 
 
 class DatasetService:
-    def __init__(self, store: DatasetStore, bundled: BundledDatasets, settings: Settings) -> None:
+    def __init__(
+        self,
+        store: DatasetStore,
+        bundled: BundledDatasets,
+        settings: DatasetSettings,
+        data_dir: Path,
+    ) -> None:
         self.store = store
         self.bundled = bundled
         self.settings = settings
-        self.import_dir = settings.dataset_import_dir or settings.data_dir / "imports"
+        self.import_dir = settings.import_dir or data_dir / "imports"
         self._cache: OrderedDict[tuple[str, str], _Parsed] = OrderedDict()
         self._bundled = {name: _Parsed(0.0, bundled.get(name) or []) for name in bundled.names()}
 
@@ -48,7 +55,7 @@ class DatasetService:
             text,
             mapping,
             param=param,
-            max_rows=self.settings.dataset_max_rows,
+            max_rows=self.settings.max_rows,
             reward=request.reward,
         )
         meta = DatasetMeta(
@@ -61,15 +68,15 @@ class DatasetService:
         )
         rows = json.dumps([p.to_json() for p in problems])
         try:
-            await self.store.create(meta, rows, self.settings.max_datasets_per_key)
+            await self.store.create(meta, rows, self.settings.max_per_key)
         except DatasetExists:
             raise Conflict(
                 f"a dataset named '{request.name}' exists; delete it first", param="name"
             ) from None
         except TooManyDatasets:
             raise QuotaExceeded(
-                f"this API key has {self.settings.max_datasets_per_key} datasets "
-                "(RLSERVE_MAX_DATASETS_PER_KEY); delete one first"
+                f"this API key has {self.settings.max_per_key} datasets "
+                "(RLSERVE_DATASETS__MAX_PER_KEY); delete one first"
             ) from None
         return _info(meta)
 
@@ -95,10 +102,10 @@ class DatasetService:
             raise invalid("path", f"cannot be read by the server ({error.strerror})") from None
 
     def _check_size(self, param: str, size: int) -> None:
-        if size > self.settings.dataset_max_bytes:
+        if size > self.settings.max_bytes:
             raise TooLarge(
-                f"{param}: {size} bytes exceed the limit of {self.settings.dataset_max_bytes} "
-                "(RLSERVE_DATASET_MAX_BYTES)",
+                f"{param}: {size} bytes exceed the limit of {self.settings.max_bytes} "
+                "(RLSERVE_DATASETS__MAX_BYTES)",
                 param=param,
             )
 

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from app.config import Settings
+from app.config import ModelSettings, VllmSettings
 from app.engine import smollm2
 from app.engine.base import Backend
 from app.engine.builtin_model import BUILDER_VERSION, DEMO_MARKER, build_model
@@ -23,30 +23,30 @@ BUILTIN_PREFIX = "builtin:"
 TINY = "tiny"
 
 
-def builtin_model_dir(settings: Settings) -> Path:
+def builtin_model_dir(models: ModelSettings) -> Path:
     """The tiny random-weights model (`builtin:tiny`), built once into the cache directory."""
     name = (
-        f"builtin-v{BUILDER_VERSION}-qwen2-h{settings.builtin_hidden_size}"
-        f"-l{settings.builtin_num_layers}-s{settings.builtin_seed}"
+        f"builtin-v{BUILDER_VERSION}-qwen2-h{models.builtin_hidden_size}"
+        f"-l{models.builtin_num_layers}-s{models.builtin_seed}"
     )
     return _cached(
-        settings.cache_dir,
+        models.cache_dir,
         name,
         DEMO_MARKER,
         lambda staging: build_model(
             staging,
-            hidden_size=settings.builtin_hidden_size,
-            num_layers=settings.builtin_num_layers,
-            seed=settings.builtin_seed,
+            hidden_size=models.builtin_hidden_size,
+            num_layers=models.builtin_num_layers,
+            seed=models.builtin_seed,
         ),
     )
 
 
-def smollm2_dir(settings: Settings) -> Path:
+def smollm2_dir(models: ModelSettings) -> Path:
     """SmolLM2-135M-Instruct (`builtin:smollm2-135m-instruct`, the default), converted once
     from its wheel into the cache directory."""
     name = f"{smollm2.NAME}-v{smollm2.CONVERTER_VERSION}"
-    return _cached(settings.cache_dir, name, smollm2.MARKER, smollm2.convert)
+    return _cached(models.cache_dir, name, smollm2.MARKER, smollm2.convert)
 
 
 def _cached(cache_dir: Path, name: str, marker: str, build: Callable[[Path], Path]) -> Path:
@@ -68,13 +68,13 @@ def _cached(cache_dir: Path, name: str, marker: str, build: Callable[[Path], Pat
     return target
 
 
-BUILTIN_MODELS: dict[str, Callable[[Settings], Path]] = {
+BUILTIN_MODELS: dict[str, Callable[[ModelSettings], Path]] = {
     smollm2.NAME: smollm2_dir,
     TINY: builtin_model_dir,
 }
 
 
-def resolve_model(settings: Settings, model: str) -> tuple[str, bool]:
+def resolve_model(models: ModelSettings, model: str) -> tuple[str, bool]:
     """(model source, whether it is built in) for a `builtin:NAME`, a folder or a hub id."""
     if not model.startswith(BUILTIN_PREFIX):
         return model, False
@@ -83,25 +83,25 @@ def resolve_model(settings: Settings, model: str) -> tuple[str, bool]:
     if build is None:
         known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
         raise ValueError(f"unknown built-in model {model!r} (have {known})")
-    path = build(settings)
+    path = build(models)
     if name == TINY:
         logger.warning(
             "serving the tiny built-in model (%s): random weights, for tests only. "
-            "Leave RLSERVE_MODEL unset for the default real model.",
+            "Leave RLSERVE_MODELS__MODEL unset for the default real model.",
             path,
         )
     return str(path), True
 
 
-def resolve_source(settings: Settings) -> tuple[str, bool]:
+def resolve_source(models: ModelSettings) -> tuple[str, bool]:
     """(policy source, whether it is built in)."""
-    return resolve_model(settings, settings.model)
+    return resolve_model(models, models.model)
 
 
-def resolve_backend(settings: Settings) -> str:
+def resolve_backend(models: ModelSettings) -> str:
     """'auto' picks vLLM when it is importable and a CUDA device is present."""
-    if settings.backend != "auto":
-        return settings.backend
+    if models.backend != "auto":
+        return models.backend
     import torch
 
     from app.engine.vllm_backend import vllm_available
@@ -135,43 +135,51 @@ def resolve_dtype(setting: str, source: str, *, cuda: bool, trust_remote_code: b
 
 
 async def load_backend(
-    settings: Settings, *, name: str, source: str, builtin: bool, num_engines: int = 1
+    models: ModelSettings,
+    vllm: VllmSettings,
+    *,
+    name: str,
+    source: str,
+    builtin: bool,
+    state_dir: Path,
+    num_engines: int = 1,
 ) -> Backend:
-    """Load one model with the configured backend, off the event loop where it blocks."""
-    kind = resolve_backend(settings)
+    """Load one model with the configured backend, off the event loop where it blocks
+    (`state_dir`: where a vLLM engine keeps its weight-update state)."""
+    kind = resolve_backend(models)
     from app.engine.transformers_backend import resolve_device
 
-    cuda = resolve_device(settings.device).type == "cuda"
+    cuda = resolve_device(models.device).type == "cuda"
     dtype = await asyncio.to_thread(
         resolve_dtype,
-        settings.dtype,
+        models.dtype,
         source,
         cuda=cuda,
-        trust_remote_code=settings.trust_remote_code,
+        trust_remote_code=models.trust_remote_code,
     )
     logger.info("loading %s model from %s (backend=%s, dtype=%s)", name, source, kind, dtype)
     if kind == "vllm":
         from app.engine.vllm_backend import VLLMBackend
 
         options = {
-            "gpu_memory_utilization": settings.gpu_memory_utilization / num_engines,
-            "tensor_parallel_size": settings.tensor_parallel_size,
-            "enforce_eager": settings.enforce_eager,
+            "gpu_memory_utilization": vllm.gpu_memory_utilization / num_engines,
+            "tensor_parallel_size": vllm.tensor_parallel_size,
+            "enforce_eager": vllm.enforce_eager,
         }
-        if settings.kv_cache_memory_bytes is not None:
-            options["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
-        if settings.enable_prefix_caching is not None:
-            options["enable_prefix_caching"] = settings.enable_prefix_caching
+        if vllm.kv_cache_memory_bytes is not None:
+            options["kv_cache_memory_bytes"] = vllm.kv_cache_memory_bytes
+        if vllm.enable_prefix_caching is not None:
+            options["enable_prefix_caching"] = vllm.enable_prefix_caching
         return await VLLMBackend.start(
             source,
             name=name,
             dtype=dtype,
-            max_model_len=settings.max_model_len,
-            trust_remote_code=settings.trust_remote_code,
+            max_model_len=models.max_model_len,
+            trust_remote_code=models.trust_remote_code,
             builtin=builtin,
             engine_options=options,
-            processed_log_probs=settings.vllm_processed_log_probs,
-            state_dir=settings.data_dir / "vllm-weights" / name,
+            processed_log_probs=vllm.processed_log_probs,
+            state_dir=state_dir,
         )
     from app.engine.transformers_backend import TransformersBackend
 
@@ -180,8 +188,8 @@ async def load_backend(
         source,
         name=name,
         dtype=dtype,
-        device=settings.device,
-        max_model_len=settings.max_model_len,
-        trust_remote_code=settings.trust_remote_code,
+        device=models.device,
+        max_model_len=models.max_model_len,
+        trust_remote_code=models.trust_remote_code,
         builtin=builtin,
     )

@@ -7,12 +7,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Literal
 
 from app.batching import BatchingConfig
 from app.common.failures import NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
-from app.config import Settings
+from app.config import ModelSettings, VllmSettings
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_model, resolve_source
@@ -23,8 +24,20 @@ Status = Literal["loading", "ready", "failed", "stopped"]
 
 
 class ModelRegistry:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    """`state_dir`: where vLLM engines keep their weight-update state (one folder each)."""
+
+    def __init__(
+        self,
+        models: ModelSettings,
+        vllm: VllmSettings,
+        *,
+        batching: BatchingConfig | None,
+        state_dir: Path,
+    ) -> None:
+        self.model_settings = models
+        self.vllm = vllm
+        self.batching = batching
+        self.state_dir = state_dir
         self.models: dict[str, ServedModel] = {}
         self.status: Status = "loading"
         self.loaded_at = 0.0  # time.time() when the models were ready
@@ -66,34 +79,22 @@ class ModelRegistry:
     async def load(self) -> None:
         """Load the policy and the reference off the event loop; failures are kept for /ready."""
         try:
-            source, builtin = await asyncio.to_thread(resolve_source, self.settings)
-            num_engines = 2 if self.settings.load_reference else 1
-            policy = await load_backend(
-                self.settings,
-                name="policy",
-                source=source,
-                builtin=builtin,
-                num_engines=num_engines,
-            )
+            source, builtin = await asyncio.to_thread(resolve_source, self.model_settings)
+            num_engines = 2 if self.model_settings.load_reference else 1
+            policy = await self._load("policy", source, builtin, num_engines)
             self.add(policy)
-            if self.settings.load_reference:
+            if self.model_settings.load_reference:
                 # By default the reference is a frozen copy of the policy as loaded.
                 ref_source, ref_builtin = source, builtin
-                if self.settings.ref_model:
+                if self.model_settings.ref_model:
                     ref_source, ref_builtin = await asyncio.to_thread(
-                        resolve_model, self.settings, self.settings.ref_model
+                        resolve_model, self.model_settings, self.model_settings.ref_model
                     )
-                reference = await load_backend(
-                    self.settings,
-                    name="reference",
-                    source=ref_source,
-                    builtin=ref_builtin,
-                    num_engines=num_engines,
-                )
+                reference = await self._load("reference", ref_source, ref_builtin, num_engines)
                 check_same_vocabulary(policy, reference)
                 self.add(reference)
                 self.pair = ModelPair(
-                    self.models["policy"], self.models["reference"], self._batching()
+                    self.models["policy"], self.models["reference"], self.batching
                 )
             self.status, self.loaded_at = "ready", time.time()
             logger.info("ready: %s", ", ".join(str(m.backend.info) for m in self.models.values()))
@@ -101,8 +102,16 @@ class ModelRegistry:
             logger.exception("model loading failed")
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
 
-    def _batching(self) -> BatchingConfig | None:
-        return self.settings.batching_config() if self.settings.batching else None
+    async def _load(self, name: str, source: str, builtin: bool, num_engines: int) -> Backend:
+        return await load_backend(
+            self.model_settings,
+            self.vllm,
+            name=name,
+            source=source,
+            builtin=builtin,
+            state_dir=self.state_dir / name,
+            num_engines=num_engines,
+        )
 
     def add(self, backend: Backend) -> ServedModel:
         preparer = InputPreparer(
@@ -110,7 +119,7 @@ class ModelRegistry:
             vocab_size=backend.info.vocab_size,
             max_model_len=backend.info.max_model_len,
         )
-        served = ServedModel(backend, preparer, self._batching())
+        served = ServedModel(backend, preparer, self.batching)
         self.models[served.name] = served
         return served
 
@@ -118,7 +127,8 @@ class ModelRegistry:
         self.get("policy")
         if self.pair is None:
             raise Unsupported(
-                "model: no reference model is served (start with RLSERVE_LOAD_REFERENCE=true)",
+                "model: no reference model is served "
+                "(start with RLSERVE_MODELS__LOAD_REFERENCE=true)",
                 param="model",
             )
         return self.pair

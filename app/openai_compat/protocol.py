@@ -55,13 +55,20 @@ class SamplingFields(WireModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # What the validator allows, stated in the schema too (its message is the friendlier).
     presence_penalty: float = Field(
-        default=0.0, description="Only 0 (use repetition_penalty, an RL extension)."
+        default=0.0,
+        description="Only 0 (use repetition_penalty, an RL extension).",
+        json_schema_extra={"minimum": 0, "maximum": 0},
     )
     frequency_penalty: float = Field(
-        default=0.0, description="Only 0 (use repetition_penalty, an RL extension)."
+        default=0.0,
+        description="Only 0 (use repetition_penalty, an RL extension).",
+        json_schema_extra={"minimum": 0, "maximum": 0},
     )
-    logit_bias: dict[str, float] | None = Field(default=None, description="Only empty.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Only empty.", json_schema_extra={"maxProperties": 0}
+    )
     user: str | None = Field(default=None, description="Accepted and ignored.")
     # RL extensions
     top_k: TopK = None

@@ -18,7 +18,7 @@ from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import wire_spans
 from app.common.serving import ModelServing
-from app.config import Settings
+from app.config import LimitSettings
 from app.engine.distribution import ScoreSpec
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
@@ -98,9 +98,9 @@ class OpenAIService(ModelServing):
         registry: ModelRegistry,
         generation: GenerationService,
         trajectories: TrajectoryService,
-        settings: Settings,
+        limits: LimitSettings,
     ) -> None:
-        super().__init__(registry, settings)
+        super().__init__(registry, limits)
         self.generation = generation
         self.trajectories = trajectories
         self._texts: dict[str, TokenTexts] = {}
@@ -181,17 +181,17 @@ class OpenAIService(ModelServing):
     ) -> Job:
         self.check_num_items(len(prompts) * request.n, "n")
         top_field = "top_logprobs" if kind == "chat" else "logprobs"
-        if logprobs and logprobs > self.settings.max_top_logprobs:
+        if logprobs and logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 top_field,
-                f"at most {self.settings.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
             )
         capabilities = served.backend.capabilities
         if request.logprobs_mode == "processed" and not capabilities.processed_log_probs:
             raise invalid(
                 "logprobs_mode",
                 "this server's engine reports raw log-probs only "
-                "(vLLM: start it with RLSERVE_VLLM_PROCESSED_LOG_PROBS=true)",
+                "(vLLM: start it with RLSERVE_VLLM__PROCESSED_LOG_PROBS=true)",
             )
         if request.stream and logprobs:
             raise invalid(

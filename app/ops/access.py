@@ -20,11 +20,11 @@ class Access(StrEnum):
     PUBLIC = "public"
     """No key needed (probes)."""
     METRICS = "metrics"
-    """Public unless the operator sets RLSERVE_METRICS_AUTH."""
+    """Public unless the operator sets RLSERVE_AUTH__METRICS_AUTH."""
     KEY = "key"
     """Any API key (the default for every route)."""
     ADMIN = "admin"
-    """An admin key when RLSERVE_ADMIN_API_KEYS is set, else any key."""
+    """An admin key when RLSERVE_AUTH__ADMIN_API_KEYS is set, else any key."""
 
 
 class Body(StrEnum):

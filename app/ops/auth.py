@@ -12,7 +12,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.config import Settings
+from app.config import AuthSettings
 from app.errors import APIError, error_response
 from app.ops.access import Access, matched_route, policy_of
 
@@ -35,7 +35,7 @@ class AuthMiddleware:
     """Bearer keys, judged on the policy the matched route declares (`app.ops.access`): 401
     without a valid key, 403 for a non-admin key on an admin route. Sets the request's owner."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: AuthSettings) -> None:
         self.app = app
         self.settings = settings
         self.keys = [k.encode() for k in settings.api_keys + settings.admin_api_keys]

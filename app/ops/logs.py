@@ -1,4 +1,4 @@
-"""Logging set-up: plain text, or one JSON object per line (`RLSERVE_LOG_FORMAT=json`) with
+"""Logging set-up: plain text, or one JSON object per line (`RLSERVE_HTTP__LOG_FORMAT=json`) with
 the request fields the access log adds (request_id, route, status, latency_ms, ...)."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ async def health(registry: RegistryDep) -> HealthResponse:
 )
 async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
     """Ready when the models are loaded and each engine still answers a probe (a real forward,
-    at most once per RLSERVE_READY_PROBE_INTERVAL_S)."""
+    at most once per RLSERVE_PROBE__INTERVAL_S)."""
     problem = await probe.problem()
     if problem is not None:
         raise NotReady(f"not ready, {problem}")
@@ -77,6 +77,7 @@ async def models(registry: RegistryDep) -> ModelsResponse:
     summary="Batching config and state",
 )
 async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResponse:
+    group = settings.batching
     models = {
         name: ModelBatching(
             score=BatcherState(**asdict(served.scoring.stats())),
@@ -89,13 +90,13 @@ async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResp
         pair_state = BatcherState(**asdict(registry.pair.batcher.stats()))
         models["policy+reference"] = ModelBatching(score=pair_state)
     config = BatchingConfigOut(
-        min_batch_size=settings.min_batch_size,
-        max_batch_size=settings.max_batch_size,
-        batching_timeout_ms=settings.batching_timeout_ms,
-        max_batch_tokens=settings.max_batch_tokens,
-        max_queue=settings.max_queue,
+        min_batch_size=group.min_batch_size,
+        max_batch_size=group.max_batch_size,
+        batching_timeout_ms=round(group.timeout_s * 1000, 6),
+        max_batch_tokens=group.max_batch_tokens,
+        max_queue=group.max_queue,
     )
-    return BatchingResponse(enabled=settings.batching, config=config, models=models)
+    return BatchingResponse(enabled=group.enabled, config=config, models=models)
 
 
 @router.get(
@@ -112,5 +113,5 @@ async def metrics(request: Request, envs: EnvsDep) -> Response:
     """Requests by route and status, latency histograms, queue depth, batch sizes, tokens
     generated and scored, live environment sessions and the current policy version."""
     registry = request.app.state.metrics
-    registry.env_sessions.set(await envs.store.count())
+    registry.env_sessions.set(await envs.count())
     return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)

@@ -76,16 +76,16 @@ class ScoringService(ModelServing):
         return LogProbsResponse.model_validate({**head, "outputs": outputs})
 
     def _check_asks(self, request: LogProbsRequest, vocab_size: int) -> None:
-        if request.top_logprobs > self.settings.max_top_logprobs:
+        if request.top_logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 "top_logprobs",
-                f"at most {self.settings.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
             )
         if request.token_ids is not None:
-            if len(request.token_ids) > self.settings.max_candidate_ids:
+            if len(request.token_ids) > self.limits.max_candidate_ids:
                 raise invalid(
                     "token_ids",
-                    f"at most {self.settings.max_candidate_ids} ids (max_candidate_ids)",
+                    f"at most {self.limits.max_candidate_ids} ids (max_candidate_ids)",
                 )
             for j, token in enumerate(request.token_ids):
                 if token >= vocab_size:

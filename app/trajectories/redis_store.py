@@ -1,4 +1,4 @@
-"""Recorded trajectories in Redis (with `RLSERVE_SESSION_STORE=redis://...`): a hash per
+"""Recorded trajectories in Redis (with `RLSERVE_STORAGE__SESSION_STORE=redis://...`): a hash per
 trajectory, a list of its turns, and a sorted set by last write for expiry. Appending is one Lua
 script, so turns stay numbered 0, 1, ... whichever replica records them."""
 

@@ -1,4 +1,6 @@
-from fastapi import APIRouter, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response
 
 from app.common.protocol import json_response
 from app.deps import OwnerDep, TrajectoriesDep
@@ -6,6 +8,7 @@ from app.errors import ERROR_RESPONSES, ErrorResponse
 from app.trajectories.protocol import RewardRequest, RewardResponse, TrajectoryResponse
 
 router = APIRouter(tags=["trajectories"])
+TrajectoryId = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
 RESPONSES = {
     **ERROR_RESPONSES,
     404: {"model": ErrorResponse, "description": "Unknown or expired trajectory"},
@@ -19,7 +22,9 @@ RESPONSES = {
     responses=RESPONSES,
     summary="A recorded trajectory as token sequences",
 )
-async def get_trajectory(trajectory_id: str, service: TrajectoriesDep, owner: OwnerDep) -> Response:
+async def get_trajectory(
+    trajectory_id: TrajectoryId, service: TrajectoriesDep, owner: OwnerDep
+) -> Response:
     """Every completion recorded under this id (`trajectory_id` on the OpenAI routes), as one
     token sequence per segment with its assistant mask and raw log-probs."""
     return json_response(await service.get(trajectory_id, owner))
@@ -32,7 +37,7 @@ async def get_trajectory(trajectory_id: str, service: TrajectoriesDep, owner: Ow
     summary="Attach a reward to a trajectory",
 )
 async def set_reward(
-    trajectory_id: str, body: RewardRequest, service: TrajectoriesDep, owner: OwnerDep
+    trajectory_id: TrajectoryId, body: RewardRequest, service: TrajectoriesDep, owner: OwnerDep
 ) -> RewardResponse:
     await service.set_reward(trajectory_id, owner, body.reward)
     return RewardResponse(trajectory_id=trajectory_id, reward=body.reward)
@@ -45,7 +50,7 @@ async def set_reward(
     summary="Delete a trajectory",
 )
 async def delete_trajectory(
-    trajectory_id: str, service: TrajectoriesDep, owner: OwnerDep
+    trajectory_id: TrajectoryId, service: TrajectoriesDep, owner: OwnerDep
 ) -> Response:
     await service.delete(trajectory_id, owner)
     return Response(status_code=204)

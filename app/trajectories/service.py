@@ -7,7 +7,7 @@ import time
 
 from app.common.failures import Conflict, NotFound
 from app.common.protocol import LogProbFields, Masks, TokenFields
-from app.config import Settings
+from app.config import TrajectorySettings
 from app.engine.registry import ModelRegistry
 from app.engine.types import Generation
 from app.trajectories.assemble import Segment, segments
@@ -16,7 +16,9 @@ from app.trajectories.store import Trajectory, TrajectoryStore, Turn
 
 
 class TrajectoryService:
-    def __init__(self, store: TrajectoryStore, registry: ModelRegistry, settings: Settings) -> None:
+    def __init__(
+        self, store: TrajectoryStore, registry: ModelRegistry, settings: TrajectorySettings
+    ) -> None:
         self.store = store
         self.registry = registry
         self.settings = settings
@@ -34,7 +36,7 @@ class TrajectoryService:
             model=model,
             created=time.time(),
         )
-        limit = self.settings.trajectory_max_turns
+        limit = self.settings.max_turns
         index = await self.store.append(trajectory_id, owner, turn, limit)
         if index is None:
             head = await self.store.head(trajectory_id)
@@ -51,11 +53,11 @@ class TrajectoryService:
             return
         if head[0] != owner:
             raise _missing(trajectory_id)
-        if head[1] >= self.settings.trajectory_max_turns:
+        if head[1] >= self.settings.max_turns:
             raise self._full(trajectory_id)
 
     def _full(self, trajectory_id: str) -> Conflict:
-        limit = self.settings.trajectory_max_turns
+        limit = self.settings.max_turns
         return Conflict(
             f"trajectory '{trajectory_id}' already has {limit} turns (the server's "
             "trajectory_max_turns)",
@@ -93,7 +95,7 @@ class TrajectoryService:
             raise _missing(trajectory_id)
 
     async def reap(self) -> int:
-        return await self.store.expire(time.time() - self.settings.trajectory_ttl_s)
+        return await self.store.expire(time.time() - self.settings.ttl_s)
 
 
 def _missing(trajectory_id: str) -> NotFound:

@@ -17,7 +17,7 @@ from tests.conftest import assert_close, started
 
 @pytest.fixture
 async def small_queue_app(settings: Settings) -> AsyncIterator[FastAPI]:
-    app = create_app(settings.model_copy(update={"max_queue": 1, "max_batch_size": 4}))
+    app = create_app(settings.replace(batching={"max_queue": 1, "max_batch_size": 4}))
     async with app.router.lifespan_context(app):
         await started(app)
         yield app
@@ -136,13 +136,13 @@ async def test_concurrent_requests_share_calls_and_equal_sequential(client):
 async def test_batching_state_route(client, settings):
     body = (await client.get("/v1/batching")).json()
     assert body["enabled"] is True
-    assert body["config"]["max_batch_size"] == settings.max_batch_size
+    assert body["config"]["max_batch_size"] == settings.batching.max_batch_size
     assert set(body["models"]["policy"]) == {"score", "generate"}
     assert body["models"]["policy"]["score"]["queued_items"] == 0
 
 
 async def test_batching_off_serves_the_same_values(settings, client):
-    app = create_app(settings.model_copy(update={"batching": False}))
+    app = create_app(settings.replace(batching={"enabled": False}))
     async with app.router.lifespan_context(app):
         await started(app)
         async with client_for(app) as direct:

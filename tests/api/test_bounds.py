@@ -107,7 +107,7 @@ async def test_lone_surrogates_are_422_and_nothing_is_stored(client, path, body,
 
 
 async def test_requests_for_unknown_env_ids_leave_nothing_behind(app, client):
-    locks = app.state.envs._locks
+    locks = app.state.envs.sessions._locks
     before = len(locks)
     for i in range(200):
         missing = await client.post(f"/v1/envs/env-{i:032x}/step", json={"actions": [None]})

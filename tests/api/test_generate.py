@@ -249,7 +249,7 @@ async def test_invalid_generation_requests(client, body, param):
 
 
 async def test_too_many_sequences(client, settings):
-    limit = settings.max_items_per_request
+    limit = settings.limits.max_items_per_request
     response = await client.post("/v1/generate", json={"text": ["a"] * 4, "n": limit // 4 + 1})
     assert response.status_code == 413
     assert response.json()["error"]["param"] == "text"

@@ -149,7 +149,7 @@ async def test_oversized_requests(client, settings):
     response = await client.post("/v1/logprobs", json={"tokens": [[1] * (longest + 1)]})
     assert response.status_code == 422
     assert f"maximum length of {longest}" in response.json()["error"]["message"]
-    many = [[1, 2]] * (settings.max_items_per_request + 1)
+    many = [[1, 2]] * (settings.limits.max_items_per_request + 1)
     response = await client.post("/v1/logprobs", json={"tokens": many})
     assert response.status_code == 413
     assert response.json()["error"]["param"] == "tokens"

@@ -330,7 +330,9 @@ async def test_events_are_ascii_lines(client):
 
 
 @pytest.mark.parametrize("raised", ["failure", "bug"])
-async def test_a_failure_after_the_stream_started_is_an_error_event(app, client, raised):
+async def test_a_failure_after_the_stream_started_is_an_error_event(
+    app, client, raised, monkeypatch
+):
     """Once the status line is sent, a failure is the stream's last event before [DONE]: its
     own error shape for a domain failure, an internal error (no details) for anything else."""
     from app.common.failures import Conflict
@@ -342,7 +344,7 @@ async def test_a_failure_after_the_stream_started_is_an_error_event(app, client,
             raise Conflict("the trajectory changed", param="trajectory_id")
         raise RuntimeError("a secret detail")
 
-    service._record = fail
+    monkeypatch.setattr(service, "_record", fail)
     body = {"model": "policy", "prompt": "x", "max_tokens": 4, "seed": 3, "stream": True}
     response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200

@@ -33,7 +33,11 @@ async def test_health_ready_models(client, model_dir, backend_name):
 
 async def test_not_ready_until_loaded_and_failure_is_reported(tmp_path):
     settings = Settings(
-        cache_dir=tmp_path, model=str(tmp_path / "does-not-exist"), exit_on_load_failure=False
+        models={
+            "cache_dir": tmp_path,
+            "model": str(tmp_path / "does-not-exist"),
+            "exit_on_load_failure": False,
+        }
     )
     app = create_app(settings)
     async with app.router.lifespan_context(app):

@@ -30,7 +30,7 @@ class Breakable(FakeBackend):
 async def test_ready_follows_the_engine_after_start_up(tmp_path: Path) -> None:
     policy, reference = Breakable("policy"), Breakable("reference")
     async with fake_app(
-        tmp_path, policy, reference, ready_probe_interval_s=0, ready_probe_timeout_s=0.2
+        tmp_path, policy, reference, probe={"interval_s": 0, "timeout_s": 0.2}
     ) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:
@@ -53,7 +53,7 @@ async def test_probes_are_shared_and_spaced(tmp_path: Path) -> None:
     """Many /ready calls within the interval cost one probe; a request answered meanwhile
     counts as one."""
     policy, reference = Breakable("policy"), Breakable("reference")
-    async with fake_app(tmp_path, policy, reference, ready_probe_interval_s=60) as app:
+    async with fake_app(tmp_path, policy, reference, probe={"interval_s": 60}) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:
             scored = await c.post("/v1/logprobs", json={"tokens": [[5, 6, 7]]})

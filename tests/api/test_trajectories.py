@@ -157,7 +157,7 @@ async def test_trajectories_belong_to_their_key(tmp_path):
 
     pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
     alice, bob = KEYS
-    async with fake_app(tmp_path, *pair, api_keys=KEYS) as app:
+    async with fake_app(tmp_path, *pair, auth={"api_keys": KEYS}) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as http:
             body = {
@@ -199,7 +199,7 @@ async def test_a_full_trajectory_refuses_more_turns_before_generating(tmp_path):
     from tests.fake.backend import FakeBackend, fake_app
 
     pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
-    async with fake_app(tmp_path, *pair, trajectory_max_turns=1) as app:
+    async with fake_app(tmp_path, *pair, trajectories={"max_turns": 1}) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as http:
             body = {"model": "policy", "prompt": "x", "trajectory_id": "short"}

@@ -42,7 +42,7 @@ async def fresh(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncC
 
 @pytest.fixture(scope="module")
 def other_dir(settings: Settings) -> Path:
-    return builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
+    return builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ async def test_refused_updates_change_nothing(fresh, other_dir, tmp_path):
     for path in (tmp_path / "missing", tmp_path / "empty-dir"):
         (tmp_path / "empty-dir").mkdir(exist_ok=True)
         response = await client.post("/v1/weights/load", json={"path": str(path)})
-        assert response.status_code == 422 and response.json()["error"]["param"] == "path"
+        assert response.status_code == 404 and response.json()["error"]["param"] == "path"
     assert await score(client) == (version, before)
     assert (await client.get("/v1/weights/version")).json()["policy_version"] == 0
 
@@ -166,7 +166,7 @@ async def test_requests_during_an_update_match_the_version_they_report(
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 async def test_vllm_upload_then_score_equals_the_new_weights(settings, other_dir, other_model):
-    vllm_settings = backend_settings(settings, "vllm").model_copy(update={"load_reference": False})
+    vllm_settings = backend_settings(settings, "vllm").replace(models={"load_reference": False})
     app = create_app(vllm_settings)
     async with app.router.lifespan_context(app):
         await started(app)
@@ -188,8 +188,8 @@ async def test_vllm_upload_then_score_equals_the_new_weights(settings, other_dir
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 async def test_vllm_refuses_updates_of_tied_embedding_models(settings, tmp_path):
     tied = build_model(tmp_path / "tied", seed=2, tie_embeddings=True)
-    vllm_settings = backend_settings(settings, "vllm").model_copy(
-        update={"model": str(tied), "load_reference": False}
+    vllm_settings = backend_settings(settings, "vllm").replace(
+        models={"model": str(tied), "load_reference": False}
     )
     app = create_app(vllm_settings)
     async with app.router.lifespan_context(app):

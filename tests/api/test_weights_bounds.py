@@ -28,7 +28,7 @@ SEQUENCE = {"tokens": [[5, 6, 7, 8, 9]]}
 async def fresh(
     settings: Settings, tmp_path: Path
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    app = create_app(settings.model_copy(update={"data_dir": tmp_path / "data"}))
+    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
     async with app.router.lifespan_context(app):
         await started(app)
         transport = httpx.ASGITransport(app=app)
@@ -45,7 +45,7 @@ async def snapshot(client: httpx.AsyncClient) -> tuple[int, list[float]]:
 async def test_non_finite_tensors_are_refused_before_the_swap(fresh, settings, tmp_path):
     _, client = fresh
     before = await snapshot(client)
-    state = load_file(builtin_model_dir(settings) / "model.safetensors")
+    state = load_file(builtin_model_dir(settings.models) / "model.safetensors")
     name = next(n for n, t in state.items() if t.is_floating_point())
     for poison in (float("nan"), float("inf")):
         state[name].view(-1)[3] = poison
@@ -76,7 +76,7 @@ async def test_a_fifo_named_like_a_checkpoint_does_not_freeze_the_server(fresh, 
 async def test_uploads_leave_no_file_behind(fresh, settings, tmp_path, monkeypatch):
     app, client = fresh
     uploads = tmp_path / "data" / "uploads"
-    payload = (builtin_model_dir(settings) / "model.safetensors").read_bytes()
+    payload = (builtin_model_dir(settings.models) / "model.safetensors").read_bytes()
 
     async def cut_short() -> AsyncIterator[bytes]:
         yield payload[: len(payload) // 2]
@@ -107,7 +107,7 @@ async def test_a_checkpoint_rewritten_during_a_load_is_refused_whole(
     trainer still writing it), nothing is applied, and a later load of the finished file is."""
     _, client = fresh
     before = await snapshot(client)
-    state = load_file(builtin_model_dir(settings) / "model.safetensors")
+    state = load_file(builtin_model_dir(settings.models) / "model.safetensors")
     for tensor in state.values():
         if tensor.is_floating_point():
             tensor.mul_(0.5)

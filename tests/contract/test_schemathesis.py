@@ -36,14 +36,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Serve
     """Small limits keep generated requests cheap (they still exercise every rule)."""
     tmp = tmp_path_factory.mktemp("schemathesis")
     env = {
-        "RLSERVE_CACHE_DIR": str(settings.cache_dir),
-        "RLSERVE_DATA_DIR": str(tmp),
-        "RLSERVE_MAX_NEW_TOKENS_LIMIT": "8",
-        "RLSERVE_DEFAULT_MAX_NEW_TOKENS": "4",
-        "RLSERVE_MAX_ITEMS_PER_REQUEST": "8",
-        "RLSERVE_MAX_ROLLOUT_TURNS": "16",
-        "RLSERVE_MAX_WEIGHTS_BYTES": str(1 << 20),
-        "RLSERVE_TOOL_TIMEOUT_S": "1",
+        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
+        "RLSERVE_LIMITS__MAX_NEW_TOKENS": "8",
+        "RLSERVE_LIMITS__DEFAULT_MAX_NEW_TOKENS": "4",
+        "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "8",
+        "RLSERVE_LIMITS__MAX_ROLLOUT_TURNS": "16",
+        "RLSERVE_WEIGHTS__MAX_BYTES": str(1 << 20),
+        "RLSERVE_TOOLS__TIMEOUT_S": "1",
     }
     with running_server(env=env, log=tmp / "server.log") as running:
         yield running

@@ -53,10 +53,8 @@ async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     async with fake_app(
         tmp_path,
         *pair,
-        api_keys=KEYS,
-        max_datasets_per_key=3,
-        dataset_max_rows=6,
-        dataset_max_bytes=4096,
+        auth={"api_keys": KEYS},
+        datasets={"max_per_key": 3, "max_rows": 6, "max_bytes": 4096},
     ) as app:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:

@@ -30,7 +30,7 @@ def test_the_serve_config_follows_ray_serves_schema(monkeypatch):
     options = deployment.ray_actor_options
     assert options["num_gpus"] == 1 and options["num_cpus"] == 4
     env = options["runtime_env"]["env_vars"]
-    assert env["RLSERVE_SESSION_STORE"] == "redis://redis:6379/0"
+    assert env["RLSERVE_STORAGE__SESSION_STORE"] == "redis://redis:6379/0"
     router = deployment._deployment_config.request_router_config
     assert router.request_router_class == STICKY_ROUTER
     assert router.get_request_router_class().__name__ == "ConsistentHashRouter"
@@ -39,7 +39,7 @@ def test_the_serve_config_follows_ray_serves_schema(monkeypatch):
 def test_several_replicas_need_a_shared_store(monkeypatch):
     from app.deploy.ray_serve import build
 
-    monkeypatch.delenv("RLSERVE_SESSION_STORE", raising=False)
+    monkeypatch.delenv("RLSERVE_STORAGE__SESSION_STORE", raising=False)
     with pytest.raises(ValueError, match="shared session store"):
         build({"replicas": 2})
     assert build({"replicas": 1}) is not None

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 
 # Servers started here run the tiny random model unless a test or benchmark says otherwise
-# (`--model`, or RLSERVE_MODEL in its env): the default real model is the slow tier's.
-SERVER_DEFAULTS = {"RLSERVE_MODEL": "builtin:tiny"}
+# (`--model`, or RLSERVE_MODELS__MODEL in its env): the default real model is the slow tier's.
+SERVER_DEFAULTS = {"RLSERVE_MODELS__MODEL": "builtin:tiny"}
 
 
 def free_port() -> int:

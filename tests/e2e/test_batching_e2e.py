@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 
 async def test_concurrent_equals_sequential_over_http(tmp_path):
     env = {
-        "RLSERVE_CACHE_DIR": str(tmp_path / "cache"),
-        "RLSERVE_DATA_DIR": str(tmp_path / "data"),
-        "RLSERVE_MAX_BATCH_SIZE": "8",
+        "RLSERVE_MODELS__CACHE_DIR": str(tmp_path / "cache"),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path / "data"),
+        "RLSERVE_BATCHING__MAX_BATCH_SIZE": "8",
     }
     sequences = [[(11 * i + 3 * j) % 256 for j in range(20 + 13 * i)] for i in range(16)]
     with running_server(env=env, log=tmp_path / "server.log") as server:

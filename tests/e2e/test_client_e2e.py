@@ -33,7 +33,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Server]:  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("client-e2e")
-    env = {"RLSERVE_CACHE_DIR": str(settings.cache_dir), "RLSERVE_DATA_DIR": str(tmp)}
+    env = {
+        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
+    }
     with running_server(env=env, log=tmp / "server.log") as running:
         yield running
 

@@ -13,7 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_sessions_survive_kill_9(tmp_path):
-    env = {"RLSERVE_CACHE_DIR": str(tmp_path / "cache"), "RLSERVE_DATA_DIR": str(tmp_path / "data")}
+    env = {
+        "RLSERVE_MODELS__CACHE_DIR": str(tmp_path / "cache"),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path / "data"),
+    }
     with running_server(env=env, log=tmp_path / "first.log") as server:
         url = server.url
         created = httpx.post(f"{url}/v1/envs", json={"batch_size": 2, "max_turns": 3}).json()

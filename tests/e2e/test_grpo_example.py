@@ -20,10 +20,10 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo.py"
 
 def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
     env = {
-        "RLSERVE_MODEL": DEFAULT_MODEL,
-        "RLSERVE_DATA_DIR": str(tmp_path),
-        "RLSERVE_BACKEND": "transformers",
-        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_MODELS__MODEL": DEFAULT_MODEL,
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
     }
     log = tmp_path / "steps.jsonl"
     with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:

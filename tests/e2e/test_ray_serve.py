@@ -77,10 +77,10 @@ def server(cluster: str, tmp_path_factory: pytest.TempPathFactory, settings) -> 
         env = {
             "RAY_ADDRESS": cluster,
             **RAY_ENV,
-            "RLSERVE_CACHE_DIR": str(settings.cache_dir),
-            "RLSERVE_DATA_DIR": str(tmp / "data"),
-            "RLSERVE_SESSION_STORE": redis_url,
-            "RLSERVE_BACKEND": "transformers",
+            "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
+            "RLSERVE_STORAGE__DATA_DIR": str(tmp / "data"),
+            "RLSERVE_STORAGE__SESSION_STORE": redis_url,
+            "RLSERVE_MODELS__BACKEND": "transformers",
         }
         command = [
             *[sys.executable, "-m", "app.cli", "serve", "--replicas", "2", "--sticky-sessions"],

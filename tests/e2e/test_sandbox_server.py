@@ -80,11 +80,11 @@ def unprivileged_server(tmp_path: Path, **extra: str) -> Iterator[Server]:
     home = _owned_dir(tmp_path / "home")
     env = {
         "HOME": str(home),
-        "RLSERVE_CACHE_DIR": str(_owned_dir(tmp_path / "cache")),
-        "RLSERVE_DATA_DIR": str(_owned_dir(tmp_path / "data")),
-        "RLSERVE_API_KEYS": USER_KEY,
-        "RLSERVE_ADMIN_API_KEYS": ADMIN_KEY,
-        "RLSERVE_TOOL_TIMEOUT_S": "20",
+        "RLSERVE_MODELS__CACHE_DIR": str(_owned_dir(tmp_path / "cache")),
+        "RLSERVE_STORAGE__DATA_DIR": str(_owned_dir(tmp_path / "data")),
+        "RLSERVE_AUTH__API_KEYS": USER_KEY,
+        "RLSERVE_AUTH__ADMIN_API_KEYS": ADMIN_KEY,
+        "RLSERVE_TOOLS__TIMEOUT_S": "20",
         **extra,
     }
     port = free_port()

@@ -43,12 +43,12 @@ def alive(pids: set[int]) -> set[int]:
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_engine_processes_end_with_the_server(tmp_path, stop):
     env = {
-        "RLSERVE_CACHE_DIR": str(tmp_path / "cache"),
-        "RLSERVE_DATA_DIR": str(tmp_path / "data"),
-        "RLSERVE_BACKEND": "vllm",
-        "RLSERVE_DTYPE": "float32",
-        "RLSERVE_KV_CACHE_MEMORY_BYTES": str(256 << 20),
-        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_MODELS__CACHE_DIR": str(tmp_path / "cache"),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path / "data"),
+        "RLSERVE_MODELS__BACKEND": "vllm",
+        "RLSERVE_MODELS__DTYPE": "float32",
+        "RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES": str(256 << 20),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
     }
     with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:
         models = httpx.get(f"{server.url}/v1/models").json()["models"]

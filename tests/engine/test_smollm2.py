@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.config import Settings
+from app.config import ModelSettings
 from app.engine import smollm2
 from app.engine.loader import resolve_model, smollm2_dir
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 def test_the_converted_folder_is_the_gguf_model(tmp_path):
     gguf = smollm2.gguf_path()
-    folder = smollm2_dir(Settings(cache_dir=tmp_path))
-    assert resolve_model(Settings(cache_dir=tmp_path), "builtin:smollm2-135m-instruct") == (
+    folder = smollm2_dir(ModelSettings(cache_dir=tmp_path))
+    assert resolve_model(ModelSettings(cache_dir=tmp_path), "builtin:smollm2-135m-instruct") == (
         str(folder),
         True,
     )
@@ -50,8 +50,8 @@ def test_the_converted_folder_is_the_gguf_model(tmp_path):
 
 def test_unknown_builtin_names_are_refused_with_the_known_ones(tmp_path):
     with pytest.raises(ValueError, match="builtin:smollm2-135m-instruct, builtin:tiny"):
-        resolve_model(Settings(cache_dir=tmp_path), "builtin:gpt-5")
-    assert resolve_model(Settings(cache_dir=tmp_path), "org/some-model") == (
+        resolve_model(ModelSettings(cache_dir=tmp_path), "builtin:gpt-5")
+    assert resolve_model(ModelSettings(cache_dir=tmp_path), "org/some-model") == (
         "org/some-model",
         False,
     )

@@ -67,16 +67,15 @@ class FakeBackend(Backend):
 
 @asynccontextmanager
 async def fake_app(
-    tmp: Path, policy: FakeBackend, reference: FakeBackend, **settings_: Any
+    tmp: Path, policy: FakeBackend, reference: FakeBackend, **groups: dict[str, Any]
 ) -> AsyncIterator[FastAPI]:
-    """The real app and services with the fake models in place of loaded ones."""
+    """The real app and services with the fake models in place of loaded ones; `groups` change
+    settings (`envs={"max_turns": 5}`)."""
     settings = Settings(
-        model="builtin:tiny",
-        cache_dir=tmp / "cache",
-        data_dir=tmp / "data",
-        batching=False,
-        **settings_,
-    )
+        models={"model": "builtin:tiny", "cache_dir": tmp / "cache"},
+        storage={"data_dir": tmp / "data"},
+        batching={"enabled": False},
+    ).replace(**groups)
     app = create_app(settings, load_models=False)
     async with app.router.lifespan_context(app):
         registry = app.state.registry

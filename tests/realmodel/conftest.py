@@ -25,16 +25,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def real_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     return Settings(
-        model=DEFAULT_MODEL,
-        data_dir=tmp_path_factory.mktemp("real-model-data"),
-        load_reference=False,
-        max_new_tokens_limit=512,
+        models={"model": DEFAULT_MODEL, "load_reference": False},
+        storage={"data_dir": tmp_path_factory.mktemp("real-model-data")},
+        limits={"max_new_tokens": 512},
     )
 
 
 @pytest.fixture(scope="session")
 def real_dir(real_settings: Settings) -> Path:
-    return smollm2_dir(real_settings)
+    return smollm2_dir(real_settings.models)
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +52,8 @@ async def real_client(
     request: pytest.FixtureRequest, real_settings: Settings
 ) -> AsyncIterator[httpx.AsyncClient]:
     settings = backend_settings(real_settings, str(request.param))
-    if settings.backend == "vllm":  # the model's 8,192-token context needs 0.35 GiB of cache
-        settings = settings.model_copy(update={"kv_cache_memory_bytes": 512 << 20})
+    if settings.models.backend == "vllm":  # the model's 8,192-token context needs 0.35 GiB of cache
+        settings = settings.replace(vllm={"kv_cache_memory_bytes": 512 << 20})
     app: FastAPI = create_app(settings)
     async with app.router.lifespan_context(app):
         await started(app)

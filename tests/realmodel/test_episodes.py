@@ -49,11 +49,11 @@ async def test_token_actions_enter_the_episode_exactly(real_client, real_tokeniz
 def real_server(tmp_path_factory: pytest.TempPathFactory, real_settings) -> Iterator[Server]:  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("real-openai")
     env = {
-        "RLSERVE_MODEL": real_settings.model,
-        "RLSERVE_CACHE_DIR": str(real_settings.cache_dir),
-        "RLSERVE_DATA_DIR": str(tmp),
-        "RLSERVE_BACKEND": "transformers",
-        "RLSERVE_LOAD_REFERENCE": "false",
+        "RLSERVE_MODELS__MODEL": real_settings.models.model,
+        "RLSERVE_MODELS__CACHE_DIR": str(real_settings.models.cache_dir),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
     }
     with running_server(env=env, log=tmp / "server.log", ready_timeout=300) as running:
         yield running

@@ -32,8 +32,8 @@ def store_settings(store_kind: str, tmp_path, request: pytest.FixtureRequest):  
         import redis
 
         redis.Redis.from_url(url).flushdb()
-        return Settings(data_dir=tmp_path, session_store=url)
-    return Settings(data_dir=tmp_path)
+        return Settings(storage={"data_dir": tmp_path, "session_store": url})
+    return Settings(storage={"data_dir": tmp_path})
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ async def stores(store_settings):  # type: ignore[no-untyped-def]
     opened = []
 
     def reopen():  # type: ignore[no-untyped-def]
-        pair = open_stores(settings)
+        pair = open_stores(settings.storage)
         opened.append(pair)
         return pair
 

@@ -21,13 +21,13 @@ from tests.fake.backend import FakeBackend, fake_app
 async def servers(
     store_kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[list[Any]]:
-    options: dict[str, Any] = {}
+    options: dict[str, dict[str, Any]] = {}
     if store_kind == "redis":
         import redis
 
         url = request.getfixturevalue("redis_url")
         redis.Redis.from_url(url).flushdb()
-        options["session_store"] = url
+        options["storage"] = {"session_store": url}
     async with AsyncExitStack() as stack:
         out = []
         for name in ("a", "b"):
@@ -101,9 +101,9 @@ async def test_the_client_retries_a_superseded_step_with_its_key(servers):
         stepping = asyncio.create_task(client.step_env(env_id, actions=[{"tokens": [7, 8]}]))
         await entered.wait()
         state = (await a.get(f"/v1/envs/{env_id}")).json()
-        record = await app_b.state.envs.store.get(env_id)
+        record = await app_b.state.envs.sessions.store.get(env_id)
         record.updated_at += 1  # another server writes the session meanwhile
-        assert await app_b.state.envs.store.replace(record)
+        assert await app_b.state.envs.sessions.store.replace(record)
         release.set()
         result = await stepping
     assert state["rows"][0]["turns"] == 0

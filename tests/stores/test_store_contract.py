@@ -82,7 +82,7 @@ async def test_datasets_by_owner_unique_names_and_quota(store_settings):
     from app.main import open_dataset_store
 
     settings = store_settings
-    one, two = open_dataset_store(settings), open_dataset_store(settings)
+    one, two = open_dataset_store(settings.storage), open_dataset_store(settings.storage)
 
     def meta(name: str, owner: str = "alice") -> DatasetMeta:
         return DatasetMeta(name, owner, 1, 10, ["kwargs"], 1.0)

@@ -29,8 +29,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings, ref_model) -> Ite
     from app.engine.loader import builtin_model_dir
 
     tmp = tmp_path_factory.mktemp("remote-policy")
-    ref_dir = builtin_model_dir(settings.model_copy(update={"builtin_seed": 1}))
-    env = {"RLSERVE_CACHE_DIR": str(settings.cache_dir), "RLSERVE_DATA_DIR": str(tmp)}
+    ref_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
+    env = {
+        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
+    }
     with running_server("--ref-model", str(ref_dir), env=env, log=tmp / "server.log") as s:
         yield s
 

@@ -44,6 +44,7 @@ class TransferRoutes(Protocol):
         self, *, model: str = ..., version: int | None = ..., pause: str = ...
     ) -> WeightsUpdated: ...
 
+
 PACKED_IN_FLIGHT = 2
 
 

@@ -104,19 +104,20 @@ class Generation:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A loaded model, as its backend describes it (`/v1/models` shows it as a card)."""
+    """A loaded model, as its backend describes it (`/v1/models` shows it as a card): what it
+    is, how large, where it runs."""
 
     name: str
     """'policy' or 'reference'."""
     source: str
     """Where its weights came from: a folder, a hub id, a built-in model's cache."""
     backend: str
-    dtype: str
-    """The dtype it computes in."""
-    device: str
     max_model_len: int
     """The longest sequence it serves (prompt and generation together)."""
     vocab_size: int
+    dtype: str
+    """The dtype it computes in."""
+    device: str
     builtin: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     """Backend-specific facts, for logs."""

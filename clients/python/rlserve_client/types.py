@@ -78,12 +78,13 @@ class VersionSpan(Result):
 
 
 class Sample(Result):
-    """One generated or scored sequence."""
+    """One generated or scored sequence: what a trainer reads first (tokens, masks,
+    log-probs), then the text and chat forms of the same sequence."""
 
-    text: Text | None = None
     tokens: Tokens
     masks: Masks
     log_probs: LogProbs | None = None
+    text: Text | None = None
     history: History | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | None = None

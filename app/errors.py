@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from app.batching import BackendCallError, QueueFullError
 from app.common.failures import (
@@ -185,6 +186,17 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(422, message, param=param)
 
 
+def _allowed_methods(request: Request) -> str:
+    """The methods of every route whose path matches the request's (`app.state.routes`: the
+    flat list of the app's routes)."""
+    methods: set[str] = set()
+    for route in request.app.state.routes:
+        match, _ = route.matches({**request.scope, "method": "*"})
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every expected failure onto the one error body (an unexpected one is answered by
     the request-context middleware, so its 500 carries the request id too)."""
@@ -198,9 +210,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        headers = dict(exc.headers or {})  # a 405 keeps Starlette's Allow header (RFC 9110)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110: every method the path has, not the first route's
+            headers["Allow"] = _allowed_methods(request)
         error = APIError(exc.status_code, str(exc.detail), type=kind, headers=headers or None)
         return error_response(error)
 

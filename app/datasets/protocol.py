@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.protocol import WireModel, field_error, one_of
+from app.envs.rewards import reward_names_schema
 
 DatasetName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 RowField = Annotated[str, Field(min_length=1, max_length=256)]
@@ -47,6 +48,7 @@ class DatasetUpload(WireModel):
         default=None,
         description="Also check every row's fields for this reward (e.g. ifeval), so a row "
         "it cannot score is refused now rather than when an episode starts.",
+        json_schema_extra=reward_names_schema,
     )
 
     @model_validator(mode="after")

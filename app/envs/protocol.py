@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field, model_validator
 from app.common.protocol import Message, Seed, TokenId, WireModel, field_error, one_of
 from app.envs import episodes
 from app.envs.engine import RowOutcome, StepResult
+from app.envs.rewards import reward_names_schema
 from app.envs.sessions import SessionView
 from app.envs.spec import EnvSpec
 from app.envs.tools import BlockResult
@@ -39,7 +40,11 @@ class EnvConfig(WireModel):
         description="Episodes are truncated after this many steps (default and upper bound: "
         "the server's RLSERVE_ENVS__MAX_TURNS).",
     )
-    reward: str = Field(default="none", description="A registered reward: none, gsm8k, ifeval, ...")
+    reward: str = Field(
+        default="none",
+        description="A registered reward: none, gsm8k, ifeval, ...",
+        json_schema_extra=reward_names_schema,
+    )
     reward_options: dict[str, Any] = Field(
         default_factory=dict,
         description="The reward's options, e.g. gsm8k: answer_tag (first | last), "

@@ -210,3 +210,14 @@ def number_reward(sample: Sample, options: NumberOptions) -> RewardResult:
         options.correct_reward if correct else 0.0,
         info={"given": given, "expected": expected, "correct": correct, "success": correct},
     )
+
+
+def reward_names_schema(schema: dict[str, Any]) -> None:
+    """A `json_schema_extra` hook: the field names one of the rewards registered when the
+    spec is made (a name outside them is refused), null kept where the field allows it."""
+    from app.envs import ifeval  # noqa: F401 - registers its reward
+
+    names: list[str | None] = [*sorted(REWARDS)]
+    if any(option.get("type") == "null" for option in schema.get("anyOf", ())):
+        names.append(None)
+    schema["enum"] = names

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from app.common.protocol import (
     RepetitionPenalty,
@@ -191,6 +191,17 @@ class ResponseFormat(WireModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # top_logprobs > 0 needs logprobs: true, in the schema as in the validator.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
+            },
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        }
+    )
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(
         default=None, gt=0, description="Wins over max_tokens."
@@ -327,8 +338,11 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(
         default=None, ge=0, description="The k most likely tokens at each step (and the chosen)."
     )
-    echo: bool = Field(default=False, description="Only false.")
-    suffix: str | None = Field(default=None, description="Only unset.")
+    # Only what the validator allows, in the schema too (its message is the friendlier).
+    echo: bool = Field(default=False, description="Only false.", json_schema_extra={"const": False})
+    suffix: str | None = Field(
+        default=None, description="Only unset.", json_schema_extra={"type": "null"}
+    )
     best_of: int | None = Field(default=None, description="Only unset or equal to n.")
 
     @model_validator(mode="after")

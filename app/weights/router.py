@@ -163,7 +163,11 @@ def _serving_state(state: GateState) -> ServingState:
 
 
 @serving_router.post(
-    "/v1/pause", response_model=ServingState, summary="Pause serving", openapi_extra=ADMIN
+    "/v1/pause",
+    response_model=ServingState,
+    summary="Pause serving",
+    openapi_extra=ADMIN,
+    responses={409: {"model": ErrorResponse, "description": "Already paused with another mode"}},
 )
 async def pause(request: PauseRequest, weights: WeightsDep) -> ServingState:
     """New requests wait until POST /v1/resume; in-flight work meets `mode`. Returns once it

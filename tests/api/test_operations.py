@@ -279,3 +279,18 @@ def test_every_domain_failure_has_one_status_and_it_is_declared():
     assert overloaded.status_code == 503 and overloaded.headers == {"Retry-After": "1"}
     assert overloaded.status_code in declared_statuses
     assert failure_error(BackendCallError("RuntimeError: boom")).status_code in declared_statuses
+
+
+async def test_an_undeclared_method_is_a_405_listing_every_method_of_the_path(client):
+    """RFC 9110: a 405 carries Allow with the methods the path has, across the routes that
+    share it (GET and POST of /v1/envs are two routes), in the one error shape."""
+    for method, path, allowed in (
+        ("PUT", "/v1/envs", "GET, POST"),
+        ("PATCH", "/v1/envs/env-1", "DELETE, GET"),
+        ("DELETE", "/v1/generate", "POST"),
+        ("TRACE", "/health", "GET"),
+    ):
+        response = await client.request(method, path)
+        assert response.status_code == 405, (method, path)
+        assert response.headers["allow"] == allowed, (method, path)
+        assert response.json()["error"]["code"] == 405

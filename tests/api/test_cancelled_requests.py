@@ -6,53 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import pytest
 from fastapi import FastAPI
 
+from tests.asgi import Connection
+
 # Seconds of decoding (32 rows of 512 tokens: the test server's limits).
 BODY = json.dumps({"tokens": [[1, 2, 3]] * 32, "max_tokens": 512, "ignore_eos": True}).encode()
-
-
-def scope() -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/generate",
-        "raw_path": b"/v1/generate",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"rlserve"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(BODY)).encode()),
-        ],
-        "client": ("127.0.0.1", 5000),
-        "server": ("rlserve", 80),
-    }
-
-
-class Connection:
-    """One client connection: the body, then a disconnect once `leave` is set."""
-
-    def __init__(self) -> None:
-        self.leave = asyncio.Event()
-        self.body_sent = False
-        self.messages: list[dict[str, Any]] = []
-
-    async def receive(self) -> dict[str, Any]:
-        if not self.body_sent:
-            self.body_sent = True
-            return {"type": "http.request", "body": BODY, "more_body": False}
-        await self.leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        self.messages.append(message)
 
 
 def counted(app: FastAPI, status: str) -> float:
@@ -64,7 +25,7 @@ def counted(app: FastAPI, status: str) -> float:
 
 async def generating(app: FastAPI, connection: Connection) -> asyncio.Task[None]:
     queued = app.state.registry.get("policy").generation
-    task = asyncio.create_task(app(scope(), connection.receive, connection.send))
+    task = asyncio.create_task(connection.post(app, "/v1/generate"))
     for _ in range(2000):  # until its decoding has started
         if queued.stats().in_flight_calls:
             return task
@@ -74,7 +35,7 @@ async def generating(app: FastAPI, connection: Connection) -> asyncio.Task[None]
 
 async def test_cancelled_while_its_client_waits_is_a_retryable_503(app: FastAPI):
     before = counted(app, "503")
-    connection = Connection()
+    connection = Connection(BODY)
     task = await generating(app, connection)
     task.cancel()  # what uvicorn does when the shutdown grace is over
     with pytest.raises(asyncio.CancelledError):
@@ -92,7 +53,7 @@ async def test_cancelled_while_its_client_waits_is_a_retryable_503(app: FastAPI)
 
 async def test_a_client_that_went_away_is_counted_as_499(app: FastAPI):
     before = {status: counted(app, status) for status in ("499", "500")}
-    connection = Connection()
+    connection = Connection(BODY)
     task = await generating(app, connection)
     connection.leave.set()
     with pytest.raises(asyncio.CancelledError):  # cancel_on_disconnect ends it so

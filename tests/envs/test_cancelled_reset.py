@@ -10,48 +10,8 @@ from typing import Any
 
 import httpx
 
+from tests.asgi import Connection
 from tests.fake.backend import FakeBackend, fake_app
-
-
-class Connection:
-    """One client connection: the body, then a disconnect once `leave` is set."""
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.leave = asyncio.Event()
-        self.body_sent = False
-        self.messages: list[dict[str, Any]] = []
-
-    async def receive(self) -> dict[str, Any]:
-        if not self.body_sent:
-            self.body_sent = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        await self.leave.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        self.messages.append(message)
-
-
-def scope(path: str, body: bytes) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"rlserve"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 5000),
-        "server": ("rlserve", 80),
-    }
 
 
 async def test_a_reset_whose_client_left_is_cancelled_and_changes_nothing(tmp_path: Path):
@@ -76,7 +36,7 @@ async def test_a_reset_whose_client_left_is_cancelled_and_changes_nothing(tmp_pa
             body = json.dumps({"tokens": [[5, 6]]}).encode()
             connection = Connection(body)
             path = f"/v1/envs/{env_id}/reset"
-            task = asyncio.create_task(app(scope(path, body), connection.receive, connection.send))
+            task = asyncio.create_task(connection.post(app, path))
             await asyncio.wait_for(entered.wait(), timeout=10)
             connection.leave.set()
             await asyncio.wait_for(cancelled.wait(), timeout=10)

@@ -113,8 +113,9 @@ class InputPreparer:
         self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None
     ) -> Prepared:
         """Template a conversation (with tool definitions for templates that take them); the
-        assistant mask comes from the template's generation tags, or from character offsets
-        of the assistant turns when it has none."""
+        assistant mask covers what the assistant wrote: every token of each assistant message
+        as rendered and its end-of-turn token (from character offsets of the assistant turns),
+        and whatever the template's generation tags mark, where it has them."""
         text = self.render(conversation, generation_prompt=generation_prompt, tools=tools)
         if self.has_generation_tags:
             out = self.tokenizer.apply_chat_template(
@@ -125,7 +126,15 @@ class InputPreparer:
                 return_assistant_tokens_mask=True,
                 tools=tools,
             )
-            ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+            ids, tagged = list(out["input_ids"]), list(out["assistant_masks"])
+            # The tags' token mask ends on the token holding the span's last character's
+            # first byte (a multi-byte character's other bytes are left out), and leaves out
+            # the end-of-turn token when the tags close before it: the offsets mask has both.
+            offsets = self._mask_from_offsets(conversation, text, generation_prompt)
+            if len(offsets) == len(tagged):
+                mask = [int(a or b) for a, b in zip(tagged, offsets, strict=True)]
+            else:
+                mask = tagged
         else:
             ids = self.encode(text, special=False)
             mask = self._mask_from_offsets(conversation, text, generation_prompt)

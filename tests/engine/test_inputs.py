@@ -33,6 +33,37 @@ def test_offset_mask_equals_generation_tag_mask(model_dir):
     assert sum(a.assistant_mask or []) == len("yo yo") + 1 + len("fine") + 1
 
 
+def test_tags_closing_before_the_end_of_turn_still_mask_it_and_every_byte(model_dir):
+    """A template whose generation tags close before `<|im_end|>`, and replies ending on a
+    multi-byte character: the mask covers every byte of the reply and its end-of-turn token,
+    as the untagged template's does (transformers' tag mask alone misses both)."""
+    early = AutoTokenizer.from_pretrained(model_dir)
+    early.chat_template = early.chat_template.replace(
+        "{{- '<|im_end|>' }}{%- endgeneration %}", "{%- endgeneration %}{{- '<|im_end|>' }}"
+    )
+    plain = AutoTokenizer.from_pretrained(model_dir)
+    plain.chat_template = early.chat_template.replace("{%- generation %}", "").replace(
+        "{%- endgeneration %}", ""
+    )
+    tagged = InputPreparer(early, vocab_size=259, max_model_len=4096)
+    untagged = InputPreparer(plain, vocab_size=259, max_model_len=4096)
+    assert tagged.has_generation_tags
+    chat = [
+        {"role": "user", "content": "coffee?"},
+        {"role": "assistant", "content": "un café ☕"},
+        {"role": "user", "content": "thé?"},
+        {"role": "assistant", "content": "oui ✓"},
+    ]
+    a = tagged.template(chat, generation_prompt=False)
+    b = untagged.template(chat, generation_prompt=False)
+    assert a.ids == b.ids and a.assistant_mask == b.assistant_mask
+    written = len("un café ☕".encode()) + 1 + len("oui ✓".encode()) + 1
+    assert sum(a.assistant_mask or []) == written
+    end_of_turn = early.convert_tokens_to_ids("<|im_end|>")
+    ends = [i for i, t in enumerate(a.ids) if t == end_of_turn]
+    assert [a.assistant_mask[i] for i in ends] == [0, 1, 0, 1]  # user turns' ends are not
+
+
 # Templates written the way real models ship them: no generation tags.
 QWEN_LIKE = (
     "{%- if messages[0]['role'] != 'system' %}"

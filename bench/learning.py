@@ -103,7 +103,7 @@ def train_local(args: Any) -> list[dict[str, float]]:
             "reward": statistics.fmean(r.reward for r in rollouts),
             **stats,
             "response_tokens": sum(len(r.response) for r in rollouts),
-            "sample_s": sampled - started,
+            "wait_s": sampled - started,
             "train_s": time.perf_counter() - sampled,
             "step_s": time.perf_counter() - started,
         }
@@ -144,7 +144,7 @@ def summary(records: list[dict[str, float]]) -> dict[str, float]:
         "last_third_reward_sem": _sem(last),
         "steps_per_s": len(records) / total,
         "wall_s": total,
-        "sample_s": sum(r["sample_s"] for r in records),
+        "wait_s": sum(r["wait_s"] for r in records),
         "response_tokens": sum(r["response_tokens"] for r in records),
         "max_behaviour_drift": max(r["behaviour_drift"] for r in records),
     }
@@ -160,7 +160,7 @@ def speed(records: list[dict[str, float]]) -> dict[str, float]:
     return {
         "steps": len(timed),
         "steps_per_s": len(timed) / sum(r["step_s"] for r in timed),
-        "sample_s": statistics.fmean(r["sample_s"] for r in timed),
+        "wait_s": statistics.fmean(r["wait_s"] for r in timed),
         "train_s": statistics.fmean(r["train_s"] for r in timed),
         "push_s": statistics.fmean(r.get("push_s", 0.0) for r in timed),
     }

@@ -3,12 +3,17 @@
 Each step, one `/v1/rollouts` call runs `prompts` x `group_size` single-turn episodes of the
 bundled `addition` task ("What is 7 + 5?", rewarded 1 when the reply ends on the right number)
 and returns every reply's tokens, the raw log-probs it was sampled with, its reward and its
-group-normalised advantage (TorchRL's MCAdvantage). The trainer takes one clipped
-policy-gradient step on a local copy of the policy and sends the new weights to the server
-over a torch.distributed group (the collective transfer), so the next step samples from them.
+group-normalised advantage (TorchRL's MCAdvantage). The trainer takes one policy-gradient step
+on a local copy of the policy (decoupled PPO: each token weighted by how much more likely the
+trainer's weights make it than the weights that sampled it) and sends the new weights to the
+server over a torch.distributed group (the collective transfer).
+
+With `--max-staleness 0` the next batch is sampled by the weights just pushed (synchronous);
+with 1 it is sampled while the trainer learns from this one (one-step-off), the push pausing
+the server in 'keep' mode so replies in flight finish under the new weights.
 
     ./scripts/serve.sh &     # SmolLM2-135M-Instruct
-    .venv/bin/python examples/grpo.py --steps 40
+    .venv/bin/python examples/grpo.py --steps 40 [--max-staleness 1]
 
 The same loop without a server is `bench/learning.py --loop local`.
 """
@@ -24,7 +29,9 @@ from pathlib import Path
 
 import torch
 from rlserve_client import Client
-from rlserve_client.types import RolloutResult
+from rlserve_client.async_collector import AsyncCollector
+from rlserve_client.offpolicy import decoupled_ppo_loss
+from rlserve_client.types import Trajectory
 from transformers import AutoModelForCausalLM
 
 
@@ -48,6 +55,18 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--clip", type=float, default=0.2)
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="policy versions a sampled token may be behind the trainer (0: synchronous)",
+    )
+    parser.add_argument(
+        "--weight-cap",
+        type=float,
+        default=None,
+        help="leave out tokens whose importance weight exceeds this",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", type=Path, help="append one JSON line per step here")
     parser.add_argument(
@@ -79,30 +98,50 @@ def response_log_probs(model: torch.nn.Module, rollouts: list[Rollout]) -> list[
 
 
 def grpo_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rollouts: list[Rollout], clip: float
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollouts: list[Rollout],
+    clip: float,
+    weight_cap: float | None = None,
 ) -> dict[str, float]:
-    """One clipped-ratio step over every reply token (token-mean loss); the ratio is against
-    the behaviour log-probs, or 1 where the rollout has none (sampled by this very model)."""
+    """One decoupled-PPO step over every reply token (token-mean loss): the importance weight
+    of a token is exp(now - behaviour), 1 where the rollout has no behaviour log-probs
+    (sampled by this very model)."""
     current = response_log_probs(model, rollouts)
-    terms, drift = [], 0.0
-    for r, now in zip(rollouts, current, strict=True):
-        before = torch.tensor(r.behaviour) if r.behaviour is not None else now.detach()
-        drift = max(drift, (now.detach() - before).abs().max().item())
-        ratio = torch.exp(now - before)
-        clipped = ratio.clamp(1 - clip, 1 + clip)
-        terms.append(-torch.minimum(ratio * r.advantage, clipped * r.advantage))
-    loss = torch.cat(terms).mean()
+    now = torch.cat(current)
+    behaviour = torch.cat(
+        [
+            torch.tensor(r.behaviour) if r.behaviour is not None else lp.detach()
+            for r, lp in zip(rollouts, current, strict=True)
+        ]
+    )
+    advantages = torch.cat([torch.full((len(r.response),), r.advantage) for r in rollouts])
+    out = decoupled_ppo_loss(
+        now,
+        now.detach(),
+        behaviour,
+        advantages,
+        torch.ones_like(now, dtype=torch.bool),
+        clip=clip,
+        weight_cap=weight_cap,
+    )
     optimizer.zero_grad()
-    loss.backward()
+    out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
     optimizer.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm, "behaviour_drift": drift}
+    return {
+        "loss": out.loss.item(),
+        "grad_norm": grad_norm,
+        "behaviour_drift": (now.detach() - behaviour).abs().max().item(),
+        "max_weight": out.max_weight,
+        "capped_tokens": out.capped_tokens,
+    }
 
 
-def rollouts_of(result: RolloutResult) -> list[Rollout]:
+def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
     """Single-turn episodes as GRPO rows: the server's tokens, log-probs and advantages."""
     out = []
-    for trajectory in result.trajectories:
+    for trajectory in trajectories:
         (step,) = trajectory.steps
         assert step.log_probs is not None and step.log_probs.response is not None
         out.append(
@@ -118,45 +157,48 @@ def rollouts_of(result: RolloutResult) -> list[Rollout]:
 
 
 def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]]:
-    """The loop: sample groups on the server, learn, push the weights; one record per step."""
+    """The loop: take a batch of groups, learn, push the weights; one record per step."""
     torch.manual_seed(args.seed)
     # The served folder, when the server runs on this host (else pass a copy of the policy).
     source = next(m.source for m in client.models().models if m.name == "policy")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    with client.weight_transfer() as sync:
-        for step in range(args.steps):
+    env = {"dataset": "addition", "reward": "number", "repeats": args.group_size, "max_turns": 1}
+    generation = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 1.0,
+        "ignore_eos": args.fixed_length,
+    }
+    collector = AsyncCollector(
+        client,
+        env=env,
+        num_episodes=args.prompts * args.group_size,
+        generation=generation,
+        max_staleness=args.max_staleness,
+        seed=args.seed * 100_003,  # batch j: seed + j, new prompts every step
+    )
+    with client.weight_transfer() as sync, collector:
+        for batch in collector.batches(args.steps):
             started = time.perf_counter()
-            env = {
-                "dataset": "addition",
-                "reward": "number",
-                "batch_size": args.prompts * args.group_size,
-                "repeats": args.group_size,
-                "max_turns": 1,
-                "seed": args.seed * 100_003 + step,  # new prompts every step
-            }
-            generation = {
-                "max_new_tokens": args.max_new_tokens,
-                "temperature": 1.0,
-                "ignore_eos": args.fixed_length,
-                "seed": env["seed"],
-            }
-            result = client.rollouts(env=env, num_episodes=env["batch_size"], generation=generation)
-            sampled = time.perf_counter()
-            rollouts = rollouts_of(result)
-            stats = grpo_step(model, optimizer, rollouts, args.clip)
+            rollouts = rollouts_of(batch.trajectories)
+            stats = grpo_step(model, optimizer, rollouts, args.clip, args.weight_cap)
             trained = time.perf_counter()
             updated = sync.send(model)
+            staleness = batch.staleness()
             yield {
-                "step": step,
+                "step": batch.index,
                 "reward": sum(r.reward for r in rollouts) / len(rollouts),
                 **stats,
                 "policy_version": updated.policy_version,
                 "response_tokens": sum(len(r.response) for r in rollouts),
-                "sample_s": sampled - started,
-                "train_s": trained - sampled,
+                "samples": len(rollouts),
+                "staleness_mean": sum(staleness) / len(staleness),
+                "dropped": batch.dropped,
+                "regenerated": batch.regenerated,
+                "wait_s": batch.wait_s,
+                "train_s": trained - started,
                 "push_s": time.perf_counter() - trained,
-                "step_s": time.perf_counter() - started,
+                "step_s": time.perf_counter() - started + batch.wait_s,
             }
 
 

@@ -127,3 +127,20 @@ def test_load_benchmark_quick(tmp_path):
         "logprobs",
     }
     assert report["failed"] == 0 and report["requests"] == sum(report["outcomes"].values())
+
+
+def test_async_training_benchmark_quick(tmp_path):
+    report = run_quick("async_training", tmp_path)
+    assert set(report["summary"]) == {
+        "staleness 0",
+        "staleness 0, seed 1",
+        "staleness 1",
+        "staleness 2",
+    }
+    for name, run in report["summary"].items():
+        assert run["steps"] == 2 and run["samples"] == 64, name
+    bounds = [r["max_staleness"] for r in report["overlap"]["runs"]]
+    assert bounds == [0, 1, 2]
+    for run in report["overlap"]["runs"]:
+        assert max(int(s) for s in run["staleness"]) <= run["max_staleness"]
+    assert (tmp_path / "async_training-quick.png").stat().st_size > 0

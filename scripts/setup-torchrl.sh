@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 venv=${RLSERVE_TORCHRL_VENV:-.venv-torchrl}
 torchrl_spec=${RLSERVE_TORCHRL:-torchrl==0.14.1}
 stamp="$venv/.rlserve-installed"
-wanted="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16) $torchrl_spec"
+extras="test,ifeval,bench"
+wanted="$(cat pyproject.toml clients/python/pyproject.toml | sha256sum | cut -c1-16) $torchrl_spec [$extras]"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   exit 0
@@ -17,5 +18,5 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet torch==2.13.0 "tensordict<0.15" "$torchrl_spec"
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side:
 # each writes the same egg-info directories).
-flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test,ifeval]" -e "clients/python[torch]"
+flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[$extras]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

@@ -188,7 +188,7 @@ def test_env_rollout_with_retrieve_kl_equals_transformers_wrapper(
     policy = RemotePolicy(remote, generate_kwargs=GREEDY)
     ours_kl = RetrieveKL(
         policy.get_new_version(generate=False),
-        RemotePolicy(remote, model="reference", generate=False, log_probs_key="ref_log_probs"),
+        RemotePolicy(remote, model="reference", generate=False),  # its own key by default
         coeff=COEFF,
     )
     with torch.no_grad():

@@ -81,12 +81,33 @@ class RemotePolicy(_Base):  # type: ignore[misc]
     text/tokens/masks/log_probs (and history in history mode); `generate=False` reads
     `(input_mode, "full")` and writes `(log_probs_key, "full")` with the assistant mask.
 
+    `versions_key` (e.g. "token_versions"): where a generation writes the policy version that
+    sampled each response token (aligned with `tokens.response`; padded with -1), for
+    staleness bounds (`rlserve_client.torchrl_async`). Off by default: TorchRL's wrappers
+    have no such key.
+
+    `log_probs_key` defaults to "ref_log_probs" for the served reference model (and
+    "log_probs" otherwise), so `RetrieveKL(policy.get_new_version(generate=False),
+    RemotePolicy(client, model="reference", generate=False))` works as written.
+
     Deliberate differences: the chat template is the served model's (no `chat_template`);
     `log_probs.response[0]` of a generation is the real log-prob of the first generated token
     (TorchRL's transformers path writes 0.0); the assistant mask also covers the end-of-turn
     token the assistant wrote. A `seed` in `generate_kwargs` makes a run reproducible: call k
     of the policy samples with the seed's k-th derived stream (a fixed seed per call would
-    give every call the same samples)."""
+    give every call the same samples). A generation's `log_probs.full` is NaN over the prompt
+    (as TorchRL's vLLM wrapper writes it; 0.0 would be a real log-prob) unless the prompt's
+    log-probs were asked for (`return_prompt_log_probs`).
+
+    Where TorchRL's `TransformersWrapper` differs on a model whose pad token is its
+    end-of-sequence token (SmolLM2: `<|im_end|>`, id 2, is both), RemotePolicy is the one
+    that agrees with `model.generate`: TorchRL treats every such token as padding, so it drops
+    the reply's end-of-turn token and the prompt's `<|im_end|>` tokens from `tokens`, leaves
+    `text.response` cut at the wrong place and `history.response` empty, and without an
+    explicit attention mask leaves them out of the forward pass. TorchRL also replaces a chat
+    template without generation tags by its own (picked by model name, else plain ChatML),
+    which for SmolLM2 leaves out the default system message. Given a distinct pad token and
+    the model's own template, TorchRL's tokens and log-probs equal these."""
 
     def __init__(
         self,
@@ -109,7 +130,8 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         text_key: Any = "text",
         tokens_key: Any = "tokens",
         masks_key: Any = "masks",
-        log_probs_key: Any = "log_probs",
+        log_probs_key: Any = None,
+        versions_key: Any = None,
         **unsupported: Any,
     ) -> None:
         super().__init__()
@@ -154,7 +176,10 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         self.text_key = text_key
         self.tokens_key = tokens_key
         self.masks_key = masks_key
+        if log_probs_key is None:  # the reference's own key, so RetrieveKL tells the two apart
+            log_probs_key = "ref_log_probs" if model == "reference" else "log_probs"
         self.log_probs_key = log_probs_key
+        self.versions_key = versions_key
         self._min_batch_size = None
         self._max_batch_size = None
         self._batching_lock = None
@@ -169,6 +194,7 @@ class RemotePolicy(_Base):  # type: ignore[misc]
             tokens_key,
             *([log_probs_key] if self.return_log_probs else []),
             *([history_key] if input_mode == "history" else []),
+            *([versions_key] if versions_key is not None and generate else []),
         ]
 
     def get_new_version(self, **kwargs: Any) -> RemotePolicy:
@@ -193,6 +219,7 @@ class RemotePolicy(_Base):  # type: ignore[misc]
             "tokens_key": self.tokens_key,
             "masks_key": self.masks_key,
             "log_probs_key": self.log_probs_key,
+            "versions_key": self.versions_key,
         }
         if "input_mode" in kwargs and "input_key" not in kwargs:
             current["input_key"] = None
@@ -396,8 +423,11 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         if self.return_log_probs and sample.log_probs is not None:
             lp = sample.log_probs
             lp_fields: dict[str, Any] = {}
-            if lp.full is not None:
-                lp_fields["full"] = lay.full(lp.full, 0.0, torch.float32)
+            full_lp: Any = lp.full
+            if full_lp is None and generated and lp.response is not None:
+                full_lp = _generated_full_log_probs(lp.prompt, lp.response, prompt_len or 0)
+            if full_lp is not None:
+                lp_fields["full"] = lay.full(full_lp, 0.0, torch.float32)
             if generated and lp.response is not None:
                 lp_fields["response"] = lay.response(lp.response, 0.0, torch.float32)
             if generated and lp.prompt is not None:
@@ -408,7 +438,29 @@ class RemotePolicy(_Base):  # type: ignore[misc]
             row.set(self.text_key, _container("Text", text, None))
         if self.input_mode == "history" and sample.history is not None:
             row.set(self.history_key, _chat_history(sample))
+        if self.versions_key is not None and generated:
+            versions = _token_versions(sample, len(_given(tokens.response)))
+            row.set(self.versions_key, lay.response(versions, -1, torch.long))
         return row
+
+
+def _generated_full_log_probs(prompt: Any, response: Any, prompt_len: int) -> torch.Tensor:
+    """A generation's `log_probs.full` as TorchRL's wrappers write it: the prompt's scores
+    when they were asked for, else NaN over the prompt (not 0.0, a real log-prob: GRPOLoss
+    and the KL transforms skip non-finite positions), then the response's."""
+    response = torch.as_tensor(response, dtype=torch.float32)
+    if prompt is not None:
+        head = torch.as_tensor(prompt, dtype=torch.float32)
+    else:
+        head = torch.full((prompt_len,), float("nan"))
+    return torch.cat([head, response])
+
+
+def _token_versions(sample: Sample, length: int) -> list[int]:
+    """The policy version that sampled each response token (-1 where the server did not say,
+    an old server)."""
+    versions = sample.token_versions()
+    return versions if versions is not None else [-1] * length
 
 
 def _given(values: Any) -> Any:

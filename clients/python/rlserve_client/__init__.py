@@ -20,6 +20,7 @@ from rlserve_client._exceptions import (
     UnprocessableEntityError,
 )
 from rlserve_client.advantages import group_advantages
+from rlserve_client.async_collector import AsyncCollector
 from rlserve_client.collect import collect
 from rlserve_client.remote import AsyncRemoteChatEnv, RemoteChatEnv
 
@@ -43,6 +44,7 @@ __all__ = [
     "APIStatusError",
     "APITimeoutError",
     "AsyncClient",
+    "AsyncCollector",
     "AsyncRemoteChatEnv",
     "AuthenticationError",
     "BadRequestError",

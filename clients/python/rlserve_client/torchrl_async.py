@@ -56,6 +56,9 @@ class AsyncLLMCollector:
             )
         self.collector = collector
         self.client = client
+        tracker = getattr(collector, "policy_version_tracker", None)
+        if tracker is not None and hasattr(tracker, "version"):  # count from the server's
+            tracker.version = client.weights_version().policy_version
         self.max_staleness = max_staleness
         self.versions_key = versions_key
         self.stats = CollectorStats()

@@ -7,11 +7,14 @@ Per run it reports reward per step, steps/s, the time the trainer waited for dat
 share of samples dropped or regenerated for being over the bound.
 
 On one 2-core machine the trainer and the server share the cores, so sampling ahead mostly
-takes cores from the trainer. The second part shows what overlap does when they do not
-share: the trainer's step is a sleep of `--simulated-train-s` (a trainer on another device:
-no CPU used here) and the weights it pushes are unchanged; steps/s for each bound.
+takes cores from the trainer. The second part times a few steps of equal work (every reply
+`max_new_tokens` long) for each bound on a quiet machine. The third shows what overlap does
+when they do not share: the trainer's step is a sleep of `--simulated-train-s` (a trainer on
+another device: no CPU used here) and the weights it pushes are unchanged; steps/s for each
+bound.
 
-    .venv/bin/python bench/async_training.py              # about 35 minutes here
+    .venv/bin/python bench/async_training.py              # about 45 minutes here
+    .venv/bin/python bench/async_training.py --parts equal_work   # only the timed steps
     .venv/bin/python bench/async_training.py --quick      # built-in model, 2 steps a run
 """
 
@@ -163,39 +166,70 @@ def plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def equal_work(model: str, bound: int, steps: int, output: Path) -> dict[str, float]:
+    """Steps/s of the real loop with every reply `max_new_tokens` long (the same work each
+    step, whatever the policy writes); the first step, a warm-up, is left out."""
+    argv = ["--steps", str(steps + 1), "--max-staleness", str(bound), "--fixed-length"]
+    records = learning_run(model, argv, output, f"equal-work-{bound}")[1:]
+    wall = sum(r["step_s"] for r in records)
+    return {
+        "max_staleness": bound,
+        "steps": len(records),
+        "steps_per_s": len(records) / wall,
+        "wait_s": statistics.fmean(r["wait_s"] for r in records),
+        "train_s": statistics.fmean(r["train_s"] for r in records),
+        "push_s": statistics.fmean(r["push_s"] for r in records),
+    }
+
+
+PARTS = ("learning", "equal_work", "overlap")
+
+
 def main() -> None:
     parser = bench_arguments(__doc__)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--equal-work-steps", type=int, default=5)
     parser.add_argument("--overlap-steps", type=int, default=6)
     parser.add_argument("--simulated-train-s", type=float, default=4.0)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="which parts to run; the others are kept from an earlier report in --output",
+    )
     options = parser.parse_args()
     output: Path = options.output
     output.mkdir(parents=True, exist_ok=True)
+    parts = options.parts.split(",")
     model = "builtin:tiny" if options.quick else DEFAULT_MODEL
     steps = 2 if options.quick else options.steps
-    overlap_steps = 2 if options.quick else options.overlap_steps
+    short = 2 if options.quick else options.overlap_steps
+    equal_steps = 1 if options.quick else options.equal_work_steps
     train_s = 0.2 if options.quick else options.simulated_train_s
-    plan = {"staleness 0": (0, 0), "staleness 0, seed 1": (0, 1), "staleness 1": (1, 0)}
-    plan["staleness 2"] = (2, 0)
-    curves = {}
-    for name, (bound, seed) in plan.items():
-        argv = ["--steps", str(steps), "--max-staleness", str(bound), "--seed", str(seed)]
-        curves[name] = learning_run(model, argv, output, name.replace(" ", "").replace(",", "-"))
-    summaries = {name: summary(records) for name, records in curves.items()}
-    overlap = [overlap_run(model, b, overlap_steps, train_s, output) for b in (0, 1, 2)]
-    report = {
-        "model": model,
-        "hyper_parameters": {k: v for k, v in vars(arguments([])).items() if k != "url"},
-        "summary": summaries,
-        "overlap": {"simulated_train_s": train_s, "runs": overlap},
-        "steps": curves,
-    }
     stem = "async_training-quick" if options.quick else "async_training"
-    (output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output / f"{stem}.md").write_text(table(summaries) + "\n")
-    plot(curves, output / f"{stem}.png")
-    print(table(summaries))
-    print(json.dumps(overlap, indent=2))
+    path = output / f"{stem}.json"
+    report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    report["model"] = model
+    report["hyper_parameters"] = {k: v for k, v in vars(arguments([])).items() if k != "url"}
+    if "learning" in parts:
+        plan = {"staleness 0": (0, 0), "staleness 0, seed 1": (0, 1), "staleness 1": (1, 0)}
+        plan["staleness 2"] = (2, 0)
+        curves = {}
+        for name, (bound, seed) in plan.items():
+            argv = ["--steps", str(steps), "--max-staleness", str(bound), "--seed", str(seed)]
+            tag = name.replace(" ", "").replace(",", "-")
+            curves[name] = learning_run(model, argv, output, tag)
+        report["summary"] = {name: summary(records) for name, records in curves.items()}
+        report["steps"] = curves
+    if "equal_work" in parts:
+        report["equal_work"] = [equal_work(model, b, equal_steps, output) for b in (0, 1, 2)]
+    if "overlap" in parts:
+        runs = [overlap_run(model, b, short, train_s, output) for b in (0, 1, 2)]
+        report["overlap"] = {"simulated_train_s": train_s, "runs": runs}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    (output / f"{stem}.md").write_text(table(report["summary"]) + "\n")
+    plot(report["steps"], output / f"{stem}.png")
+    print(table(report["summary"]))
+    print(json.dumps({k: report.get(k) for k in ("equal_work", "overlap")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -78,11 +78,11 @@ class LastNumberReward(Transform):
     """Reward 1.0 when the reply's last number is the answer (rlserve's `number` reward)."""
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        replies = tensordict.get(("text", "response"), as_list=True)
-        answers = tensordict.get("answer", as_list=True)
+        replies = tensordict.get(("text", "response")).tolist()  # strings, not NonTensorData
+        answers = tensordict.get("answer").tolist()
         reward = torch.zeros(len(replies), 1, 1)
         for i, (reply, answer) in enumerate(zip(replies, answers, strict=True)):
-            numbers = NUMBER.findall(str(reply))
+            numbers = NUMBER.findall(reply)
             reward[i] = float(bool(numbers) and numbers[-1] == str(answer))
         next_tensordict.set("reward", reward.view(*next_tensordict.batch_size, 1, 1))
         return next_tensordict

@@ -140,7 +140,8 @@ def test_async_training_benchmark_quick(tmp_path):
     for name, run in report["summary"].items():
         assert run["steps"] == 2 and run["samples"] == 64, name
     bounds = [r["max_staleness"] for r in report["overlap"]["runs"]]
-    assert bounds == [0, 1, 2]
+    assert bounds == [0, 1, 2] == [r["max_staleness"] for r in report["equal_work"]]
+    assert all(r["steps"] == 1 and r["steps_per_s"] > 0 for r in report["equal_work"])
     for run in report["overlap"]["runs"]:
         assert max(int(s) for s in run["staleness"]) <= run["max_staleness"]
     assert (tmp_path / "async_training-quick.png").stat().st_size > 0

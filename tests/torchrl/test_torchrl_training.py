@@ -208,6 +208,20 @@ def test_async_llm_collector_bounds_staleness(client):
     assert stats.regenerated == 2 and stats.batches == 3  # the one batch sampled at version 0
 
 
+def test_the_examples_reward_reads_each_rows_reply_and_answer():
+    """The example's reward, through a TorchRL step: 1.0 exactly where the reply's last number
+    is the row's answer (strings read from non-tensor stacks, not their reprs)."""
+    from examples.torchrl_grpo import LastNumberReward
+    from tensordict import TensorDict, lazy_stack
+
+    rows = [("7 + 5 = 12.", "12"), ("It is 12, not 13", "12"), ("no idea", "4"), ("4", "4")]
+    td = lazy_stack(
+        [TensorDict({"text": {"response": r}, "answer": a}, batch_size=[]) for r, a in rows]
+    )
+    out = LastNumberReward()._step(td, TensorDict({}, batch_size=[4]))
+    assert out["reward"].flatten().tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
 @pytest.mark.slow
 def test_torchrl_grpo_example_learns_on_the_default_model(tmp_path):
     """examples/torchrl_grpo.py for two steps on SmolLM2-135M-Instruct (the served default,

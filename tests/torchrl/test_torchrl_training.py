@@ -211,8 +211,9 @@ def test_async_llm_collector_bounds_staleness(client):
 def test_the_examples_reward_reads_each_rows_reply_and_answer():
     """The example's reward, through a TorchRL step: 1.0 exactly where the reply's last number
     is the row's answer (strings read from non-tensor stacks, not their reprs)."""
-    from examples.torchrl_grpo import LastNumberReward
     from tensordict import TensorDict, lazy_stack
+
+    from examples.torchrl_grpo import LastNumberReward
 
     rows = [("7 + 5 = 12.", "12"), ("It is 12, not 13", "12"), ("no idea", "4"), ("4", "4")]
     td = lazy_stack(

@@ -51,6 +51,9 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
         "samples": sum(r["samples"] for r in records),
         "first_third_reward": statistics.fmean(rewards[:third]),
         "last_third_reward": statistics.fmean(rewards[-third:]),
+        "last_third_reward_sem": statistics.stdev(rewards[-third:]) / third**0.5
+        if third > 1
+        else 0.0,
         "steps_per_s": len(records) / records[-1]["elapsed_s"],
         "wait_s": sum(r["wait_s"] for r in records),
         "train_s": sum(r["train_s"] for r in records),

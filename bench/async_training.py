@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import bench_arguments, running_server
+from common import bench_arguments, reward_plot, running_server, standard_error
 from rlserve_client import Client
 from rlserve_client.async_collector import AsyncCollector
 
@@ -72,7 +72,7 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
         "mean_reward": statistics.fmean(rewards),
         "first_third_reward": statistics.fmean(first),
         "last_third_reward": statistics.fmean(last),
-        "last_third_reward_sem": _sem(last),
+        "last_third_reward_sem": standard_error(last),
         "steps_per_s": len(records) / wall,
         "wall_s": wall,
         "wait_s": sum(r["wait_s"] for r in records),
@@ -84,10 +84,6 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
         "over_bound_share": over / max(samples + over, 1),
         "max_weight": max(r["max_weight"] for r in records),
     }
-
-
-def _sem(values: list[float]) -> float:
-    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
 
 
 def overlap_run(model: str, bound: int, steps: int, train_s: float, output: Path) -> dict[str, Any]:
@@ -147,23 +143,6 @@ def table(runs: dict[str, dict[str, float]]) -> str:
             f"| {s['last_third_reward']:.3f} ± {s['last_third_reward_sem']:.3f} |"
         )
     return "\n".join(lines)
-
-
-def plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name, records in curves.items():
-        axis.plot([r["step"] for r in records], [r["reward"] for r in records], label=name)
-    axis.set_xlabel("GRPO step (32 samples each)")
-    axis.set_ylabel("mean reward (accuracy)")
-    axis.set_title("SmolLM2-135M-Instruct, addition, 2-core CPU: staleness bound")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def equal_work(model: str, bound: int, steps: int, output: Path) -> dict[str, float]:
@@ -227,7 +206,12 @@ def main() -> None:
         report["overlap"] = {"simulated_train_s": train_s, "runs": runs}
     path.write_text(json.dumps(report, indent=2) + "\n")
     (output / f"{stem}.md").write_text(table(report["summary"]) + "\n")
-    plot(report["steps"], output / f"{stem}.png")
+    reward_plot(
+        report["steps"],
+        output / f"{stem}.png",
+        title="SmolLM2-135M-Instruct, addition, 2-core CPU: staleness bound",
+        xlabel="GRPO step (32 samples each)",
+    )
     print(table(report["summary"]))
     print(json.dumps({k: report.get(k) for k in ("equal_work", "overlap")}, indent=2))
 

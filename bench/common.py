@@ -33,12 +33,47 @@ __all__ = [
     "drive",
     "free_port",
     "ray_serve_env",
+    "reward_plot",
     "running_process",
     "running_server",
+    "standard_error",
     "summarize",
     "vllm_serve_command",
     "wait_for_replicas",
 ]
+
+
+def standard_error(values: list[float]) -> float:
+    """The standard error of the mean of `values` (0.0 for fewer than two)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
+def reward_plot(
+    curves: dict[str, list[dict[str, Any]]], path: Path, *, title: str, xlabel: str, window: int = 1
+) -> None:
+    """Reward per step of each run (`records` with "step" and "reward"), as a PNG. With
+    `window` > 1 each curve is the mean of its last `window` steps, over the raw one faded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, records in curves.items():
+        steps = [r["step"] for r in records]
+        rewards = [r["reward"] for r in records]
+        if window == 1:
+            axis.plot(steps, rewards, label=name)
+            continue
+        smooth = [statistics.fmean(rewards[max(0, i - window + 1) : i + 1]) for i in steps]
+        (line,) = axis.plot(steps, smooth, label=f"{name} (mean of last {window} steps)")
+        axis.plot(steps, rewards, alpha=0.3, color=line.get_color())
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel("mean reward = accuracy")
+    axis.set_title(title)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def bench_arguments(doc: str | None) -> argparse.ArgumentParser:

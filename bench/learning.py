@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import bench_arguments, running_server
+from common import bench_arguments, reward_plot, running_server, standard_error
 from rlserve_client import Client
 from rlserve_client.advantages import group_advantages
 
@@ -139,19 +139,15 @@ def summary(records: list[dict[str, float]]) -> dict[str, float]:
     return {
         "steps": len(records),
         "first_third_reward": statistics.fmean(first),
-        "first_third_reward_sem": _sem(first),
+        "first_third_reward_sem": standard_error(first),
         "last_third_reward": statistics.fmean(last),
-        "last_third_reward_sem": _sem(last),
+        "last_third_reward_sem": standard_error(last),
         "steps_per_s": len(records) / total,
         "wall_s": total,
         "wait_s": sum(r["wait_s"] for r in records),
         "response_tokens": sum(r["response_tokens"] for r in records),
         "max_behaviour_drift": max(r["behaviour_drift"] for r in records),
     }
-
-
-def _sem(values: list[float]) -> float:
-    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
 
 
 def speed(records: list[dict[str, float]]) -> dict[str, float]:
@@ -164,28 +160,6 @@ def speed(records: list[dict[str, float]]) -> dict[str, float]:
         "train_s": statistics.fmean(r["train_s"] for r in timed),
         "push_s": statistics.fmean(r.get("push_s", 0.0) for r in timed),
     }
-
-
-def plot(loops: dict[str, list[dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name, records in loops.items():
-        steps = [r["step"] for r in records]
-        rewards = [r["reward"] for r in records]
-        window = 5
-        smooth = [statistics.fmean(rewards[max(0, i - window + 1) : i + 1]) for i in steps]
-        (line,) = axis.plot(steps, smooth, label=f"{name} (mean of last {window} steps)")
-        axis.plot(steps, rewards, alpha=0.3, color=line.get_color())
-    axis.set_xlabel("GRPO step")
-    axis.set_ylabel("mean reward = accuracy")
-    axis.set_title("SmolLM2-135M-Instruct, addition task, 2-core CPU")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def run(name: str, args: Any, output: Path) -> list[dict[str, float]]:
@@ -217,7 +191,13 @@ def main() -> None:
         report["equal_work_rlserve_over_local"] = ratio
     stem = "learning-quick" if options.quick else "learning"
     (output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(loops, output / f"{stem}.png")
+    reward_plot(
+        loops,
+        output / f"{stem}.png",
+        title="SmolLM2-135M-Instruct, addition task, 2-core CPU",
+        xlabel="GRPO step",
+        window=5,
+    )
     print(json.dumps({k: report[k] for k in report if k != "steps"}, indent=2))
 
 

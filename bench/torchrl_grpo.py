@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import bench_arguments, running_server
+from common import bench_arguments, reward_plot, running_server, standard_error
 from rlserve_client import Client
 from tensordict import set_list_to_stack
 
@@ -51,31 +51,12 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
         "samples": sum(r["samples"] for r in records),
         "first_third_reward": statistics.fmean(rewards[:third]),
         "last_third_reward": statistics.fmean(rewards[-third:]),
-        "last_third_reward_sem": statistics.stdev(rewards[-third:]) / third**0.5
-        if third > 1
-        else 0.0,
+        "last_third_reward_sem": standard_error(rewards[-third:]),
         "steps_per_s": len(records) / records[-1]["elapsed_s"],
         "wait_s": sum(r["wait_s"] for r in records),
         "train_s": sum(r["train_s"] for r in records),
         "push_s": sum(r["push_s"] for r in records),
     }
-
-
-def plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name, records in curves.items():
-        axis.plot([r["step"] for r in records], [r["reward"] for r in records], label=name)
-    axis.set_xlabel("GRPO step (2 prompts x 8 replies)")
-    axis.set_ylabel("mean reward (accuracy)")
-    axis.set_title("TorchRL GRPO on rlserve: SmolLM2-135M-Instruct, addition, 2-core CPU")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -99,7 +80,12 @@ def main() -> None:
     }
     stem = "torchrl_grpo-quick" if options.quick else "torchrl_grpo"
     (output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(curves, output / f"{stem}.png")
+    reward_plot(
+        curves,
+        output / f"{stem}.png",
+        title="TorchRL GRPO on rlserve: SmolLM2-135M-Instruct, addition, 2-core CPU",
+        xlabel="GRPO step (2 prompts x 8 replies)",
+    )
     print(json.dumps(report["summary"], indent=2))
 
 

@@ -13,11 +13,11 @@ import torch
 from rlserve_client import Client
 from rlserve_client.async_collector import AsyncCollector, step_token_versions
 from rlserve_client.offpolicy import decoupled_ppo_loss
-from transformers import AutoModelForCausalLM
 
 from examples.grpo import response_log_probs, rollouts_of
 from tests.conftest import assert_close, forward_log_probs
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server
+from tests.e2e.trainer import learn, policy_server, trainer_model
 
 ENV = {"dataset": "addition", "reward": "number", "repeats": 2, "max_turns": 1}
 GENERATION = {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True}
@@ -25,9 +25,7 @@ GENERATION = {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("async-collector")
-    env = {"RLSERVE_STORAGE__DATA_DIR": str(tmp), "RLSERVE_MODELS__LOAD_REFERENCE": "false"}
-    with running_server(env=env, log=tmp / "server.log") as s:
+    with policy_server(tmp_path_factory.mktemp("async-collector")) as s:
         yield s
 
 
@@ -35,19 +33,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def client(server: Server) -> Iterator[Client]:
     with Client(base_url=server.url, timeout=120) as c:
         yield c
-
-
-def trainer_model(client: Client) -> torch.nn.Module:
-    source = next(m.source for m in client.models().models if m.name == "policy")
-    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-
-
-def learn(model: torch.nn.Module, seed: int) -> None:
-    """A stand-in for a training step: every weight moves a little."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
 
 
 def collector(client: Client, **options: object) -> AsyncCollector:

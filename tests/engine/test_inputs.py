@@ -17,12 +17,18 @@ CONVERSATION = [
 ]
 
 
-def test_offset_mask_equals_generation_tag_mask(model_dir):
-    tagged = AutoTokenizer.from_pretrained(model_dir)
+def untagged_copy(model_dir, template: str):  # type: ignore[no-untyped-def]
+    """The tokenizer with `template` stripped of its generation tags."""
     plain = AutoTokenizer.from_pretrained(model_dir)
-    plain.chat_template = tagged.chat_template.replace("{%- generation %}", "").replace(
+    plain.chat_template = template.replace("{%- generation %}", "").replace(
         "{%- endgeneration %}", ""
     )
+    return plain
+
+
+def test_offset_mask_equals_generation_tag_mask(model_dir):
+    tagged = AutoTokenizer.from_pretrained(model_dir)
+    plain = untagged_copy(model_dir, tagged.chat_template)
     with_tags = InputPreparer(tagged, vocab_size=259, max_model_len=4096)
     without = InputPreparer(plain, vocab_size=259, max_model_len=4096)
     assert with_tags.has_generation_tags and not without.has_generation_tags
@@ -41,10 +47,7 @@ def test_tags_closing_before_the_end_of_turn_still_mask_it_and_every_byte(model_
     early.chat_template = early.chat_template.replace(
         "{{- '<|im_end|>' }}{%- endgeneration %}", "{%- endgeneration %}{{- '<|im_end|>' }}"
     )
-    plain = AutoTokenizer.from_pretrained(model_dir)
-    plain.chat_template = early.chat_template.replace("{%- generation %}", "").replace(
-        "{%- endgeneration %}", ""
-    )
+    plain = untagged_copy(model_dir, early.chat_template)
     tagged = InputPreparer(early, vocab_size=259, max_model_len=4096)
     untagged = InputPreparer(plain, vocab_size=259, max_model_len=4096)
     assert tagged.has_generation_tags

@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import Server, running_server
+from tests.e2e.trainer import learn, policy_server, policy_source, trainer_model
 from tests.torchrl import torchrl_only
 
 pytestmark = torchrl_only
@@ -27,9 +28,7 @@ ROWS = [{"query": f"What is {a} + {a}?", "answer": str(2 * a)} for a in range(1,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("torchrl-training")
-    env = {"RLSERVE_STORAGE__DATA_DIR": str(tmp), "RLSERVE_MODELS__LOAD_REFERENCE": "false"}
-    with running_server(env=env, log=tmp / "server.log") as s:
+    with policy_server(tmp_path_factory.mktemp("torchrl-training")) as s:
         yield s
 
 
@@ -47,20 +46,6 @@ def _list_to_stack() -> Iterator[None]:
 
     with set_list_to_stack(True):
         yield
-
-
-def trainer_model(client) -> torch.nn.Module:  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    source = next(m.source for m in client.models().models if m.name == "policy")
-    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-
-
-def learn(model: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
 
 
 def chat_env(tokenizer, repeats: int = 2):  # type: ignore[no-untyped-def]
@@ -95,9 +80,7 @@ def test_update_policy_weights_pushes_and_the_collector_counts_the_servers_versi
     from transformers import AutoTokenizer
 
     model = trainer_model(client)
-    tokenizer = AutoTokenizer.from_pretrained(
-        next(m.source for m in client.models().models if m.name == "policy")
-    )
+    tokenizer = AutoTokenizer.from_pretrained(policy_source(client))
     updater = RLServeWeightUpdater(client, model=model, transfer=transfer)
     policy = RemotePolicy(client, generate_kwargs={"max_new_tokens": 3})
     collector = LLMCollector(
@@ -144,7 +127,7 @@ def test_grpo_loss_reads_remote_policy_output_as_torchrls_wrappers(client):
 
     model = trainer_model(client)
     RLServeWeightUpdater(client, transfer="upload").push(model.state_dict())  # serve these
-    source = next(m.source for m in client.models().models if m.name == "policy")
+    source = policy_source(client)
     tokenizer = AutoTokenizer.from_pretrained(source)
     policy = RemotePolicy(
         client, versions_key="token_versions", generate_kwargs={"max_new_tokens": 4, "seed": 1}
@@ -181,7 +164,7 @@ def test_async_llm_collector_bounds_staleness(client):
     from transformers import AutoTokenizer
 
     model = trainer_model(client)
-    source = next(m.source for m in client.models().models if m.name == "policy")
+    source = policy_source(client)
     tokenizer = AutoTokenizer.from_pretrained(source)
     policy = RemotePolicy(
         client, versions_key="token_versions", generate_kwargs={"max_new_tokens": 4}

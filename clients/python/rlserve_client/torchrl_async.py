@@ -89,11 +89,12 @@ class AsyncLLMCollector:
             if data is None:
                 return None
             version = self.client.weights_version().policy_version
-            if self._staleness(data, version) <= self.max_staleness:
+            oldest = self._oldest(data)
+            if version - min(oldest, default=version) <= self.max_staleness:
                 break
             self.stats.regenerated += data.numel()
             self._ask()  # one more batch, collected under the current weights, in its place
-        self._record(data, version, time.perf_counter() - started)
+        self._record(data.numel(), [version - v for v in oldest], time.perf_counter() - started)
         return data
 
     def _ask(self) -> None:
@@ -145,16 +146,13 @@ class AsyncLLMCollector:
         known = [torch.as_tensor(v) for v in rows]
         return [int(v[v >= 0].min()) for v in known if (v >= 0).any()]
 
-    def _staleness(self, data: TensorDictBase, version: int) -> int:
-        return version - min(self._oldest(data), default=version)
-
-    def _record(self, data: TensorDictBase, version: int, wait_s: float) -> None:
+    def _record(self, rows: int, staleness: list[int], wait_s: float) -> None:
         stats = self.stats
         stats.batches += 1
-        stats.trajectories += data.numel()
+        stats.trajectories += rows
         stats.wait_s += wait_s
-        for oldest in self._oldest(data):
-            stats.staleness[version - oldest] = stats.staleness.get(version - oldest, 0) + 1
+        for s in staleness:
+            stats.staleness[s] = stats.staleness.get(s, 0) + 1
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -165,7 +165,13 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 def _loc_to_param(loc: tuple[int | str, ...]) -> str:
-    parts = [p for p in loc if p not in ("body", "query", "path")]
+    """A field path from pydantic's location, without the union members it tried
+    ('function-after[...]', 'list[...]': no field is named with brackets)."""
+    parts = [
+        p
+        for p in loc
+        if p not in ("body", "query", "path") and not (isinstance(p, str) and "[" in p)
+    ]
     out = ""
     for part in parts:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))

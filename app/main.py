@@ -22,6 +22,10 @@ from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService
 from app.datasets.store import DatasetStore, SQLiteDatasetStore
 from app.deploy.replicated import Replicas, ReplicatedWeights
+from app.dialects.refusals import router as refused_router
+from app.dialects.sglang.router import router as sglang_router
+from app.dialects.sglang.serving import SGLangWeights
+from app.dialects.vllm.router import router as vllm_router
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.build import build_env_service, build_sandbox
@@ -122,6 +126,7 @@ def build_services(
     if replicas is not None:  # one of several replicas: updates reach them all
         wait_s = settings.weights.io_timeout_s
         app.state.weights = ReplicatedWeights(app.state.weights, replicas, wait_s)
+    app.state.sglang_weights = SGLangWeights(registry, app.state.weights)
 
 
 def create_app(
@@ -206,6 +211,9 @@ def create_app(
         openai_router,
         trajectories_router,
         ops_router,
+        vllm_router,
+        sglang_router,
+        refused_router,
     )
     routes = [route for router in routers for route in router.routes]
     app.state.routes = routes  # flat, with each route's declared policy (app.ops.access)
@@ -256,7 +264,7 @@ def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
         for route in app.state.routes:
             level = policy_of(route).access
             for method in getattr(route, "methods", ()):
-                operation = schema["paths"][route.path].get(method.lower())
+                operation = schema["paths"].get(route.path, {}).get(method.lower())
                 if operation is not None:
                     declare_access(operation, level)
         app.openapi_schema = schema

@@ -22,6 +22,8 @@ class ScoreSpec:
     top_k: int | None = None
     top_p: float = 1.0
     token_ids: tuple[int, ...] | None = None
+    ranks: bool = False
+    """Each token's rank in the raw distribution (1: the most likely), as vLLM reports it."""
     start: int = 1
 
     @property
@@ -32,7 +34,7 @@ class ScoreSpec:
     @property
     def needs_full_distribution(self) -> bool:
         """Whether the whole vocabulary is needed (top-k alone is not: engines return it)."""
-        return self.entropy or self.processed or self.token_ids is not None
+        return self.entropy or self.processed or self.token_ids is not None or self.ranks
 
     @property
     def extras(self) -> bool:
@@ -55,9 +57,19 @@ class Scores:
     """Probability mass (of the temperature-scaled distribution) that top-k/top-p removed."""
     candidates: torch.Tensor | None = None
     """[positions, len(token_ids)] log-probs of the requested ids."""
+    ranks: torch.Tensor | None = None
+    """Each token's rank: 1 + how many tokens the raw distribution finds more likely."""
 
 
-EXTRA_FIELDS = ("top_ids", "top_log_probs", "entropy", "processed", "truncated_mass", "candidates")
+EXTRA_FIELDS = (
+    "top_ids",
+    "top_log_probs",
+    "entropy",
+    "processed",
+    "truncated_mass",
+    "candidates",
+    "ranks",
+)
 
 
 def position_scores(
@@ -77,6 +89,9 @@ def position_scores(
     if spec.entropy:
         p = (logits - lse[:, None]).exp()
         out["entropy"] = -torch.special.xlogy(p, p).sum(-1)
+    if spec.ranks:
+        chosen = logits.gather(-1, targets[:, None])
+        out["ranks"] = (logits > chosen).sum(-1) + 1
     if spec.token_ids is not None:
         ids = torch.tensor(spec.token_ids, dtype=torch.long, device=logits.device)
         out["candidates"] = logits[:, ids] - lse[:, None]

@@ -1,6 +1,6 @@
 """Per-row logits processing and sampling, so rows with different parameters share a batch.
 
-Order follows transformers: repetition penalty, temperature, top-k, top-p."""
+Order follows vLLM: repetition penalty, temperature, min-p, then top-k and top-p."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ def filter_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Logits [B, V] without the tokens less likely than min_p [B, 1] times the most likely
+    one (0: off): removed entries are -inf."""
+    log_ratio = logits - logits.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(log_ratio < torch.log(min_p), float("-inf"))
+
+
 class RowSampler:
     """Holds each row's parameters as tensors and its own random generator."""
 
@@ -49,10 +56,12 @@ class RowSampler:
         self.temperature = torch.tensor([c.temperature for c in configs], device=device)
         self.top_p = torch.tensor([c.top_p for c in configs], device=device)
         self.top_k = torch.tensor([c.top_k or 0 for c in configs], device=device)
+        self.min_p = torch.tensor([c.min_p for c in configs], device=device)
         self.penalty = torch.tensor([c.repetition_penalty for c in configs], device=device)
         self.do_sample = [c.do_sample for c in configs]
         self.needs_penalty = any(c.repetition_penalty != 1.0 for c in configs)
         self.needs_filter = any(c.top_k or c.top_p < 1.0 for c in configs)
+        self.needs_min_p = any(c.min_p > 0 for c in configs)
         self.generators = []
         for seed in seeds:
             generator = torch.Generator(device=device)
@@ -66,6 +75,8 @@ class RowSampler:
             penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalised, logits)
         logits = logits / self.temperature[:, None]
+        if self.needs_min_p:
+            logits = filter_min_p(logits, self.min_p[:, None])
         if self.needs_filter:
             logits = self._filter(logits)
         return logits

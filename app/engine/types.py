@@ -18,6 +18,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -33,6 +34,7 @@ class SamplingConfig:
         stops: list[str] | None = None,
         top_p: float = 1.0,
         top_k: int | None = None,
+        min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         ignore_eos: bool = False,
         return_prompt_log_probs: bool = False,
@@ -45,6 +47,7 @@ class SamplingConfig:
             temperature=1.0 if greedy or temperature is None else temperature,
             top_p=1.0 if greedy else top_p,
             top_k=None if greedy else top_k,
+            min_p=0.0 if greedy else min_p,
             repetition_penalty=repetition_penalty,
             stop_sequences=tuple(stops or ()),
             ignore_eos=ignore_eos,

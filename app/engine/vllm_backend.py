@@ -435,6 +435,7 @@ def sampling_params(
         temperature=config.temperature if config.do_sample else 0.0,
         top_p=config.top_p,
         top_k=config.top_k or 0,
+        min_p=config.min_p,
         repetition_penalty=config.repetition_penalty,
         seed=seed,
         stop=list(config.stop_sequences) or None,

@@ -15,7 +15,6 @@ from app.common.protocol import (
     RepetitionPenalty,
     Seed,
     Temperature,
-    TopK,
     TopP,
     VersionSpan,
     WireModel,
@@ -42,7 +41,11 @@ class StreamOptions(WireModel):
 class SamplingFields(WireModel):
     """What both routes share: OpenAI's sampling parameters and the RL extensions."""
 
-    model: str = Field(description="A name from GET /v1/models: policy or reference.")
+    model: str = Field(
+        default="policy",
+        description="A name from GET /v1/models: policy (the default, as vLLM's first model) "
+        "or reference.",
+    )
     n: int = Field(default=1, ge=1, le=128)
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: Temperature = None
@@ -70,14 +73,27 @@ class SamplingFields(WireModel):
         default=None, description="Only empty.", json_schema_extra={"maxProperties": 0}
     )
     user: str | None = Field(default=None, description="Accepted and ignored.")
-    # RL extensions
-    top_k: TopK = None
+    # RL extensions (vLLM's names and meanings)
+    top_k: Annotated[int | None, Field(default=None, ge=-1, le=1 << 30)] = Field(
+        default=None, description="Extension: the k most likely tokens only; 0 or -1: all."
+    )
+    min_p: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Extension: drop tokens less likely than min_p times the most likely one.",
+    )
     repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
     return_token_ids: bool = Field(
         default=False,
         description="Extension: prompt_token_ids (as templated) and each choice's token_ids "
         "(every sampled token, a stop string's too), and policy_versions per choice.",
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="Extension (vLLM's): name tokens in log-probs as 'token_id:<id>' instead "
+        "of their text.",
     )
     logprobs_mode: Literal["raw", "processed"] = Field(
         default="raw",
@@ -94,6 +110,10 @@ class SamplingFields(WireModel):
         if self.logit_bias:
             raise field_error("logit_bias", "is not supported")
         return self
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        return self.top_k if self.top_k and self.top_k > 0 else None
 
     @property
     def stops(self) -> list[str]:
@@ -344,6 +364,13 @@ class CompletionRequest(SamplingFields):
         default=None, description="Only unset.", json_schema_extra={"type": "null"}
     )
     best_of: int | None = Field(default=None, description="Only unset or equal to n.")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        description="Extension (vLLM's): each choice's prompt_logprobs, for every prompt "
+        "token after the first: its raw log-prob and rank, and the k most likely tokens "
+        "(at most the server's max_top_logprobs).",
+    )
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
@@ -374,6 +401,12 @@ class CompletionLogprobs(WireModel):
     text_offset: list[int]
 
 
+class PromptLogprob(WireModel):
+    logprob: float | None = Field(description="null: -infinity.")
+    rank: int = Field(description="1 + how many tokens were more likely.")
+    decoded_token: str
+
+
 class CompletionChoice(ChoiceExtensions):
     index: int
     text: str
@@ -381,6 +414,11 @@ class CompletionChoice(ChoiceExtensions):
     finish_reason: FinishReason | None = None
     prompt_token_ids: list[int] | None = Field(
         default=None, description="Extension (return_token_ids): this choice's prompt."
+    )
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None,
+        description="Extension (prompt_logprobs): per prompt token, null for the first, then "
+        "token id -> its log-prob: the token's own and the k most likely.",
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from app.common.inputs import Prepared
 from app.common.protocol import wire_spans
 from app.common.serving import ModelServing
 from app.config import LimitSettings
-from app.engine.distribution import ScoreSpec
+from app.engine.distribution import Scores, ScoreSpec
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
 from app.engine.types import Generation, SamplingConfig
@@ -37,6 +38,7 @@ from app.openai_compat.protocol import (
     CompletionChoice,
     CompletionRequest,
     FinishReason,
+    PromptLogprob,
     SamplingFields,
     ToolCall,
     ToolCallDelta,
@@ -212,10 +214,19 @@ class OpenAIService(ModelServing):
             temperature=request.temperature,
             stops=request.stops,
             top_p=request.top_p,
-            top_k=request.top_k,
+            top_k=request.top_k_or_none,
+            min_p=request.min_p,
             repetition_penalty=request.repetition_penalty,
             ignore_eos=request.ignore_eos,
         )
+        prompt_logprobs = getattr(request, "prompt_logprobs", None)
+        if prompt_logprobs is not None and prompt_logprobs > self.limits.max_top_logprobs:
+            raise invalid(
+                "prompt_logprobs",
+                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
+            )
+        if prompt_logprobs is not None and request.stream:
+            raise invalid("prompt_logprobs", "is not streamed: ask without stream")
         texts = self._texts.setdefault(served.name, TokenTexts(served.preparer))
         if texts.preparer is not served.preparer:  # the model was reloaded
             texts = self._texts[served.name] = TokenTexts(served.preparer)
@@ -237,12 +248,30 @@ class OpenAIService(ModelServing):
 
     async def complete(self, job: Job) -> ChatCompletion | Completion:
         await self._check_trajectory(job)
-        sampled = await self.generation.sample(
-            job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
+        sampled, prompt_scores = await asyncio.gather(
+            self.generation.sample(
+                job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
+            ),
+            self._prompt_scores(job),
         )
         turn = await self._record(job, sampled)
         preparer = job.served.preparer
-        return await preparer.off_loop(self._reply, job, sampled, turn)
+        reply = await preparer.off_loop(self._reply, job, sampled, turn)
+        if prompt_scores is not None and isinstance(reply, Completion):
+            for choice in reply.choices:
+                choice.prompt_logprobs = prompt_scores[choice.index // job.n]
+        return reply
+
+    async def _prompt_scores(self, job: Job) -> list[list[dict[str, PromptLogprob] | None]] | None:
+        """vLLM's prompt_logprobs of each prompt: its tokens' raw log-probs and ranks, and the
+        k most likely tokens at each position (scored beside the generation)."""
+        k = getattr(job.request, "prompt_logprobs", None)
+        if k is None:
+            return None
+        spec = ScoreSpec(top_logprobs=k, ranks=True)
+        async with self.registry.reading():
+            scores = await job.served.score_detailed([(p.ids, spec) for p in job.prompts])
+        return [_prompt_logprobs(job, p.ids, s) for p, s in zip(job.prompts, scores, strict=True)]
 
     def _reply(self, job: Job, sampled: Sampled, turn: int | None) -> ChatCompletion | Completion:
         generations = sampled.generations
@@ -292,7 +321,9 @@ class OpenAIService(ModelServing):
             content, calls = parse_tool_calls(text, job.tool_names)
         logprobs = None
         if job.logprobs is not None:
-            entries = job.texts.chat_entries(g.token_ids, _values(job, g), tops)
+            entries = job.texts.chat_entries(
+                g.token_ids, _values(job, g), tops, as_ids=job.request.return_tokens_as_token_ids
+            )
             logprobs = ChoiceLogprobs(content=entries)
         return ChatChoice(
             index=index,
@@ -312,7 +343,9 @@ class OpenAIService(ModelServing):
         text = _reply_text(job, g)
         logprobs = None
         if job.logprobs is not None:
-            logprobs = job.texts.completion_logprobs(g.token_ids, _values(job, g), tops)
+            logprobs = job.texts.completion_logprobs(
+                g.token_ids, _values(job, g), tops, as_ids=job.request.return_tokens_as_token_ids
+            )
         extensions = _choice_extensions(job, g)
         if job.request.return_token_ids:
             extensions["prompt_token_ids"] = job.prompt_of(index).ids
@@ -463,7 +496,12 @@ class _Chunks:
             logprobs = None
             if job.logprobs is not None:
                 logprobs = ChoiceLogprobs(
-                    content=self.texts.chat_entries(tokens.ids, tokens.log_probs, None)
+                    content=self.texts.chat_entries(
+                        tokens.ids,
+                        tokens.log_probs,
+                        None,
+                        as_ids=self.job.request.return_tokens_as_token_ids,
+                    )
                 )
             delta = ChatDelta(content=None if held else new)
             choice: Any = ChatChunkChoice(
@@ -473,7 +511,11 @@ class _Chunks:
             completion_logprobs = None
             if job.logprobs is not None:
                 completion_logprobs = self.texts.completion_logprobs(
-                    tokens.ids, tokens.log_probs, None, start=text.shown_length - len(new)
+                    tokens.ids,
+                    tokens.log_probs,
+                    None,
+                    start=text.shown_length - len(new),
+                    as_ids=job.request.return_tokens_as_token_ids,
                 )
             choice = CompletionChoice(
                 index=index, text=new, logprobs=completion_logprobs, token_ids=ids
@@ -526,6 +568,33 @@ class _Chunks:
 def _reply_text(job: Job, g: Generation) -> str:
     """What the reply shows: the sampled text without special tokens, cut at a stop string."""
     return final_text(job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops)
+
+
+def _prompt_logprobs(
+    job: Job, ids: list[int], scores: Scores
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's layout: null for the first token, then per token id -> log-prob, rank, text
+    (the prompt's own token first, then the k most likely in order)."""
+    texts = job.texts
+    as_ids = job.request.return_tokens_as_token_ids
+
+    def entry(token: int, value: float, rank: int) -> PromptLogprob:
+        name = f"token_id:{token}" if as_ids else texts.text(token)[0]
+        return PromptLogprob(
+            logprob=value if math.isfinite(value) else None, rank=rank, decoded_token=name
+        )
+
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    own = scores.log_probs.tolist()
+    ranks = scores.ranks.tolist() if scores.ranks is not None else []
+    top_ids = scores.top_ids.tolist() if scores.top_ids is not None else [[] for _ in ranks]
+    top_values = scores.top_log_probs.tolist() if scores.top_log_probs is not None else top_ids
+    for p in range(1, len(ids)):
+        row = {str(ids[p]): entry(ids[p], own[p], ranks[p - 1])}
+        for r, (token, value) in enumerate(zip(top_ids[p - 1], top_values[p - 1], strict=True)):
+            row.setdefault(str(token), entry(token, value, r + 1))
+        out.append(row)
+    return out
 
 
 def _values(job: Job, g: Generation) -> list[float]:

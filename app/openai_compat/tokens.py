@@ -52,30 +52,45 @@ class TokenTexts:
             text = "".join(f"bytes:\\x{b:02x}" for b in raw)
         return text, raw
 
-    def chat_entries(self, ids: list[int], values: list[float], tops: Tops) -> list[TokenLogprob]:
+    def name(self, token: int, as_ids: bool) -> str:
+        """How a log-prob entry names the token: its text, or vLLM's 'token_id:<id>'."""
+        return f"token_id:{token}" if as_ids else self.text(token)[0]
+
+    def chat_entries(
+        self, ids: list[int], values: list[float], tops: Tops, *, as_ids: bool = False
+    ) -> list[TokenLogprob]:
         entries = []
         for t, (token, value) in enumerate(zip(ids, values, strict=True)):
-            text, raw = self.text(token)
+            raw = self.text(token)[1]
             top = [
-                TopLogprob(token=self.text(i)[0], logprob=v, bytes=self.text(i)[1])
+                TopLogprob(token=self.name(i, as_ids), logprob=v, bytes=self.text(i)[1])
                 for i, v in (tops[t] if tops is not None else [])
             ]
-            entries.append(TokenLogprob(token=text, logprob=value, bytes=raw, top_logprobs=top))
+            entries.append(
+                TokenLogprob(
+                    token=self.name(token, as_ids), logprob=value, bytes=raw, top_logprobs=top
+                )
+            )
         return entries
 
     def completion_logprobs(
-        self, ids: list[int], values: list[float], tops: Tops, *, start: int = 0
+        self,
+        ids: list[int],
+        values: list[float],
+        tops: Tops,
+        *,
+        start: int = 0,
+        as_ids: bool = False,
     ) -> CompletionLogprobs:
         tokens, offsets = [], []
         at = start
         for token in ids:
-            text = self.text(token)[0]
-            tokens.append(text)
+            tokens.append(self.name(token, as_ids))
             offsets.append(at)
             at += len(self.preparer.decode([token], skip_special=True))
         top = None
         if tops is not None:
-            top = [{self.text(i)[0]: v for i, v in row} for row in tops]
+            top = [{self.name(i, as_ids): v for i, v in row} for row in tops]
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=list(values), top_logprobs=top, text_offset=offsets
         )

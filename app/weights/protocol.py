@@ -99,6 +99,22 @@ class TransferInit(TransferTarget):
         le=3600,
         description="How long a join, a receive or a commit may wait for the trainer.",
     )
+    rendezvous: Literal["rlserve", "vllm", "torch"] = Field(
+        default="rlserve",
+        description="The group the trainer opened: rlserve's (rlserve_client.collective); "
+        "vllm: vLLM's stateless group (what vLLM's trainer engine and TRL open); torch: "
+        "torch.distributed's init_process_group recipe under `group_name` (what SGLang's "
+        "trainers open). The last two broadcast each bucket whole (`streams` is ignored).",
+    )
+    group_name: str = Field(
+        default="", max_length=256, description="The torch rendezvous' group name."
+    )
+    packing: Literal["announced", "vllm"] = Field(
+        default="announced",
+        description="How updates that name no `buckets` are cut: announced: one tensor per "
+        "bucket; vllm: as vLLM's packed transfer cuts them (tensors until a bucket passes "
+        "bucket_bytes).",
+    )
 
 
 class TransferUpdate(TransferTarget):

@@ -83,13 +83,27 @@ class TransferPlan:
             raise invalid("buckets", f"counts must be positive and sum to {len(specs)} tensors")
         plan = cls(tuple(specs), tuple(counts))
         for i, (group, nbytes) in enumerate(plan.bucket_groups()):
-            if nbytes > max_bucket_bytes and len(group) > 1:
+            if nbytes - group[-1].nbytes > max_bucket_bytes:
                 raise invalid(
                     f"buckets[{i}]",
                     f"{nbytes} bytes in {len(group)} tensors exceed the agreed bucket size "
-                    f"{max_bucket_bytes} (only a single tensor may be larger)",
+                    f"{max_bucket_bytes} (only a bucket's last tensor may take it past)",
                 )
         return plan
+
+    @staticmethod
+    def packed_like_vllm(shapes: list[list[int]], dtype_names: list[str], limit: int) -> list[int]:
+        """Tensors per bucket as vLLM's packed transfer cuts them: a bucket takes tensors until
+        its bytes pass `limit` (so its last tensor takes it past). Unknown dtypes count one
+        byte each (`parse` refuses them by name)."""
+        counts, count, size = [], 0, 0
+        for shape, dtype_name in zip(shapes, dtype_names, strict=False):
+            itemsize = WIRE_DTYPES[dtype_name].itemsize if dtype_name in WIRE_DTYPES else 1
+            count, size = count + 1, size + math.prod(shape) * itemsize
+            if size > limit:
+                counts.append(count)
+                count, size = 0, 0
+        return [*counts, count] if count else counts
 
     def bucket_groups(self) -> Iterator[tuple[tuple[TensorSpec, ...], int]]:
         start = 0

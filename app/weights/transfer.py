@@ -121,6 +121,9 @@ class TransferService:
                 timeout_s=request.timeout_s,
                 streams=request.streams,
                 bucket_bytes=request.bucket_bytes,
+                style=request.rendezvous,
+                group_name=request.group_name,
+                packing=request.packing,
             )
             try:
                 await asyncio.wait_for(engine.init(setup), timeout=request.timeout_s + 5)
@@ -159,12 +162,13 @@ class TransferService:
     async def update(self, request: TransferUpdate) -> TransferState:
         async with self._link(request.model) as (link, engine):
             setup = self._updating(link)
+            buckets = request.buckets
+            if buckets is None and setup.packing == "vllm":
+                buckets = TransferPlan.packed_like_vllm(
+                    request.shapes, request.dtype_names, setup.bucket_bytes
+                )
             plan = TransferPlan.parse(
-                request.names,
-                request.dtype_names,
-                request.shapes,
-                request.buckets,
-                setup.bucket_bytes,
+                request.names, request.dtype_names, request.shapes, buckets, setup.bucket_bytes
             )
             expected = self.registry.get(request.model).backend.weight_layout()
             if expected is not None:

@@ -19,7 +19,7 @@ import torch
 from app.common.failures import Conflict, PeerAbsent
 from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
-from app.weights.transport import Rendezvous, TransferGroup, Transport
+from app.weights.transport import Rendezvous, RendezvousStyle, TransferGroup, Transport
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class TransferSetup:
     timeout_s: float
     streams: int
     bucket_bytes: int
+    style: RendezvousStyle = "rlserve"
+    group_name: str = ""
+    packing: str = "announced"
 
     def rendezvous(self, local_rank: int) -> Rendezvous:
         return Rendezvous(
@@ -44,6 +47,8 @@ class TransferSetup:
             world_size=self.world_size,
             timeout_s=self.timeout_s,
             streams=self.streams,
+            style=self.style,
+            group_name=self.group_name,
         )
 
 

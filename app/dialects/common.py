@@ -1,0 +1,134 @@
+"""What both dialects share: token prompts sampled through the generation service, weight
+versions given as strings, aborting every generation, and the `/server_info` both name."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.common.failures import Conflict, Unsupported, invalid
+from app.common.inputs import Prepared
+from app.engine.distribution import ScoreSpec
+from app.engine.registry import ModelRegistry
+from app.engine.types import SamplingConfig
+from app.generation.serving import GenerationService, Sampled
+from app.weights.control import WeightsControl
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """A dialect request's prompts: token lists or raw texts (no chat template)."""
+
+    token_ids: list[list[int]] | None = None
+    texts: list[str] | None = None
+    field: str = "token_ids"
+
+
+async def sample(
+    generation: GenerationService,
+    prompts: Prompts,
+    config: SamplingConfig,
+    *,
+    n: int = 1,
+    seed: int | None = None,
+    asks: ScoreSpec | None = None,
+) -> Sampled:
+    """The policy's `n` samples of each prompt, as /v1/generate draws them (row k's random
+    stream is the same for the same seed), after the same checks."""
+    served = generation.served("policy")
+    preparer = served.preparer
+    generation.check_num_items(len(prompts.token_ids or prompts.texts or []) * n, "n")
+
+    def prepare() -> list[Prepared]:
+        prepared = preparer.prompts(None, prompts.texts, prompts.token_ids, prompts.field)
+        preparer.check(prepared, prompts.field, max_new_tokens=config.max_new_tokens)
+        return prepared
+
+    checked = await preparer.off_loop(prepare)
+    return await generation.sample("policy", checked, config, n=n, seed=seed, asks=asks)
+
+
+def version_number(text: str | None, field: str) -> int | None:
+    """A dialect's weight version (a string there) as rlserve's: a whole number above the
+    current version, or None to take the next one."""
+    if text is None:
+        return None
+    if not text.isdecimal() or int(text) < 1:
+        raise invalid(
+            field,
+            f"'{text}' is not a version rlserve can publish: versions are whole numbers "
+            "above the current one (GET /v1/weights/version); leave it out for the next one",
+        )
+    return int(text)
+
+
+async def abort_all(registry: ModelRegistry, weights: WeightsControl) -> int:
+    """End every in-flight generation at its next token (each returns what it produced,
+    finish_reason 'abort'); how many there were. A paused server holds them already."""
+    state = registry.gate.state()
+    if state.paused:
+        raise Conflict(
+            "serving is paused: in-flight generations are held until the resume; resume first",
+            param="abort_all",
+        )
+    await weights.pause("abort")
+    await weights.resume()
+    return state.in_flight_generations
+
+
+def server_info(registry: ModelRegistry, settings: Any, ranks: int) -> dict[str, Any]:
+    """GET /server_info as both dialects read it: vLLM's `vllm_config` (TRL reads its
+    `weight_transfer_config` and `model_config`) and SGLang's flat server fields."""
+    served = registry.get("policy")
+    info = served.backend.info
+    transport = "nccl" if info.device.startswith("cuda") else "gloo"
+    version = str(registry.versions["policy"])
+    return {
+        "vllm_config": {
+            "model_config": {
+                "model": info.source,
+                "served_model_name": served.name,
+                "max_model_len": info.max_model_len,
+                "dtype": info.dtype,
+                "logprobs_mode": "raw_logprobs",
+            },
+            "parallel_config": {"world_size": ranks},
+            "weight_transfer_config": {"backend": transport},
+        },
+        "model_path": info.source,
+        "served_model_name": served.name,
+        "context_length": info.max_model_len,
+        "dtype": info.dtype,
+        "device": info.device,
+        "tp_size": ranks,
+        "dp_size": 1,
+        "weight_version": version,
+        "max_new_tokens": settings.limits.max_new_tokens,
+        "backend": info.backend,
+        "version": "rlserve",
+        "startup_time": registry.loaded_at,
+        "time": time.time(),
+    }
+
+
+async def served_ranks(weights: WeightsControl) -> int:
+    """The ranks the policy's workers add to a weight-transfer group, over every replica
+    (vLLM's world size, SGLang's tp size); 1 for a backend that cannot join one."""
+    try:
+        return (await weights.transfer_state("policy")).server_ranks
+    except Unsupported:
+        return 1
+
+
+def confirm_version(weights: WeightsControl, text: str) -> str:
+    """A dialect's "set the version" call: rlserve's versions move with the weights, so it
+    confirms the current one and refuses another."""
+    current = weights.version().policy_version
+    if text != str(current):
+        raise Conflict(
+            f"new_version: rlserve serves version {current}; versions change only with the "
+            "weights (give weight_version to the update that brings them)",
+            param="new_version",
+        )
+    return text

@@ -1,0 +1,237 @@
+"""Wire models of SGLang's RL routes (sglang 0.5.23: `srt/managers/io_struct.py`,
+`srt/entrypoints/http_server.py`), field for field where rlserve honours them; a field rlserve
+cannot honour is refused by name."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from app.common.protocol import RepetitionPenalty, Seed, WireModel, field_error
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class SamplingParams(WireModel):
+    """SGLang's sampling_params, the keys rlserve honours (the rest refused by name)."""
+
+    max_new_tokens: int = Field(default=128, gt=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="Only the end-of-sequence id (where generation stops anyway)."
+    )
+    temperature: float = Field(default=1.0, ge=0, le=1e4)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=1 << 30, ge=-1, le=1 << 30, description="-1: all tokens.")
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="Only 0.")
+    presence_penalty: float = Field(default=0.0, ge=0, le=0, description="Only 0.")
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_new_tokens: int = Field(default=0, ge=0, le=0, description="Only 0.")
+    n: int = Field(default=1, ge=1, le=128)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: Seed | None = Field(
+        default=None, description="Seeds each sample's own random stream, as /v1/generate's seed."
+    )
+    logit_bias: dict[str, float] | None = Field(default=None, description="Only empty.")
+    custom_params: Any = Field(default=None, description="Accepted and ignored.")
+    stream_interval: int | None = Field(default=None, description="Accepted and ignored.")
+
+    @model_validator(mode="after")
+    def _supported(self) -> SamplingParams:
+        if self.logit_bias:
+            raise field_error("sampling_params.logit_bias", "is not supported")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        return None if self.top_k in (-1, 0, 1 << 30) else self.top_k
+
+
+class GenerateRequest(WireModel):
+    text: str | Annotated[list[str], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: SamplingParams | Annotated[list[SamplingParams], Field(min_length=1)] = Field(
+        default_factory=SamplingParams
+    )
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = Field(
+        default=-1, ge=-1, description="-1: no prompt log-probs; k: from prompt position k."
+    )
+    top_logprobs_num: int = Field(default=0, ge=0)
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    stream: Literal[False] = Field(default=False, description="Only false.")
+    image_data: list[Any] | None = Field(default=None, description="Only empty.")
+    return_routed_experts: Literal[False] = Field(default=False, description="Only false.")
+    return_hidden_states: Literal[False] = Field(default=False, description="Only false.")
+    lora_path: None = Field(default=None, description="Only unset: no LoRA adapters.")
+
+    @model_validator(mode="after")
+    def _inputs(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise field_error("input_ids", "give exactly one of text and input_ids")
+        if self.image_data:
+            raise field_error("image_data", "multimodal inputs are not supported")
+        if self.top_logprobs_num and self.logprob_start_len >= 0:
+            raise field_error("top_logprobs_num", "top log-probs are given for output tokens only")
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != len(
+            self.prompts()[0] or self.prompts()[1] or []
+        ):
+            raise field_error("sampling_params", "one entry per input, or a single one")
+        return self
+
+    @property
+    def single(self) -> bool:
+        return isinstance(self.text, str) or (
+            self.input_ids is not None and all(isinstance(t, int) for t in self.input_ids)
+        )
+
+    def prompts(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        if self.text is not None:
+            return ([self.text] if isinstance(self.text, str) else list(self.text)), None
+        ids = self.input_ids or []
+        if all(isinstance(t, int) for t in ids):
+            return None, [[t for t in ids if isinstance(t, int)]]
+        return None, [list(t) for t in ids if isinstance(t, list)]
+
+
+class MetaInfo(WireModel):
+    id: str
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str
+    weight_versions: list[dict[str, Any]] | None = None
+    e2e_latency: float
+    output_token_logprobs: list[list[Any]] | None = None
+    input_token_logprobs: list[list[Any]] | None = None
+    output_token_logprobs_length: int | None = None
+    output_top_logprobs: list[list[list[Any]] | None] | None = None
+
+
+class GenerateOutput(WireModel):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    prompt_token_ids: list[int] | None = None
+
+
+class Success(WireModel):
+    success: bool = True
+    message: str
+
+
+class StatusMessage(WireModel):
+    message: str
+    status: str = "ok"
+
+
+class WeightVersion(WireModel):
+    weight_version: str
+
+
+class ModelInfo(WireModel):
+    model_path: str
+    served_model_name: str
+    tokenizer_path: str
+    is_generation: bool = True
+    weight_version: str
+    preferred_sampling_params: None = None
+
+
+class PauseGeneration(WireModel):
+    mode: Literal["abort", "retract", "in_place"] = Field(
+        default="abort",
+        description="abort: in-flight generations end now (finish_reason abort); retract and "
+        "in_place: they are held and continue after /continue_generation, under the new "
+        "weights (rlserve's keep).",
+    )
+
+
+class ContinueGeneration(WireModel):
+    torch_empty_cache: bool = Field(default=True, description="Accepted and ignored.")
+
+
+class AbortRequest(WireModel):
+    rid: str = Field(default="", description="Only empty: abort by id is not supported.")
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _all(self) -> AbortRequest:
+        if self.rid:
+            raise field_error("rid", "aborting one request is not supported; use abort_all")
+        return self
+
+
+class InitWeightsUpdateGroup(WireModel):
+    master_address: str = Field(min_length=1, max_length=253)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2, le=4096)
+    group_name: str = Field(default="weight_update_group", min_length=1, max_length=256)
+    backend: Literal["nccl", "gloo"] = "nccl"
+    timeout_s: float = Field(
+        default=300.0, gt=0, le=3600, description="rlserve's: how long to wait for the trainer."
+    )
+
+
+class GroupName(WireModel):
+    group_name: str = Field(default="weight_update_group", max_length=256)
+
+
+class BeginWeightUpdate(WireModel):
+    selector: Literal["target", "all"] = "all"
+
+
+class UpdateWeightsFromDistributed(WireModel):
+    names: list[str] = Field(min_length=1, max_length=1 << 20)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field(default="weight_update_group", max_length=256)
+    flush_cache: bool = Field(default=True, description="Accepted: updates leave no stale cache.")
+    abort_all_requests: bool = Field(
+        default=False, description="End in-flight generations before the update."
+    )
+    weight_version: str | None = Field(
+        default=None, description="A whole number above the current version (default: next)."
+    )
+    load_format: Literal["flattened_bucket"] | None = Field(
+        default=None,
+        description="null: one broadcast per tensor; flattened_bucket: one uint8 broadcast of "
+        "all their bytes back to back.",
+    )
+    selector: Literal["target", "all"] = "all"
+    torch_empty_cache: bool = Field(default=False, description="Accepted and ignored.")
+
+
+class UpdateWeightsFromDisk(WireModel):
+    model_path: str = Field(min_length=1)
+    load_format: str | None = Field(default=None, description="Only unset or safetensors.")
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+
+    @model_validator(mode="after")
+    def _format(self) -> UpdateWeightsFromDisk:
+        if self.load_format not in (None, "auto", "safetensors"):
+            raise field_error("load_format", "only safetensors checkpoints are loaded")
+        return self
+
+
+class DiskUpdated(Success):
+    num_paused_requests: int = 0

@@ -1,0 +1,243 @@
+"""SGLang's RL routes (as sglang 0.5.23 and the older releases slime and AReaL drive answer
+them), mapped onto rlserve's services. Control and weight routes need the admin key when keys
+are set, as SGLang's --admin-api-key asks."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Request, Response
+
+from app.common.failures import NotReady
+from app.deps import GenerationDep, ProbeDep, RegistryDep, WeightsDep
+from app.dialects import common
+from app.dialects.sglang import serving
+from app.dialects.sglang.protocol import (
+    AbortRequest,
+    BeginWeightUpdate,
+    ContinueGeneration,
+    DiskUpdated,
+    GenerateOutput,
+    GenerateRequest,
+    GroupName,
+    InitWeightsUpdateGroup,
+    ModelInfo,
+    PauseGeneration,
+    StatusMessage,
+    Success,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    WeightVersion,
+)
+from app.dialects.sglang.serving import SGLangWeights
+from app.errors import ERROR_RESPONSES
+from app.ops.access import Access, access
+from app.weights.protocol import LoadWeightsRequest, TransferInit
+
+router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
+ADMIN = access(Access.ADMIN)
+PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+
+
+def _session(request: Request) -> SGLangWeights:
+    session: SGLangWeights = request.app.state.sglang_weights
+    return session
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateOutput | list[GenerateOutput],
+    response_model_exclude_none=True,
+    summary="Generate (SGLang)",
+)
+@router.put(
+    "/generate",
+    response_model=GenerateOutput | list[GenerateOutput],
+    response_model_exclude_none=True,
+    include_in_schema=False,
+)
+async def generate(
+    request: GenerateRequest, generation: GenerationDep
+) -> GenerateOutput | list[GenerateOutput]:
+    """SGLang's /generate: one object for one input and n = 1, else a list (prompt-major).
+    Tokens and log-probs equal /v1/generate's for the same seed (`sampling_seed`)."""
+    return await serving.generate(generation, request)
+
+
+@router.get(
+    "/health_generate",
+    response_class=Response,
+    summary="Healthy and generating (SGLang)",
+    openapi_extra=access(Access.PUBLIC),
+)
+async def health_generate(probe: ProbeDep) -> Response:
+    """200 once a real forward of the model answers (at most once per probe interval)."""
+    problem = await probe.problem()
+    if problem is not None:
+        raise NotReady(f"not ready, {problem}")
+    return Response(status_code=200)
+
+
+@router.get("/model_info", response_model=ModelInfo, summary="Model info (SGLang)")
+@router.get("/get_model_info", response_model=ModelInfo, include_in_schema=False)
+async def model_info(registry: RegistryDep) -> ModelInfo:
+    info = registry.get("policy").backend.info
+    return ModelInfo(
+        model_path=info.source,
+        served_model_name="policy",
+        tokenizer_path=info.source,
+        weight_version=str(registry.versions["policy"]),
+    )
+
+
+@router.get("/get_weight_version", response_model=WeightVersion, summary="Version (SGLang)")
+async def get_weight_version(registry: RegistryDep) -> WeightVersion:
+    return WeightVersion(weight_version=str(registry.versions["policy"]))
+
+
+@router.post(
+    "/flush_cache", response_class=Response, summary="Flush cache (SGLang)", openapi_extra=ADMIN
+)
+@router.get("/flush_cache", response_class=Response, include_in_schema=False, openapi_extra=ADMIN)
+async def flush_cache() -> Response:
+    """Always succeeds: a committed weight update already leaves no cache of the old weights."""
+    return Response("Cache flushed.", media_type="text/plain")
+
+
+@router.post(
+    "/abort_request", response_class=Response, summary="Abort all (SGLang)", openapi_extra=ADMIN
+)
+async def abort_request(
+    request: AbortRequest, registry: RegistryDep, weights: WeightsDep
+) -> Response:
+    """With abort_all, end every in-flight generation at its next token (each returns what
+    it produced, finish_reason abort)."""
+    if request.abort_all:
+        await common.abort_all(registry, weights)
+    return Response(status_code=200)
+
+
+@router.post(
+    "/pause_generation", response_model=StatusMessage, summary="Pause (SGLang)", openapi_extra=ADMIN
+)
+async def pause_generation(
+    weights: WeightsDep, body: Annotated[PauseGeneration | None, Body()] = None
+) -> StatusMessage:
+    await weights.pause(PAUSE_MODES[(body or PauseGeneration()).mode])  # type: ignore[arg-type]
+    return StatusMessage(message="Generation paused successfully.")
+
+
+@router.post(
+    "/continue_generation",
+    response_model=StatusMessage,
+    summary="Continue (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def continue_generation(
+    request: Request, body: Annotated[ContinueGeneration | None, Body()] = None
+) -> StatusMessage:
+    """Commit the buckets sent while paused (all at once, or none), then resume."""
+    await _session(request).continue_generation()
+    return StatusMessage(message="Generation continued successfully.")
+
+
+@router.post(
+    "/init_weights_update_group",
+    response_model=Success,
+    summary="Join the trainer (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def init_weights_update_group(
+    request: InitWeightsUpdateGroup, weights: WeightsDep
+) -> Success:
+    """Join as SGLang's workers do: torch's tcp:// rendezvous, the store under `group_name`,
+    at ranks rank_offset… (returns once every rank is in)."""
+    await weights.transfer_init(
+        TransferInit(
+            master_address=request.master_address,
+            master_port=request.master_port,
+            world_size=request.world_size,
+            rank_offset=request.rank_offset,
+            transport=request.backend,
+            streams=1,
+            timeout_s=request.timeout_s,
+            rendezvous="torch",
+            group_name=request.group_name,
+        )
+    )
+    return Success(message="Succeeded to initialize custom process group.")
+
+
+@router.post(
+    "/destroy_weights_update_group",
+    response_model=Success,
+    summary="Leave the group (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def destroy_weights_update_group(
+    request: Request, weights: WeightsDep, body: Annotated[GroupName | None, Body()] = None
+) -> Success:
+    await weights.transfer_close("policy")
+    await _session(request).reset()
+    return Success(message="Succeeded to destroy custom process group.")
+
+
+@router.post(
+    "/begin_weight_update",
+    response_model=Success,
+    summary="Open an update (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def begin_weight_update(
+    request: Request, body: Annotated[BeginWeightUpdate | None, Body()] = None
+) -> Success:
+    await _session(request).begin()
+    return Success(message="Success")
+
+
+@router.post(
+    "/end_weight_update",
+    response_model=Success,
+    summary="Commit the update (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def end_weight_update(request: Request) -> Success:
+    """Wait for every bucket of the session, then swap them all in at once (or none)."""
+    await _session(request).end()
+    return Success(message="Success")
+
+
+@router.post(
+    "/update_weights_from_distributed",
+    response_model=Success,
+    summary="Receive tensors (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def update_weights_from_distributed(
+    body: UpdateWeightsFromDistributed, request: Request
+) -> Success:
+    """Receive one bucket the trainer broadcasts: committed at /end_weight_update inside a
+    session, at /continue_generation while paused, else at once (returning then)."""
+    updated = await _session(request).update(body)
+    if updated is None:
+        return Success(message="Received; applied with the rest of the update.")
+    return Success(
+        message=f"Succeeded to update parameter online. Weight version updated to "
+        f"{updated.policy_version}."
+    )
+
+
+@router.post(
+    "/update_weights_from_disk",
+    response_model=DiskUpdated,
+    summary="Load from a path (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def update_weights_from_disk(body: UpdateWeightsFromDisk, weights: WeightsDep) -> DiskUpdated:
+    """POST /v1/weights/load: a safetensors checkpoint the server can read, whole or not at
+    all."""
+    version = common.version_number(body.weight_version, "weight_version")
+    updated = await weights.load(LoadWeightsRequest(path=body.model_path, version=version))
+    return DiskUpdated(
+        message=f"Succeeded to update model weights. Weight version {updated.policy_version}."
+    )

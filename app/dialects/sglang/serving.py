@@ -1,0 +1,269 @@
+"""SGLang's generation and weight-update flow on rlserve's services.
+
+Weight updates are staged and committed whole, as everywhere in rlserve. When they become
+visible follows the flow the trainer drives:
+- inside `/begin_weight_update` … `/end_weight_update` (SGLang 0.5.23): at the end;
+- while paused by `/pause_generation` (what slime and AReaL do around their buckets): at
+  `/continue_generation`, before generation resumes;
+- otherwise each `/update_weights_from_distributed` call is an update of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Literal
+
+from app.common.failures import Conflict, invalid
+from app.dialects.common import Prompts, sample, version_number
+from app.dialects.sglang.protocol import (
+    GenerateOutput,
+    GenerateRequest,
+    MetaInfo,
+    SamplingParams,
+    UpdateWeightsFromDistributed,
+)
+from app.engine.distribution import Scores, ScoreSpec
+from app.engine.registry import ModelRegistry
+from app.engine.types import Generation, SamplingConfig
+from app.generation.serving import GenerationService, Sampled
+from app.openai_compat.streaming import final_text
+from app.weights.control import WeightsControl
+from app.weights.protocol import TransferFinish, TransferUpdate, WeightsUpdated
+
+Session = Literal["explicit", "paused"]
+
+
+class SGLangWeights:
+    """The update session of this server's SGLang-speaking trainer."""
+
+    def __init__(self, registry: ModelRegistry, weights: WeightsControl) -> None:
+        self.registry = registry
+        self.weights = weights
+        self.session: Session | None = None
+        self.version: int | None = None
+        self._lock = asyncio.Lock()
+
+    async def begin(self) -> None:
+        async with self._lock:
+            if self.session == "explicit":
+                raise Conflict("a weight-update session is already open; end it first")
+            if self.session is None:
+                await self.weights.transfer_start("policy")
+            self.session, self.version = "explicit", None
+
+    async def end(self) -> WeightsUpdated:
+        async with self._lock:
+            if self.session != "explicit":
+                raise Conflict("no weight-update session is open; begin one first")
+            return await self._commit()
+
+    async def continue_generation(self) -> None:
+        async with self._lock:
+            if self.session == "paused":
+                await self._commit()
+            await self.weights.resume()
+
+    async def update(self, request: UpdateWeightsFromDistributed) -> WeightsUpdated | None:
+        """Stage one bucket; commit it too when no session holds it (then the new state)."""
+        if len(request.dtypes) != len(request.names):
+            raise invalid("dtypes", f"{len(request.dtypes)} entries for {len(request.names)} names")
+        version = version_number(request.weight_version, "weight_version")
+        buckets = [len(request.names)] if request.load_format == "flattened_bucket" else None
+        announce = TransferUpdate(
+            names=request.names, dtype_names=request.dtypes, shapes=request.shapes, buckets=buckets
+        )
+        async with self._lock:
+            if request.abort_all_requests and not self.registry.gate.state().paused:
+                await self.weights.pause("abort")
+                await self.weights.resume()
+            if self.session is None and self.registry.gate.state().paused:
+                await self.weights.transfer_start("policy")
+                self.session, self.version = "paused", None
+            if self.session is not None:
+                await self.weights.transfer_update(announce)
+                self.version = version if version is not None else self.version
+                return None
+            await self.weights.transfer_start("policy")
+            await self.weights.transfer_update(announce)
+            return await self.weights.transfer_finish(TransferFinish(version=version))
+
+    async def _commit(self) -> WeightsUpdated:
+        version, self.session, self.version = self.version, None, None
+        return await self.weights.transfer_finish(TransferFinish(version=version))
+
+    async def reset(self) -> None:
+        """The group was closed: an open session has nothing left to commit."""
+        async with self._lock:
+            self.session = self.version = None
+
+
+async def generate(
+    generation: GenerationService, request: GenerateRequest
+) -> GenerateOutput | list[GenerateOutput]:
+    """One sampling call for shared sampling_params (row k's random stream is /v1/generate's
+    row k for the same seed); one call per input for a list of them."""
+    texts, token_ids = request.prompts()
+    field = "text" if texts is not None else "input_ids"
+    items = texts if texts is not None else token_ids or []
+    params = request.sampling_params
+    started = time.perf_counter()
+    eos = generation.served("policy").preparer.tokenizer.eos_token_id
+    if isinstance(params, list):
+        groups = [
+            (Prompts(texts=[x], field=field) if texts else Prompts(token_ids=[x], field=field), p)  # type: ignore[list-item]
+            for x, p in zip(items, params, strict=True)
+        ]
+    else:
+        whole = (
+            Prompts(texts=texts, field=field)
+            if texts
+            else Prompts(token_ids=token_ids, field=field)
+        )
+        groups = [(whole, params)]
+    runs = [
+        _sample(
+            generation,
+            request,
+            prompts,
+            p,
+            f"sampling_params[{i}]" if len(groups) > 1 else "sampling_params",
+            eos,
+        )
+        for i, (prompts, p) in enumerate(groups)
+    ]
+    rids = iter(_rids(request.rid, len(items)))
+    outputs = []
+    for (_, p), sampled in zip(groups, await asyncio.gather(*runs), strict=True):
+        for k, g in enumerate(sampled.generations):
+            if k % p.n == 0:
+                rid = next(rids)
+            scores = sampled.scores[k] if sampled.scores is not None else None
+            prompt_ids = sampled.prompts[k // p.n].ids
+            name = rid if p.n == 1 else uuid.uuid4().hex
+            outputs.append(
+                _output(
+                    generation, request, sampled.version, prompt_ids, g, scores, p, name, started
+                )
+            )
+    return outputs[0] if request.single and len(outputs) == 1 else outputs
+
+
+async def _sample(
+    generation: GenerationService,
+    request: GenerateRequest,
+    prompt: Prompts,
+    p: SamplingParams,
+    field: str,
+    eos: Any,
+) -> Sampled:
+    if p.stop_token_ids and any(t != eos for t in p.stop_token_ids):
+        raise invalid(
+            f"{field}.stop_token_ids",
+            f"only the end-of-sequence id {eos} is supported; use stop strings",
+        )
+    max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
+    config = SamplingConfig.resolve(
+        max_new,
+        greedy=p.temperature < 1e-6,
+        temperature=p.temperature,
+        stops=p.stops,
+        top_p=p.top_p,
+        top_k=p.top_k_or_none,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        ignore_eos=p.ignore_eos,
+        return_prompt_log_probs=request.return_logprob and request.logprob_start_len >= 0,
+    )
+    k = request.top_logprobs_num
+    if k > generation.limits.max_top_logprobs:
+        raise invalid(
+            "top_logprobs_num",
+            f"at most {generation.limits.max_top_logprobs} (the server's max_top_logprobs)",
+        )
+    asks = ScoreSpec(top_logprobs=k) if k and request.return_logprob else None
+    return await sample(generation, prompt, config, n=p.n, seed=p.sampling_seed, asks=asks)
+
+
+def _rids(rid: str | list[str] | None, count: int) -> list[str]:
+    if isinstance(rid, list):
+        if len(rid) != count:
+            raise invalid("rid", f"{len(rid)} ids for {count} inputs")
+        return rid
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    return [rid] if count == 1 else [f"{rid}_{i}" for i in range(count)]
+
+
+def _output(
+    generation: GenerationService,
+    request: GenerateRequest,
+    started_version: int,
+    prompt_ids: list[int],
+    g: Generation,
+    scores: Scores | None,
+    p: SamplingParams,
+    rid: str,
+    started: float,
+) -> GenerateOutput:
+    preparer = generation.served("policy").preparer
+    text = preparer.decode(g.token_ids, skip_special=p.skip_special_tokens)
+    if not p.no_stop_trim:
+        text = final_text(text, p.stops)
+    spans = g.versions or []
+    version = spans[-1].version if spans else started_version
+
+    def named(token: int) -> str | None:
+        return preparer.decode([token]) if request.return_text_in_logprobs else None
+
+    meta: dict[str, Any] = {}
+    if request.return_logprob:
+        values = g.log_probs if len(g.log_probs) == len(g.token_ids) else []
+        meta["output_token_logprobs"] = [
+            [v, t, named(t)] for t, v in zip(g.token_ids, values, strict=False)
+        ]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+        meta["input_token_logprobs"] = []
+        if request.logprob_start_len >= 0:
+            if request.logprob_start_len > len(prompt_ids):
+                raise invalid("logprob_start_len", f"is past the prompt's {len(prompt_ids)} tokens")
+            own = g.prompt_log_probs or []
+            meta["input_token_logprobs"] = [
+                [own[i] if i > 0 and i < len(own) else None, prompt_ids[i], named(prompt_ids[i])]
+                for i in range(request.logprob_start_len, len(prompt_ids))
+            ]
+        if request.top_logprobs_num and scores is not None and scores.top_ids is not None:
+            ids, values_k = scores.top_ids.tolist(), scores.top_log_probs.tolist()  # type: ignore[union-attr]
+            meta["output_top_logprobs"] = [
+                [[v, t, named(t)] for t, v in zip(row_ids, row_values, strict=True)]
+                for row_ids, row_values in zip(ids, values_k, strict=True)
+            ]
+    return GenerateOutput(
+        text=text,
+        output_ids=g.token_ids,
+        meta_info=MetaInfo(
+            id=rid,
+            finish_reason=_finish(g, p),
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(g.token_ids),
+            weight_version=str(version),
+            weight_versions=[
+                {"version": str(s.version), "start": s.start, "end": s.end} for s in spans
+            ]
+            or None,
+            e2e_latency=time.perf_counter() - started,
+            **meta,
+        ),
+        prompt_token_ids=prompt_ids if request.return_prompt_token_ids else None,
+    )
+
+
+def _finish(g: Generation, p: SamplingParams) -> dict[str, Any]:
+    if g.finish_reason == "length":
+        return {"type": "length", "length": p.max_new_tokens}
+    if g.finish_reason == "abort":
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    matched: Any = g.stop_reason
+    if matched is None and g.token_ids:
+        matched = g.token_ids[-1]
+    return {"type": "stop", "matched": matched}

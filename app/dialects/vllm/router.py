@@ -1,0 +1,217 @@
+"""vLLM's RL routes (as `vllm serve` 0.32 answers them with VLLM_SERVER_DEV_MODE=1), mapped
+onto rlserve's services: TRL's `VLLMClient`, SkyRL and prime-rl point here unchanged. Control
+and weight routes need the admin key when keys are set (vLLM leaves them open)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Query
+
+from app.deps import GenerationDep, RegistryDep, SettingsDep, WeightsDep
+from app.dialects import common
+from app.dialects.vllm import serving
+from app.dialects.vllm.protocol import (
+    Aborted,
+    AbortRequests,
+    FinishWeightUpdate,
+    InferenceGenerateRequest,
+    InferenceGenerateResponse,
+    InitWeightTransfer,
+    IsPaused,
+    Message,
+    NewVersion,
+    PrefixCacheReset,
+    StartWeightUpdate,
+    Status,
+    UpdateWeights,
+    VersionConfirmed,
+    WeightInfo,
+    WorldSize,
+)
+from app.errors import ERROR_RESPONSES
+from app.ops.access import Access, access
+from app.weights.protocol import TransferFinish, TransferInit, TransferUpdate
+
+router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
+ADMIN = access(Access.ADMIN)
+
+
+@router.post("/pause", response_model=Status, summary="Pause (vLLM)", openapi_extra=ADMIN)
+async def pause(
+    weights: WeightsDep,
+    mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+    clear_cache: Annotated[
+        bool, Query(description="Accepted: rlserve keeps no stale cache.")
+    ] = True,
+) -> Status:
+    """POST /v1/pause with vLLM's default mode, abort."""
+    await weights.pause(mode)
+    return Status(status="paused")
+
+
+@router.post("/resume", response_model=Status, summary="Resume (vLLM)", openapi_extra=ADMIN)
+async def resume(weights: WeightsDep) -> Status:
+    await weights.resume()
+    return Status(status="resumed")
+
+
+@router.get("/is_paused", response_model=IsPaused, summary="Paused? (vLLM)")
+async def is_paused(registry: RegistryDep) -> IsPaused:
+    return IsPaused(is_paused=registry.gate.state().paused)
+
+
+@router.post(
+    "/abort_requests", response_model=Aborted, summary="Abort all (vLLM)", openapi_extra=ADMIN
+)
+async def abort_requests(
+    registry: RegistryDep, weights: WeightsDep, body: AbortRequests | None = None
+) -> Aborted:
+    """End every in-flight generation at its next token (each returns what it produced)."""
+    return Aborted(aborted=await common.abort_all(registry, weights))
+
+
+@router.post(
+    "/reset_prefix_cache",
+    response_model=PrefixCacheReset,
+    summary="Reset prefix cache (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def reset_prefix_cache(
+    reset_running_requests: Annotated[bool, Query()] = False,
+    reset_external: Annotated[bool, Query()] = False,
+) -> PrefixCacheReset:
+    """Always succeeds: a committed weight update already leaves no cache of the old weights."""
+    return PrefixCacheReset(success=True)
+
+
+@router.get("/get_world_size", response_model=WorldSize, summary="Transfer ranks (vLLM)")
+async def get_world_size(
+    weights: WeightsDep, include_dp: Annotated[bool, Query()] = True
+) -> WorldSize:
+    return WorldSize(world_size=await common.served_ranks(weights))
+
+
+@router.get("/server_info", response_model=dict[str, Any], summary="Server info (vLLM and SGLang)")
+async def server_info(
+    registry: RegistryDep,
+    settings: SettingsDep,
+    weights: WeightsDep,
+    config_format: Annotated[Literal["text", "json"], Query()] = "json",
+) -> dict[str, Any]:
+    """vLLM's `vllm_config` (model, weight transfer) and SGLang's flat server fields."""
+    return common.server_info(registry, settings, await common.served_ranks(weights))
+
+
+@router.post(
+    "/init_weight_transfer_engine",
+    response_model=Message,
+    summary="Join the trainer (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def init_weight_transfer_engine(request: InitWeightTransfer, weights: WeightsDep) -> Message:
+    """Join the trainer's group as vLLM's workers do: its stateless group (gloo on CPU,
+    vLLM's NCCL communicator on a GPU), packed buckets as vLLM cuts them when `packed`."""
+    info = request.init_info
+    await weights.transfer_init(
+        TransferInit(
+            master_address=info.master_address,
+            master_port=info.master_port,
+            world_size=info.world_size,
+            rank_offset=info.rank_offset,
+            bucket_bytes=info.packed_buffer_size_bytes,
+            streams=1,
+            timeout_s=info.timeout_s,
+            rendezvous="vllm",
+            packing="vllm" if info.packed else "announced",
+        )
+    )
+    return Message(message="Weight transfer initialized")
+
+
+@router.post(
+    "/shutdown_weight_transfer_engine",
+    response_model=Message,
+    summary="Leave the group (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def shutdown_weight_transfer_engine(weights: WeightsDep) -> Message:
+    await weights.transfer_close("policy")
+    return Message(message="Weight transfer shut down")
+
+
+@router.post(
+    "/start_weight_update",
+    response_model=Message,
+    summary="Begin an update (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def start_weight_update(
+    weights: WeightsDep, body: Annotated[StartWeightUpdate | None, Body()] = None
+) -> Message:
+    await weights.transfer_start("policy")
+    return Message(message="Weight update started")
+
+
+@router.post(
+    "/update_weights",
+    response_model=Message,
+    summary="Announce tensors (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def update_weights(request: UpdateWeights, weights: WeightsDep) -> Message:
+    """Announce the tensors the trainer broadcasts next (checked against the model; names
+    the field of a mismatch) and receive them in the background."""
+    for info in request.infos:
+        await weights.transfer_update(
+            TransferUpdate(names=info.names, dtype_names=info.dtype_names, shapes=info.shapes)
+        )
+    return Message(message="Weights updated")
+
+
+@router.post(
+    "/finish_weight_update",
+    response_model=Message,
+    summary="Commit the update (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def finish_weight_update(
+    weights: WeightsDep, body: Annotated[FinishWeightUpdate | None, Body()] = None
+) -> Message:
+    """Wait for every announced tensor, then swap them all in at once (or none)."""
+    given = body.weight_version if body is not None else None
+    version = common.version_number(given, "weight_version")
+    await weights.transfer_finish(TransferFinish(version=version))
+    return Message(message="Weight update finished")
+
+
+@router.post(
+    "/update_weight_version",
+    response_model=VersionConfirmed,
+    summary="Confirm the version (vLLM and SGLang)",
+    openapi_extra=ADMIN,
+)
+async def update_weight_version(request: NewVersion, weights: WeightsDep) -> VersionConfirmed:
+    """rlserve's versions move with the weights: this confirms the current one (409 for
+    another: give the version to the update that brings the weights instead)."""
+    version = common.confirm_version(weights, request.new_version)
+    return VersionConfirmed(new_version=version, message=f"Weight version updated to {version}")
+
+
+@router.get("/weight_info", response_model=WeightInfo, summary="Weight version (vLLM)")
+async def weight_info(weights: WeightsDep) -> WeightInfo:
+    return WeightInfo(weight_version=str(weights.version().policy_version))
+
+
+@router.post(
+    "/inference/v1/generate",
+    response_model=InferenceGenerateResponse,
+    response_model_exclude_none=True,
+    summary="Generate from tokens (vLLM)",
+)
+async def inference_generate(
+    request: InferenceGenerateRequest, generation: GenerationDep
+) -> InferenceGenerateResponse:
+    """vLLM's token-in, token-out generation: the same tokens and log-probs as /v1/generate
+    for the same seed."""
+    return await serving.generate(generation, request)

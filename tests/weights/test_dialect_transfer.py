@@ -1,0 +1,195 @@
+"""Weight updates through the dialects' routes, by trainers that open their groups and send
+their bytes as vLLM's and SGLang's trainers do (gloo on this CPU): the served weights equal
+the trainer's, one version is published per update, and the version the trainer names."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from tests.conftest import assert_close, forward_log_probs
+from tests.weights.conftest import Served, perturbed
+
+SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102, 7]]
+BROADCASTER = Path(__file__).with_name("sglang_broadcaster.py")
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def vllm_gloo_group(port: int, world_size: int) -> Any:
+    """vLLM's `stateless_init_torch_distributed_process_group(..., backend="gloo")`, rank 0:
+    torch's tcp:// rendezvous, the store under that URI, a bare gloo group."""
+    uri = f"tcp://127.0.0.1:{port}"
+    store, _, _ = next(c10d.rendezvous(uri, 0, world_size, timeout=TIMEOUT))
+    return dist.ProcessGroupGloo(dist.PrefixStore(uri, store), 0, world_size, TIMEOUT)
+
+
+def vllm_packed_chunks(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[torch.Tensor]:
+    """vLLM's `pack_tensors`: bytes back to back until a chunk passes `limit`."""
+    chunks, current, size = [], [], 0
+    for _, tensor in tensors:
+        data = tensor.contiguous().view(-1).view(torch.uint8)
+        current.append(data)
+        size += data.numel()
+        if size > limit:
+            chunks.append(torch.cat(current))
+            current, size = [], 0
+    return [*chunks, torch.cat(current)] if current else chunks
+
+
+def post(served: Served, path: str, body: Any = None) -> dict[str, Any]:
+    with served.trainer_client() as client:
+        response = (
+            client._http.post(path, json=body) if body is not None else client._http.post(path)
+        )
+    assert response.status_code == 200, response.text
+    return (
+        response.json()
+        if response.headers.get("content-type", "").startswith("application/json")
+        else {}
+    )
+
+
+def vllm_trainer(served: Served, model: torch.nn.Module, packed: bool, version: str) -> None:
+    """What TRL's VLLMClient and vLLM's NCCLTrainerWeightTransferEngine send, in order."""
+    world = post_get(served, "/get_world_size")["world_size"] + 1
+    port = free_port()
+    init_info = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": world,
+        "packed": packed,
+        "packed_buffer_size_bytes": 1 << 18,
+    }
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(post, served, "/init_weight_transfer_engine", {"init_info": init_info})
+        group = vllm_gloo_group(port, world)
+        joined.result()
+        tensors = list(model.state_dict().items())
+        info = {
+            "names": [n for n, _ in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+        }
+        post(served, "/start_weight_update", {})
+        pending = pool.submit(post, served, "/update_weights", {"update_info": info})
+        payloads = vllm_packed_chunks(tensors, 1 << 18) if packed else [t for _, t in tensors]
+        for payload in payloads:
+            broadcast(group, payload.contiguous())
+        pending.result()
+        post(served, "/finish_weight_update", {"weight_version": version})
+        post(served, "/shutdown_weight_transfer_engine")
+
+
+def post_get(served: Served, path: str) -> dict[str, Any]:
+    with served.trainer_client() as client:
+        response = client._http.get(path)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def served_version(served: Served) -> int:
+    return int((await served.http.get("/v1/weights/version")).json()["policy_version"])
+
+
+async def assert_serves(served: Served, model: torch.nn.Module) -> None:
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(model, sequence), 1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
+async def test_a_vllm_trainer_updates_the_served_weights(served, trainer_model, packed):
+    new = perturbed(trainer_model, 0.9)
+    version = await served_version(served) + 3
+    await asyncio.to_thread(vllm_trainer, served, new, packed, str(version))
+    assert await served_version(served) == version
+    assert (await served.http.get("/weight_info")).json() == {"weight_version": str(version)}
+    await assert_serves(served, new)
+
+
+def sglang_trainer(
+    served: Served, model: torch.nn.Module, flow: str, version: int, tmp_path: Path
+) -> list[int]:
+    """What slime and AReaL send (`flow` "paused": pause, buckets, continue) and SGLang 0.5.23
+    asks ("session": begin, buckets, end); one bucket per tensor, one flattened. Returns the
+    served version after each bucket."""
+    world = post_get(served, "/server_info")["tp_size"] + 1
+    port = free_port()
+    name = "update_weight_group"
+    tensors = list(model.state_dict().items())
+    half = len(tensors) // 2
+    buckets = [(False, tensors[:half]), (True, tensors[half:])]
+    saved = tmp_path / "buckets.pt"
+    torch.save([(flat, [t for _, t in bucket]) for flat, bucket in buckets], saved)
+    broadcaster = subprocess.Popen(
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved)]
+    )
+    seen = []
+    try:
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": str(port),
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": "gloo",
+        }
+        post(served, "/init_weights_update_group", body)
+        post(served, "/pause_generation" if flow == "paused" else "/begin_weight_update", {})
+        for flat, bucket in buckets:
+            update = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": name,
+                "flush_cache": False,
+                "weight_version": str(version),
+            }
+            if flat:
+                update["load_format"] = "flattened_bucket"
+            post(served, "/update_weights_from_distributed", update)
+            seen.append(int(post_get(served, "/get_weight_version")["weight_version"]))
+        post(served, "/continue_generation" if flow == "paused" else "/end_weight_update", {})
+        post(served, "/destroy_weights_update_group", {"group_name": name})
+        assert broadcaster.wait(timeout=60) == 0
+    finally:
+        broadcaster.kill()
+    return seen
+
+
+@pytest.mark.parametrize("flow", ["paused", "session"])
+async def test_an_sglang_trainer_updates_the_served_weights_at_once(
+    served, trainer_model, flow, tmp_path
+):
+    new = perturbed(trainer_model, 1.1)
+    before = await served_version(served)
+    version = before + 2
+    seen = await asyncio.to_thread(sglang_trainer, served, new, flow, version, tmp_path)
+    assert seen == [before, before], "a bucket became visible before the update's end"
+    assert await served_version(served) == version
+    assert (await served.http.get("/model_info")).json()["weight_version"] == str(version)
+    assert not (await served.http.get("/is_paused")).json()["is_paused"]
+    await assert_serves(served, new)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import free_port
-from tests.e2e.trainer import learn, policy_server
+from tests.e2e.trainer import grpo_step, learn, policy_server
 
 pytestmark = [
     pytest.mark.vllm,
@@ -81,15 +81,16 @@ def test_trl_generates_scores_and_controls_through_rlserve(server):
     assert client.get_server_info()["weight_transfer_config"]["backend"] == "gloo"
 
 
-def test_vllms_trainer_pieces_push_weights_that_are_then_served(server):
+def push(url: str, model: torch.nn.Module, version: str) -> None:
+    """TRL's weight sync on a GPU, step for step, with vLLM's gloo group in place of NCCL:
+    init (beside the rendezvous), start, update (beside the packed broadcasts), finish."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    model = served_model(server.url)
-    learn(model, seed=3)
-    world = httpx.get(f"{server.url}/get_world_size").json()["world_size"] + 1
+    server_url = url
+    world = httpx.get(f"{server_url}/get_world_size").json()["world_size"] + 1
     port = free_port()
-    sync = HTTPVLLMWeightSyncClient(server.url)
+    sync = HTTPVLLMWeightSyncClient(server_url)
     init_info = {
         "master_address": "127.0.0.1",
         "master_port": port,
@@ -118,11 +119,41 @@ def test_vllms_trainer_pieces_push_weights_that_are_then_served(server):
         ) is not None:
             group.broadcast([chunk.packed_tensor], options).wait()
         pending.result()
-        sync.finish_weight_update(weight_version="7")
+        sync.finish_weight_update(weight_version=version)
         sync.shutdown_weight_transfer_engine()
+
+
+def test_vllms_trainer_pieces_push_weights_that_are_then_served(server):
+    model = served_model(server.url)
+    learn(model, seed=3)
+    push(server.url, model, "7")
     assert httpx.get(f"{server.url}/weight_info").json() == {"weight_version": "7"}
     sequences = [[5, 6, 7, 8, 9, 10], [100, 101, 102, 103]]
     body = httpx.post(f"{server.url}/v1/logprobs", json={"tokens": sequences}).json()
     for seq, output in zip(sequences, body["outputs"], strict=True):
         assert_close(output["log_probs"]["full"], forward_log_probs(model, seq), 1e-4)
     assert not any(math.isnan(v) for o in body["outputs"] for v in o["log_probs"]["full"])
+
+
+def test_a_trl_grpo_loop_ends_serving_the_trainers_weights(server):
+    """Three GRPO steps as TRL's GRPOTrainer drives its server: generate groups through TRL's
+    client, score, step, push; the served weights are then the trainer's."""
+    client = trl_client.VLLMClient(base_url=server.url, connection_timeout=60)
+    model = served_model(server.url)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = int(httpx.get(f"{server.url}/weight_info").json()["weight_version"])
+    prompts = [[5, 6, 7], [40, 41]]
+    for step in range(1, 4):
+        out = client.generate(prompts, n=4, max_tokens=4, logprobs=0)
+        groups = []
+        for i, prompt in enumerate(prompts):
+            completions = out["completion_ids"][i * 4 : (i + 1) * 4]
+            rewards = [float(sum(t % 2 == 0 for t in c)) for c in completions]
+            groups.append((prompt, completions, rewards))
+        grpo_step(model, optimizer, groups)
+        push(server.url, model, str(start + step))
+    assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == str(start + 3)
+    sequences = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    body = httpx.post(f"{server.url}/v1/logprobs", json={"tokens": sequences}).json()
+    for seq, output in zip(sequences, body["outputs"], strict=True):
+        assert_close(output["log_probs"]["full"], forward_log_probs(model, seq), 1e-4)

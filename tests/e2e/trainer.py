@@ -40,3 +40,26 @@ def learn(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+
+
+def grpo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[tuple[list[int], list[list[int]], list[float]]],
+) -> None:
+    """One GRPO step on the trainer's model: per prompt, its completions and rewards; each
+    completion's summed log-prob weighted by its group-normalised advantage."""
+    optimizer.zero_grad()
+    losses = []
+    for prompt, completions, rewards in groups:
+        r = torch.tensor(rewards)
+        advantages = (r - r.mean()) / (r.std() + 1e-6)
+        for completion, advantage in zip(completions, advantages, strict=True):
+            if not completion:
+                continue
+            ids = torch.tensor([prompt + completion])
+            log_probs = model(ids).logits[0, :-1].log_softmax(-1)
+            taken = log_probs.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(prompt) - 1 :]
+            losses.append(-advantage * taken.sum())
+    torch.stack(losses).mean().backward()
+    optimizer.step()

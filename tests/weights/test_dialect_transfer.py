@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from tests.conftest import assert_close, forward_log_probs
+from tests.e2e.trainer import grpo_step
 from tests.weights.conftest import Served, perturbed
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102, 7]]
@@ -193,3 +194,32 @@ async def test_an_sglang_trainer_updates_the_served_weights_at_once(
     assert (await served.http.get("/model_info")).json()["weight_version"] == str(version)
     assert not (await served.http.get("/is_paused")).json()["is_paused"]
     await assert_serves(served, new)
+
+
+async def test_an_sglang_speaking_grpo_loop_ends_serving_the_trainers_weights(
+    served, trainer_model, tmp_path
+):
+    """Three GRPO steps as slime's loop runs them: sample groups with /generate, score them,
+    step, push the weights (paused, buckets, continue); then the server serves the trainer's
+    weights exactly, at the version the trainer named."""
+    optimizer = torch.optim.SGD(trainer_model.parameters(), lr=0.05)
+    prompts = [[5, 6, 7], [40, 41]]
+    start = await served_version(served)
+    for step in range(1, 4):
+        body = {
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 4, "n": 4, "sampling_seed": step},
+            "return_logprob": True,
+        }
+        outputs = (await served.http.post("/generate", json=body)).json()
+        groups = []
+        for i, prompt in enumerate(prompts):
+            completions = [o["output_ids"] for o in outputs[i * 4 : (i + 1) * 4]]
+            rewards = [float(sum(t % 2 == 0 for t in c)) for c in completions]  # even ids
+            groups.append((prompt, completions, rewards))
+        await asyncio.to_thread(grpo_step, trainer_model, optimizer, groups)
+        await asyncio.to_thread(
+            sglang_trainer, served, trainer_model, "paused", start + step, tmp_path
+        )
+        assert await served_version(served) == start + step
+    await assert_serves(served, trainer_model)

@@ -23,7 +23,9 @@ def test_every_route_declares_the_error_body():
         for method, operation in methods.items():
             if path == "/health":
                 continue
-            public = path == "/ready"  # /metrics may ask for a key (RLSERVE_AUTH__METRICS_AUTH)
+            # /ready and /health_generate are public; /metrics may ask for a key
+            # (RLSERVE_AUTH__METRICS_AUTH).
+            public = path in ("/ready", "/health_generate")
             codes = ("422", "500", "503") if public else ("401", "422", "500", "503")
             for code in codes:
                 schema = operation["responses"][code]["content"]["application/json"]["schema"]

@@ -66,7 +66,15 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The reply, or with `stream: true` server-sent events: one chunk per "
         "`data:` line, then `data: [DONE]`",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "description": "One server-sent event: `data` holds a chunk's JSON.",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                }
+            }
+        },
     },
 }
 TrajectoryHeader = Annotated[

@@ -215,7 +215,8 @@ class VLLMBackend(Backend):
 
         if len(sequence) == 1 or not spec.extras:
             return Scores(log_probs=torch.tensor(await self._score_one(sequence)))
-        full = spec.needs_full_distribution
+        # vLLM ranks the sequence's own tokens itself: ranks alone need no full distribution.
+        full = spec.entropy or spec.processed or spec.token_ids is not None
         params = SamplingParams(
             max_tokens=1,
             prompt_logprobs=-1 if full else spec.top_logprobs,
@@ -232,6 +233,8 @@ class VLLMBackend(Backend):
             values, ids = returned.topk(spec.top_logprobs, dim=-1)
             log_probs = returned.gather(-1, targets[:, None]).squeeze(-1)
             part = {"log_probs": log_probs, "top_ids": ids, "top_log_probs": values}
+            if spec.ranks:
+                part["ranks"] = _returned_ranks(flat, sequence)
         return assemble([part], spec.start, len(sequence))
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
@@ -461,6 +464,15 @@ def _returned_log_probs(flat: Any, length: int, vocab: int) -> torch.Tensor:
         span = slice(flat.start_indices[row + 1], flat.end_indices[row + 1])
         dense[row, torch.tensor(flat.token_ids[span])] = torch.tensor(flat.logprobs[span])
     return dense
+
+
+def _returned_ranks(flat: Any, sequence: Sequence[int]) -> torch.Tensor:
+    """[length - 1]: the rank vLLM gave each token of the sequence (from position 1)."""
+    ranks = []
+    for row, target in enumerate(sequence[1:], start=1):
+        span = range(flat.start_indices[row], flat.end_indices[row])
+        ranks.append(next(flat.ranks[i] for i in span if flat.token_ids[i] == target))
+    return torch.tensor(ranks)
 
 
 def _final_only() -> Any:

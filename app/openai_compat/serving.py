@@ -248,11 +248,11 @@ class OpenAIService(ModelServing):
 
     async def complete(self, job: Job) -> ChatCompletion | Completion:
         await self._check_trajectory(job)
-        sampled, prompt_scores = await asyncio.gather(
-            self.generation.sample(
-                job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
-            ),
-            self._prompt_scores(job),
+        # The prompts are scored first: an engine with a prefix cache (vLLM) then generates
+        # from their cached prefixes instead of computing them again.
+        prompt_scores = await self._prompt_scores(job)
+        sampled = await self.generation.sample(
+            job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
         )
         turn = await self._record(job, sampled)
         preparer = job.served.preparer

@@ -163,3 +163,31 @@ def test_adopted_tensors_become_the_models_without_a_copy_and_tied_names_follow(
     assert torch.equal(module.norm.weight, norm.float())
     assert torch.equal(module.scale, scale) and module.scale.data_ptr() != scale.data_ptr()
     assert isinstance(module.embed.weight, torch.nn.Parameter)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("limit", [1 << 8, 1 << 12, 1 << 16])
+def test_buckets_cut_as_vllms_packing_cuts_them(limit):
+    """The server cuts a packed vLLM update where vLLM's own `pack_tensors` does, and lays the
+    packed bytes back out as the trainer's tensors."""
+    packed = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    tensors = mixed_tensors()
+    stream = iter(tensors)
+    chunks = []
+    while (chunk := packed.pack_tensors(stream, lambda item: item[1], limit)) is not None:
+        chunks.append(chunk)
+    names = [n for n, _ in tensors]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
+    shapes = [list(t.shape) for _, t in tensors]
+    counts = TransferPlan.packed_like_vllm(shapes, dtypes, limit)
+    assert counts == [len(c.names) for c in chunks]
+    plan = TransferPlan.parse(names, dtypes, shapes, counts, limit)
+    sent = iter(chunks)
+
+    def receive(buffer: torch.Tensor) -> Callable[[], None]:
+        buffer.copy_(next(sent).packed_tensor)
+        return lambda: None
+
+    staged = receive_plan(plan, receive, CPU, CPU)
+    for name, tensor in tensors:
+        assert torch.equal(staged[name], tensor)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from app.common.failures import Conflict, invalid
@@ -104,23 +105,15 @@ async def generate(
     """One sampling call for shared sampling_params (row k's random stream is /v1/generate's
     row k for the same seed); one call per input for a list of them."""
     texts, token_ids = request.prompts()
-    field = "text" if texts is not None else "input_ids"
-    items = texts if texts is not None else token_ids or []
+    count = len(texts if texts is not None else token_ids or [])
+    rids = iter(_rids(request.rid, count))
     params = request.sampling_params
     started = time.perf_counter()
     eos = generation.served("policy").preparer.tokenizer.eos_token_id
     if isinstance(params, list):
-        groups = [
-            (Prompts(texts=[x], field=field) if texts else Prompts(token_ids=[x], field=field), p)  # type: ignore[list-item]
-            for x, p in zip(items, params, strict=True)
-        ]
+        groups = [(_prompts(texts, token_ids, [i]), p) for i, p in enumerate(params)]
     else:
-        whole = (
-            Prompts(texts=texts, field=field)
-            if texts
-            else Prompts(token_ids=token_ids, field=field)
-        )
-        groups = [(whole, params)]
+        groups = [(_prompts(texts, token_ids, range(count)), params)]
     runs = [
         _sample(
             generation,
@@ -132,7 +125,6 @@ async def generate(
         )
         for i, (prompts, p) in enumerate(groups)
     ]
-    rids = iter(_rids(request.rid, len(items)))
     outputs = []
     for (_, p), sampled in zip(groups, await asyncio.gather(*runs), strict=True):
         for k, g in enumerate(sampled.generations):
@@ -183,6 +175,15 @@ async def _sample(
         )
     asks = ScoreSpec(top_logprobs=k) if k and request.return_logprob else None
     return await sample(generation, prompt, config, n=p.n, seed=p.sampling_seed, asks=asks)
+
+
+def _prompts(
+    texts: list[str] | None, token_ids: list[list[int]] | None, picked: Iterable[int]
+) -> Prompts:
+    """The inputs at `picked`, as text or token prompts."""
+    if texts is not None:
+        return Prompts(texts=[texts[i] for i in picked], field="text")
+    return Prompts(token_ids=[(token_ids or [])[i] for i in picked], field="input_ids")
 
 
 def _rids(rid: str | list[str] | None, count: int) -> list[str]:

@@ -88,9 +88,10 @@ class TokenTexts:
             tokens.append(self.name(token, as_ids))
             offsets.append(at)
             at += len(self.preparer.decode([token], skip_special=True))
-        top = None
         if tops is not None:
             top = [{self.name(i, as_ids): v for i, v in row} for row in tops]
+        else:  # logprobs 0: each position names the chosen token alone, as vLLM answers
+            top = [{self.name(t, as_ids): v} for t, v in zip(ids, values, strict=False)]
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=list(values), top_logprobs=top, text_offset=offsets
         )

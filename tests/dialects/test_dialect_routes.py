@@ -52,6 +52,15 @@ async def test_vllm_completions_of_token_prompts_equal_v1_generate(client):
         assert_close(choice["logprobs"]["token_logprobs"], sample["log_probs"]["response"], 1e-6)
         for row in choice["logprobs"]["top_logprobs"]:
             assert len(row) == 2 and all(key.startswith("token_id:") for key in row)
+    body["logprobs"] = 0  # the chosen token alone at each position (TRL reads the key)
+    answer = await ok(await client.post("/v1/completions", json=body))
+    for choice in answer["choices"]:
+        tops = choice["logprobs"]["top_logprobs"]
+        names = [f"token_id:{t}" for t in choice["token_ids"]]
+        assert [list(row) for row in tops] == [[name] for name in names]
+        assert [row[n] for row, n in zip(tops, names, strict=True)] == choice["logprobs"][
+            "token_logprobs"
+        ]
 
 
 async def test_vllm_prompt_logprobs_against_a_plain_forward(client, hf_model):

@@ -52,23 +52,83 @@ def score_detailed(
     model: Any, items: Sequence[tuple[Sequence[int], ScoreSpec]], pad_id: int
 ) -> list[Scores]:
     """One forward through the model's trunk for the batch, then its output head over each
-    row's positions in chunks of `LOGIT_CHUNK_ELEMENTS`, answering each row's spec."""
+    row's positions in chunks of `LOGIT_CHUNK_ELEMENTS`, answering each row's spec. Rows that
+    ask for log-probs alone share their chunks (`_plain_scores`)."""
     device = model.device
     ids, mask = _padded([seq for seq, _ in items], pad_id, device, left=False)
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
     head = model.get_output_embeddings()
-    vocab = head.weight.shape[0]
-    chunk = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
-    results = []
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    results: list[Scores | None] = [None] * len(items)
+    group: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal group, size
+        if group:
+            scored = _plain_scores(
+                model.config, head, hidden, ids, [items[r] for r in group], group
+            )
+            for row, scores in zip(group, scored, strict=True):
+                results[row] = scores
+        group, size = [], 0
+
     for row, (seq, spec) in enumerate(items):
-        parts = []
-        for begin in range(1, len(seq), chunk):
-            end = min(begin + chunk, len(seq))
-            logits = _head_logits(model.config, head, hidden[row, begin - 1 : end - 1])
-            extras = spec.extras and end > spec.start
-            parts.append(position_scores(logits, ids[row, begin:end], spec, extras=extras))
-        results.append(assemble(parts, spec.start, len(seq)))
-    return results
+        positions = len(seq) - 1
+        if spec.extras or positions > chunk:
+            results[row] = _row_scores(model.config, head, hidden, ids, row, seq, spec, chunk)
+            continue
+        if size + positions > chunk:
+            flush()
+        group.append(row)
+        size += positions
+    flush()
+    return [r for r in results if r is not None]
+
+
+def _row_scores(
+    config: Any,
+    head: Any,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    row: int,
+    seq: Sequence[int],
+    spec: ScoreSpec,
+    chunk: int,
+) -> Scores:
+    """One row's positions, `chunk` at a time, with whatever its spec asks for."""
+    parts = []
+    for begin in range(1, len(seq), chunk):
+        end = min(begin + chunk, len(seq))
+        logits = _head_logits(config, head, hidden[row, begin - 1 : end - 1])
+        extras = spec.extras and end > spec.start
+        parts.append(position_scores(logits, ids[row, begin:end], spec, extras=extras))
+    return assemble(parts, spec.start, len(seq))
+
+
+def _plain_scores(
+    config: Any,
+    head: Any,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    items: Sequence[tuple[Sequence[int], ScoreSpec]],
+    rows: list[int],
+) -> list[Scores]:
+    """Log-probs alone for `rows`, whose logits fit one chunk together: the output head row
+    by row (the very products `_row_scores` computes: a matrix product's bits depend on its
+    shape), then `position_scores`' arithmetic over all of them at once and one copy to the
+    host, instead of a dozen small operations per row."""
+    lengths = [len(seq) - 1 for seq, _ in items]
+    logits = torch.cat(
+        [_head_logits(config, head, hidden[row, :n]) for row, n in zip(rows, lengths, strict=True)]
+    ).float()
+    targets = torch.cat([ids[row, 1 : n + 1] for row, n in zip(rows, lengths, strict=True)])
+    log_probs = (logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)).cpu()
+    zero = torch.zeros(1)
+    return [
+        Scores(log_probs=torch.cat([zero, part]), start=spec.start)
+        for part, (_, spec) in zip(log_probs.split(lengths), items, strict=True)
+    ]
 
 
 def _head_logits(config: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,325 @@
+"""rlserve's own cost per request: a model whose compute is negligible (the built-in model, 64
+wide and 2 layers), 32 concurrent clients, JSON and binary (safetensors) bodies.
+
+    .venv/bin/python bench/overhead.py              # transformers backend
+    .venv-vllm/bin/python bench/overhead.py --vllm  # also the vLLM backend and `vllm serve`
+    .venv/bin/python bench/overhead.py --quick      # smoke run (CI)
+    .venv/bin/python bench/overhead.py --profile    # py-spy flame graphs of the server
+
+Work: score one 128-token sequence per request; score 32 of them per request; generate 16
+tokens for one 16-token prompt; step an environment session (text action, no tools). Figures
+are sequences (or requests, or steps) per second; `vllm serve` answers the same scoring and
+generation through /v1/completions (`prompt_logprobs`, token prompts)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import (
+    bench_arguments,
+    bench_model,
+    free_port,
+    running_process,
+    running_server,
+    summarize,
+    vllm_serve_command,
+)
+from rlserve_client import tensor_wire
+
+CLIENTS = 32
+SEQ_LEN = 128
+NEW_TOKENS = 16
+BATCH = 32
+KV_CACHE_BYTES = 256 << 20
+# The issue's figures for this machine before the work (JSON bodies, transformers backend).
+BASELINE = {"score_1": 180.0, "score_32": 661.0, "generate_16": 182.0}
+
+Request = tuple[str, str, bytes, dict[str, str]]  # method, path, body, headers
+
+
+def json_request(path: str, body: dict[str, Any]) -> Request:
+    return ("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+
+def binary_request(path: str, body: dict[str, Any]) -> Request:
+    headers = {"Content-Type": tensor_wire.MEDIA_TYPE, "Accept": tensor_wire.MEDIA_TYPE}
+    return ("POST", path, tensor_wire.encode(body), headers)
+
+
+async def drive(
+    url: str, requests: list[Request], clients: int, per_request: int
+) -> dict[str, Any]:
+    """Send `requests` from `clients` concurrent connections (one warm-up each first);
+    `per_request` sequences (or steps) per request for the rate."""
+    latencies: list[float] = []
+    queue = list(reversed(requests))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def send(request: Request) -> None:
+            method, path, body, headers = request
+            response = await client.request(method, path, content=body, headers=headers)
+            response.raise_for_status()
+
+        async def worker() -> None:
+            while queue:
+                request = queue.pop()
+                start = time.perf_counter()
+                await send(request)
+                latencies.append(time.perf_counter() - start)
+
+        await asyncio.gather(*(send(r) for r in requests[:clients]))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    figures = summarize(latencies, seconds, per_request).as_dict()
+    figures["per_s"] = round(figures.pop("tokens_per_s"), 1)  # sequences, requests or steps
+    return figures
+
+
+def rlserve_work(
+    rng: random.Random, count: int, binary: bool
+) -> dict[str, tuple[list[Request], int]]:
+    def seq(length: int) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(length)]
+
+    make = binary_request if binary else json_request
+
+    def tokens(rows: list[list[int]]) -> Any:
+        if not binary:
+            return rows
+        import torch
+
+        return torch.tensor(rows)
+
+    return {
+        "score_1": (
+            [make("/v1/logprobs", {"tokens": tokens([seq(SEQ_LEN)])}) for _ in range(count)],
+            1,
+        ),
+        "score_32": (
+            [
+                make("/v1/logprobs", {"tokens": tokens([seq(SEQ_LEN) for _ in range(BATCH)])})
+                for _ in range(max(count // 8, CLIENTS))
+            ],
+            BATCH,
+        ),
+        "generate_16": (
+            [
+                make(
+                    "/v1/generate",
+                    {
+                        "tokens": tokens([seq(16)]),
+                        "max_new_tokens": NEW_TOKENS,
+                        "ignore_eos": True,
+                        "seed": i,
+                    },
+                )
+                for i in range(count)
+            ],
+            1,
+        ),
+    }
+
+
+def vllm_work(rng: random.Random, count: int, model: str) -> dict[str, tuple[list[Request], int]]:
+    def seq(length: int) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(length)]
+
+    return {
+        "score_1": (
+            [
+                json_request(
+                    "/v1/completions",
+                    {
+                        "model": model,
+                        "prompt": seq(SEQ_LEN),
+                        "max_tokens": 1,
+                        "prompt_logprobs": 0,
+                        "temperature": 0.0,
+                    },
+                )
+                for _ in range(count)
+            ],
+            1,
+        ),
+        "generate_16": (
+            [
+                json_request(
+                    "/v1/completions",
+                    {
+                        "model": model,
+                        "prompt": seq(16),
+                        "max_tokens": NEW_TOKENS,
+                        "ignore_eos": True,
+                        "seed": i,
+                        "logprobs": 0,
+                    },
+                )
+                for i in range(count)
+            ],
+            1,
+        ),
+    }
+
+
+async def env_steps(url: str, steps: int, clients: int) -> dict[str, Any]:
+    """`clients` sessions of batch 1, each stepped with a text action until `steps` in all."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        envs = []
+        for _ in range(clients):
+            turns = steps // clients + 2
+            created = await client.post("/v1/envs", json={"batch_size": 1, "max_turns": turns})
+            created.raise_for_status()
+            env = created.json()["env_id"]
+            (
+                await client.post(f"/v1/envs/{env}/reset", json={"query": ["2 + 2?"]})
+            ).raise_for_status()
+            envs.append(env)
+    requests = [
+        json_request(f"/v1/envs/{envs[i % clients]}/step", {"actions": [{"text": f"answer {i}"}]})
+        for i in range(steps)
+    ]
+    return await drive(url, requests, clients, 1)
+
+
+def measure(url: str, work: dict[str, tuple[list[Request], int]], label: str) -> dict[str, Any]:
+    results = {}
+    for name, (requests, per_request) in work.items():
+        results[name] = asyncio.run(drive(url, requests, CLIENTS, per_request))
+        print(f"{label} {name}: {results[name]['per_s']}/s", flush=True)
+    return results
+
+
+def profile(pid: int, seconds: float, output: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling the server for `seconds` (None where py-spy is not installed)."""
+    beside = Path(sys.executable).with_name("py-spy")
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if spy is None:
+        print("py-spy is not installed: pip install py-spy", flush=True)
+        return None
+    command = [
+        spy,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(int(seconds)),
+        "--rate",
+        "200",
+        "--format",
+        "flamegraph",
+        "--output",
+        str(output),
+        "--nonblocking",
+    ]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict[str, Any]:
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / f".data-overhead-{backend}"),
+        "RLSERVE_MODELS__BACKEND": backend,
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "256",
+        "RLSERVE_ENVS__MAX_TURNS": "100000",
+    }
+    if backend == "vllm":
+        env["RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES"] = str(KV_CACHE_BYTES)
+    log = args.output / f"overhead-{backend}.log"
+    results: dict[str, Any] = {}
+    with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
+        for binary in (False, True):
+            kind = "binary" if binary else "json"
+            work = rlserve_work(random.Random(0), args.requests, binary)
+            if args.profile and not binary:
+                for name, item in work.items():
+                    spy = profile(
+                        server.process.pid,
+                        args.profile_seconds,
+                        args.output / f"overhead-{backend}-{name}.svg",
+                    )
+                    results.setdefault(kind, {})[name] = asyncio.run(
+                        drive(server.url, item[0], CLIENTS, item[1])
+                    )
+                    print(f"{backend} {kind} {name}: {results[kind][name]['per_s']}/s", flush=True)
+                    if spy is not None:
+                        spy.wait()
+                continue
+            results[kind] = measure(server.url, work, f"{backend} {kind}")
+        results["json"]["env_step"] = asyncio.run(env_steps(server.url, args.requests, CLIENTS))
+        print(f"{backend} json env_step: {results['json']['env_step']['per_s']}/s", flush=True)
+    return results
+
+
+def run_vllm_serve(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    port = free_port()
+    command = vllm_serve_command(model_dir, port, KV_CACHE_BYTES, "builtin", "--max-logprobs", "1")
+    with running_process(
+        command, port, "/v1/models", log=args.output / "overhead-vllm-serve.log", timeout=600
+    ) as server:
+        return measure(
+            server.url, vllm_work(random.Random(0), args.requests, "builtin"), "vllm serve"
+        )
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [
+        ("score_1", "score one 128-token sequence per request", "sequences/s"),
+        ("score_32", "score 32 sequences of 128 tokens per request", "sequences/s"),
+        ("generate_16", "generate 16 tokens, one sequence per request", "requests/s"),
+        ("env_step", "env step (text action, no tools)", "steps/s"),
+    ]
+    columns = [(name, kind) for name in report["backends"] for kind in ("json", "binary")]
+    head = "| work | baseline | " + " | ".join(f"{n} {k}" for n, k in columns)
+    head += " | vllm serve |" if "vllm_serve" in report else " |"
+    lines = [head, "|---" * (len(columns) + 2 + ("vllm_serve" in report)) + "|"]
+
+    def get(figures: dict[str, Any], work: str) -> str:
+        return f"{figures[work]['per_s']:.0f}" if work in figures else "-"
+
+    for work, text, unit in rows:
+        cells = [get(report["backends"][n].get(k, {}), work) for n, k in columns]
+        line = f"| {text} ({unit}) | {BASELINE.get(work, '-')} | " + " | ".join(cells)
+        if "vllm_serve" in report:
+            line += f" | {get(report['vllm_serve'], work)}"
+        lines.append(line + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = bench_arguments(__doc__)
+    parser.add_argument("--vllm", action="store_true", help="also the vLLM backend and vllm serve")
+    parser.add_argument("--profile", action="store_true", help="py-spy flame graphs (JSON runs)")
+    parser.add_argument("--name", default="overhead", help="the results' file name")
+    args = parser.parse_args()
+    args.requests = 64 if args.quick else 2000
+    args.profile_seconds = 4 if args.quick else 8
+    args.output.mkdir(parents=True, exist_ok=True)
+    model_dir = bench_model(args.output, 64, 2)
+    report: dict[str, Any] = {
+        "model": "built-in Qwen2, hidden 64, 2 layers, float32 (compute negligible)",
+        "clients": CLIENTS,
+        "backends": {"transformers": run_rlserve(args, model_dir, "transformers")},
+        "baseline_json_transformers": BASELINE,
+    }
+    if args.vllm:
+        report["backends"]["vllm"] = run_rlserve(args, model_dir, "vllm")
+        report["vllm_serve"] = run_vllm_serve(args, model_dir)
+    name = f"{args.name}-quick" if args.quick else args.name
+    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -228,7 +228,7 @@ def profile(pid: int, seconds: float, output: Path) -> subprocess.Popen[bytes] |
 
 def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict[str, Any]:
     env = {
-        "RLSERVE_STORAGE__DATA_DIR": str(args.output / f".data-overhead-{backend}"),
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data" / f"overhead-{backend}"),
         "RLSERVE_MODELS__BACKEND": backend,
         "RLSERVE_MODELS__LOAD_REFERENCE": "false",
         "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "256",

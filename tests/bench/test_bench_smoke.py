@@ -145,3 +145,13 @@ def test_async_training_benchmark_quick(tmp_path):
     for run in report["overlap"]["runs"]:
         assert max(int(s) for s in run["staleness"]) <= run["max_staleness"]
     assert (tmp_path / "async_training-quick.png").stat().st_size > 0
+
+
+def test_overhead_benchmark_quick(tmp_path):
+    """Every workload, in both wire formats (environment steps in JSON), on the small model."""
+    report = run_quick("overhead", tmp_path)
+    backend = report["backends"]["transformers"]
+    for kind in ("json", "binary"):
+        assert set(backend[kind]) >= {"score_1", "score_32", "generate_16"}
+        assert all(point["per_s"] > 0 for point in backend[kind].values())
+    assert backend["json"]["env_step"]["requests"] == 64

@@ -54,7 +54,7 @@ def version_number(text: str | None, field: str) -> int | None:
     current version, or None to take the next one."""
     if text is None:
         return None
-    if not text.isdecimal() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) < 1 << 63:
         raise invalid(
             field,
             f"'{text}' is not a version rlserve can publish: versions are whole numbers "

@@ -139,13 +139,16 @@ def test_the_spec_security_follows_the_declared_policy():
     app = create_app(Settings(), load_models=False)
     spec = app.openapi()
     public = {path for _, path in declared(Access.PUBLIC) + declared(Access.METRICS)}
-    assert public == {"/health", "/ready", "/metrics"}
+    # /health_generate: SGLang's health route, public as SGLang's /health* are (its forward
+    # is the readiness probe's, cached per RLSERVE_PROBE__INTERVAL_S).
+    assert public == {"/health", "/ready", "/health_generate", "/metrics"}
     admin = set(ADMIN_ROUTES)
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             assert (operation.get("security") == []) == (path in public), path
             assert ("403" in operation["responses"]) == ((method.upper(), path) in admin), path
-            assert ("401" in operation["responses"]) == (path not in {"/health", "/ready"}), path
+            unguarded = {"/health", "/ready", "/health_generate"}
+            assert ("401" in operation["responses"]) == (path not in unguarded), path
 
 
 async def test_an_unexpected_failure_is_one_error_body_with_the_request_id(settings):

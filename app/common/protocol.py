@@ -40,6 +40,18 @@ def one_of(*choices: tuple[str, ...], optional: bool = False) -> Callable[[dict[
     return hook
 
 
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """A `stop` field (one string, several, or none) as a list."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def top_k_or_none(top_k: int | None) -> int | None:
+    """vLLM's `top_k`, where 0 and -1 mean every token: None (no filter) for those."""
+    return top_k if top_k is not None and top_k > 0 else None
+
+
 def field_error(field: str, message: str) -> PydanticCustomError:
     """A validation error that names `field` (the error handler reports it as `param`)."""
     return PydanticCustomError("invalid_field", "{field}: " + message, {"field": field})

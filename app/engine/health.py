@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+from app.common.failures import NotReady
 from app.engine.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,11 @@ class EngineProbe:
         self.timeout_s = timeout_s
         self._verdict: tuple[float, str | None] | None = None
         self._running: asyncio.Task[str | None] | None = None
+
+    async def require_ready(self) -> None:
+        """NotReady naming the problem, if there is one."""
+        if (problem := await self.problem()) is not None:
+            raise NotReady(f"not ready, {problem}")
 
     async def problem(self) -> str | None:
         """None when every engine answers; else why not (the registry's state first)."""

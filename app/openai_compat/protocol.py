@@ -19,6 +19,8 @@ from app.common.protocol import (
     VersionSpan,
     WireModel,
     field_error,
+    stop_list,
+    top_k_or_none,
 )
 
 Stop = Annotated[str, Field(min_length=1)]
@@ -113,13 +115,11 @@ class SamplingFields(WireModel):
 
     @property
     def top_k_or_none(self) -> int | None:
-        return self.top_k if self.top_k and self.top_k > 0 else None
+        return top_k_or_none(self.top_k)
 
     @property
     def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return stop_list(self.stop)
 
     @property
     def include_usage(self) -> bool:

@@ -3,7 +3,6 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.common.failures import NotReady
 from app.deps import EnvsDep, ProbeDep, RegistryDep, SettingsDep
 from app.errors import ERROR_RESPONSES
 from app.ops.access import Access, access
@@ -41,9 +40,7 @@ async def health(registry: RegistryDep) -> HealthResponse:
 async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
     """Ready when the models are loaded and each engine still answers a probe (a real forward,
     at most once per RLSERVE_PROBE__INTERVAL_S)."""
-    problem = await probe.problem()
-    if problem is not None:
-        raise NotReady(f"not ready, {problem}")
+    await probe.require_ready()
     gate = registry.gate.state()
     return ReadyResponse(
         ready=True, policy_version=registry.policy_version, paused=gate.paused, pause_mode=gate.mode

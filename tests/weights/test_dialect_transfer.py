@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,18 +18,13 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from tests.conftest import assert_close, forward_log_probs
+from tests.e2e.server import free_port
 from tests.e2e.trainer import grpo_step
 from tests.weights.conftest import Served, perturbed
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102, 7]]
 BROADCASTER = Path(__file__).with_name("sglang_broadcaster.py")
 TIMEOUT = datetime.timedelta(seconds=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> None:

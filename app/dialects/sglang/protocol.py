@@ -8,7 +8,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from app.common.protocol import RepetitionPenalty, Seed, WireModel, field_error
+from app.common.protocol import (
+    RepetitionPenalty,
+    Seed,
+    WireModel,
+    field_error,
+    stop_list,
+    top_k_or_none,
+)
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -49,13 +56,11 @@ class SamplingParams(WireModel):
 
     @property
     def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return stop_list(self.stop)
 
     @property
     def top_k_or_none(self) -> int | None:
-        return None if self.top_k in (-1, 0, 1 << 30) else self.top_k
+        return None if self.top_k == 1 << 30 else top_k_or_none(self.top_k)
 
 
 class GenerateRequest(WireModel):

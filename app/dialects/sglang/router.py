@@ -8,7 +8,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Request, Response
 
-from app.common.failures import NotReady
 from app.deps import GenerationDep, ProbeDep, RegistryDep, WeightsDep
 from app.dialects import common
 from app.dialects.sglang import serving
@@ -72,9 +71,7 @@ async def generate(
 )
 async def health_generate(probe: ProbeDep) -> Response:
     """200 once a real forward of the model answers (at most once per probe interval)."""
-    problem = await probe.problem()
-    if problem is not None:
-        raise NotReady(f"not ready, {problem}")
+    await probe.require_ready()
     return Response(status_code=200)
 
 

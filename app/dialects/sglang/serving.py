@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from app.common.failures import Conflict, invalid
-from app.dialects.common import Prompts, sample, version_number
+from app.dialects.common import Prompts, abort_all, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
     GenerateRequest,
@@ -76,8 +76,7 @@ class SGLangWeights:
         )
         async with self._lock:
             if request.abort_all_requests and not self.registry.gate.state().paused:
-                await self.weights.pause("abort")
-                await self.weights.resume()
+                await abort_all(self.registry, self.weights)
             if self.session is None and self.registry.gate.state().paused:
                 await self.weights.transfer_start("policy")
                 self.session, self.version = "paused", None

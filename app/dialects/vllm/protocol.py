@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from app.common.protocol import RepetitionPenalty, Seed, WireModel, field_error
+from app.common.protocol import RepetitionPenalty, Seed, WireModel, field_error, stop_list
 from app.engine.types import VersionSpan as EngineSpan
 
 
@@ -170,9 +170,7 @@ class SamplingParams(WireModel):
 
     @property
     def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return stop_list(self.stop)
 
 
 class InferenceGenerateRequest(WireModel):

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from app.common.failures import invalid
+from app.common.protocol import top_k_or_none
 from app.dialects.common import Prompts, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
@@ -34,7 +35,7 @@ async def generate(
         temperature=params.temperature,
         stops=params.stops,
         top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else None,
+        top_k=top_k_or_none(params.top_k),
         min_p=params.min_p,
         repetition_penalty=params.repetition_penalty,
         ignore_eos=params.ignore_eos,

@@ -5,6 +5,7 @@ other rows in its batch."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -190,7 +191,7 @@ def generate(
         use_cache=True,
         logits_to_keep=0 if want_prompt else 1,
     )
-    cache, prefill_logits = out.past_key_values, out.logits
+    cache, prefill_logits = _returned_cache(out), out.logits
     if expand is not None:
         cache.reorder_cache(expand)
         prefill_logits = prefill_logits.index_select(0, expand)
@@ -231,7 +232,7 @@ def generate(
                 input_ids=chosen[:, None],
                 attention_mask=mask,
                 position_ids=next_position,
-                past_key_values=cache,
+                **{_cache_argument(model): cache},
                 use_cache=True,
             )
         else:
@@ -245,9 +246,21 @@ def generate(
                 use_cache=True,
                 logits_to_keep=1,
             )
-        cache, next_position = out.past_key_values, next_position + 1
+        cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps) for i in range(len(items))]
+
+
+def _cache_argument(model: Any) -> str:
+    """The forward's name for the key/value cache: transformers 5.24 renamed `past_key_values`
+    (the old name still works there, with a deprecation warning) to `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    """The cache a forward returned, under either of its names (see `_cache_argument`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def _distinct_prompts(

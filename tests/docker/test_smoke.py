@@ -30,6 +30,7 @@ def _missing() -> str | None:
 pytestmark = [
     pytest.mark.docker,
     pytest.mark.slow,
+    pytest.mark.timeout(1900),  # the build's own limit below, and then some
     pytest.mark.skipif((why := _missing()) is not None, reason=why or ""),
 ]
 

@@ -34,6 +34,8 @@ async def test_a_cancelled_request_stops_decoding_at_the_next_token(
     long = SamplingConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
     big = asyncio.create_task(service.sample("policy", prompts, long, n=8, seed=1))
     while len(steps) < 8 * 5:  # decoding has started
+        if big.done():  # it failed (or ended) before it got that far: say why
+            pytest.fail(f"the long generation ended early: {big.result()!r}")
         await asyncio.sleep(0.005)
     big.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -7,7 +7,9 @@
 set -euo pipefail
 
 image=${1:-rlserve-base:bookworm}
-mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# The Debian mirror is the one this host's apt uses (scripts/apt-mirror.sh; RLSERVE_APT_MIRROR
+# overrides it).
+mirror=$("$(dirname "$0")/apt-mirror.sh")
 if docker image inspect "$image" >/dev/null 2>&1; then
   echo "base: $image is there already"
   exit 0

@@ -8,7 +8,6 @@
 # there already.
 set -euo pipefail
 
-mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 plugins=/usr/local/libexec/docker/cli-plugins
 missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
@@ -21,6 +20,9 @@ fi
 if docker compose version >/dev/null 2>&1; then
   exit 0
 fi
+# The Debian mirror is the one this host's apt uses (scripts/apt-mirror.sh; RLSERVE_APT_MIRROR
+# overrides it).
+mirror=$("$(dirname "$0")/apt-mirror.sh")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # The index is trusted the way apt trusts it: InRelease is signed by Debian's archive key.

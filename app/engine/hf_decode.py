@@ -254,7 +254,8 @@ def generate(
 def _cache_argument(model: Any) -> str:
     """The forward's name for the key/value cache: transformers 5.24 renamed `past_key_values`
     (the old name still works there, with a deprecation warning) to `cache`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    forward = getattr(model, "forward", model)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _returned_cache(out: Any) -> Any:

@@ -62,21 +62,28 @@ class ModelSettings(Group):
     backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto", description="'auto': vLLM when it is installed and a GPU is present."
     )
-    dtype: Dtype = "auto"
+    dtype: Dtype = Field(
+        default="auto",
+        description="Weights' dtype; 'auto': the checkpoint's own (float16 as float32 on CPU).",
+    )
     device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        default=False, description="Let transformers run a hub model's own Python code."
+    )
     max_model_len: int | None = Field(
         default=None, gt=0, description="Longest sequence served; defaults to the model's own."
     )
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="Where converted built-in models are kept (~/.cache/rlserve).",
+    )
     exit_on_load_failure: bool = Field(
         default=True,
         description="Stop the server when a model fails to load, so a supervisor restarts it.",
     )
-    # The shape of builtin:tiny
-    builtin_hidden_size: int = Field(default=64, gt=0)
-    builtin_num_layers: int = Field(default=2, gt=0)
-    builtin_seed: int = 0
+    builtin_hidden_size: int = Field(default=64, gt=0, description="Width of builtin:tiny.")
+    builtin_num_layers: int = Field(default=2, gt=0, description="Layers of builtin:tiny.")
+    builtin_seed: int = Field(default=0, description="Seed of builtin:tiny's random weights.")
 
     @field_validator("model", mode="before")
     @classmethod
@@ -103,9 +110,13 @@ class VllmSettings(Group):
         gt=0,
         description="KV cache size per engine; overrides gpu_memory_utilization (CPU hosts).",
     )
-    tensor_parallel_size: int = Field(default=1, gt=0)
+    tensor_parallel_size: int = Field(
+        default=1, gt=0, description="GPUs each vLLM engine is split over."
+    )
     enable_prefix_caching: bool | None = Field(default=None, description="Default: vLLM's own.")
-    enforce_eager: bool = False
+    enforce_eager: bool = Field(
+        default=False, description="vLLM runs eagerly: no CUDA graphs, no torch.compile."
+    )
     processed_log_probs: bool = Field(
         default=False,
         description="vLLM samples with logprobs_mode processed_logprobs, so generations "
@@ -119,9 +130,11 @@ class VllmSettings(Group):
 class HttpSettings(Group):
     """The HTTP server."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0: all).")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Least severe log level written."
+    )
     log_format: Literal["text", "json"] = Field(
         default="text", description="json: one JSON object per log line."
     )
@@ -188,9 +201,15 @@ class StorageSettings(Group):
 class LimitSettings(Group):
     """Request limits of the model routes."""
 
-    max_items_per_request: int = Field(default=256, gt=0)
-    max_new_tokens: int = Field(default=4096, gt=0)
-    default_max_new_tokens: int = Field(default=256, gt=0)
+    max_items_per_request: int = Field(
+        default=256, gt=0, description="Most sequences (prompts x n) one request may carry."
+    )
+    max_new_tokens: int = Field(
+        default=4096, gt=0, description="Largest max_new_tokens a request may ask for."
+    )
+    default_max_new_tokens: int = Field(
+        default=256, gt=0, description="max_new_tokens of a request that names none."
+    )
     max_top_logprobs: int = Field(
         default=64, ge=0, description="Largest top_logprobs a scoring request may ask for."
     )
@@ -233,7 +252,12 @@ class ToolSettings(Group):
     max_memory_mb: int = Field(
         default=512, gt=0, le=1 << 20, description="Address space of each sandboxed process."
     )
-    max_output_bytes: int = Field(default=16384, gt=0, le=64 << 20)
+    max_output_bytes: int = Field(
+        default=16384,
+        gt=0,
+        le=64 << 20,
+        description="Output kept per python run; the rest is cut, with a note.",
+    )
     isolation: Literal["bwrap", "none"] = Field(
         default="bwrap",
         description="'bwrap': every python run in its own namespaces (bubblewrap); the tool "

@@ -6,7 +6,7 @@ The same TorchRL classes as the recipe, used the same way: `ChatEnv` over a data
 `RetrieveKL` against the served reference model. What changes is how the policy and the weight
 updater are built: `RemotePolicy` in place of `vLLMWrapper`, `RLServeWeightUpdater` in place of
 the vLLM weight sender. Every other difference from the recipe, and why, is listed in
-docs/torchrl_grpo.md.
+docs/guides/torchrl.md.
 
 With `--max-staleness N > 0` collection runs ahead of the trainer (`AsyncLLMCollector`) and the
 loss is decoupled PPO: `GRPOLoss` with its ratio taken against the trainer's own log-probs

@@ -13,6 +13,6 @@ wanted="$(cat pyproject.toml clients/python/pyproject.toml scripts/install.sh sc
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
   exit 0
 fi
-scripts/install.sh "$venv" test,bench,harness,distributed,ifeval --editable
+scripts/install.sh "$venv" test,bench,docs,harness,distributed,ifeval --editable
 "$venv/bin/python" -m pip install --quiet -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

@@ -156,7 +156,8 @@ class Sandbox:
         if done.returncode != 0:
             detail = done.stderr.decode(errors="replace").strip()[-300:]
             hint = (
-                " (unprivileged user namespaces may be off: see the README's python tool section)"
+                " (unprivileged user namespaces may be off: see the python tool sandbox in"
+                " docs/guides/environments.md)"
                 if self.isolation == "bwrap"
                 else ""
             )

@@ -2,7 +2,7 @@
 its end-of-sequence token (`<|im_end|>`, id 2) and whose template has no generation tags. Where
 they differ, plain transformers (`apply_chat_template` + `generate`, a plain forward) decides:
 rlserve agrees with it; TorchRL does too once given a distinct pad token, the model's own
-template and an explicit attention mask (docs/torchrl_grpo.md)."""
+template and an explicit attention mask (docs/guides/torchrl.md)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,71 @@
+"""MkDocs hooks: the benchmark figures join the site from `bench/results/`, where the benchmarks
+write them, and the settings reference is generated from `app.config`, so neither is copied
+or rewritten by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "bench" / "results"
+SETTINGS_PAGE = "reference/settings.md"
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    for figure in sorted([*FIGURES.glob("*.png"), *FIGURES.glob("*.svg")]):
+        files.append(File.generated(config, f"bench/{figure.name}", abs_src_path=str(figure)))
+    files.append(File.generated(config, SETTINGS_PAGE, content=settings_reference()))
+    return files
+
+
+def settings_reference() -> str:
+    from app.config import Settings
+
+    lines = [
+        "# Settings",
+        "",
+        "Every setting is an environment variable, `RLSERVE_<GROUP>__<FIELD>`, read once at",
+        "start-up and validated before any model loads (a wrong value stops the start with its",
+        "name). `rlserve serve` takes the common ones as flags too (`rlserve serve --help`).",
+        "This page is generated from `app/config.py`.",
+        "",
+    ]
+    for group, field in Settings.model_fields.items():
+        cls = field.annotation
+        assert isinstance(cls, type) and issubclass(cls, BaseModel), group
+        lines += [f"## `{group}`", "", _doc(cls), ""]
+        lines += ["| variable | default | meaning |", "|---|---|---|"]
+        for name, info in cls.model_fields.items():
+            if not info.description:
+                raise ValueError(f"settings field {group}.{name} has no description")
+            env = f"RLSERVE_{group.upper()}__{name.upper()}"
+            meaning = info.description.replace("|", "\\|")
+            lines.append(f"| `{env}` | {_default(info)} | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _doc(cls: type) -> str:
+    return " ".join((cls.__doc__ or "").split())
+
+
+def _default(info: Any) -> str:
+    value = info.default
+    if value is PydanticUndefined and info.default_factory is not None:
+        value = info.default_factory()
+    if value is None:
+        return "unset"
+    if isinstance(value, Path):
+        value = str(value).replace(str(Path.home()), "~")
+    if isinstance(value, BaseModel):
+        return "see the group"
+    if isinstance(value, (list, tuple)) and not value:
+        return "empty"
+    text = str(value).replace("|", "\\|")
+    return f"`{text}`"

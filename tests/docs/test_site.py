@@ -1,0 +1,32 @@
+"""The docs site builds with no warning: every page in the nav, every link and anchor found,
+the routes rendered from the exported spec, the settings and the client generated."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.docs.examples import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_docs_build_strictly(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    settings = (site / "reference" / "settings" / "index.html").read_text()
+    assert "RLSERVE_MODELS__MODEL" in settings and "RLSERVE_AUTH__API_KEYS" in settings
+    routes = (site / "reference" / "routes" / "index.html").read_text()
+    assert "/v1/generate" in routes and "/v1/logprobs" in routes

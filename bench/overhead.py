@@ -6,6 +6,9 @@ wide and 2 layers), 32 concurrent clients, JSON and binary (safetensors) bodies.
     .venv/bin/python bench/overhead.py --quick      # smoke run (CI)
     .venv/bin/python bench/overhead.py --profile    # py-spy flame graphs of the server
 
+Each runs against the transformers backend and against `none`: the same service with models
+that cost nothing (bench/null_server.py), which leaves the service's own cost alone.
+
 Work: score one 128-token sequence per request; score 32 of them per request; generate 16
 tokens for one 16-token prompt; step an environment session (text action, no tools). Figures
 are sequences (or requests, or steps) per second; `vllm serve` answers the same scoring and
@@ -26,6 +29,7 @@ from typing import Any
 
 import httpx
 from common import (
+    ROOT,
     bench_arguments,
     bench_model,
     free_port,
@@ -229,7 +233,7 @@ def profile(pid: int, seconds: float, output: Path) -> subprocess.Popen[bytes] |
 def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict[str, Any]:
     env = {
         "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data" / f"overhead-{backend}"),
-        "RLSERVE_MODELS__BACKEND": backend,
+        "RLSERVE_MODELS__BACKEND": "transformers" if backend == "none" else backend,
         "RLSERVE_MODELS__LOAD_REFERENCE": "false",
         "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "256",
         "RLSERVE_ENVS__MAX_TURNS": "100000",
@@ -238,7 +242,13 @@ def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict
         env["RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES"] = str(KV_CACHE_BYTES)
     log = args.output / f"overhead-{backend}.log"
     results: dict[str, Any] = {}
-    with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
+    if backend == "none":  # the service alone: models that cost nothing (bench/null_server.py)
+        port = free_port()
+        command = [sys.executable, str(ROOT / "bench" / "null_server.py"), "--port", str(port)]
+        started = running_process(command, port, "/ready", env=env, log=log, timeout=600)
+    else:
+        started = running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600)
+    with started as server:
         for binary in (False, True):
             kind = "binary" if binary else "json"
             work = rlserve_work(random.Random(0), args.requests, binary)
@@ -313,6 +323,8 @@ def main() -> None:
         "backends": {"transformers": run_rlserve(args, model_dir, "transformers")},
         "baseline_json_transformers": BASELINE,
     }
+    # The same work against models that cost nothing: what the service alone can carry.
+    report["backends"]["none"] = run_rlserve(args, model_dir, "none")
     if args.vllm:
         report["backends"]["vllm"] = run_rlserve(args, model_dir, "vllm")
         report["vllm_serve"] = run_vllm_serve(args, model_dir)

@@ -150,8 +150,9 @@ def test_async_training_benchmark_quick(tmp_path):
 def test_overhead_benchmark_quick(tmp_path):
     """Every workload, in both wire formats (environment steps in JSON), on the small model."""
     report = run_quick("overhead", tmp_path)
-    backend = report["backends"]["transformers"]
-    for kind in ("json", "binary"):
-        assert set(backend[kind]) >= {"score_1", "score_32", "generate_16"}
-        assert all(point["per_s"] > 0 for point in backend[kind].values())
-    assert backend["json"]["env_step"]["requests"] == 64
+    for name in ("transformers", "none"):  # none: the service with models that cost nothing
+        backend = report["backends"][name]
+        for kind in ("json", "binary"):
+            assert set(backend[kind]) >= {"score_1", "score_32", "generate_16"}
+            assert all(point["per_s"] > 0 for point in backend[kind].values())
+        assert backend["json"]["env_step"]["requests"] == 64

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -60,11 +61,21 @@ def binary_request(path: str, body: dict[str, Any]) -> Request:
     return ("POST", path, tensor_wire.encode(body), headers)
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system) process `pid` has used so far; this process's when None."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def drive(
-    url: str, requests: list[Request], clients: int, per_request: int
+    url: str, requests: list[Request], clients: int, per_request: int, pid: int | None = None
 ) -> dict[str, Any]:
     """Send `requests` from `clients` concurrent connections (one warm-up each first);
-    `per_request` sequences (or steps) per request for the rate."""
+    `per_request` sequences (or steps) per request for the rate. With the server's `pid`, also
+    the CPU milliseconds the server and this load generator spent per request: the service's
+    cost whatever paces the run (on 2 cores, the generator's own Python can be the limit)."""
     latencies: list[float] = []
     queue = list(reversed(requests))
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -84,10 +95,15 @@ async def drive(
 
         await asyncio.gather(*(send(r) for r in requests[:clients]))
         start = time.perf_counter()
+        server_cpu, client_cpu = cpu_seconds(pid), cpu_seconds(None)
         await asyncio.gather(*(worker() for _ in range(clients)))
         seconds = time.perf_counter() - start
+        server_cpu, client_cpu = cpu_seconds(pid) - server_cpu, cpu_seconds(None) - client_cpu
     figures = summarize(latencies, seconds, per_request).as_dict()
     figures["per_s"] = round(figures.pop("tokens_per_s"), 1)  # sequences, requests or steps
+    if pid is not None:
+        figures["server_cpu_ms"] = round(1000 * server_cpu / len(latencies), 3)
+        figures["client_cpu_ms"] = round(1000 * client_cpu / len(latencies), 3)
     return figures
 
 
@@ -177,7 +193,7 @@ def vllm_work(rng: random.Random, count: int, model: str) -> dict[str, tuple[lis
     }
 
 
-async def env_steps(url: str, steps: int, clients: int) -> dict[str, Any]:
+async def env_steps(url: str, steps: int, clients: int, pid: int | None = None) -> dict[str, Any]:
     """`clients` sessions of batch 1, each stepped with a text action until `steps` in all."""
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         envs = []
@@ -194,13 +210,15 @@ async def env_steps(url: str, steps: int, clients: int) -> dict[str, Any]:
         json_request(f"/v1/envs/{envs[i % clients]}/step", {"actions": [{"text": f"answer {i}"}]})
         for i in range(steps)
     ]
-    return await drive(url, requests, clients, 1)
+    return await drive(url, requests, clients, 1, pid)
 
 
-def measure(url: str, work: dict[str, tuple[list[Request], int]], label: str) -> dict[str, Any]:
+def measure(
+    url: str, work: dict[str, tuple[list[Request], int]], label: str, pid: int | None = None
+) -> dict[str, Any]:
     results = {}
     for name, (requests, per_request) in work.items():
-        results[name] = asyncio.run(drive(url, requests, CLIENTS, per_request))
+        results[name] = asyncio.run(drive(url, requests, CLIENTS, per_request, pid))
         print(f"{label} {name}: {results[name]['per_s']}/s", flush=True)
     return results
 
@@ -266,8 +284,10 @@ def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict
                     if spy is not None:
                         spy.wait()
                 continue
-            results[kind] = measure(server.url, work, f"{backend} {kind}")
-        results["json"]["env_step"] = asyncio.run(env_steps(server.url, args.requests, CLIENTS))
+            results[kind] = measure(server.url, work, f"{backend} {kind}", server.process.pid)
+        results["json"]["env_step"] = asyncio.run(
+            env_steps(server.url, args.requests, CLIENTS, server.process.pid)
+        )
         print(f"{backend} json env_step: {results['json']['env_step']['per_s']}/s", flush=True)
     return results
 
@@ -278,9 +298,8 @@ def run_vllm_serve(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     with running_process(
         command, port, "/v1/models", log=args.output / "overhead-vllm-serve.log", timeout=600
     ) as server:
-        return measure(
-            server.url, vllm_work(random.Random(0), args.requests, "builtin"), "vllm serve"
-        )
+        work = vllm_work(random.Random(0), args.requests, "builtin")
+        return measure(server.url, work, "vllm serve", server.process.pid)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -295,14 +314,32 @@ def table(report: dict[str, Any]) -> str:
     head += " | vllm serve |" if "vllm_serve" in report else " |"
     lines = [head, "|---" * (len(columns) + 2 + ("vllm_serve" in report)) + "|"]
 
-    def get(figures: dict[str, Any], work: str) -> str:
-        return f"{figures[work]['per_s']:.0f}" if work in figures else "-"
+    def get(figures: dict[str, Any], work: str, key: str = "per_s", form: str = ".0f") -> str:
+        return format(figures[work][key], form) if key in figures.get(work, {}) else "-"
 
     for work, text, unit in rows:
         cells = [get(report["backends"][n].get(k, {}), work) for n, k in columns]
         line = f"| {text} ({unit}) | {BASELINE.get(work, '-')} | " + " | ".join(cells)
         if "vllm_serve" in report:
             line += f" | {get(report['vllm_serve'], work)}"
+        lines.append(line + " |")
+    # CPU per request of the server's main process (a vLLM engine core, a child, not counted)
+    # and of the load generator, whatever the rate above was paced by.
+    lines += ["", head.replace("| baseline ", ""), lines[1].removeprefix("|---")]
+    for work, text, _unit in rows:
+        cells = []
+        for n, k in columns:
+            figures = report["backends"][n].get(k, {})
+            server, client = (
+                get(figures, work, "server_cpu_ms", ".2f"),
+                get(figures, work, "client_cpu_ms", ".2f"),
+            )
+            cells.append(f"{server} / {client}")
+        line = f"| {text} (server / load generator CPU ms per request) | " + " | ".join(cells)
+        if "vllm_serve" in report:
+            figures = report["vllm_serve"]
+            line += f" | {get(figures, work, 'server_cpu_ms', '.2f')} / "
+            line += get(figures, work, "client_cpu_ms", ".2f")
         lines.append(line + " |")
     return "\n".join(lines)
 

@@ -23,9 +23,8 @@ REPLY = [97] * 64  # "aaaa...": generations are cut at their max_new_tokens
 
 
 async def serve(port: int) -> None:
-    settings = Settings()
-    groups = {"batching": settings.batching.model_dump(), "limits": settings.limits.model_dump()}
-    groups["envs"] = settings.envs.model_dump()
+    settings = Settings()  # the groups the benchmark sets; fake_app chooses the rest
+    groups = {name: getattr(settings, name).model_dump() for name in ("batching", "limits", "envs")}
     with tempfile.TemporaryDirectory() as tmp:
         policy = FakeBackend("policy", lambda _token: -1.0, reply=REPLY)
         reference = FakeBackend("reference", lambda _token: -1.0, reply=REPLY)

@@ -326,20 +326,16 @@ def table(report: dict[str, Any]) -> str:
     # CPU per request of the server's main process (a vLLM engine core, a child, not counted)
     # and of the load generator, whatever the rate above was paced by.
     lines += ["", head.replace("| baseline ", ""), lines[1].removeprefix("|---")]
+
+    def cpu(figures: dict[str, Any], work: str) -> str:
+        server = get(figures, work, "server_cpu_ms", ".2f")
+        return f"{server} / {get(figures, work, 'client_cpu_ms', '.2f')}"
+
     for work, text, _unit in rows:
-        cells = []
-        for n, k in columns:
-            figures = report["backends"][n].get(k, {})
-            server, client = (
-                get(figures, work, "server_cpu_ms", ".2f"),
-                get(figures, work, "client_cpu_ms", ".2f"),
-            )
-            cells.append(f"{server} / {client}")
+        cells = [cpu(report["backends"][n].get(k, {}), work) for n, k in columns]
         line = f"| {text} (server / load generator CPU ms per request) | " + " | ".join(cells)
         if "vllm_serve" in report:
-            figures = report["vllm_serve"]
-            line += f" | {get(figures, work, 'server_cpu_ms', '.2f')} / "
-            line += get(figures, work, "client_cpu_ms", ".2f")
+            line += f" | {cpu(report['vllm_serve'], work)}"
         lines.append(line + " |")
     return "\n".join(lines)
 

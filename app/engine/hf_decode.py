@@ -206,6 +206,7 @@ def generate(
     del out, prefill_logits
     next_position = positions[:, -1:] + 1
     columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
+    cache_argument = _cache_argument(model)
     for _step in range(max(c.max_new_tokens for c in configs)):
         raw = logits.log_softmax(-1)
         processed = sampler.process(logits, seen)
@@ -232,7 +233,7 @@ def generate(
                 input_ids=chosen[:, None],
                 attention_mask=mask,
                 position_ids=next_position,
-                **{_cache_argument(model): cache},
+                **{cache_argument: cache},
                 use_cache=True,
             )
         else:

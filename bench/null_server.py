@@ -38,7 +38,9 @@ async def serve(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
-    asyncio.run(serve(parser.parse_args().port))
+    # the event loop `rlserve serve` runs on (uvicorn's choice: uvloop where installed)
+    with asyncio.Runner(loop_factory=uvicorn.Config(None).get_loop_factory()) as runner:
+        runner.run(serve(parser.parse_args().port))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,12 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 from pydantic import BaseModel
 
 try:
+    import numpy as np
     import torch
     from safetensors import SafetensorError
-    from safetensors.torch import load, save
+    from safetensors.numpy import load as load_arrays
+    from safetensors.numpy import save
+    from safetensors.torch import load
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "binary bodies need torch and safetensors: pip install 'rlserve-client[torch]'"
@@ -62,25 +65,28 @@ def encode(body: dict[str, Any]) -> bytes:
     """A body (plain values, lists, and torch or numpy arrays) as MEDIA_TYPE bytes. A 2-D
     array is one row of equal-length sequences (e.g. `tokens`), a list of 1-D arrays one row
     each; numeric lists become columns too."""
-    columns: dict[str, list[torch.Tensor]] = {}
+    # Columns are built in numpy: per call, small arrays cost a fraction of torch's dispatch.
+    columns: dict[str, list[np.ndarray]] = {}
     skeleton = _take(body, "", columns)
-    tensors: dict[str, torch.Tensor] = {}
+    arrays: dict[str, np.ndarray] = {}
     for name, rows in columns.items():
-        values = torch.cat(rows) if len(rows) > 1 else rows[0]
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor([len(r) for r in rows]).cumsum(0)
-        tensors[name] = _narrow(values).contiguous()
-        tensors[name + ".offsets"] = offsets
+        values = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        arrays[name] = np.ascontiguousarray(_narrow(values))
+        arrays[name + ".offsets"] = offsets
     header = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
-    return save(tensors, metadata={METADATA_KEY: header})
+    return save(arrays, metadata={METADATA_KEY: header})
 
 
-def _take(node: Any, path: str, columns: dict[str, list[torch.Tensor]]) -> Any:
+def _take(node: Any, path: str, columns: dict[str, list[np.ndarray]]) -> Any:
     """`node` with its arrays moved into `columns` (placeholders left behind)."""
     if isinstance(node, torch.Tensor):
+        return _add(columns, path, _from_torch(node))
+    if isinstance(node, np.ndarray):
         return _add(columns, path, node)
-    if hasattr(node, "__dlpack__"):  # numpy and other array libraries
-        return _add(columns, path, torch.as_tensor(node))
+    if hasattr(node, "__dlpack__"):  # other array libraries
+        return _add(columns, path, np.from_dlpack(node))
     if isinstance(node, dict):
         return _take_dict(node, path, columns)
     if isinstance(node, list | tuple):
@@ -91,7 +97,14 @@ def _take(node: Any, path: str, columns: dict[str, list[torch.Tensor]]) -> Any:
     return node
 
 
-def _take_dict(node: dict[str, Any], path: str, columns: dict[str, list[torch.Tensor]]) -> Any:
+def _from_torch(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float32, torch.float64):
+        tensor = tensor.float()  # half and bfloat16: numpy has no bfloat16; floats go as float32
+    return tensor.numpy()
+
+
+def _take_dict(node: dict[str, Any], path: str, columns: dict[str, list[np.ndarray]]) -> Any:
     out: dict[str, Any] = {}
     full = node.get("full")
     if full is not None and all(node.get(p) is not None for p in _SPLIT_PARTS):
@@ -123,30 +136,29 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _add(columns: dict[str, list[torch.Tensor]], name: str, row: torch.Tensor) -> dict[str, Any]:
+def _add(columns: dict[str, list[np.ndarray]], name: str, row: np.ndarray) -> dict[str, Any]:
     rows = columns.setdefault(name, [])
-    if rows and (rows[0].shape[1:], rows[0].is_floating_point()) != (
-        row.shape[1:],
-        row.is_floating_point(),
-    ):  # a column keeps one row shape and kind: anything else is a column of its own
-        kind = "f" if row.is_floating_point() else "i"
-        return _add(columns, f"{name}~{row.dim()}{kind}", row)
-    rows.append(row.detach().cpu())
+    floating = row.dtype.kind == "f"
+    if rows and (rows[0].shape[1:], rows[0].dtype.kind == "f") != (row.shape[1:], floating):
+        # a column keeps one row shape and kind: anything else is a column of its own
+        kind = "f" if floating else "i"
+        return _add(columns, f"{name}~{row.ndim}{kind}", row)
+    rows.append(row)
     return {"$tensor": name, "row": len(rows) - 1}
 
 
-def _as_rows(values: list[Any] | tuple[Any, ...]) -> torch.Tensor | None:
-    """A numeric list (1-D), or a list of equal-length numeric lists (2-D), as a tensor;
+def _as_rows(values: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """A numeric list (1-D), or a list of equal-length numeric lists (2-D), as an array;
     None for anything else. Nulls become NaN (floats) or -1 (integers)."""
     first = next((v for v in values if v is not None), None)
     if first is None:
-        return torch.zeros(0, dtype=torch.int64) if not values else None
+        return np.zeros(0, dtype=np.int64) if not values else None
     if _is_number(first):
-        return _tensor(values, None)
+        return _array(values, None)
     if isinstance(first, list | tuple) and _is_number(next((v for v in first if v is not None), 0)):
         width = len(first)
         if all(v is None or len(v) == width for v in values):
-            return _tensor(values, width)
+            return _array(values, width)
     return None
 
 
@@ -154,16 +166,16 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _tensor(values: Any, width: int | None) -> torch.Tensor:
+def _array(values: Any, width: int | None) -> np.ndarray:
     floating = _has_float(values, width)
     fill: float = math.nan if floating else -1
-    dtype = torch.float32 if floating else torch.int64
+    dtype = np.float32 if floating else np.int64
     if width is None:
         if None in values:
             values = [fill if v is None else v for v in values]
-        return torch.tensor(values, dtype=dtype)
+        return np.array(values, dtype=dtype)
     rows = [_filled(row, width, fill) for row in values]
-    return torch.tensor(rows, dtype=dtype).reshape(len(values), width)
+    return np.array(rows, dtype=dtype).reshape(len(values), width)
 
 
 def _filled(row: Any, width: int, fill: float) -> Any:
@@ -177,18 +189,18 @@ def _has_float(values: Any, width: int | None) -> bool:
     return any(isinstance(v, float) for row in rows if row is not None for v in row)
 
 
-def _narrow(values: torch.Tensor) -> torch.Tensor:
+def _narrow(values: np.ndarray) -> np.ndarray:
     """Floats as float32; integers in the narrowest type that holds them."""
-    if values.is_floating_point():
-        return values.to(torch.float32)
-    if values.dtype == torch.bool or values.numel() == 0:
+    if values.dtype.kind == "f":
+        return values.astype(np.float32, copy=False)
+    if values.dtype == np.bool_ or values.size == 0:
         return values
     low, high = int(values.min()), int(values.max())
-    for dtype in (torch.uint8, torch.int16, torch.int32):
-        info = torch.iinfo(dtype)
+    for dtype in (np.uint8, np.int16, np.int32):
+        info = np.iinfo(dtype)
         if info.min <= low and high <= info.max:
-            return values.to(dtype)
-    return values.to(torch.int64)
+            return values.astype(dtype, copy=False)
+    return values.astype(np.int64, copy=False)
 
 
 # -- decoding -----------------------------------------------------------------------------
@@ -198,24 +210,25 @@ def decode(data: bytes) -> Any:
     """A MEDIA_TYPE body with its arrays as tensors: views of one tensor per column, no
     Python lists; integers widened to int64 (torch's index type), masks (a field whose name
     ends in "mask") as bool. WireFormatError when `data` is not such a body."""
-    return _decoded(data, _canonical, lambda part: part)
+    return _decoded(data, load, _canonical, lambda part: part)
 
 
 def decode_values(data: bytes) -> Any:
     """A MEDIA_TYPE body as plain JSON values: what the same body sent as JSON parses to.
     WireFormatError when `data` is not such a body."""
-    return _decoded(data, lambda _name, column: column, lambda part: part.tolist())
+    return _decoded(data, load_arrays, lambda _name, column: column, lambda part: part.tolist())
 
 
 def _decoded(
     data: bytes,
-    column: Callable[[str, torch.Tensor], torch.Tensor],
-    row: Callable[[torch.Tensor], Any],
+    loader: Callable[[bytes], dict[str, Any]],
+    column: Callable[[str, Any], Any],
+    row: Callable[[Any], Any],
 ) -> Any:
     """The skeleton with each placeholder replaced by `row` of its slice of `column` (each
-    column converted once)."""
+    column converted once); `loader` reads the arrays (torch's or numpy's)."""
     try:
-        tensors = load(data)
+        tensors = loader(data)
         skeleton = json.loads(_metadata(data)[METADATA_KEY])
     except (SafetensorError, ValueError, KeyError, TypeError) as error:
         raise WireFormatError(
@@ -249,11 +262,8 @@ def _metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
-def _slice(
-    placeholder: dict[str, Any],
-    columns: dict[str, torch.Tensor],
-    tensors: dict[str, torch.Tensor],
-) -> torch.Tensor:
+def _slice(placeholder: dict[str, Any], columns: dict[str, Any], tensors: dict[str, Any]) -> Any:
+    """The slice of its column a placeholder names (torch tensors or numpy arrays)."""
     name, row = placeholder.get("$tensor"), placeholder.get("row")
     values, offsets = columns.get(f"{name}"), tensors.get(f"{name}.offsets")
     begin, end = placeholder.get("start"), placeholder.get("stop")

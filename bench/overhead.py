@@ -5,6 +5,11 @@ wide and 2 layers), 32 concurrent clients, JSON and binary (safetensors) bodies.
     .venv-vllm/bin/python bench/overhead.py --vllm  # also the vLLM backend and `vllm serve`
     .venv/bin/python bench/overhead.py --quick      # smoke run (CI)
     .venv/bin/python bench/overhead.py --profile    # py-spy flame graphs of the server
+    .venv/bin/python bench/overhead.py --load httpx # the Python load generator instead of wrk
+
+The load comes from `wrk` (Debian's package; scripts/system-deps.sh installs it), whose C event
+loops cost the 2 cores a few percent; the Python generator (httpx) costs 3-4 ms of CPU per
+request, more than the service, and so paces every run it drives on this machine.
 
 Each runs against the transformers backend and against `none`: the same service with models
 that cost nothing (bench/null_server.py), which leaves the service's own cost alone.
@@ -21,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import wrk_load
 from common import (
     ROOT,
     bench_arguments,
@@ -46,6 +53,7 @@ SEQ_LEN = 128
 NEW_TOKENS = 16
 BATCH = 32
 KV_CACHE_BYTES = 256 << 20
+ENV_TURNS = 100_000  # sessions stepped for a duration (wrk) must not run out of turns
 # The issue's figures for this machine before the work (JSON bodies, transformers backend).
 BASELINE = {"score_1": 180.0, "score_32": 661.0, "generate_16": 182.0}
 
@@ -193,32 +201,87 @@ def vllm_work(rng: random.Random, count: int, model: str) -> dict[str, tuple[lis
     }
 
 
-async def env_steps(url: str, steps: int, clients: int, pid: int | None = None) -> dict[str, Any]:
-    """`clients` sessions of batch 1, each stepped with a text action until `steps` in all."""
+def env_steps(
+    args: argparse.Namespace, url: str, steps: int, pid: int | None = None
+) -> dict[str, Any]:
+    """CLIENTS sessions of batch 1, each stepped with a text action from one connection:
+    `steps` in all (httpx), or for `args.seconds` (wrk)."""
+    envs = asyncio.run(env_sessions(url, CLIENTS))
+    requests = [
+        json_request(f"/v1/envs/{envs[i % CLIENTS]}/step", {"actions": [{"text": f"answer {i}"}]})
+        for i in range(steps)
+    ]
+    return send(args, url, requests, 1, pid)
+
+
+async def env_sessions(url: str, clients: int) -> list[str]:
+    """`clients` environment sessions of batch 1, reset."""
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         envs = []
         for _ in range(clients):
-            turns = steps // clients + 2
-            created = await client.post("/v1/envs", json={"batch_size": 1, "max_turns": turns})
+            body = {"batch_size": 1, "max_turns": ENV_TURNS}
+            created = await client.post("/v1/envs", json=body)
             created.raise_for_status()
             env = created.json()["env_id"]
             (
                 await client.post(f"/v1/envs/{env}/reset", json={"query": ["2 + 2?"]})
             ).raise_for_status()
             envs.append(env)
-    requests = [
-        json_request(f"/v1/envs/{envs[i % clients]}/step", {"actions": [{"text": f"answer {i}"}]})
-        for i in range(steps)
-    ]
-    return await drive(url, requests, clients, 1, pid)
+    return envs
+
+
+def drive_wrk(
+    url: str, requests: list[Request], per_request: int, seconds: float, pid: int | None
+) -> dict[str, Any]:
+    """`drive`'s figures with wrk sending `requests` (cycling) for `seconds`, after a warm-up
+    second; the load generator's CPU is wrk's (a child process: its rusage)."""
+    wrk_load.run(url, requests, CLIENTS, 1)
+    server_cpu, client_cpu = cpu_seconds(pid), _children_cpu()
+    figures = wrk_load.run(url, requests, CLIENTS, seconds)
+    server_cpu, client_cpu = cpu_seconds(pid) - server_cpu, _children_cpu() - client_cpu
+    count, elapsed = figures["requests"], figures["microseconds"] / 1e6
+    result: dict[str, Any] = {
+        "requests": count,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(count / elapsed, 3),
+        "p50_ms": figures["p50_us"] / 1000,
+        "p99_ms": figures["p99_us"] / 1000,
+        "per_s": round(count * per_request / elapsed, 1),
+    }
+    if pid is not None:
+        result["server_cpu_ms"] = round(1000 * server_cpu / count, 3)
+        result["client_cpu_ms"] = round(1000 * client_cpu / count, 3)
+    return result
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def send(
+    args: argparse.Namespace,
+    url: str,
+    requests: list[Request],
+    per_request: int,
+    pid: int | None = None,
+) -> dict[str, Any]:
+    """`requests` against `url` from the load generator `args.load` names."""
+    if args.load == "wrk":
+        return drive_wrk(url, requests, per_request, args.seconds, pid)
+    return asyncio.run(drive(url, requests, CLIENTS, per_request, pid))
 
 
 def measure(
-    url: str, work: dict[str, tuple[list[Request], int]], label: str, pid: int | None = None
+    args: argparse.Namespace,
+    url: str,
+    work: dict[str, tuple[list[Request], int]],
+    label: str,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     results = {}
     for name, (requests, per_request) in work.items():
-        results[name] = asyncio.run(drive(url, requests, CLIENTS, per_request, pid))
+        results[name] = send(args, url, requests, per_request, pid)
         print(f"{label} {name}: {results[name]['per_s']}/s", flush=True)
     return results
 
@@ -254,7 +317,7 @@ def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict
         "RLSERVE_MODELS__BACKEND": "transformers" if backend == "none" else backend,
         "RLSERVE_MODELS__LOAD_REFERENCE": "false",
         "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "256",
-        "RLSERVE_ENVS__MAX_TURNS": "100000",
+        "RLSERVE_ENVS__MAX_TURNS": str(ENV_TURNS),
     }
     if backend == "vllm":
         env["RLSERVE_VLLM__KV_CACHE_MEMORY_BYTES"] = str(KV_CACHE_BYTES)
@@ -277,17 +340,13 @@ def run_rlserve(args: argparse.Namespace, model_dir: Path, backend: str) -> dict
                         args.profile_seconds,
                         args.output / f"overhead-{backend}-{name}.svg",
                     )
-                    results.setdefault(kind, {})[name] = asyncio.run(
-                        drive(server.url, item[0], CLIENTS, item[1])
-                    )
+                    results.setdefault(kind, {})[name] = send(args, server.url, *item)
                     print(f"{backend} {kind} {name}: {results[kind][name]['per_s']}/s", flush=True)
                     if spy is not None:
                         spy.wait()
                 continue
-            results[kind] = measure(server.url, work, f"{backend} {kind}", server.process.pid)
-        results["json"]["env_step"] = asyncio.run(
-            env_steps(server.url, args.requests, CLIENTS, server.process.pid)
-        )
+            results[kind] = measure(args, server.url, work, f"{backend} {kind}", server.process.pid)
+        results["json"]["env_step"] = env_steps(args, server.url, args.requests, server.process.pid)
         print(f"{backend} json env_step: {results['json']['env_step']['per_s']}/s", flush=True)
     return results
 
@@ -299,7 +358,7 @@ def run_vllm_serve(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         command, port, "/v1/models", log=args.output / "overhead-vllm-serve.log", timeout=600
     ) as server:
         work = vllm_work(random.Random(0), args.requests, "builtin")
-        return measure(server.url, work, "vllm serve", server.process.pid)
+        return measure(args, server.url, work, "vllm serve", server.process.pid)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -345,14 +404,22 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="also the vLLM backend and vllm serve")
     parser.add_argument("--profile", action="store_true", help="py-spy flame graphs (JSON runs)")
     parser.add_argument("--name", default="overhead", help="the results' file name")
+    parser.add_argument(
+        "--load",
+        choices=("wrk", "httpx"),
+        default="wrk" if wrk_load.available() else "httpx",
+        help="the load generator (default: wrk where installed)",
+    )
     args = parser.parse_args()
     args.requests = 64 if args.quick else 2000
+    args.seconds = 1 if args.quick else 8  # each run's length under wrk
     args.profile_seconds = 4 if args.quick else 8
     args.output.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model(args.output, 64, 2)
     report: dict[str, Any] = {
         "model": "built-in Qwen2, hidden 64, 2 layers, float32 (compute negligible)",
         "clients": CLIENTS,
+        "load": args.load,
         "backends": {"transformers": run_rlserve(args, model_dir, "transformers")},
         "baseline_json_transformers": BASELINE,
     }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages the server and its tests use: bubblewrap isolates the python tool, and
-# redis-server is the shared session store the multi-server tests start. Installed when
+# redis-server is the shared session store the multi-server tests start; wrk is the load
+# generator of bench/overhead.py (which falls back to Python's httpx without it). Installed when
 # missing and this runs as root with apt-get; otherwise it says what to install and carries
 # on (the python tool then refuses to run and says why; the Redis tests skip and say why).
 set -euo pipefail
@@ -8,6 +9,7 @@ set -euo pipefail
 missing=()
 command -v bwrap >/dev/null || missing+=(bubblewrap)
 command -v redis-server >/dev/null || missing+=(redis-server)
+command -v wrk >/dev/null || missing+=(wrk)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +27,10 @@ from app.common.masks import (
 )
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Templates that read the clock or draw random values render differently each time: their
+# renders are not remembered.
+_UNREPEATABLE = re.compile(r"strftime_now|\brandom\b")
+RENDERS_KEPT = 512
 T = TypeVar("T")
 
 
@@ -56,6 +63,11 @@ class InputPreparer:
         self.max_model_len = max_model_len
         template = getattr(tokenizer, "chat_template", None) or ""
         self.has_chat_template = bool(template)
+        # Renders remembered, most recent last: an episode's next turn renders the conversation
+        # its last turn rendered, and Jinja is the largest cost of a step on a long history.
+        self._renders: OrderedDict[str, str] = OrderedDict()
+        self._rendered_template: Any = getattr(tokenizer, "chat_template", None)
+        self._renders_lock = threading.Lock()
         self.has_generation_tags = bool(_GENERATION_TAG.search(template))
         self.special_ids: set[int] = set(getattr(tokenizer, "all_special_ids", None) or [])
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -98,11 +110,42 @@ class InputPreparer:
     def render(
         self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None
     ) -> str:
-        return str(
+        """The chat template's text for `conversation` (the last RENDERS_KEPT remembered)."""
+        key = self._render_key(conversation, generation_prompt, tools)
+        if key is not None:
+            with self._renders_lock:
+                text = self._renders.get(key)
+                if text is not None:
+                    self._renders.move_to_end(key)
+                    return text
+        text = str(
             self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=generation_prompt, tools=tools
             )
         )
+        if key is not None:
+            with self._renders_lock:
+                self._renders[key] = text
+                if len(self._renders) > RENDERS_KEPT:
+                    self._renders.popitem(last=False)
+        return text
+
+    def _render_key(
+        self, conversation: Conversation, generation_prompt: bool, tools: Any
+    ) -> str | None:
+        """The render's inputs as one string; None when renders are not remembered: inputs
+        that are not plain JSON, or a template that reads the clock or draws random values."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is not self._rendered_template:  # replaced: forget its renders
+            with self._renders_lock:
+                self._renders.clear()
+                self._rendered_template = template
+        if _UNREPEATABLE.search(str(template or "")):
+            return None
+        try:
+            return json.dumps([conversation, generation_prompt, tools], ensure_ascii=False)
+        except (TypeError, ValueError):
+            return None
 
     @cached_property
     def supports_tools(self) -> bool:

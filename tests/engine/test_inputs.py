@@ -1,4 +1,5 @@
-"""Assistant masks for chat templates without generation tags come from character offsets."""
+"""Assistant masks for chat templates without generation tags come from character offsets;
+chat-template renders are remembered where that gives the same text."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from transformers import AutoTokenizer
 
 from app.common.inputs import InputPreparer
 from app.common.masks import assistant_spans_by_prefixes
+from app.common.turns import continuation_text
 
 CONVERSATION = [
     {"role": "system", "content": "sys"},
@@ -196,3 +198,56 @@ def test_turns_whose_reasoning_the_template_drops(model_dir):
         [t for t, m in zip(ids, prepared.assistant_mask or [], strict=True) if m]
     )
     assert masked == "4<|im_end|>" + "<think>\nagain\n</think>\n6<|im_end|>"
+
+
+def counted_renders(preparer: InputPreparer) -> list[int]:
+    """A one-item list counting the tokenizer's own chat-template renders from now on."""
+    count = [0]
+    tokenizer = preparer.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return render(*args, **kwargs)
+
+    tokenizer.apply_chat_template = counting
+    return count
+
+
+def test_an_episodes_next_turn_reuses_the_render_of_its_last(model_dir):
+    """continuation_text renders the history, then the history with the new turn: the next
+    turn's history is that second conversation, so each turn after the first renders once;
+    every continuation equals the one fresh renders give."""
+    preparer = preparer_with(model_dir, QWEN_LIKE)
+    plain = AutoTokenizer.from_pretrained(model_dir)
+    plain.chat_template = QWEN_LIKE
+    renders = counted_renders(preparer)
+    history: list[dict[str, str]] = [{"role": "user", "content": "2 + 2?"}]
+    for turn in range(6):
+        action, reply = f"answer {turn}", [{"role": "user", "content": f"wrong ({turn})"}]
+        text = continuation_text(preparer, history, action, reply)
+        turned = [*history, {"role": "assistant", "content": action}, *reply]
+        prompt = plain.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        after = plain.apply_chat_template(turned, tokenize=False, add_generation_prompt=True)
+        assert prompt + action + text == after
+        history = turned
+    assert renders[0] == 2 + 5
+
+
+def test_templates_that_read_the_clock_render_every_time(model_dir):
+    dated = "{{- strftime_now('%Y') }}{{- '<|im_start|>' + m['role']"
+    preparer = preparer_with(model_dir, QWEN_LIKE.replace("{{- '<|im_start|>' + m['role']", dated))
+    assert "strftime_now" in preparer.tokenizer.chat_template
+    renders = counted_renders(preparer)
+    for _ in range(3):
+        preparer.render(CONVERSATION, generation_prompt=True)
+    assert renders[0] == 3
+
+
+def test_a_replaced_template_is_rendered_afresh(model_dir):
+    preparer = preparer_with(model_dir, QWEN_LIKE)
+    before = preparer.render(CONVERSATION, generation_prompt=True)
+    assert preparer.render(CONVERSATION, generation_prompt=True) == before
+    preparer.tokenizer.chat_template = QWEN_LIKE.replace("<|im_start|>", "<|im_start|> ")
+    after = preparer.render(CONVERSATION, generation_prompt=True)
+    assert after != before and "<|im_start|> user" in after

@@ -98,7 +98,7 @@ class SQLiteSessionStore(SQLiteFile, SessionStore):
             record.owner,
             record.revision,
         )
-        await self._run(
+        await self._write(
             self._db.execute,
             f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
             row,
@@ -123,7 +123,7 @@ class SQLiteSessionStore(SQLiteFile, SessionStore):
                 ).rowcount
             )
 
-        if not await self._run(write):
+        if not await self._write(write):
             return False
         record.revision += 1
         return True

@@ -197,3 +197,31 @@ async def test_broken_binary_bodies_are_named_4xx(client, content, param):
     assert 400 <= response.status_code < 500, response.text
     error = response.json()["error"]
     assert error["param"].startswith(param), error
+
+
+def test_encoding_takes_torch_and_numpy_arrays_of_every_dtype():
+    """Arrays of any dtype encode to the values they hold, as the independent reader sees
+    them: half and bfloat16 as float32, float64 narrowed to float32, bools as bools,
+    integers narrowed to the smallest type that holds them."""
+    import numpy as np
+
+    body = {
+        "bf16": torch.tensor([0.5, -1.25, 3.0], dtype=torch.bfloat16),
+        "f16": torch.tensor([[0.5, 2.0]], dtype=torch.float16),
+        "f64": np.array([1.0 / 3.0, 2.5]),
+        "mask": torch.tensor([True, False, True]),
+        "ids": np.array([[1, 70_000], [2, 3]], dtype=np.int64),
+        "small": [4, 5, 6],
+    }
+    data = client_encode(body)
+    tensors = load(data)
+    assert tensors["bf16"].dtype == torch.float32 and tensors["f16"].dtype == torch.float32
+    assert tensors["mask"].dtype == torch.bool and tensors["ids"].dtype == torch.int32
+    assert tensors["small"].dtype == torch.uint8
+    decoded = read_binary(data)
+    assert decoded["bf16"] == [0.5, -1.25, 3.0]
+    assert decoded["f16"] == [[0.5, 2.0]]
+    assert decoded["f64"] == [float(np.float32(1.0 / 3.0)), 2.5]
+    assert decoded["mask"] == [True, False, True]
+    assert decoded["ids"] == [[1, 70_000], [2, 3]]
+    assert decoded["small"] == [4, 5, 6]

@@ -85,8 +85,8 @@ def _take(node: Any, path: str, columns: dict[str, list[np.ndarray]]) -> Any:
         return _add(columns, path, _from_torch(node))
     if isinstance(node, np.ndarray):
         return _add(columns, path, node)
-    if hasattr(node, "__dlpack__"):  # other array libraries
-        return _add(columns, path, np.from_dlpack(node))
+    if hasattr(node, "__dlpack__"):  # other array libraries, on any device torch reads
+        return _add(columns, path, _from_torch(torch.as_tensor(node)))
     if isinstance(node, dict):
         return _take_dict(node, path, columns)
     if isinstance(node, list | tuple):

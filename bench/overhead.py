@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -376,26 +377,27 @@ def table(report: dict[str, Any]) -> str:
     def get(figures: dict[str, Any], work: str, key: str = "per_s", form: str = ".0f") -> str:
         return format(figures[work][key], form) if key in figures.get(work, {}) else "-"
 
-    for work, text, unit in rows:
-        cells = [get(report["backends"][n].get(k, {}), work) for n, k in columns]
-        line = f"| {text} ({unit}) | {BASELINE.get(work, '-')} | " + " | ".join(cells)
-        if "vllm_serve" in report:
-            line += f" | {get(report['vllm_serve'], work)}"
-        lines.append(line + " |")
-    # CPU per request of the server's main process (a vLLM engine core, a child, not counted)
-    # and of the load generator, whatever the rate above was paced by.
-    lines += ["", head.replace("| baseline ", ""), lines[1].removeprefix("|---")]
-
     def cpu(figures: dict[str, Any], work: str) -> str:
         server = get(figures, work, "server_cpu_ms", ".2f")
         return f"{server} / {get(figures, work, 'client_cpu_ms', '.2f')}"
 
-    for work, text, _unit in rows:
-        cells = [cpu(report["backends"][n].get(k, {}), work) for n, k in columns]
-        line = f"| {text} (server / load generator CPU ms per request) | " + " | ".join(cells)
-        if "vllm_serve" in report:
-            line += f" | {cpu(report['vllm_serve'], work)}"
-        lines.append(line + " |")
+    def body(cell: Callable[[dict[str, Any], str], str], label: str, baseline: bool) -> None:
+        """One line per work: `cell` of each column's figures (and the baseline's)."""
+        for work, text, unit in rows:
+            cells = [cell(report["backends"][n].get(k, {}), work) for n, k in columns]
+            first = f"| {text} ({label or unit}) | "
+            if baseline:
+                first += f"{BASELINE.get(work, '-')} | "
+            line = first + " | ".join(cells)
+            if "vllm_serve" in report:
+                line += f" | {cell(report['vllm_serve'], work)}"
+            lines.append(line + " |")
+
+    body(get, "", baseline=True)
+    # CPU per request of the server's main process (a vLLM engine core, a child, not counted)
+    # and of the load generator, whatever the rate above was paced by.
+    lines += ["", head.replace("| baseline ", ""), lines[1].removeprefix("|---")]
+    body(cpu, "server / load generator CPU ms per request", baseline=False)
     return "\n".join(lines)
 
 

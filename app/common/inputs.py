@@ -66,7 +66,8 @@ class InputPreparer:
         # Renders remembered, most recent last: an episode's next turn renders the conversation
         # its last turn rendered, and Jinja is the largest cost of a step on a long history.
         self._renders: OrderedDict[str, str] = OrderedDict()
-        self._rendered_template: Any = getattr(tokenizer, "chat_template", None)
+        self._rendered_template: Any = None  # the template the renders are of, and whether
+        self._remembering = False  # its renders repeat (set at the first render)
         self._renders_lock = threading.Lock()
         self.has_generation_tags = bool(_GENERATION_TAG.search(template))
         self.special_ids: set[int] = set(getattr(tokenizer, "all_special_ids", None) or [])
@@ -136,11 +137,12 @@ class InputPreparer:
         """The render's inputs as one string; None when renders are not remembered: inputs
         that are not plain JSON, or a template that reads the clock or draws random values."""
         template = getattr(self.tokenizer, "chat_template", None)
-        if template is not self._rendered_template:  # replaced: forget its renders
+        if template is not self._rendered_template:  # new or replaced: forget its renders
             with self._renders_lock:
                 self._renders.clear()
                 self._rendered_template = template
-        if _UNREPEATABLE.search(str(template or "")):
+                self._remembering = not _UNREPEATABLE.search(str(template or ""))
+        if not self._remembering:
             return None
         try:
             return json.dumps([conversation, generation_prompt, tools], ensure_ascii=False)

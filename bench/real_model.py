@@ -9,6 +9,8 @@ Generation: chat prompts (about 30 tokens) as token ids, `new_tokens` sampled at
 past end-of-sequence, one sequence per request from concurrent clients; in-process, the same
 prompts in batches of `clients` through `generate`. Scoring: 128-token sequences of real
 text, one per request; in-process, batches of `clients` through one forward and a log-softmax.
+With --vllm, the bodies sent to `vllm serve` (/v1/completions, scoring by `prompt_logprobs`)
+are also sent to rlserve's /v1/completions on the vLLM backend.
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ def main() -> None:
         ) as server:
             bodies = rlserve_bodies(work, args.new_tokens)
             results[f"rlserve_{backend}"] = measure(f"rlserve {backend}", server.url, bodies, args)
+            if backend == "vllm":  # the very bodies sent to vllm serve, to vLLM's own route
+                same = vllm_bodies(work, args.new_tokens, "policy")
+                results["rlserve_vllm_completions"] = measure(
+                    "rlserve vllm /v1/completions", server.url, same, args
+                )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results["in_process_transformers"] = in_process(model, work, args)
     del model
@@ -142,7 +149,7 @@ def main() -> None:
         )
     }
     if args.vllm:
-        for name in ("rlserve_transformers", "rlserve_vllm"):
+        for name in ("rlserve_transformers", "rlserve_vllm", "rlserve_vllm_completions"):
             ratios[f"{name}_over_vllm_serve"] = throughput_ratios(
                 results[name], results["vllm_serve"], kinds
             )

@@ -31,6 +31,9 @@ class Capabilities:
     """Which log-probs a GenerateItem's sink is told as tokens are sampled."""
     continuous_batching: bool = False
     """Batches generation itself: rows go straight to the engine, one call each."""
+    prompt_scores: bool = False
+    """Scores a prompt (top-k, ranks) in the same engine pass that generates from it
+    (`GenerateItem.prompt_asks`); otherwise the service scores prompts in a pass of their own."""
 
 
 class Backend(ABC):

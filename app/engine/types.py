@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from app.engine.distribution import Scores, ScoreSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -66,6 +69,9 @@ class GenerateItem:
     """Set when the requester is gone: decoding stops at the next token (app.engine.abandon)."""
     sink: TokenSink | None = field(default=None, compare=False)
     """Told each token as it is sampled (streaming), from whatever thread samples it."""
+    prompt_asks: ScoreSpec | None = None
+    """Score the prompt for these (its log-probs, top-k, ranks) in the generation's own pass:
+    only for engines with `Capabilities.prompt_scores`."""
 
 
 class TokenSink(Protocol):
@@ -103,6 +109,8 @@ class Generation:
     prompt_log_probs: list[float] | None = None
     versions: list[VersionSpan] | None = None
     """Which weights produced which tokens; None when the engine does not say."""
+    prompt_scores: Scores | None = None
+    """The prompt scored for the item's `prompt_asks` (None when not asked, or aborted)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def vllm_available() -> bool:
 
 
 class VLLMBackend(Backend):
-    capabilities = Capabilities(weight_transfer=True, continuous_batching=True)
+    capabilities = Capabilities(weight_transfer=True, continuous_batching=True, prompt_scores=True)
 
     def __init__(
         self,
@@ -67,6 +67,7 @@ class VLLMBackend(Backend):
         self.capabilities = Capabilities(
             weight_transfer=True,
             continuous_batching=True,
+            prompt_scores=True,
             processed_log_probs=processed_log_probs,
             streamed_log_probs="processed" if processed_log_probs else "raw",
         )
@@ -155,8 +156,7 @@ class VLLMBackend(Backend):
                 completion = output.outputs[0]
                 new = list(completion.token_ids[sent:])
                 if new:
-                    steps = completion.logprobs[sent:]
-                    sink.put(new, [float(s[t].logprob) for t, s in zip(new, steps, strict=True)])
+                    sink.put(new, _own_log_probs(completion.logprobs, sent, sent + len(new)))
                     sent += len(new)
         if final is None:
             raise RuntimeError("vLLM returned no output")
@@ -193,13 +193,14 @@ class VLLMBackend(Backend):
         if len(sequence) == 1:
             return [0.0]
         params = SamplingParams(
-            max_tokens=1, prompt_logprobs=0, detokenize=False, output_kind=_final_only()
+            max_tokens=1,
+            prompt_logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=_final_only(),
         )
         final = await self._final(sequence, params)
-        values = [0.0]
-        for token, entry in zip(sequence[1:], final.prompt_logprobs[1:], strict=True):
-            values.append(float(entry[token].logprob))
-        return values
+        return [0.0, *_prompt_grid(final.prompt_logprobs, len(sequence), 0).own]
 
     def full_distribution_limit(self) -> int | None:
         return max(1, FULL_VOCAB_ELEMENTS // self.info.vocab_size)
@@ -225,16 +226,12 @@ class VLLMBackend(Backend):
             output_kind=_final_only(),
         )
         flat = (await self._final(sequence, params)).prompt_logprobs
+        if not full:
+            return _prompt_scores(flat, len(sequence), spec)
+        # log-probs of the whole vocabulary: logits up to a constant per position
         targets = torch.tensor(sequence[1:], dtype=torch.long)
         returned = _returned_log_probs(flat, len(sequence), self.info.vocab_size)
-        if full:  # log-probs of the whole vocabulary: logits up to a constant per position
-            part = position_scores(returned, targets, spec, extras=True)
-        else:
-            values, ids = returned.topk(spec.top_logprobs, dim=-1)
-            log_probs = returned.gather(-1, targets[:, None]).squeeze(-1)
-            part = {"log_probs": log_probs, "top_ids": ids, "top_log_probs": values}
-            if spec.ranks:
-                part["ranks"] = _returned_ranks(flat, sequence)
+        part = position_scores(returned, targets, spec, extras=True)
         return assemble([part], spec.start, len(sequence))
 
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
@@ -243,8 +240,13 @@ class VLLMBackend(Backend):
     async def _generate_one(self, item: GenerateItem) -> Generation:
         config = item.config
         processed_mode = self.capabilities.processed_log_probs
+        asks = item.prompt_asks
         params = sampling_params(
-            config, item.seed, prompt_log_probs=not processed_mode, streaming=item.sink is not None
+            config,
+            item.seed,
+            prompt_log_probs=not processed_mode,
+            streaming=item.sink is not None,
+            prompt_top=None if asks is None else asks.top_logprobs,
         )
         work = self._final(item.prompt_ids, params, item.sink)
         final = await unless_abandoned(work, item.abandoned)
@@ -253,9 +255,13 @@ class VLLMBackend(Backend):
         completion = final.outputs[0]
         finish = completion.finish_reason
         tokens = list(completion.token_ids)
-        sampled = [
-            float(step[t].logprob) for t, step in zip(tokens, completion.logprobs, strict=True)
-        ]
+        sampled = _own_log_probs(completion.logprobs, 0, len(tokens))
+        length = len(item.prompt_ids)
+        # One grid serves both: the prompt's own log-probs and what `asks` wants of it.
+        # (a request aborted within its prompt has log-probs for part of it, or none)
+        flat, grid = final.prompt_logprobs, None
+        if flat is not None and len(flat) == length:
+            grid = _prompt_grid(flat, length, 0 if asks is None else asks.top_logprobs)
         prompt = None
         if processed_mode:
             # The sampled values are processed; the raw ones come from one scoring pass over
@@ -272,10 +278,7 @@ class VLLMBackend(Backend):
         else:
             log_probs, processed = sampled, None
             if config.return_prompt_log_probs:
-                prompt = [0.0] + [
-                    float(entry[t].logprob)
-                    for t, entry in zip(item.prompt_ids[1:], final.prompt_logprobs[1:], strict=True)
-                ]
+                prompt = [0.0, *grid.own] if grid is not None else None
         stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
         return Generation(
             token_ids=tokens,
@@ -292,6 +295,7 @@ class VLLMBackend(Backend):
                 VersionSpan(int(span.version), span.start, span.end)
                 for span in completion.weight_versions or []
             ],
+            prompt_scores=None if asks is None or grid is None else grid.scores(asks),
         )
 
     async def check(self) -> None:
@@ -421,12 +425,19 @@ class VLLMTransfer(WeightTransfer):
 
 
 def sampling_params(
-    config: SamplingConfig, seed: int, *, prompt_log_probs: bool = True, streaming: bool = False
+    config: SamplingConfig,
+    seed: int,
+    *,
+    prompt_log_probs: bool = True,
+    streaming: bool = False,
+    prompt_top: int | None = None,
 ) -> Any:
     """The standardized parameters as vLLM `SamplingParams` (the sampled token's log-prob, in
-    the engine's logprobs_mode; prompt log-probs when asked and `prompt_log_probs`). Only the
+    the engine's logprobs_mode; prompt log-probs when asked and `prompt_log_probs`, and with
+    the `prompt_top` most likely tokens at each prompt position when that is given). Only the
     final output comes back unless `streaming` (then every step's, cumulative), and text is
-    detokenized only to find stop strings."""
+    detokenized only to find stop strings. Log-probs come back flat (a few lists per request,
+    not objects per token)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -445,7 +456,12 @@ def sampling_params(
         include_stop_str_in_output=True,
         ignore_eos=config.ignore_eos,
         logprobs=0,
-        prompt_logprobs=0 if config.return_prompt_log_probs and prompt_log_probs else None,
+        prompt_logprobs=prompt_top
+        if prompt_top is not None
+        else 0
+        if config.return_prompt_log_probs and prompt_log_probs
+        else None,
+        flat_logprobs=True,
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
     )
@@ -466,13 +482,55 @@ def _returned_log_probs(flat: Any, length: int, vocab: int) -> torch.Tensor:
     return dense
 
 
-def _returned_ranks(flat: Any, sequence: Sequence[int]) -> torch.Tensor:
-    """[length - 1]: the rank vLLM gave each token of the sequence (from position 1)."""
-    ranks = []
-    for row, target in enumerate(sequence[1:], start=1):
-        span = range(flat.start_indices[row], flat.end_indices[row])
-        ranks.append(next(flat.ranks[i] for i in span if flat.token_ids[i] == target))
-    return torch.tensor(ranks)
+def _own_log_probs(flat: Any, begin: int, end: int) -> list[float]:
+    """Positions [begin, end) of vLLM's flat sample log-probs: each position's own (sampled)
+    token comes first, before any top-k."""
+    return [flat.logprobs[flat.start_indices[p]] for p in range(begin, end)]
+
+
+@dataclasses.dataclass
+class _PromptGrid:
+    """vLLM's flat prompt log-probs of a sequence, positions 1… as rows: each row is the
+    position's own token, then the k most likely tokens in order (possibly itself again)."""
+
+    own: list[float]
+    rows: int
+    k: int
+    token_ids: list[int]
+    log_probs: list[float]
+    ranks: list[int]
+
+    def scores(self, spec: ScoreSpec) -> Scores:
+        part = {"log_probs": torch.tensor(self.own, dtype=torch.float32)}
+        if spec.ranks:
+            part["ranks"] = torch.tensor(self.ranks[:: self.k + 1])
+        if self.k:
+            shape = (self.rows, self.k + 1)
+            part["top_ids"] = torch.tensor(self.token_ids).view(shape)[:, 1:]
+            part["top_log_probs"] = torch.tensor(self.log_probs).view(shape)[:, 1:]
+        return assemble([part], spec.start, self.rows + 1)
+
+
+def _prompt_grid(flat: Any, length: int, k: int) -> _PromptGrid:
+    rows = length - 1
+    if len(flat.logprobs) != rows * (k + 1):  # (position 0 has none)
+        raise RuntimeError(
+            f"vLLM returned {len(flat.logprobs)} prompt log-probs for {rows} positions with "
+            f"top {k}; expected {rows * (k + 1)}"
+        )
+    return _PromptGrid(
+        own=flat.logprobs[:: k + 1],
+        rows=rows,
+        k=k,
+        token_ids=flat.token_ids,
+        log_probs=flat.logprobs,
+        ranks=flat.ranks,
+    )
+
+
+def _prompt_scores(flat: Any, length: int, spec: ScoreSpec) -> Scores:
+    """Log-probs, top-k and ranks of a whole sequence, read off vLLM's prompt log-probs."""
+    return _prompt_grid(flat, length, spec.top_logprobs).scores(spec)
 
 
 def _final_only() -> Any:

@@ -17,6 +17,7 @@ from app.common.serving import ModelServing
 from app.engine.base import Backend, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec
 from app.engine.sampling import row_seed
+from app.engine.served import ServedModel
 from app.engine.types import GenerateItem, Generation, SamplingConfig, TokenSink
 from app.generation.protocol import (
     GeneratedSample,
@@ -35,6 +36,8 @@ class Sampled:
     generations: list[Generation]
     scores: list[Scores] | None = None
     """Per generation, what the request asked beyond log-probs, over its response."""
+    prompt_scores: list[Scores] | None = None
+    """Per prompt, what the request asked of the prompt itself (`prompt_asks`)."""
 
 
 class GenerationService(ModelServing):
@@ -47,16 +50,20 @@ class GenerationService(ModelServing):
         n: int = 1,
         seed: int | None = None,
         asks: ScoreSpec | None = None,
+        prompt_asks: ScoreSpec | None = None,
         sinks: Sequence[TokenSink] | None = None,
         started: asyncio.Future[int] | None = None,
     ) -> Sampled:
         """The domain API: checked prompts in, `n` generations each out. Row k's random stream
         is `row_seed(seed, k)`, whatever else is batched with it. With `asks`, each finished
-        sequence is also scored for them over its response, under the weights at its end.
-        Row k's tokens also go to `sinks[k]` as they are sampled (streaming), and `started`
-        gets the policy version once generation is admitted."""
+        sequence is also scored for them over its response, under the weights at its end;
+        with `prompt_asks`, each prompt is scored for them too. Row k's tokens also go to
+        `sinks[k]` as they are sampled (streaming), and `started` gets the policy version once
+        generation is admitted."""
         served = self.registry.get(model)
         abandoned = threading.Event()
+        # An engine that scores prompts as it generates does so for each prompt's first row.
+        in_pass = prompt_asks if served.backend.capabilities.prompt_scores else None
         items = [
             GenerateItem(
                 tuple(p.ids),
@@ -64,6 +71,7 @@ class GenerationService(ModelServing):
                 row_seed(seed, i * n + j),
                 abandoned,
                 sinks[i * n + j] if sinks is not None else None,
+                prompt_asks=in_pass if j == 0 else None,
             )
             for i, p in enumerate(prompts)
             for j in range(n)
@@ -72,14 +80,24 @@ class GenerationService(ModelServing):
             async with self.registry.generating() as version:
                 if started is not None and not started.done():
                     started.set_result(version)
+                prompt_scores = None
+                if prompt_asks is not None and in_pass is None:
+                    # Scored first: an engine with a prefix cache then generates from it.
+                    prompt_scores = await served.score_detailed(
+                        [(p.ids, prompt_asks) for p in prompts]
+                    )
                 generations = await served.generate(items)
+                if in_pass is not None:
+                    prompt_scores = await _scored_prompts(
+                        served, prompts, generations[::n], in_pass
+                    )
                 scores = None
                 if asks is not None:
                     scores = await served.score_detailed(_finished(items, generations, asks))
         except asyncio.CancelledError:
             abandoned.set()  # the backend stops these rows at the next token
             raise
-        return Sampled(version, prompts, generations, scores)
+        return Sampled(version, prompts, generations, scores, prompt_scores)
 
     def _asks(
         self,
@@ -137,6 +155,17 @@ class GenerationService(ModelServing):
             pad_token_id=preparer.pad_token_id,
             outputs=outputs,
         )
+
+
+async def _scored_prompts(
+    served: ServedModel, prompts: list[Prepared], firsts: list[Generation], asks: ScoreSpec
+) -> list[Scores]:
+    """Each prompt's scores, from its first row's generation; a prompt whose row was aborted
+    before its scores came back is scored on its own."""
+    missing = [p for p, g in zip(prompts, firsts, strict=True) if g.prompt_scores is None]
+    asked = [(p.ids, asks) for p in missing]
+    rescored = iter(await served.score_detailed(asked) if asked else [])
+    return [g.prompt_scores if g.prompt_scores is not None else next(rescored) for g in firsts]
 
 
 def _finished(

@@ -248,30 +248,20 @@ class OpenAIService(ModelServing):
 
     async def complete(self, job: Job) -> ChatCompletion | Completion:
         await self._check_trajectory(job)
-        # The prompts are scored first: an engine with a prefix cache (vLLM) then generates
-        # from their cached prefixes instead of computing them again.
-        prompt_scores = await self._prompt_scores(job)
+        # vLLM's prompt_logprobs: each prompt token's raw log-prob and rank, and the k most
+        # likely tokens at each position (scored in the generation's own pass where it can).
+        k = getattr(job.request, "prompt_logprobs", None)
         sampled = await self.generation.sample(
-            job.model, job.prompts, job.config, n=job.n, seed=job.request.seed, asks=job.asks
+            job.model,
+            job.prompts,
+            job.config,
+            n=job.n,
+            seed=job.request.seed,
+            asks=job.asks,
+            prompt_asks=None if k is None else ScoreSpec(top_logprobs=k, ranks=True),
         )
         turn = await self._record(job, sampled)
-        preparer = job.served.preparer
-        reply = await preparer.off_loop(self._reply, job, sampled, turn)
-        if prompt_scores is not None and isinstance(reply, Completion):
-            for choice in reply.choices:
-                choice.prompt_logprobs = prompt_scores[choice.index // job.n]
-        return reply
-
-    async def _prompt_scores(self, job: Job) -> list[list[dict[str, PromptLogprob] | None]] | None:
-        """vLLM's prompt_logprobs of each prompt: its tokens' raw log-probs and ranks, and the
-        k most likely tokens at each position (scored beside the generation)."""
-        k = getattr(job.request, "prompt_logprobs", None)
-        if k is None:
-            return None
-        spec = ScoreSpec(top_logprobs=k, ranks=True)
-        async with self.registry.reading():
-            scores = await job.served.score_detailed([(p.ids, spec) for p in job.prompts])
-        return [_prompt_logprobs(job, p.ids, s) for p, s in zip(job.prompts, scores, strict=True)]
+        return await job.served.preparer.off_loop(self._reply, job, sampled, turn)
 
     def _reply(self, job: Job, sampled: Sampled, turn: int | None) -> ChatCompletion | Completion:
         generations = sampled.generations
@@ -293,6 +283,13 @@ class OpenAIService(ModelServing):
         completion_choices = [
             self._completion_choice(job, k, g, tops[k]) for k, g in enumerate(generations)
         ]
+        if sampled.prompt_scores is not None:
+            prompt_logprobs = [
+                _prompt_logprobs(job, p.ids, s)
+                for p, s in zip(job.prompts, sampled.prompt_scores, strict=True)
+            ]
+            for choice in completion_choices:
+                choice.prompt_logprobs = prompt_logprobs[choice.index // job.n]
         return Completion(id=f"cmpl-{job.id}", choices=completion_choices, **common)
 
     def _tops(self, job: Job, sampled: Sampled, k: int) -> list[list[tuple[int, float]]] | None:

@@ -85,6 +85,40 @@ async def test_vllm_prompt_logprobs_against_a_plain_forward(client, hf_model):
                 assert row[str(token)]["rank"] == r + 1 or token == prompt[p]
 
 
+async def test_prompt_logprobs_take_the_generation_pass_where_the_engine_can(
+    app, client, monkeypatch
+):
+    """vLLM scores a prompt in the pass that generates from it; an engine that cannot scores
+    each prompt once in a pass of its own. Either way the rows sampled from a prompt share its
+    prompt_logprobs, equal to /v1/logprobs on the same tokens."""
+    backend = app.state.registry.get("policy").backend
+    asked = {"generated": 0, "scored": 0}
+    generate, score_detailed = backend.generate, backend.score_detailed
+
+    async def counted_generate(items):  # type: ignore[no-untyped-def]
+        asked["generated"] += len(items)
+        return await generate(items)
+
+    async def counted_score(items):  # type: ignore[no-untyped-def]
+        asked["scored"] += len(items)
+        return await score_detailed(items)
+
+    monkeypatch.setattr(backend, "generate", counted_generate)
+    monkeypatch.setattr(backend, "score_detailed", counted_score)
+    body = {"prompt": PROMPTS, "max_tokens": 2, "n": 2, "prompt_logprobs": 1, "seed": 5}
+    answer = await ok(await client.post("/v1/completions", json=body))
+    assert asked["generated"] == 2 * len(PROMPTS)
+    assert asked["scored"] == (0 if backend.capabilities.prompt_scores else len(PROMPTS))
+    scored = await ok(await client.post("/v1/logprobs", json={"tokens": PROMPTS}))
+    for choice in answer["choices"]:
+        prompt = PROMPTS[choice["index"] // 2]
+        rows = choice["prompt_logprobs"]
+        assert rows == answer["choices"][choice["index"] ^ 1]["prompt_logprobs"]
+        own = [rows[p][str(prompt[p])]["logprob"] for p in range(1, len(prompt))]
+        expected = scored["outputs"][choice["index"] // 2]["log_probs"]["full"][1:]
+        assert_close(own, expected, 1e-5)
+
+
 async def test_min_p_keeps_only_tokens_near_the_most_likely(client, hf_model):
     prompt = PROMPTS[0]
     body = {

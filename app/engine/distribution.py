@@ -37,6 +37,11 @@ class ScoreSpec:
         return self.entropy or self.processed or self.token_ids is not None or self.ranks
 
     @property
+    def ranked_top_k(self) -> bool:
+        """Whether an engine's own top-k and ranks answer it (vLLM's prompt log-probs)."""
+        return not (self.entropy or self.processed or self.token_ids is not None)
+
+    @property
     def extras(self) -> bool:
         return self.top_logprobs > 0 or self.needs_full_distribution
 

@@ -70,8 +70,8 @@ class GenerateItem:
     sink: TokenSink | None = field(default=None, compare=False)
     """Told each token as it is sampled (streaming), from whatever thread samples it."""
     prompt_asks: ScoreSpec | None = None
-    """Score the prompt for these (its log-probs, top-k, ranks) in the generation's own pass:
-    only for engines with `Capabilities.prompt_scores`."""
+    """Score the prompt for these (its log-probs, top-k, ranks: `ScoreSpec.ranked_top_k`) in
+    the generation's own pass: only for engines with `Capabilities.prompt_scores`."""
 
 
 class TokenSink(Protocol):

@@ -217,7 +217,7 @@ class VLLMBackend(Backend):
         if len(sequence) == 1 or not spec.extras:
             return Scores(log_probs=torch.tensor(await self._score_one(sequence)))
         # vLLM ranks the sequence's own tokens itself: ranks alone need no full distribution.
-        full = spec.entropy or spec.processed or spec.token_ids is not None
+        full = not spec.ranked_top_k
         params = SamplingParams(
             max_tokens=1,
             prompt_logprobs=-1 if full else spec.top_logprobs,
@@ -257,8 +257,9 @@ class VLLMBackend(Backend):
         tokens = list(completion.token_ids)
         sampled = _own_log_probs(completion.logprobs, 0, len(tokens))
         length = len(item.prompt_ids)
-        # One grid serves both: the prompt's own log-probs and what `asks` wants of it.
-        # (a request aborted within its prompt has log-probs for part of it, or none)
+        # One grid serves both: the prompt's own log-probs and what `asks` wants of it
+        # (`asks` is top-k and ranks only). A request aborted before its prompt was scored
+        # has none.
         flat, grid = final.prompt_logprobs, None
         if flat is not None and len(flat) == length:
             grid = _prompt_grid(flat, length, 0 if asks is None else asks.top_logprobs)

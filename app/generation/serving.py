@@ -17,7 +17,6 @@ from app.common.serving import ModelServing
 from app.engine.base import Backend, ScoreItem
 from app.engine.distribution import Scores, ScoreSpec
 from app.engine.sampling import row_seed
-from app.engine.served import ServedModel
 from app.engine.types import GenerateItem, Generation, SamplingConfig, TokenSink
 from app.generation.protocol import (
     GeneratedSample,
@@ -36,8 +35,9 @@ class Sampled:
     generations: list[Generation]
     scores: list[Scores] | None = None
     """Per generation, what the request asked beyond log-probs, over its response."""
-    prompt_scores: list[Scores] | None = None
-    """Per prompt, what the request asked of the prompt itself (`prompt_asks`)."""
+    prompt_scores: list[Scores | None] | None = None
+    """Per prompt, what the request asked of the prompt itself (`prompt_asks`); None for a
+    prompt whose generation was aborted before the engine scored it."""
 
 
 class GenerationService(ModelServing):
@@ -62,8 +62,11 @@ class GenerationService(ModelServing):
         generation is admitted."""
         served = self.registry.get(model)
         abandoned = threading.Event()
-        # An engine that scores prompts as it generates does so for each prompt's first row.
-        in_pass = prompt_asks if served.backend.capabilities.prompt_scores else None
+        # An engine that scores prompts as it generates (top-k and ranks) does so for each
+        # prompt's first row.
+        in_pass = None
+        if prompt_asks is not None and prompt_asks.ranked_top_k:
+            in_pass = prompt_asks if served.backend.capabilities.prompt_scores else None
         items = [
             GenerateItem(
                 tuple(p.ids),
@@ -80,17 +83,17 @@ class GenerationService(ModelServing):
             async with self.registry.generating() as version:
                 if started is not None and not started.done():
                     started.set_result(version)
-                prompt_scores = None
+                prompt_scores: list[Scores | None] | None = None
                 if prompt_asks is not None and in_pass is None:
                     # Scored first: an engine with a prefix cache then generates from it.
-                    prompt_scores = await served.score_detailed(
-                        [(p.ids, prompt_asks) for p in prompts]
+                    prompt_scores = list(
+                        await served.score_detailed([(p.ids, prompt_asks) for p in prompts])
                     )
                 generations = await served.generate(items)
                 if in_pass is not None:
-                    prompt_scores = await _scored_prompts(
-                        served, prompts, generations[::n], in_pass
-                    )
+                    # (Not scored again when missing: an aborted row is missing them, and
+                    # while an abort pause holds, the engine admits no new request.)
+                    prompt_scores = [g.prompt_scores for g in generations[::n]]
                 scores = None
                 if asks is not None:
                     scores = await served.score_detailed(_finished(items, generations, asks))
@@ -155,17 +158,6 @@ class GenerationService(ModelServing):
             pad_token_id=preparer.pad_token_id,
             outputs=outputs,
         )
-
-
-async def _scored_prompts(
-    served: ServedModel, prompts: list[Prepared], firsts: list[Generation], asks: ScoreSpec
-) -> list[Scores]:
-    """Each prompt's scores, from its first row's generation; a prompt whose row was aborted
-    before its scores came back is scored on its own."""
-    missing = [p for p, g in zip(prompts, firsts, strict=True) if g.prompt_scores is None]
-    asked = [(p.ids, asks) for p in missing]
-    rescored = iter(await served.score_detailed(asked) if asked else [])
-    return [g.prompt_scores if g.prompt_scores is not None else next(rescored) for g in firsts]
 
 
 def _finished(

@@ -284,8 +284,8 @@ class OpenAIService(ModelServing):
             self._completion_choice(job, k, g, tops[k]) for k, g in enumerate(generations)
         ]
         if sampled.prompt_scores is not None:
-            prompt_logprobs = [
-                _prompt_logprobs(job, p.ids, s)
+            prompt_logprobs = [  # (null for a prompt aborted before it was scored)
+                None if s is None else _prompt_logprobs(job, p.ids, s)
                 for p, s in zip(job.prompts, sampled.prompt_scores, strict=True)
             ]
             for choice in completion_choices:

@@ -90,7 +90,7 @@ async def test_prompt_logprobs_take_the_generation_pass_where_the_engine_can(
 ):
     """vLLM scores a prompt in the pass that generates from it; an engine that cannot scores
     each prompt once in a pass of its own. Either way the rows sampled from a prompt share its
-    prompt_logprobs, equal to /v1/logprobs on the same tokens."""
+    prompt_logprobs, raw whatever the sampling temperature: equal to /v1/logprobs."""
     backend = app.state.registry.get("policy").backend
     asked = {"generated": 0, "scored": 0}
     generate, score_detailed = backend.generate, backend.score_detailed
@@ -105,7 +105,14 @@ async def test_prompt_logprobs_take_the_generation_pass_where_the_engine_can(
 
     monkeypatch.setattr(backend, "generate", counted_generate)
     monkeypatch.setattr(backend, "score_detailed", counted_score)
-    body = {"prompt": PROMPTS, "max_tokens": 2, "n": 2, "prompt_logprobs": 1, "seed": 5}
+    body = {
+        "prompt": PROMPTS,
+        "max_tokens": 2,
+        "n": 2,
+        "prompt_logprobs": 1,
+        "seed": 5,
+        "temperature": 0.7,
+    }
     answer = await ok(await client.post("/v1/completions", json=body))
     assert asked["generated"] == 2 * len(PROMPTS)
     assert asked["scored"] == (0 if backend.capabilities.prompt_scores else len(PROMPTS))
@@ -117,6 +124,9 @@ async def test_prompt_logprobs_take_the_generation_pass_where_the_engine_can(
         own = [rows[p][str(prompt[p])]["logprob"] for p in range(1, len(prompt))]
         expected = scored["outputs"][choice["index"] // 2]["log_probs"]["full"][1:]
         assert_close(own, expected, 1e-5)
+    one = {"prompt": [[5]], "max_tokens": 1, "prompt_logprobs": 2}
+    answer = await ok(await client.post("/v1/completions", json=one))
+    assert answer["choices"][0]["prompt_logprobs"] == [None]
 
 
 async def test_min_p_keeps_only_tokens_near_the_most_likely(client, hf_model):

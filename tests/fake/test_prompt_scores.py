@@ -1,7 +1,8 @@
 """Prompt scores (vLLM's prompt_logprobs) are taken from the generation's own pass where the
-engine can score prompts as it generates, and from a scoring pass of their own otherwise;
-a prompt whose row came back without them is scored on its own. A fake engine records what it
-was asked, so the passes are counted exactly."""
+engine can score prompts as it generates (top-k and ranks), and from a scoring pass of their
+own otherwise; a prompt whose row was aborted before its scores came back has none (it is not
+scored again: during an abort pause the engine admits nothing new). A fake engine records what
+it was asked, so the passes are counted exactly."""
 
 from __future__ import annotations
 
@@ -61,13 +62,15 @@ class ScoringEngine(FakeBackend):
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
-async def sample(tmp: Path, engine: ScoringEngine, n: int) -> tuple[list[Scores], ScoringEngine]:
+async def sample(
+    tmp: Path, engine: ScoringEngine, n: int, asks: ScoreSpec = ASKS
+) -> tuple[list[Scores | None], ScoringEngine]:
     async with fake_app(tmp, engine, FakeBackend("reference", log_prob)) as app:
         preparer = app.state.registry.get("policy").preparer
         prepared = preparer.prompts(None, None, PROMPTS, "tokens")
         config = SamplingConfig(max_new_tokens=2)
         sampled = await app.state.generation.sample(
-            "policy", prepared, config, n=n, seed=0, prompt_asks=ASKS
+            "policy", prepared, config, n=n, seed=0, prompt_asks=asks
         )
     assert sampled.prompt_scores is not None
     assert len(sampled.generations) == len(PROMPTS) * n
@@ -83,6 +86,7 @@ async def test_an_engine_that_scores_in_pass_is_asked_once_per_prompt(tmp_path, 
     assert asking == [tuple(p) for p in PROMPTS]
     assert sum(item.prompt_asks is None for item in engine.generated) == len(PROMPTS) * (n - 1)
     for prompt, s in zip(PROMPTS, scores, strict=True):
+        assert s is not None
         assert s.log_probs.tolist() == pytest.approx([0.0, *(log_prob(t) for t in prompt[1:])])
         assert s.top_log_probs is not None and bool((s.top_log_probs == 1.0).all())
 
@@ -91,13 +95,22 @@ async def test_other_engines_score_prompts_in_a_pass_of_their_own(tmp_path):
     scores, engine = await sample(tmp_path, ScoringEngine(in_pass=False), 2)
     assert all(item.prompt_asks is None for item in engine.generated)
     assert engine.score_calls == [[(p, ASKS) for p in PROMPTS]]
-    assert all(s.top_log_probs is not None and bool((s.top_log_probs == 2.0).all()) for s in scores)
+    for s in scores:
+        assert s is not None and s.top_log_probs is not None
+        assert bool((s.top_log_probs == 2.0).all())
 
 
-async def test_a_prompt_whose_row_lost_its_scores_is_scored_on_its_own(tmp_path):
+async def test_asks_beyond_top_k_and_ranks_take_a_pass_of_their_own_on_any_engine(tmp_path):
+    entropy = ScoreSpec(top_logprobs=1, entropy=True)
+    scores, engine = await sample(tmp_path, ScoringEngine(in_pass=True), 1, entropy)
+    assert all(item.prompt_asks is None for item in engine.generated)
+    assert engine.score_calls == [[(p, entropy) for p in PROMPTS]]
+    assert all(s is not None for s in scores)
+
+
+async def test_a_prompt_aborted_before_it_was_scored_has_no_scores(tmp_path):
     lost = tuple(PROMPTS[1])
     scores, engine = await sample(tmp_path, ScoringEngine(in_pass=True, lose=[lost]), 2)
-    assert engine.score_calls == [[(list(lost), ASKS)]]
-    sources = [float(s.top_log_probs[0, 0]) for s in scores if s.top_log_probs is not None]
-    assert sources == [1.0, 2.0, 1.0]
-    assert scores[1].log_probs.tolist() == pytest.approx([0.0, log_prob(9)])
+    assert engine.score_calls == []
+    assert scores[1] is None
+    assert [s is not None for s in scores] == [True, False, True]

@@ -35,10 +35,10 @@ class ServedModel:
         self.generation: Batcher[GenerateItem, Generation] | None = None
         self.detailed: Batcher[ScoreItem, Scores] | None = None
         if batching is not None:
-            scoring, generation = batching_policy(backend.capabilities, batching)
+            scoring, detailed, generation = batching_policy(backend.capabilities, batching)
             self.scoring = Batcher(f"{self.name}/score", self._score_batch, len, scoring)
             self.detailed = Batcher(
-                f"{self.name}/score-detailed", self._detailed_batch, _item_length, scoring
+                f"{self.name}/score-detailed", self._detailed_batch, _item_length, detailed
             )
             self.generation = Batcher(
                 f"{self.name}/generate", self._generate_batch, _generation_length, generation
@@ -102,19 +102,22 @@ class ServedModel:
 
 def batching_policy(
     capabilities: Capabilities, base: BatchingConfig
-) -> tuple[BatchingConfig, BatchingConfig]:
-    """(scoring, generation) batching for an engine. By default both group requests into calls.
-    An engine that batches continuously gets every generation row straight away, and scoring
-    groups two at a time, together within the token budget, so it never idles between them."""
+) -> tuple[BatchingConfig, BatchingConfig, BatchingConfig]:
+    """(scoring, detailed scoring, generation) batching for an engine. By default all three
+    group requests into calls. An engine that batches continuously gets every generation row
+    and every plain scoring request straight away: it schedules them itself, under its own
+    token budget per step, and a request held back to join a group would leave it idle.
+    Detailed scoring, whose answers may hold the whole vocabulary at every position, groups
+    two calls at a time within half the token budget, which bounds what they hold at once."""
     if not capabilities.continuous_batching:
-        return base, base
-    scoring = dataclasses.replace(
-        base, max_concurrent_calls=2, max_batch_tokens=max(base.max_batch_tokens // 2, 1)
-    )
-    generation = dataclasses.replace(
+        return base, base, base
+    straight = dataclasses.replace(
         base, min_batch_size=1, max_batch_size=1, timeout_s=0.0, max_concurrent_calls=4096
     )
-    return scoring, generation
+    detailed = dataclasses.replace(
+        base, max_concurrent_calls=2, max_batch_tokens=max(base.max_batch_tokens // 2, 1)
+    )
+    return straight, detailed, straight
 
 
 def _item_length(item: ScoreItem) -> int:
@@ -145,8 +148,9 @@ class ModelPair:
         self.reference = reference
         self.batcher: Batcher[Sequence[int], tuple[list[float], list[float]]] | None = None
         if batching is not None:
-            scoring, _ = batching_policy(policy.backend.capabilities, batching)
-            self.batcher = Batcher("policy+reference/score", self._score_batch, len, scoring)
+            # grouped as detailed scoring is, so both engines see the same calls
+            _, grouped, _ = batching_policy(policy.backend.capabilities, batching)
+            self.batcher = Batcher("policy+reference/score", self._score_batch, len, grouped)
 
     async def _score_batch(
         self, sequences: list[Sequence[int]]

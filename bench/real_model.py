@@ -10,7 +10,9 @@ past end-of-sequence, one sequence per request from concurrent clients; in-proce
 prompts in batches of `clients` through `generate`. Scoring: 128-token sequences of real
 text, one per request; in-process, batches of `clients` through one forward and a log-softmax.
 With --vllm, the bodies sent to `vllm serve` (/v1/completions, scoring by `prompt_logprobs`)
-are also sent to rlserve's /v1/completions on the vLLM backend.
+are also sent to rlserve's /v1/completions on the vLLM backend; `vllm serve` runs twice, with
+the engine options rlserve gives vLLM on this platform (on CPU, no chunked prefill) and with
+vLLM's own defaults.
 """
 
 from __future__ import annotations
@@ -133,15 +135,22 @@ def main() -> None:
     results["in_process_transformers"] = in_process(model, work, args)
     del model
     if args.vllm:
-        port = free_port()
-        command = vllm_serve_command(
-            model_dir, port, KV_CACHE_BYTES, "policy", "--max-logprobs", "1"
-        )
-        log = args.output / "real-model-vllm-serve.log"
-        with running_process(command, port, "/v1/models", log=log, timeout=600) as server:
-            results["vllm_serve"] = measure(
-                "vllm serve", server.url, vllm_bodies(work, args.new_tokens, "policy"), args
+        # with the engine options rlserve gives vLLM here, then with vLLM's own defaults
+        for name, defaults in (("vllm_serve", False), ("vllm_serve_defaults", True)):
+            port = free_port()
+            command = vllm_serve_command(
+                model_dir,
+                port,
+                KV_CACHE_BYTES,
+                "policy",
+                "--max-logprobs",
+                "1",
+                vllm_defaults=defaults,
             )
+            log = args.output / f"real-model-{name.replace('_', '-')}.log"
+            with running_process(command, port, "/v1/models", log=log, timeout=600) as server:
+                bodies = vllm_bodies(work, args.new_tokens, "policy")
+                results[name] = measure(name.replace("_", " "), server.url, bodies, args)
     kinds = ("generate", "score")
     ratios = {
         "rlserve_transformers_over_in_process": throughput_ratios(
@@ -150,9 +159,10 @@ def main() -> None:
     }
     if args.vllm:
         for name in ("rlserve_transformers", "rlserve_vllm", "rlserve_vllm_completions"):
-            ratios[f"{name}_over_vllm_serve"] = throughput_ratios(
-                results[name], results["vllm_serve"], kinds
-            )
+            for serve in ("vllm_serve", "vllm_serve_defaults"):
+                ratios[f"{name}_over_{serve}"] = throughput_ratios(
+                    results[name], results[serve], kinds
+                )
     report = {
         "model": "SmolLM2-135M-Instruct, float32, CPU (2 cores)",
         "workload": {

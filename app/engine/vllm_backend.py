@@ -91,14 +91,8 @@ class VLLMBackend(Backend):
         they were drawn from (vLLM's logprobs_mode is per engine, not per request)."""
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs, AsyncLLMEngine
-        from vllm.platforms import current_platform
 
-        options = dict(engine_options or {})
-        if current_platform.is_cpu():
-            # vLLM's CPU worker cannot rewind a seeded request's generator after a partial
-            # prefill ("CPU Generator does not use offset") and the engine dies, so prompts
-            # are never split across engine steps there.
-            options.setdefault("enable_chunked_prefill", False)
+        options = {**platform_options(), **(engine_options or {})}
         # Scoring asks for whole-vocabulary prompt log-probs; the service enforces its own caps.
         options.setdefault("max_logprobs", -1)
         if processed_log_probs:  # prompt log-probs stay raw in this mode (vLLM skips processors)
@@ -423,6 +417,19 @@ class VLLMTransfer(WeightTransfer):
     async def close(self) -> None:
         await self.abort()
         await self.engine.shutdown_weight_transfer_engine()
+
+
+def platform_options() -> dict[str, Any]:
+    """The engine options rlserve sets on this machine's platform (a deployment's own engine
+    options override them)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # vLLM's CPU worker cannot rewind a seeded request's generator after a partial
+        # prefill ("CPU Generator does not use offset") and the engine dies, so prompts are
+        # never split across engine steps there.
+        return {"enable_chunked_prefill": False}
+    return {}
 
 
 def sampling_params(

@@ -449,6 +449,8 @@ def sampling_params(
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    if prompt_top is None and config.return_prompt_log_probs and prompt_log_probs:
+        prompt_top = 0  # the prompt's own log-probs alone
     return SamplingParams(
         output_kind=RequestOutputKind.CUMULATIVE if streaming else _final_only(),
         detokenize=bool(config.stop_sequences),
@@ -464,11 +466,7 @@ def sampling_params(
         include_stop_str_in_output=True,
         ignore_eos=config.ignore_eos,
         logprobs=0,
-        prompt_logprobs=prompt_top
-        if prompt_top is not None
-        else 0
-        if config.return_prompt_log_probs and prompt_log_probs
-        else None,
+        prompt_logprobs=prompt_top,
         flat_logprobs=True,
         skip_special_tokens=False,
         spaces_between_special_tokens=False,

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup-vllm.sh
 # vLLM's zmq contexts are finalised at interpreter exit, after pytest stops listening.
-.venv-vllm/bin/python -m pytest -m vllm -W "ignore::pytest.PytestUnraisableExceptionWarning" "$@"
+.venv-vllm/bin/python -m pytest -m vllm -W "ignore::pytest.PytestUnraisableExceptionWarning" \
+  --durations=15 "$@"

@@ -36,7 +36,8 @@ for name in "${extras[@]}"; do
   fi
   cat "$setups/$name.log"
 done
-.venv/bin/python -m pytest "$@"
+# (the slowest tests are listed at the end: where CI time goes)
+.venv/bin/python -m pytest --durations=25 "$@"
 for name in "${extras[@]}"; do
   "./scripts/test-$name.sh"
 done

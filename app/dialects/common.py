@@ -9,9 +9,8 @@ from typing import Any
 
 from app.common.failures import Conflict, Unsupported, invalid
 from app.common.inputs import Prepared
-from app.engine.distribution import ScoreSpec
 from app.engine.registry import ModelRegistry
-from app.engine.types import SamplingConfig
+from app.engine.types import SamplingConfig, ScoreSpec
 from app.generation.serving import GenerationService, Sampled
 from app.weights.control import WeightsControl
 

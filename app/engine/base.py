@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from app.engine.distribution import Scores, ScoreSpec
-from app.engine.types import GenerateItem, Generation, ModelInfo
+from app.engine.types import GenerateItem, Generation, ModelInfo, Scores, ScoreSpec
 from app.weights.checkpoint import Layout
 
 if TYPE_CHECKING:

@@ -1,70 +1,14 @@
-"""What a scoring call can ask of the next-token distribution at each position, and the math
-that answers it from logits. Both backends use it: transformers on its own logits, vLLM on the
-full-vocabulary log-probs it returns (which are logits up to a per-position constant)."""
+"""The math that answers a scoring call's asks of the next-token distribution at each position
+(`ScoreSpec`, answered as `Scores`: both in `app.engine.types`) from logits. Both backends use
+it: transformers on its own logits, vLLM on the full-vocabulary log-probs it returns (which are
+logits up to a per-position constant)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from app.engine.sampling import filter_top_k_top_p
-
-
-@dataclass(frozen=True)
-class ScoreSpec:
-    """A scoring call's asks beyond the raw log-prob of each token. The extras cover the
-    positions from `start` on (position p: the prediction of token p from tokens < p)."""
-
-    top_logprobs: int = 0
-    entropy: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    token_ids: tuple[int, ...] | None = None
-    ranks: bool = False
-    """Each token's rank in the raw distribution (1: the most likely), as vLLM reports it."""
-    start: int = 1
-
-    @property
-    def processed(self) -> bool:
-        """Log-probs under the temperature-scaled, top-k/top-p truncated distribution."""
-        return self.temperature != 1.0 or bool(self.top_k) or self.top_p < 1.0
-
-    @property
-    def needs_full_distribution(self) -> bool:
-        """Whether the whole vocabulary is needed (top-k alone is not: engines return it)."""
-        return self.entropy or self.processed or self.token_ids is not None or self.ranks
-
-    @property
-    def ranked_top_k(self) -> bool:
-        """Whether an engine's own top-k and ranks answer it (vLLM's prompt log-probs)."""
-        return not (self.entropy or self.processed or self.token_ids is not None)
-
-    @property
-    def extras(self) -> bool:
-        return self.top_logprobs > 0 or self.needs_full_distribution
-
-
-@dataclass
-class Scores:
-    """One sequence's answers. `log_probs` covers every position (0.0 at position 0); the
-    extras cover positions `start`… (one row per position), None when not asked."""
-
-    log_probs: torch.Tensor
-    start: int = 1
-    top_ids: torch.Tensor | None = None
-    top_log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    processed: torch.Tensor | None = None
-    """-inf where top-k/top-p removed the token."""
-    truncated_mass: torch.Tensor | None = None
-    """Probability mass (of the temperature-scaled distribution) that top-k/top-p removed."""
-    candidates: torch.Tensor | None = None
-    """[positions, len(token_ids)] log-probs of the requested ids."""
-    ranks: torch.Tensor | None = None
-    """Each token's rank: 1 + how many tokens the raw distribution finds more likely."""
-
+from app.engine.types import Scores, ScoreSpec
 
 EXTRA_FIELDS = (
     "top_ids",

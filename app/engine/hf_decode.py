@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from app.engine.distribution import Scores, ScoreSpec, assemble, position_scores
+from app.engine.distribution import assemble, position_scores
 from app.engine.freeze import ModelThreadControl
 from app.engine.sampling import RowSampler
-from app.engine.types import GenerateItem, Generation, version_spans
+from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 
 
 def _padded(

@@ -12,8 +12,7 @@ from typing import TypeVar
 from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
 from app.engine.base import Backend, Capabilities, ScoreItem
-from app.engine.distribution import Scores
-from app.engine.types import GenerateItem, Generation
+from app.engine.types import GenerateItem, Generation, Scores
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")

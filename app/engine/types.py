@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
-    from app.engine.distribution import Scores, ScoreSpec
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -132,3 +132,58 @@ class ModelInfo:
     builtin: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     """Backend-specific facts, for logs."""
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A scoring call's asks beyond the raw log-prob of each token. The extras cover the
+    positions from `start` on (position p: the prediction of token p from tokens < p)."""
+
+    top_logprobs: int = 0
+    entropy: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    token_ids: tuple[int, ...] | None = None
+    ranks: bool = False
+    """Each token's rank in the raw distribution (1: the most likely), as vLLM reports it."""
+    start: int = 1
+
+    @property
+    def processed(self) -> bool:
+        """Log-probs under the temperature-scaled, top-k/top-p truncated distribution."""
+        return self.temperature != 1.0 or bool(self.top_k) or self.top_p < 1.0
+
+    @property
+    def needs_full_distribution(self) -> bool:
+        """Whether the whole vocabulary is needed (top-k alone is not: engines return it)."""
+        return self.entropy or self.processed or self.token_ids is not None or self.ranks
+
+    @property
+    def ranked_top_k(self) -> bool:
+        """Whether an engine's own top-k and ranks answer it (vLLM's prompt log-probs)."""
+        return not (self.entropy or self.processed or self.token_ids is not None)
+
+    @property
+    def extras(self) -> bool:
+        return self.top_logprobs > 0 or self.needs_full_distribution
+
+
+@dataclass
+class Scores:
+    """One sequence's answers. `log_probs` covers every position (0.0 at position 0); the
+    extras cover positions `start`… (one row per position), None when not asked."""
+
+    log_probs: torch.Tensor
+    start: int = 1
+    top_ids: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    processed: torch.Tensor | None = None
+    """-inf where top-k/top-p removed the token."""
+    truncated_mass: torch.Tensor | None = None
+    """Probability mass (of the temperature-scaled distribution) that top-k/top-p removed."""
+    candidates: torch.Tensor | None = None
+    """[positions, len(token_ids)] log-probs of the requested ids."""
+    ranks: torch.Tensor | None = None
+    """Each token's rank: 1 + how many tokens the raw distribution finds more likely."""

@@ -19,12 +19,14 @@ import torch
 from app.common.failures import Conflict, InvalidInput, Unsupported
 from app.engine.abandon import unless_abandoned
 from app.engine.base import Backend, Capabilities, ScoreItem
-from app.engine.distribution import Scores, ScoreSpec, assemble, position_scores
+from app.engine.distribution import assemble, position_scores
 from app.engine.types import (
     GenerateItem,
     Generation,
     ModelInfo,
     SamplingConfig,
+    Scores,
+    ScoreSpec,
     TokenSink,
     VersionSpan,
 )

@@ -15,9 +15,8 @@ from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
 from app.common.serving import ModelServing
 from app.engine.base import Backend, ScoreItem
-from app.engine.distribution import Scores, ScoreSpec
 from app.engine.sampling import row_seed
-from app.engine.types import GenerateItem, Generation, SamplingConfig, TokenSink
+from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec, TokenSink
 from app.generation.protocol import (
     GeneratedSample,
     GenerateRequest,

@@ -20,10 +20,9 @@ from app.common.inputs import Prepared
 from app.common.protocol import wire_spans
 from app.common.serving import ModelServing
 from app.config import LimitSettings
-from app.engine.distribution import Scores, ScoreSpec
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
-from app.engine.types import Generation, SamplingConfig
+from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.serving import GenerationService, Sampled
 from app.openai_compat.protocol import (
     AssistantMessage,

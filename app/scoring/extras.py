@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from app.common.protocol import WireModel
-from app.engine.distribution import Scores, ScoreSpec
+from app.engine.types import Scores, ScoreSpec
 from app.scoring.protocol import MismatchReport, ProcessedLogProbs, TopLogProbs
 
 

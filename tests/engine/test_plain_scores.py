@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import app.engine.hf_decode as hd
-from app.engine.distribution import ScoreSpec
+from app.engine.types import ScoreSpec
 
 
 def per_row(model, items):  # type: ignore[no-untyped-def]

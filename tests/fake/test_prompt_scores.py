@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from app.engine.base import Capabilities, ScoreItem
-from app.engine.distribution import Scores, ScoreSpec
-from app.engine.types import GenerateItem, Generation, SamplingConfig
+from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec
 from tests.fake.backend import FakeBackend, fake_app
 
 ASKS = ScoreSpec(top_logprobs=2, ranks=True)

@@ -24,9 +24,8 @@ from app.dialects.sglang.protocol import (
     SamplingParams,
     UpdateWeightsFromDistributed,
 )
-from app.engine.distribution import Scores, ScoreSpec
 from app.engine.registry import ModelRegistry
-from app.engine.types import Generation, SamplingConfig
+from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.serving import GenerationService, Sampled
 from app.openai_compat.streaming import final_text
 from app.weights.control import WeightsControl

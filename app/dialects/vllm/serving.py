@@ -19,8 +19,7 @@ from app.dialects.vllm.protocol import (
     Usage,
     WeightVersionSpan,
 )
-from app.engine.distribution import Scores, ScoreSpec
-from app.engine.types import Generation, SamplingConfig
+from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.serving import GenerationService
 
 

@@ -157,7 +157,7 @@ class ScoreSpec:
     @property
     def needs_full_distribution(self) -> bool:
         """Whether the whole vocabulary is needed (top-k alone is not: engines return it)."""
-        return self.entropy or self.processed or self.token_ids is not None or self.ranks
+        return not self.ranked_top_k or self.ranks
 
     @property
     def ranked_top_k(self) -> bool:

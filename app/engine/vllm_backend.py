@@ -501,12 +501,16 @@ class _PromptGrid:
     """vLLM's flat prompt log-probs of a sequence, positions 1… as rows: each row is the
     position's own token, then the k most likely tokens in order (possibly itself again)."""
 
-    own: list[float]
     rows: int
     k: int
     token_ids: list[int]
     log_probs: list[float]
     ranks: list[int]
+
+    @property
+    def own(self) -> list[float]:
+        """The log-prob of each position's own token."""
+        return self.log_probs[:: self.k + 1]
 
     def scores(self, spec: ScoreSpec) -> Scores:
         part = {"log_probs": torch.tensor(self.own, dtype=torch.float32)}
@@ -527,7 +531,6 @@ def _prompt_grid(flat: Any, length: int, k: int) -> _PromptGrid:
             f"top {k}; expected {rows * (k + 1)}"
         )
     return _PromptGrid(
-        own=flat.logprobs[:: k + 1],
         rows=rows,
         k=k,
         token_ids=flat.token_ids,

@@ -63,9 +63,8 @@ class GenerationService(ModelServing):
         abandoned = threading.Event()
         # An engine that scores prompts as it generates (top-k and ranks) does so for each
         # prompt's first row.
-        in_pass = None
-        if prompt_asks is not None and prompt_asks.ranked_top_k:
-            in_pass = prompt_asks if served.backend.capabilities.prompt_scores else None
+        capable = served.backend.capabilities.prompt_scores
+        in_pass = prompt_asks if prompt_asks and prompt_asks.ranked_top_k and capable else None
         items = [
             GenerateItem(
                 tuple(p.ids),

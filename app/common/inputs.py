@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeVar
 
+import tokenizers
 from rlserve_client.sequences import SequenceSplit
 
 from app.common.failures import TooLarge, invalid
@@ -106,7 +107,23 @@ class InputPreparer:
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
+        backend = self._plain_decoder
+        if backend is not None and isinstance(ids, list):
+            return str(backend.decode(ids, skip_special_tokens=skip_special))
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+    @cached_property
+    def _plain_decoder(self) -> Any:
+        """The fast tokenizer's own `tokenizers.Tokenizer` when transformers' decode adds
+        nothing to its answer (no clean-up of spaces), else None. Called directly, a decode
+        skips transformers' conversion of every id, half its cost on a long history (an
+        environment step decodes the whole episode for its observation)."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if not isinstance(backend, tokenizers.Tokenizer):
+            return None
+        if getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            return None
+        return backend
 
     def render(
         self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None

@@ -56,26 +56,32 @@ class RowOutcome:
     info: dict[str, object]
     tool_results: list[BlockResult] | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """As the step's wire answer writes it (tool results first in `info`)."""
+    def to_json(self, *, observation: bool = True) -> dict[str, Any]:
+        """As the step's wire answer writes it (tool results first in `info`); without the
+        observation when the caller can rebuild it from the row."""
         info = dict(self.info)
         if self.tool_results is not None:
             info = {"tool_results": [asdict(r) for r in self.tool_results], **info}
-        return {
-            "observation": self.observation.to_json(),
+        data = {
             "reward": self.reward,
             "done": self.done,
             "terminated": self.terminated,
             "truncated": self.truncated,
             "info": info,
         }
+        return {"observation": self.observation.to_json(), **data} if observation else data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RowOutcome:
+    def from_json(cls, data: dict[str, Any], observation: Observation | None = None) -> RowOutcome:
+        """The outcome `to_json` wrote; `observation` stands in for one it left out."""
         info = dict(data["info"])
         runs = info.pop("tool_results", None)
+        if "observation" in data:
+            observation = Observation.from_json(data["observation"])
+        if observation is None:
+            raise ValueError("the outcome was stored without its observation; give it")
         return cls(
-            observation=Observation.from_json(data["observation"]),
+            observation=observation,
             reward=data["reward"],
             done=data["done"],
             terminated=data["terminated"],
@@ -91,13 +97,20 @@ class StepResult:
     policy_version: int
     outputs: list[RowOutcome] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        outputs = [o.to_json() for o in self.outputs]
+    def to_json(self, *, observations: bool = True) -> dict[str, Any]:
+        outputs = [o.to_json(observation=observations) for o in self.outputs]
         return {"env_id": self.env_id, "policy_version": self.policy_version, "outputs": outputs}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StepResult:
-        outputs = [RowOutcome.from_json(o) for o in data["outputs"]]
+    def from_json(
+        cls, data: dict[str, Any], observations: list[Observation] | None = None
+    ) -> StepResult:
+        """The result `to_json` wrote; `observations` (one per row) stand in for those it
+        left out."""
+        given = observations or [None] * len(data["outputs"])
+        outputs = [
+            RowOutcome.from_json(o, ob) for o, ob in zip(data["outputs"], given, strict=True)
+        ]
         return cls(data["env_id"], data["policy_version"], outputs)
 
 
@@ -166,6 +179,17 @@ class EpisodeEngine:
         """Count the turns, update the episode flags and observe every row."""
         outputs = await preparer.off_loop(_finish, config, state.rows, turns, preparer)
         return StepResult(env_id=env_id, policy_version=policy_version, outputs=outputs)
+
+    async def replay(
+        self, config: EnvSpec, state: EpisodeState, stored: dict[str, Any], preparer: InputPreparer
+    ) -> StepResult:
+        """A step's result as `StepResult.to_json` stored it, its observations rebuilt from
+        the rows: the last step is forgotten at any later change, so the rows are as it left
+        them, and each observation is what that step answered."""
+        observations = None
+        if any("observation" not in output for output in stored["outputs"]):
+            observations = await preparer.off_loop(_observations, config, state.rows, preparer)
+        return StepResult.from_json(stored, observations)
 
 
 def penalise_kl(
@@ -277,6 +301,10 @@ def _finish(
     config: EnvSpec, rows: list[Row], turns: list[Turn | None], preparer: InputPreparer
 ) -> list[RowOutcome]:
     return [_outcome(config, row, turn, preparer) for row, turn in zip(rows, turns, strict=True)]
+
+
+def _observations(config: EnvSpec, rows: list[Row], preparer: InputPreparer) -> list[Observation]:
+    return [episodes.observation(config, row, preparer) for row in rows]
 
 
 def _outcome(config: EnvSpec, row: Row, turn: Turn | None, preparer: InputPreparer) -> RowOutcome:

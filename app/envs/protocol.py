@@ -153,9 +153,17 @@ class Observation(WireModel):
 
     @classmethod
     def of(cls, observation: episodes.Observation) -> Observation:
+        """Built without validation: every field comes from the session's own state (its
+        messages were validated on the way in, its ids are the model's). Validating the whole
+        history and every id again was the largest part of building a step's answer."""
         history = observation.history
-        return cls(
-            history=None if history is None else [Message(**m) for m in history],
+        messages = None
+        if history is not None:
+            messages = [
+                Message.model_construct(role=m["role"], content=m["content"]) for m in history
+            ]
+        return cls.model_construct(
+            history=messages,
             text=observation.text,
             prompt_text=observation.prompt_text,
             prompt_tokens=observation.prompt_tokens,

@@ -9,9 +9,9 @@ creation (`sessions:owner:<owner>`, for listing)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from app.common import jsontext
 from app.envs.store import SessionRecord, SessionStore
 
 PREFIX = "rlserve:"
@@ -66,8 +66,8 @@ class RedisSessionStore(SessionStore):
             keys=[_key(record.env_id), _UPDATED],
             args=[
                 record.revision,
-                json.dumps(record.config),
-                json.dumps(record.state),
+                jsontext.dumps(record.config),
+                jsontext.dumps(record.state),
                 repr(record.updated_at),
                 record.env_id,
             ],
@@ -114,8 +114,8 @@ class RedisSessionStore(SessionStore):
 
 def _fields(record: SessionRecord) -> dict[str, Any]:
     return {
-        "config": json.dumps(record.config),
-        "state": json.dumps(record.state),
+        "config": jsontext.dumps(record.config),
+        "state": jsontext.dumps(record.state),
         "created_at": repr(record.created_at),
         "updated_at": repr(record.updated_at),
         "owner": record.owner,
@@ -126,8 +126,8 @@ def _fields(record: SessionRecord) -> dict[str, Any]:
 def _record(env_id: str, fields: dict[str, str]) -> SessionRecord:
     return SessionRecord(
         env_id=env_id,
-        config=json.loads(fields["config"]),
-        state=json.loads(fields["state"]),
+        config=jsontext.loads(fields["config"]),
+        state=jsontext.loads(fields["state"]),
         created_at=float(fields["created_at"]),
         updated_at=float(fields["updated_at"]),
         owner=fields["owner"],

@@ -100,9 +100,12 @@ class EnvService:
         async with self.sessions.opened(env_id, owner) as session:
             answered = session.replayed(idempotency_key, actions)
             if answered is not None:
-                return StepResult.from_json(answered)
+                return await self.engine.replay(session.config, session.state, answered, preparer)
             result = await self._step(env_id, session.config, session.state, actions, preparer)
-            session.remember(idempotency_key, actions, result.to_json())
+            if idempotency_key is None:
+                session.forget_step()
+            else:  # kept without observations: the rows hold them (the session's size halves)
+                session.remember(idempotency_key, actions, result.to_json(observations=False))
             return result
 
     async def _step(

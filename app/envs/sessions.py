@@ -67,11 +67,9 @@ class Session:
         answer: dict[str, Any] = last["response"]
         return answer
 
-    def remember(self, key: str | None, actions: list[Act | None], answer: dict[str, Any]) -> None:
-        """Keep this step's answer for a retry with `key` (nothing without a key)."""
-        self.forget_step()
-        if key is not None:
-            self.state.last_step = {"key": key, "digest": _digest(actions), "response": answer}
+    def remember(self, key: str, actions: list[Act | None], answer: dict[str, Any]) -> None:
+        """Keep this step's answer for a retry with `key`."""
+        self.state.last_step = {"key": key, "digest": _digest(actions), "response": answer}
 
     def forget_step(self) -> None:
         self.state.last_step = None

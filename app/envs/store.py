@@ -4,13 +4,13 @@ answered is on disk, so a restart, even kill -9, loses no completed step."""
 
 from __future__ import annotations
 
-import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from app.common import jsontext
 from app.common.sqlite import SQLiteFile
 
 T = TypeVar("T")
@@ -91,8 +91,8 @@ class SQLiteSessionStore(SQLiteFile, SessionStore):
     async def put(self, record: SessionRecord) -> None:
         row = (
             record.env_id,
-            json.dumps(record.config),
-            json.dumps(record.state),
+            jsontext.dumps(record.config),
+            jsontext.dumps(record.state),
             record.created_at,
             record.updated_at,
             record.owner,
@@ -106,8 +106,8 @@ class SQLiteSessionStore(SQLiteFile, SessionStore):
 
     async def replace(self, record: SessionRecord) -> bool:
         values = (
-            json.dumps(record.config),
-            json.dumps(record.state),
+            jsontext.dumps(record.config),
+            jsontext.dumps(record.state),
             record.updated_at,
             record.revision + 1,
             record.env_id,
@@ -195,7 +195,13 @@ class SQLiteSessionStore(SQLiteFile, SessionStore):
 def _record(row: Any) -> SessionRecord:
     env_id, config, state, created_at, updated_at, owner, revision = row
     return SessionRecord(
-        env_id, json.loads(config), json.loads(state), created_at, updated_at, owner, revision
+        env_id,
+        jsontext.loads(config),
+        jsontext.loads(state),
+        created_at,
+        updated_at,
+        owner,
+        revision,
     )
 
 

@@ -3,6 +3,8 @@ chat-template renders are remembered where that gives the same text."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -251,3 +253,21 @@ def test_a_replaced_template_is_rendered_afresh(model_dir):
     preparer.tokenizer.chat_template = QWEN_LIKE.replace("<|im_start|>", "<|im_start|> ")
     after = preparer.render(CONVERSATION, generation_prompt=True)
     assert after != before and "<|im_start|> user" in after
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_equals_the_tokenizers_own(model_dir, clean_up):
+    """Decoding goes straight to the fast tokenizer where transformers would add nothing to
+    it, and through transformers where it cleans up spaces: the text is the same either way."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    preparer = InputPreparer(tokenizer, vocab_size=len(tokenizer), max_model_len=4096)
+    assert (preparer._plain_decoder is None) == clean_up
+    rng = random.Random(0)
+    rows = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 40))] for _ in range(64)]
+    rows.append(tokenizer("a , b .<|im_end|>x é")["input_ids"])
+    for ids in rows:
+        for skip in (False, True):
+            assert preparer.decode(ids, skip_special=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )

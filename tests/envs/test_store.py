@@ -4,9 +4,13 @@ when sessions are deleted, and concurrent writes committed together."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from pathlib import Path
 
+import pytest
+
+from app.common import jsontext
 from app.envs.store import SessionRecord, SQLiteSessionStore
 
 
@@ -78,7 +82,7 @@ async def test_concurrent_steps_commit_together_and_each_is_on_disk(tmp_path: Pa
         assert 1 <= commits < 32 and "ROLLBACK" not in statements
         with sqlite3.connect(path) as other:
             rows = dict(other.execute("SELECT env_id, state FROM sessions"))
-        assert all(rows[r.env_id] == f'{{"turn": 1, "text": "{r.env_id}"}}' for r in records)
+        assert all(json.loads(rows[r.env_id]) == {"turn": 1, "text": r.env_id} for r in records)
         assert all(r.revision == 1 for r in records)
     finally:
         await store.aclose()
@@ -112,3 +116,19 @@ async def test_a_failing_write_fails_alone(tmp_path: Path) -> None:
         assert record is not None and record.state == {"n": 1}
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"ids": list(range(300)), "text": 'é \u2028 "q" \\', "reward": 0.1, "big": 10**30},
+        {"reward": float("inf"), "low": float("-inf"), "none": None, "flags": [True, False]},
+        {"lone": "\ud800 surrogate", "nested": [{"a": []}, {}]},
+    ],
+)
+def test_session_json_reads_back_and_reads_the_standard_librarys(value):
+    """Sessions are written by a faster encoder; what it writes reads back as the value, and
+    so does what the standard library wrote (sessions stored before)."""
+    assert jsontext.loads(jsontext.dumps(value)) == value
+    assert json.loads(jsontext.dumps(value)) == value
+    assert jsontext.loads(json.dumps(value)) == value

@@ -107,7 +107,9 @@ class StepResult:
     ) -> StepResult:
         """The result `to_json` wrote; `observations` (one per row) stand in for those it
         left out."""
-        given = observations or [None] * len(data["outputs"])
+        given: list[Observation | None] = [None] * len(data["outputs"])
+        if observations is not None:
+            given = list(observations)
         outputs = [
             RowOutcome.from_json(o, ob) for o, ob in zip(data["outputs"], given, strict=True)
         ]

@@ -33,3 +33,23 @@ async def unless_abandoned(work: Awaitable[R], flag: threading.Event | None) -> 
         return task.result()
     finally:
         task.cancel()
+
+
+async def unless_set(work: Awaitable[R], event: asyncio.Event) -> R | None:
+    """`work`'s result, or None when `event` is set first (or already is): the work is
+    cancelled then."""
+    if event.is_set():
+        if asyncio.iscoroutine(work):
+            work.close()  # never started
+        return None
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, stop):
+            pending.cancel()
+        await asyncio.gather(task, stop, return_exceptions=True)
+    if task.done() and not task.cancelled():
+        return task.result()
+    return None

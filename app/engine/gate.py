@@ -5,7 +5,8 @@ the gate (new requests wait, nothing is refused) and then handles the work alrea
 
 - ``wait``: lets it all finish;
 - ``abort``: ends in-flight generations at their next token (they return what they produced,
-  with finish_reason "abort") and lets scoring finish;
+  with finish_reason "abort") and lets scoring finish; what a generation scores after its
+  tokens (`unless_aborted`) is cancelled, and its rows end "abort" as well;
 - ``keep``: lets scoring finish and freezes in-flight generations at their next token; they
   continue after the resume, on whatever weights are then served.
 
@@ -18,15 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from app.common.failures import Conflict
+from app.engine.abandon import unless_set
 from app.engine.base import Backend
 
 PauseMode = Literal["wait", "abort", "keep"]
 WorkKind = Literal["score", "generate"]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class ServingGate:
         self._control = asyncio.Lock()
         self._mode: PauseMode | None = None
         self._by: Literal["request", "update"] | None = None
+        self._aborting = asyncio.Event()  # set while an abort pause holds
 
     # -- requests ------------------------------------------------------------------------
 
@@ -71,6 +75,13 @@ class ServingGate:
             self._in_flight[kind] -= 1
             async with self._changed:
                 self._changed.notify_all()
+
+    async def unless_aborted(self, work: Awaitable[R]) -> R | None:
+        """`work`, model work a generation does after its tokens (inside its `admitted`), or
+        None when an abort pause begins first. The pause waits for generations to leave, and
+        an engine it paused starts no new request before the resume: the work is cancelled
+        instead of waited for."""
+        return await unless_set(work, self._aborting)
 
     def state(self) -> GateState:
         return GateState(
@@ -111,6 +122,7 @@ class ServingGate:
             if mode == "wait":
                 await self._drained("generate")
             elif mode == "abort":
+                self._aborting.set()
                 for backend in self._backends().values():
                     await backend.abort_generations()
                 await self._drained("generate")
@@ -124,6 +136,7 @@ class ServingGate:
         for backend in self._backends().values():
             await backend.thaw()
         self._mode = self._by = None
+        self._aborting.clear()
         self._open.set()
 
     async def _drained(self, kind: WorkKind) -> None:

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from app.batching import BatchingConfig
 from app.common.failures import NotReady, Unsupported, invalid
@@ -21,6 +21,7 @@ from app.engine.served import ModelPair, ServedModel
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
+R = TypeVar("R")
 
 
 class ModelRegistry:
@@ -65,6 +66,11 @@ class ModelRegistry:
         Yields the policy version it starts on."""
         async with self.gate.admitted("generate") as version:
             yield version
+
+    async def unless_aborted(self, work: Awaitable[R]) -> R | None:
+        """What a generation scores after its tokens, or None if an abort pause cut it short
+        (see `ServingGate.unless_aborted`)."""
+        return await self.gate.unless_aborted(work)
 
     @contextlib.asynccontextmanager
     async def writing(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from app.common.failures import Conflict, InvalidInput, Unsupported
-from app.engine.abandon import unless_abandoned
+from app.engine.abandon import unless_abandoned, unless_set
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import assemble, position_scores
 from app.engine.types import (
@@ -63,6 +63,7 @@ class VLLMBackend(Backend):
         self.weights = weights
         self.tied_embeddings = False
         self._transfer: VLLMTransfer | None = None
+        self._aborting = asyncio.Event()  # set from an abort pause's start to the resume
         self.transferred: set[str] = set()
         """Tensors whose served values came over the collective transfer (they are in no
         file, so a file update cannot complete the model with them)."""
@@ -165,8 +166,10 @@ class VLLMBackend(Backend):
 
     async def thaw(self) -> None:
         await self.engine.resume_generation()
+        self._aborting.clear()
 
     async def abort_generations(self) -> None:
+        self._aborting.set()
         await self.engine.pause_generation(mode="abort", clear_cache=False)
 
     async def set_version(self, version: int) -> None:
@@ -263,9 +266,11 @@ class VLLMBackend(Backend):
         if processed_mode:
             # The sampled values are processed; the raw ones come from one scoring pass over
             # the finished sequence (prompt log-probs are raw in every mode).
-            raw = await unless_abandoned(
-                self._score_one([*item.prompt_ids, *tokens]), item.abandoned
-            )
+            # (Not while an abort pause holds: the paused engine would start the scoring only
+            # after the resume, and the pause waits for this row. The row ends without its
+            # tokens then: their raw values are part of it.)
+            score = unless_abandoned(self._score_one([*item.prompt_ids, *tokens]), item.abandoned)
+            raw = await unless_set(score, self._aborting)
             if raw is None:
                 return Generation([], [], None, "abort")
             cut = len(item.prompt_ids)

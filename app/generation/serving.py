@@ -16,6 +16,7 @@ from app.common.samples import log_prob_fields, mask_fields, messages, token_fie
 from app.common.serving import ModelServing
 from app.engine.base import Backend, ScoreItem
 from app.engine.sampling import row_seed
+from app.engine.served import ServedModel
 from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec, TokenSink
 from app.generation.protocol import (
     GeneratedSample,
@@ -32,11 +33,16 @@ class Sampled:
     version: int
     prompts: list[Prepared]
     generations: list[Generation]
-    scores: list[Scores] | None = None
-    """Per generation, what the request asked beyond log-probs, over its response."""
+    scores: list[Scores | None] | None = None
+    """Per generation, what the request asked beyond log-probs, over its response; None for
+    a row an abort ended (see `scores_of`)."""
     prompt_scores: list[Scores | None] | None = None
     """Per prompt, what the request asked of the prompt itself (`prompt_asks`); None for a
     prompt whose generation was aborted before the engine scored it."""
+
+    def scores_of(self, k: int) -> Scores | None:
+        """Generation k's extras: None when none were asked, or an abort ended the row."""
+        return None if self.scores is None else self.scores[k]
 
 
 class GenerationService(ModelServing):
@@ -94,11 +100,37 @@ class GenerationService(ModelServing):
                     prompt_scores = [g.prompt_scores for g in generations[::n]]
                 scores = None
                 if asks is not None:
-                    scores = await served.score_detailed(_finished(items, generations, asks))
+                    scores = await self._score_finished(served, items, generations, asks)
         except asyncio.CancelledError:
             abandoned.set()  # the backend stops these rows at the next token
             raise
         return Sampled(version, prompts, generations, scores, prompt_scores)
+
+    async def _score_finished(
+        self,
+        served: ServedModel,
+        items: list[GenerateItem],
+        generations: list[Generation],
+        asks: ScoreSpec,
+    ) -> list[Scores | None]:
+        """`asks` over each finished row's response, in one call. Rows an abort ended are not
+        scored. An abort pause that begins first cancels the call (the pause waits for this
+        request, and a paused engine would not score before the resume): the rows then end
+        "abort" too, with their tokens and without the extras."""
+        rows = [k for k, g in enumerate(generations) if g.finish_reason != "abort"]
+        scores: list[Scores | None] = [None] * len(generations)
+        if not rows:
+            return scores
+        work = served.score_detailed(
+            _finished([items[k] for k in rows], [generations[k] for k in rows], asks)
+        )
+        scored = await self.registry.unless_aborted(work)
+        for j, k in enumerate(rows):
+            if scored is None:
+                generations[k].finish_reason = "abort"
+            else:
+                scores[k] = scored[j]
+        return scores
 
     def _asks(
         self,
@@ -187,9 +219,9 @@ def _generated_samples(
                 with_log_probs=request.wants_log_probs,
                 skip_special_tokens=request.skip_special_tokens,
             )
-            if sampled.scores is not None:
-                fields = extras(sampled.scores[k], asked, len(prompt.ids))
-                sample = sample.model_copy(update=fields)
+            scores = sampled.scores_of(k)
+            if scores is not None:
+                sample = sample.model_copy(update=extras(scores, asked, len(prompt.ids)))
             group.append(sample)
         out.append(group)
     return out

@@ -293,10 +293,11 @@ class OpenAIService(ModelServing):
 
     def _tops(self, job: Job, sampled: Sampled, k: int) -> list[list[tuple[int, float]]] | None:
         """Per generated token, the most likely (id, log-prob) pairs (when asked)."""
-        if not job.logprobs or sampled.scores is None:
+        scores = sampled.scores_of(k)
+        if not job.logprobs or scores is None:
             return None
         spec = ScoreSpec(top_logprobs=job.logprobs)
-        table = extras(sampled.scores[k], spec, len(job.prompt_of(k).ids), tensors=True)
+        table = extras(scores, spec, len(job.prompt_of(k).ids), tensors=True)
         ids, values = (
             table["top_logprobs"]["ids"].tolist(),
             table["top_logprobs"]["log_probs"].tolist(),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_close
+from tests.weights.test_pause import aborted_while_asking_for_extras
 
 
 async def generate(client: httpx.AsyncClient, **body: object) -> dict:  # type: ignore[type-arg]
@@ -288,3 +289,9 @@ async def test_generated_samples_mask_only_what_they_generated(client):
     assert sample["masks"]["all_assistant_mask"] == [0] * num_prompt + [1] * num_response
     scored = await client.post("/v1/logprobs", json={"messages": [conversation[:2]]})
     assert sum(scored.json()["outputs"][0]["masks"]["all_assistant_mask"]) > 0
+
+
+async def test_abort_does_not_wait_for_an_aborted_rows_extras(client):
+    """As tests/weights/test_pause.py checks on the raw mode; here vLLM runs its processed
+    mode, where a finished row is also scored for its raw values."""
+    await aborted_while_asking_for_extras(client, max_new_tokens=512)  # (this app's limit)

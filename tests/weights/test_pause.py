@@ -126,3 +126,34 @@ async def test_pausing_twice_with_one_mode_is_harmless(served, mode):
         assert (await served.http.post("/v1/pause", json={"mode": mode})).json()["paused"]
     assert not (await served.http.post("/v1/resume")).json()["paused"]
     assert not (await served.http.post("/v1/resume")).json()["paused"]
+
+
+async def aborted_while_asking_for_extras(http: Any, max_new_tokens: int = 3000) -> None:
+    """An abort pause ends a long generation that asks for top_logprobs, and returns: it does
+    not wait for the aborted row's extras (a paused vLLM engine would score them only after
+    the resume, which the pause itself holds up)."""
+    body = {**LONG, "max_new_tokens": max_new_tokens, "top_logprobs": 2}
+    task = asyncio.create_task(http.post("/v1/generate", json=body))
+    for _ in range(400):
+        if (await http.get("/v1/serving")).json()["in_flight_generations"]:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError(f"the generation never started: {(await task).text}")
+    await asyncio.sleep(0.1)
+    try:
+        paused = await asyncio.wait_for(http.post("/v1/pause", json={"mode": "abort"}), 60)
+        assert paused.json()["paused"] and paused.json()["in_flight_generations"] == 0
+        (sample,) = (await asyncio.wait_for(task, 60)).json()["outputs"][0]
+        assert sample["finish_reason"] == "abort"
+        assert 0 < len(sample["tokens"]["response"]) < max_new_tokens
+        assert sample.get("top_logprobs") is None
+    finally:
+        await http.post("/v1/resume")
+    again = (await http.post("/v1/generate", json={**body, "max_new_tokens": 4})).json()
+    (sample,) = again["outputs"][0]
+    assert sample["finish_reason"] == "length" and len(sample["top_logprobs"]["ids"]) == 4
+
+
+async def test_abort_does_not_wait_for_an_aborted_rows_extras(served):
+    await aborted_while_asking_for_extras(served.http)

@@ -128,7 +128,7 @@ async def generate(
         for k, g in enumerate(sampled.generations):
             if k % p.n == 0:
                 rid = next(rids)
-            scores = sampled.scores[k] if sampled.scores is not None else None
+            scores = sampled.scores_of(k)
             prompt_ids = sampled.prompts[k // p.n].ids
             name = rid if p.n == 1 else uuid.uuid4().hex
             outputs.append(

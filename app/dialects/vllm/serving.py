@@ -48,10 +48,7 @@ async def generate(
     asks = ScoreSpec(top_logprobs=k, ranks=True) if k is not None else None
     prompts = Prompts(token_ids=[request.token_ids], field="token_ids")
     sampled = await sample(generation, prompts, config, n=params.n, seed=params.seed, asks=asks)
-    choices = [
-        _choice(i, g, sampled.scores[i] if sampled.scores is not None else None, k)
-        for i, g in enumerate(sampled.generations)
-    ]
+    choices = [_choice(i, g, sampled.scores_of(i), k) for i, g in enumerate(sampled.generations)]
     completion = sum(len(g.token_ids) for g in sampled.generations)
     prompt = len(request.token_ids)
     return InferenceGenerateResponse(

@@ -269,8 +269,11 @@ class VLLMBackend(Backend):
             # (Not while an abort pause holds: the paused engine would start the scoring only
             # after the resume, and the pause waits for this row. The row ends without its
             # tokens then: their raw values are part of it.)
-            score = unless_abandoned(self._score_one([*item.prompt_ids, *tokens]), item.abandoned)
-            raw = await unless_set(score, self._aborting)
+            raw = None
+            if not self._aborting.is_set():
+                sequence = [*item.prompt_ids, *tokens]
+                score = unless_abandoned(self._score_one(sequence), item.abandoned)
+                raw = await unless_set(score, self._aborting)
             if raw is None:
                 return Generation([], [], None, "abort")
             cut = len(item.prompt_ids)

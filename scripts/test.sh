@@ -24,6 +24,18 @@ if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_DOCKER:-0}" = "1" ]; then
   if [ "$(id -u)" = "0" ]; then
     ./scripts/docker-deps.sh || echo "note: docker-deps failed; the Docker smoke test will skip" >&2
   fi
+  # The image's build mostly waits on package downloads: it runs beside the linters and the
+  # venv builds, and the smoke test checks this run (its status in the report's path + .rc).
+  if docker compose version > /dev/null 2>&1 && \
+    { docker info > /dev/null 2>&1 || { [ "$(id -u)" = "0" ] && command -v dockerd > /dev/null; }; }; then
+    export RLSERVE_DOCKER_SMOKE_REPORT="$setups/docker-smoke.json"
+    (
+      status=0
+      ./scripts/docker-smoke.sh --json "$RLSERVE_DOCKER_SMOKE_REPORT" \
+        > "$RLSERVE_DOCKER_SMOKE_REPORT.log" 2>&1 || status=$?
+      echo "$status" > "$RLSERVE_DOCKER_SMOKE_REPORT.rc"
+    ) &
+  fi
 fi
 ./scripts/lint.sh
 ./scripts/check-docker.sh

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -137,3 +138,21 @@ def test_every_skipped_example_says_why() -> None:
     for page in pages():
         for example in examples(page):  # raises on an unclosed fence, a bare or odd tag
             assert example.skip is None or example.skip.strip(), example.name
+
+
+SMOKED = "the same command runs in CI in tests/bench/test_bench_smoke.py"
+
+
+def test_examples_left_to_the_bench_smokes_are_their_commands() -> None:
+    """A page's benchmark smoke runs are not run twice: the ones marked so are exactly a
+    `bench/NAME.py --quick` run that tests/bench/test_bench_smoke.py makes (and checks)."""
+    smoke = (ROOT / "tests" / "bench" / "test_bench_smoke.py").read_text()
+    left = [e for page in pages() for e in examples(page) if (e.skip or "").startswith(SMOKED)]
+    assert left
+    for example in left:
+        command = re.fullmatch(
+            r'\.venv/bin/python bench/(\w+)\.py --quick --output "\$\(mktemp -d\)"(  +#[^\n]*)?\n',
+            example.code,
+        )
+        assert command is not None, example.name
+        assert f'run_quick("{command[1]}"' in smoke, example.name

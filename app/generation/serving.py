@@ -90,9 +90,12 @@ class GenerationService(ModelServing):
                 prompt_scores: list[Scores | None] | None = None
                 if prompt_asks is not None and in_pass is None:
                     # Scored first: an engine with a prefix cache then generates from it.
-                    prompt_scores = list(
-                        await served.score_detailed([(p.ids, prompt_asks) for p in prompts])
-                    )
+                    work = served.score_detailed([(p.ids, prompt_asks) for p in prompts])
+                    first = await self.registry.unless_aborted(work)
+                    if first is None:  # an abort pause began: nothing is generated
+                        aborted = [Generation([], [], None, "abort") for _ in items]
+                        return Sampled(version, prompts, aborted, None, [None] * len(prompts))
+                    prompt_scores = list(first)
                 generations = await served.generate(items)
                 if in_pass is not None:
                     # (Not scored again when missing: an aborted row is missing them, and

@@ -121,3 +121,27 @@ async def test_an_abort_pause_cancels_scoring_under_way_and_does_not_wait_for_it
         )
     assert [g.finish_reason for g in again.generations] == ["length"] * 3
     assert all(again.scores_of(k) is not None for k in range(3))
+
+
+async def test_an_abort_pause_during_the_prompt_scoring_pass_ends_every_row(
+    tmp_path: Path,
+) -> None:
+    """An engine that cannot score prompts as it generates scores them first; an abort pause
+    that begins then ends the request's rows before any is generated."""
+    engine = PausingEngine()
+    async with fake_app(tmp_path, engine, FakeBackend("reference", log_prob)) as app:
+        registry = app.state.registry
+        prepared = registry.get("policy").preparer.prompts(None, None, PROMPTS, "tokens")
+        request = asyncio.create_task(
+            app.state.generation.sample(
+                "policy", prepared, SamplingConfig(max_new_tokens=3), n=2, seed=0, prompt_asks=ASKS
+            )
+        )
+        await asyncio.wait_for(engine.scoring.wait(), 10)
+        await asyncio.wait_for(registry.gate.pause("abort"), 10)
+        sampled = await asyncio.wait_for(request, 10)
+        await registry.gate.resume()
+    assert engine.calls == 0  # nothing was generated
+    assert [g.finish_reason for g in sampled.generations] == ["abort"] * 6
+    assert all(g.token_ids == [] for g in sampled.generations)
+    assert sampled.prompt_scores == [None, None, None]

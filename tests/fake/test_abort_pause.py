@@ -7,13 +7,16 @@ the pause forever. A fake engine that pauses that way shows both."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from fastapi import FastAPI
 
 from app.engine.base import ScoreItem
 from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec
+from app.generation.serving import Sampled
 from tests.fake.backend import FakeBackend, fake_app
 
 ASKS = ScoreSpec(top_logprobs=2)
@@ -73,14 +76,18 @@ class PausingEngine(FakeBackend):
         ]
 
 
+def sample(app: FastAPI, **asks: Any) -> Coroutine[Any, Any, Sampled]:
+    """The service sampling 3 tokens for each of PROMPTS, with `asks` (asks, prompt_asks, n)."""
+    prepared = app.state.registry.get("policy").preparer.prompts(None, None, PROMPTS, "tokens")
+    config = SamplingConfig(max_new_tokens=3)
+    return app.state.generation.sample("policy", prepared, config, seed=0, **asks)
+
+
 async def test_rows_an_abort_ended_are_not_scored(tmp_path: Path) -> None:
     engine = PausingEngine(aborted=[(8, 9)])
     engine.release.set()
     async with fake_app(tmp_path, engine, FakeBackend("reference", log_prob)) as app:
-        prepared = app.state.registry.get("policy").preparer.prompts(None, None, PROMPTS, "tokens")
-        sampled = await app.state.generation.sample(
-            "policy", prepared, SamplingConfig(max_new_tokens=3), seed=0, asks=ASKS
-        )
+        sampled = await sample(app, asks=ASKS)
     assert [g.finish_reason for g in sampled.generations] == ["length", "abort", "length"]
     (call,) = engine.score_calls
     assert [ids for ids, _ in call] == [[5, 6, 7, 72, 105, 33], [10, 11, 12, 13, 72, 105, 33]]
@@ -98,12 +105,7 @@ async def test_an_abort_pause_cancels_scoring_under_way_and_does_not_wait_for_it
     engine = PausingEngine()
     async with fake_app(tmp_path, engine, FakeBackend("reference", log_prob)) as app:
         registry = app.state.registry
-        prepared = registry.get("policy").preparer.prompts(None, None, PROMPTS, "tokens")
-        request = asyncio.create_task(
-            app.state.generation.sample(
-                "policy", prepared, SamplingConfig(max_new_tokens=3), seed=0, asks=ASKS
-            )
-        )
+        request = asyncio.create_task(sample(app, asks=ASKS))
         await asyncio.wait_for(engine.scoring.wait(), 10)  # and held there
         state = await asyncio.wait_for(registry.gate.pause("abort"), 10)
         assert state.paused and state.in_flight_generations == 0
@@ -113,12 +115,7 @@ async def test_an_abort_pause_cancels_scoring_under_way_and_does_not_wait_for_it
         assert all(sampled.scores_of(k) is None for k in range(3))
         await registry.gate.resume()
         engine.release.set()
-        again = await asyncio.wait_for(
-            app.state.generation.sample(
-                "policy", prepared, SamplingConfig(max_new_tokens=3), seed=0, asks=ASKS
-            ),
-            10,
-        )
+        again = await asyncio.wait_for(sample(app, asks=ASKS), 10)
     assert [g.finish_reason for g in again.generations] == ["length"] * 3
     assert all(again.scores_of(k) is not None for k in range(3))
 
@@ -131,12 +128,7 @@ async def test_an_abort_pause_during_the_prompt_scoring_pass_ends_every_row(
     engine = PausingEngine()
     async with fake_app(tmp_path, engine, FakeBackend("reference", log_prob)) as app:
         registry = app.state.registry
-        prepared = registry.get("policy").preparer.prompts(None, None, PROMPTS, "tokens")
-        request = asyncio.create_task(
-            app.state.generation.sample(
-                "policy", prepared, SamplingConfig(max_new_tokens=3), n=2, seed=0, prompt_asks=ASKS
-            )
-        )
+        request = asyncio.create_task(sample(app, n=2, prompt_asks=ASKS))
         await asyncio.wait_for(engine.scoring.wait(), 10)
         await asyncio.wait_for(registry.gate.pause("abort"), 10)
         sampled = await asyncio.wait_for(request, 10)

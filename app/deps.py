@@ -20,68 +20,68 @@ from app.trajectories.service import TrajectoryService
 from app.weights.control import WeightsControl
 
 
-def _settings(request: Request) -> Settings:
+async def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def _owner(request: Request) -> str:
+async def _owner(request: Request) -> str:
     """Who is calling: the middleware's id for the request's API key ("" without keys)."""
     owner: str = getattr(request.state, "owner", "")
     return owner
 
 
-def _probe(request: Request) -> EngineProbe:
+async def _probe(request: Request) -> EngineProbe:
     probe: EngineProbe = request.app.state.probe
     return probe
 
 
-def _registry(request: Request) -> ModelRegistry:
+async def _registry(request: Request) -> ModelRegistry:
     registry: ModelRegistry = request.app.state.registry
     return registry
 
 
-def _generation(request: Request) -> GenerationService:
+async def _generation(request: Request) -> GenerationService:
     generation: GenerationService = request.app.state.generation
     return generation
 
 
-def _scoring(request: Request) -> ScoringService:
+async def _scoring(request: Request) -> ScoringService:
     scoring: ScoringService = request.app.state.scoring
     return scoring
 
 
-def _kl(request: Request) -> KLService:
+async def _kl(request: Request) -> KLService:
     kl: KLService = request.app.state.kl
     return kl
 
 
-def _envs(request: Request) -> EnvService:
+async def _envs(request: Request) -> EnvService:
     envs: EnvService = request.app.state.envs
     return envs
 
 
-def _datasets(request: Request) -> DatasetService:
+async def _datasets(request: Request) -> DatasetService:
     datasets: DatasetService = request.app.state.datasets
     return datasets
 
 
-def _rollouts(request: Request) -> RolloutService:
+async def _rollouts(request: Request) -> RolloutService:
     rollouts: RolloutService = request.app.state.rollouts
     return rollouts
 
 
-def _weights(request: Request) -> WeightsControl:
+async def _weights(request: Request) -> WeightsControl:
     weights: WeightsControl = request.app.state.weights
     return weights
 
 
-def _openai(request: Request) -> OpenAIService:
+async def _openai(request: Request) -> OpenAIService:
     openai: OpenAIService = request.app.state.openai
     return openai
 
 
-def _trajectories(request: Request) -> TrajectoryService:
+async def _trajectories(request: Request) -> TrajectoryService:
     trajectories: TrajectoryService = request.app.state.trajectories
     return trajectories
 

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import httpx
 import pytest
 
@@ -79,3 +80,42 @@ async def test_env_reset_and_step_tokenize_off_the_event_loop(
     assert {"__call__", "decode", "apply_chat_template"} <= {name for name, _ in calls}, calls
     on_loop = [name for name, thread in calls if thread == loop_thread]
     assert not on_loop, on_loop
+
+
+async def test_requests_hand_nothing_to_the_generic_thread_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routes and their dependencies are coroutines: FastAPI runs a plain function in its
+    thread pool, a hand-off to a thread and back per call on every request. Work that belongs
+    off the loop goes to the service's own threads (tokenizer, store, model)."""
+    handed: list[str] = []
+    real = anyio.to_thread.run_sync
+
+    async def spy(func: Any, *args: Any, **kwargs: Any) -> Any:
+        handed.append(getattr(func, "__qualname__", repr(func)))
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", spy)
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.7)
+    async with fake_app(tmp_path, *pair) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            kl = {"text": ["hello there"], "assistant_only": False}
+            answers = [
+                await client.post("/v1/generate", json={"text": ["hi"], "max_new_tokens": 2}),
+                await client.post("/v1/logprobs", json={"text": ["hello there"]}),
+                await client.post("/v1/kl", json=kl),
+                await client.get("/health"),
+                made := await client.post("/v1/envs", json={"kind": "chat", "max_turns": 4}),
+            ]
+            env = made.json()["env_id"]
+            answers += [
+                await client.post(f"/v1/envs/{env}/reset", json={"query": ["What is 2+2?"]}),
+                await client.post(f"/v1/envs/{env}/step", json={"actions": [{"text": "4"}]}),
+                await client.get(f"/v1/envs/{env}"),
+            ]
+    assert [a.status_code for a in answers] == [200, 200, 200, 200, 201, 200, 200, 200], [
+        a.text for a in answers
+    ]
+    assert handed == [], handed
+

@@ -153,6 +153,8 @@ class EpisodeEngine:
     ) -> list[Turn | None]:
         """Check every action (all or nothing), run their tools, append them with the tool
         results to the rows' histories and score them (without the KL penalty)."""
+        if not runs_tools(config):  # nothing to wait for: one trip to the tokenizer thread
+            return await preparer.off_loop(_act, env_id, config, state, actions, preparer)
         acts = await preparer.off_loop(_checked_actions, env_id, state, actions, preparer)
         deadline = asyncio.get_running_loop().time() + self.limits.step_budget_s
         budget = ToolBudget(deadline=deadline, max_blocks=self.limits.max_blocks)
@@ -162,12 +164,28 @@ class EpisodeEngine:
     async def _tools(
         self, config: EnvSpec, act: ActionTokens | None, budget: ToolBudget
     ) -> list[BlockResult]:
-        if act is None or "python" not in config.tools:
+        if act is None or not runs_tools(config):
             return []
         try:
             return await run_python_blocks(act.text, self.sandbox, budget)
         except SandboxUnavailable as error:
             raise NotReady(f"the python tool is disabled here: {error}") from error
+
+    async def act_and_finish(
+        self,
+        env_id: str,
+        policy_version: int,
+        config: EnvSpec,
+        state: EpisodeState,
+        actions: list[Act | None],
+        preparer: InputPreparer,
+    ) -> StepResult:
+        """`act` then `finish` in one trip to the tokenizer thread, for a step with nothing
+        to wait for between them: no tools to run, no KL penalty to score."""
+        if runs_tools(config) or config.kl is not None:
+            raise ValueError("act_and_finish is for steps without tools or a KL penalty")
+        outputs = await preparer.off_loop(_act_and_finish, env_id, config, state, actions, preparer)
+        return StepResult(env_id=env_id, policy_version=policy_version, outputs=outputs)
 
     async def finish(
         self,
@@ -192,6 +210,10 @@ class EpisodeEngine:
         if any("observation" not in output for output in stored["outputs"]):
             observations = await preparer.off_loop(_observations, config, state.rows, preparer)
         return StepResult.from_json(stored, observations)
+
+
+def runs_tools(config: EnvSpec) -> bool:
+    return "python" in config.tools
 
 
 def penalise_kl(
@@ -258,6 +280,29 @@ def _fitting_action(row: Row, action: Act, preparer: InputPreparer, index: int) 
     if len(act.ids) > room:
         raise invalid(name, message)
     return act
+
+
+def _act(
+    env_id: str,
+    config: EnvSpec,
+    state: EpisodeState,
+    actions: list[Act | None],
+    preparer: InputPreparer,
+) -> list[Turn | None]:
+    """`act` for sessions without tools: no tool results to wait for."""
+    acts = _checked_actions(env_id, state, actions, preparer)
+    return _apply(config, state.rows, acts, [[] for _ in acts], preparer)
+
+
+def _act_and_finish(
+    env_id: str,
+    config: EnvSpec,
+    state: EpisodeState,
+    actions: list[Act | None],
+    preparer: InputPreparer,
+) -> list[RowOutcome]:
+    turns = _act(env_id, config, state, actions, preparer)
+    return _finish(config, state.rows, turns, preparer)
 
 
 def _apply(

@@ -11,7 +11,7 @@ from app.common.inputs import InputPreparer
 from app.datasets.rows import Problem
 from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
-from app.envs.engine import EpisodeEngine, StepResult, Turn, penalise_kl
+from app.envs.engine import EpisodeEngine, StepResult, Turn, penalise_kl, runs_tools
 from app.envs.episodes import Act, EpisodeState, Observation, Prompts
 from app.envs.rewards import parse_options, require
 from app.envs.sessions import SessionRepository, SessionView
@@ -116,6 +116,11 @@ class EnvService:
         actions: list[Act | None],
         preparer: InputPreparer,
     ) -> StepResult:
+        if config.kl is None and not runs_tools(config):
+            version = self.registry.policy_version
+            return await self.engine.act_and_finish(
+                env_id, version, config, state, actions, preparer
+            )
         turns = await self.engine.act(env_id, config, state, actions, preparer)
         version = await self._penalise_kl(config, [t for t in turns if t is not None])
         return await self.engine.finish(env_id, version, config, state, turns, preparer)

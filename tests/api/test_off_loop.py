@@ -119,3 +119,40 @@ async def test_requests_hand_nothing_to_the_generic_thread_pool(
     ]
     assert handed == [], handed
 
+
+@pytest.mark.parametrize(
+    ("config", "trips"),
+    [
+        ({"kind": "chat"}, 1),  # check, apply and observe in one trip
+        ({"kind": "tokens"}, 1),
+        ({"kind": "chat", "kl": {"coeff": 0.5}}, 2),  # the KL scoring call comes between
+    ],
+)
+async def test_a_step_with_nothing_to_wait_for_takes_one_trip_to_the_tokenizer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any], trips: int
+) -> None:
+    """Each trip to a thread and back costs a hand-off of the GIL both ways, as much as the
+    work of a short step; a step without tools or a KL penalty waits on nothing between
+    checking its actions and observing the rows."""
+    counted: list[str] = []
+    real = InputPreparer.off_loop
+
+    async def spy(self: InputPreparer, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        counted.append(fn.__name__)
+        return await real(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(InputPreparer, "off_loop", spy)
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.7)
+    prompts = {"tokens": [[5, 6]]} if config["kind"] == "tokens" else {"query": ["2+2?"]}
+    action = {"tokens": [7, 8]} if config["kind"] == "tokens" else {"text": "4"}
+    async with fake_app(tmp_path, *pair) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            env = (await client.post("/v1/envs", json={**config, "max_turns": 4})).json()["env_id"]
+            assert (await client.post(f"/v1/envs/{env}/reset", json=prompts)).status_code == 200
+            counted.clear()
+            step = await client.post(f"/v1/envs/{env}/step", json={"actions": [action]})
+    assert step.status_code == 200, step.text
+    assert len(counted) == trips, counted
+    if "kl" in config:  # the penalty was applied between the trips
+        assert step.json()["outputs"][0]["info"]["reward"]["kl_penalty"] != 0.0

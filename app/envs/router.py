@@ -3,6 +3,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Response
 
 from app.common.disconnect import CancellableRoute, cancellable
+from app.common.protocol import json_response
 from app.deps import EnvsDep, OwnerDep
 from app.envs.protocol import (
     EnvConfig,
@@ -58,9 +59,9 @@ async def delete_env(env_id: EnvId, envs: EnvsDep, owner: OwnerDep) -> Response:
 @cancellable
 async def reset_env(
     env_id: EnvId, request: ResetRequest, envs: EnvsDep, owner: OwnerDep
-) -> ResetResponse:
+) -> Response:
     observations = await envs.reset(env_id, owner, request.to_prompts())
-    return ResetResponse.of(env_id, observations)
+    return json_response(ResetResponse.of(env_id, observations))
 
 
 @router.post(
@@ -86,7 +87,7 @@ async def step_env(
             "a client may retry a step whose answer it never got.",
         ),
     ] = None,
-) -> StepResponse:
+) -> Response:
     """A step whose client goes away is cancelled with its tool runs, and changes nothing."""
     result = await envs.step(env_id, owner, request.to_acts(), idempotency_key)
-    return StepResponse.of(result)
+    return json_response(StepResponse.of(result))

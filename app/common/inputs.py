@@ -3,14 +3,12 @@ texts and assistant masks, and check them against the model's vocabulary and len
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeVar
@@ -19,6 +17,7 @@ import tokenizers
 from rlserve_client.sequences import SequenceSplit
 
 from app.common.failures import TooLarge, invalid
+from app.common.lane import Lane
 from app.common.masks import (
     Conversation,
     TemplateFraming,
@@ -59,7 +58,7 @@ class InputPreparer:
         # Tokenizing and templating a large request takes milliseconds to seconds: it runs on
         # this one thread (one per model, so the tokenizer is never used concurrently),
         # never on the event loop.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._thread = Lane("tokenizer")
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         template = getattr(tokenizer, "chat_template", None) or ""
@@ -78,12 +77,11 @@ class InputPreparer:
         self.pad_token_id: int = int(pad) if pad is not None else 0
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._thread.close(wait=False)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the tokenizer thread (for work that tokenizes or decodes)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+        return await self._thread.run(functools.partial(fn, *args, **kwargs))
 
     # -- text and templates -------------------------------------------------------------
 

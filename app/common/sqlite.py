@@ -13,9 +13,10 @@ import asyncio
 import sqlite3
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from app.common.lane import Lane
 
 _Pending = tuple[Callable[[], Any], asyncio.Future[Any]]
 
@@ -24,7 +25,7 @@ class SQLiteFile:
     def __init__(self, path: Path, thread_name: str, *pragmas: str) -> None:
         """`pragmas` run first (before the journal mode: auto_vacuum must)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._worker = Lane(thread_name)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         for pragma in pragmas:
             self._db.execute(f"PRAGMA {pragma}")
@@ -35,7 +36,7 @@ class SQLiteFile:
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` on the connection's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        return await self._worker.run(fn, *args)
 
     async def _write(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`, statements that change the file and open no transaction of their own,
@@ -73,7 +74,7 @@ class SQLiteFile:
 
     async def aclose(self) -> None:
         await self._run(self._db.close)
-        self._worker.shutdown(wait=True)
+        self._worker.close(wait=True)
 
 
 def _settle(future: asyncio.Future[Any], succeeded: bool, value: Any) -> None:

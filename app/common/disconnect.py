@@ -40,23 +40,27 @@ class CancellableRoute(APIRoute):
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client disconnects first (the body is already read,
-    so the next ASGI message can only be the disconnect), or if this request is cancelled
-    itself (as when the shutdown grace is over)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_disconnected(request))
+    """Await `work` in this task, cancelled if the client disconnects first (the body is
+    already read, so the next ASGI message can only be the disconnect), or if this request is
+    cancelled itself (as when the shutdown grace is over). One watcher task per request: the
+    work runs in the request's own task, not in a task of its own."""
+    current = asyncio.current_task()
+    if current is None:
+        raise RuntimeError("cancel_on_disconnect runs inside a task")
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, current))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():  # it saw the client go
+            raise asyncio.CancelledError("client disconnected") from None
+        raise
     finally:
-        unfinished = [t for t in (task, watcher) if not t.done()]
-        for pending in unfinished:
-            pending.cancel()
-        await asyncio.gather(*unfinished, return_exceptions=True)
-    if task.cancelled():
-        raise asyncio.CancelledError("client disconnected")
-    return task.result()
+        if not watcher.done():
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
-async def _disconnected(request: Request) -> None:
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    task.cancel("client disconnected")

@@ -234,8 +234,10 @@ def create_app(
             allow_headers=["*"],
             expose_headers=["X-Request-ID"],
         )
-    for router in routers:
-        app.include_router(router)
+    # The routes themselves, not `include_router`: since FastAPI 0.137 an included router
+    # stays a node that every request resolves through (matching its routes again), and
+    # these routers add nothing at inclusion (no prefix, dependencies or options).
+    app.router.routes.extend(routes)
     app.openapi = lambda: openapi_with_auth(app)  # type: ignore[method-assign]
     return app
 

@@ -135,7 +135,7 @@ def throughput_ratios(
     }
 
 
-def summarize(latencies: list[float], seconds: float, tokens_per_request: int) -> Figures:
+def summarize(latencies: list[float], seconds: float, tokens_per_request: float) -> Figures:
     ordered = sorted(latencies)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return Figures(

@@ -55,6 +55,7 @@ NEW_TOKENS = 16
 BATCH = 32
 KV_CACHE_BYTES = 256 << 20
 ENV_TURNS = 100_000  # sessions stepped for a duration (wrk) must not run out of turns
+EPISODE_TURNS = 16  # steps per episode (each session is reset before each episode)
 # The issue's figures for this machine before the work (JSON bodies, transformers backend).
 BASELINE = {"score_1": 180.0, "score_32": 661.0, "generate_16": 182.0}
 
@@ -79,7 +80,7 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 async def drive(
-    url: str, requests: list[Request], clients: int, per_request: int, pid: int | None = None
+    url: str, requests: list[Request], clients: int, per_request: float, pid: int | None = None
 ) -> dict[str, Any]:
     """Send `requests` from `clients` concurrent connections (one warm-up each first);
     `per_request` sequences (or steps) per request for the rate. With the server's `pid`, also
@@ -203,16 +204,29 @@ def vllm_work(rng: random.Random, count: int, model: str) -> dict[str, tuple[lis
 
 
 def env_steps(
-    args: argparse.Namespace, url: str, steps: int, pid: int | None = None
+    args: argparse.Namespace,
+    url: str,
+    steps: int,
+    pid: int | None = None,
+    *,
+    turns: int = EPISODE_TURNS,
 ) -> dict[str, Any]:
-    """CLIENTS sessions of batch 1, each stepped with a text action from one connection:
-    `steps` in all (httpx), or for `args.seconds` (wrk)."""
+    """CLIENTS sessions of batch 1, each driven from one connection through episodes of
+    `turns` text actions, a reset before each: `steps` requests in all (httpx), or for
+    `args.seconds` (wrk). Episodes of fixed length keep a step's history, and so its cost,
+    independent of the rate and the run's length. The rate counts steps; the resets' time is
+    in it."""
     envs = asyncio.run(env_sessions(url, CLIENTS))
-    requests = [
-        json_request(f"/v1/envs/{envs[i % CLIENTS]}/step", {"actions": [{"text": f"answer {i}"}]})
-        for i in range(steps)
-    ]
-    return send(args, url, requests, 1, pid)
+    cycle = turns + 1
+    requests = []
+    for i in range(CLIENTS * cycle * -(-steps // (CLIENTS * cycle))):  # whole episodes
+        env, turn = envs[i % CLIENTS], (i // CLIENTS) % cycle
+        if turn == 0:
+            requests.append(json_request(f"/v1/envs/{env}/reset", {"query": ["2 + 2?"]}))
+        else:
+            action = {"actions": [{"text": f"answer {i}"}]}
+            requests.append(json_request(f"/v1/envs/{env}/step", action))
+    return {**send(args, url, requests, turns / cycle, pid), "episode_turns": turns}
 
 
 async def env_sessions(url: str, clients: int) -> list[str]:
@@ -232,7 +246,7 @@ async def env_sessions(url: str, clients: int) -> list[str]:
 
 
 def drive_wrk(
-    url: str, requests: list[Request], per_request: int, seconds: float, pid: int | None
+    url: str, requests: list[Request], per_request: float, seconds: float, pid: int | None
 ) -> dict[str, Any]:
     """`drive`'s figures with wrk sending `requests` (cycling) for `seconds`, after a warm-up
     second; the load generator's CPU is wrk's (a child process: its rusage)."""
@@ -264,7 +278,7 @@ def send(
     args: argparse.Namespace,
     url: str,
     requests: list[Request],
-    per_request: int,
+    per_request: float,
     pid: int | None = None,
 ) -> dict[str, Any]:
     """`requests` against `url` from the load generator `args.load` names."""

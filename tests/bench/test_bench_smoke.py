@@ -159,5 +159,23 @@ def test_overhead_benchmark_quick(tmp_path):
             assert set(backend[kind]) >= {"score_1", "score_32", "generate_16"}
             assert all(point["per_s"] > 0 for point in backend[kind].values())
         steps = backend["json"]["env_step"]
-        assert steps["requests"] == 64 if report["load"] == "httpx" else steps["requests"] > 0
+        cycle = 32 * (steps["episode_turns"] + 1)  # whole episodes, a reset before each
+        assert steps["requests"] == cycle if report["load"] == "httpx" else steps["requests"] > 0
         assert steps["server_cpu_ms"] > 0
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+def test_env_steps_ab_benchmark_quick(tmp_path):
+    """Two servers, alternating: this checkout against a worktree of HEAD."""
+    command = [sys.executable, "bench/env_steps_ab.py", "--quick", "--against", "HEAD"]
+    command += ["--turns", "4", "--output", str(tmp_path)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    report = json.loads((tmp_path / "env_steps_ab-quick.json").read_text())
+    runs = report["runs"]
+    assert set(runs) == {report["against"], "this checkout"}
+    for by_length in runs.values():
+        (run,) = by_length["4"]
+        assert run["per_s"] > 0 and run["episode_turns"] == 4
+    ratio = report["ratios"]["4 turns"]
+    expected = ratio["this checkout steps/s"] / ratio[f"{report['against']} steps/s"]
+    assert ratio["ratio"] == pytest.approx(expected, abs=0.01)

@@ -1,6 +1,6 @@
 """One worker thread that runs calls in order, awaited from the event loop.
 
-The hot paths hand work to a thread of its own (the tokenizer, a SQLite connection, a model)
+The hot paths hand work to a thread of its own (the tokenizer's, a SQLite connection's)
 several times per request. `loop.run_in_executor` on a one-thread `ThreadPoolExecutor` pays,
 per call, for a `concurrent.futures.Future` (with its own Condition), the executor's locked
 queue and the chaining of that future to an asyncio one. A lane puts the call and an asyncio

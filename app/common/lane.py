@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,9 +30,13 @@ class Lane:
         self.name = name
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._closed = False
-        # A daemon: a lane nobody closed never holds up the interpreter's exit.
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        # The thread holds the queue, not the lane: a lane nobody closed stops its thread when
+        # it is collected (as a ThreadPoolExecutor does), and never holds up the exit (daemon).
+        self._thread = threading.Thread(
+            target=_serve, args=(self._calls, name), name=name, daemon=True
+        )
         self._thread.start()
+        weakref.finalize(self, self._calls.put, (_STOP, None))
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the lane's thread, after the calls before it. A call whose caller
@@ -49,32 +54,34 @@ class Lane:
         self._calls.put((fn, None))
 
     def close(self, *, wait: bool) -> None:
-        """Run what is queued, then stop; `wait` for that (never from the lane's thread)."""
+        """Run what is queued, then stop; `wait` for that (never from the lane's thread).
+        Calls made after it raise RuntimeError."""
         if not self._closed:
             self._closed = True
             self._calls.put((_STOP, None))
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _serve(self) -> None:
-        while True:
-            fn, future = self._calls.get()
-            if fn is _STOP:
-                return
-            if future is None:
-                try:
-                    fn()
-                except Exception:  # it was to report its own outcome: the lane goes on
-                    logger.exception("a call on lane %s failed", self.name)
-                continue
-            if future.cancelled():  # read across threads: at worst the call runs anyway
-                continue
+
+def _serve(calls: queue.SimpleQueue[_Call], name: str) -> None:
+    while True:
+        fn, future = calls.get()
+        if fn is _STOP:
+            return
+        if future is None:
             try:
-                outcome = (True, fn())
-            except BaseException as error:  # handed to its caller
-                outcome = (False, error)
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
-                future.get_loop().call_soon_threadsafe(_settle, future, *outcome)
+                fn()
+            except BaseException:  # it was to report its own outcome: the lane goes on
+                logger.exception("a call on lane %s failed", name)
+            continue
+        if future.cancelled():  # read across threads: at worst the call runs anyway
+            continue
+        try:
+            outcome = (True, fn())
+        except BaseException as error:  # handed to its caller
+            outcome = (False, error)
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+            future.get_loop().call_soon_threadsafe(_settle, future, *outcome)
 
 
 def _settle(future: asyncio.Future[Any], succeeded: bool, value: Any) -> None:

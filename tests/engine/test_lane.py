@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -75,3 +76,13 @@ async def test_closing_runs_what_is_queued_then_refuses_new_calls() -> None:
     assert done == [1, 2]
     with pytest.raises(RuntimeError, match="closed"):
         await lane.run(len, "x")
+
+
+async def test_a_lane_nobody_closed_stops_its_thread_when_it_is_collected() -> None:
+    lane = Lane("test-lane-dropped")
+    assert await lane.run(len, "ab") == 2
+    thread = lane._thread
+    del lane
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()

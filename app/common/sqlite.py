@@ -10,6 +10,7 @@ and fails alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -47,7 +48,15 @@ class SQLiteFile:
             self._pending.append((lambda: fn(*args), future))
             first = len(self._pending) == 1
         if first:  # later writes join this commit until the connection's thread takes them
-            self._worker.submit(self._commit_pending)
+            try:
+                self._worker.submit(self._commit_pending)
+            except RuntimeError as closed:  # no commit will come: fail whoever joined too
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                for _fn, waiting in batch:
+                    if waiting is not future and not waiting.done():
+                        waiting.set_exception(closed)
+                raise
         return await future
 
     def _commit_pending(self) -> None:
@@ -66,8 +75,9 @@ class SQLiteFile:
                 self._db.execute("RELEASE write")
             self._db.execute("COMMIT")
         except BaseException as error:  # the commit failed: every write did
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):  # (a closed connection has no state)
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
             outcomes = [(False, error)] * len(batch)
         for (_fn, future), outcome in zip(batch, outcomes, strict=True):
             future.get_loop().call_soon_threadsafe(_settle, future, *outcome)

@@ -118,6 +118,20 @@ async def test_a_failing_write_fails_alone(tmp_path: Path) -> None:
         await store.aclose()
 
 
+async def test_a_write_to_a_closed_store_fails_at_once(tmp_path: Path) -> None:
+    """After `aclose` (at shutdown) a write raises instead of waiting for a commit that can no
+    longer come; a read does too."""
+    store = SQLiteSessionStore(tmp_path / "sessions.sqlite3")
+    await store.put(SessionRecord("env-0", {}, {"n": 0}, 1.0, 1.0))
+    await store.aclose()
+    record = SessionRecord("env-0", {}, {"n": 1}, 1.0, 1.0)
+    for _ in range(2):  # the first failed write leaves nothing behind for the next to wait on
+        with pytest.raises(RuntimeError, match="closed"):
+            await asyncio.wait_for(store.replace(record), timeout=10)
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(store.get("env-0"), timeout=10)
+
+
 @pytest.mark.parametrize(
     "value",
     [

@@ -6,6 +6,7 @@ when the client disconnects, queued model work included."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -61,6 +62,8 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Cancel `task` once its client goes away, or once its connection cannot be read."""
+    with contextlib.suppress(Exception):
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
     task.cancel("client disconnected")

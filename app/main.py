@@ -236,7 +236,9 @@ def create_app(
         )
     # The routes themselves, not `include_router`: since FastAPI 0.137 an included router
     # stays a node that every request resolves through (matching its routes again), and
-    # these routers add nothing at inclusion (no prefix, dependencies or options).
+    # these routers add nothing at inclusion (no prefix, dependencies or options). A route
+    # built on its own router does not consult `app.dependency_overrides`; tests swap the
+    # services on `app.state` instead.
     app.router.routes.extend(routes)
     app.openapi = lambda: openapi_with_auth(app)  # type: ignore[method-assign]
     return app

@@ -75,8 +75,8 @@ def main() -> None:
             roots = {revision: other, "this checkout": ROOT}
             for turns in args.turns:
                 for round_ in range(rounds):
-                    for label, root in roots.items():
-                        data = Path(tmp) / f"data-{turns}-{round_}-{len(runs[label])}"
+                    for side, (label, root) in enumerate(roots.items()):
+                        data = Path(tmp) / f"data-{turns}-{round_}-{side}"
                         figures = serve_and_step(root, turns, seconds, data)
                         runs[label].setdefault(turns, []).append(figures)
                         print(

@@ -77,6 +77,7 @@ class InputPreparer:
         self.pad_token_id: int = int(pad) if pad is not None else 0
 
     def close(self) -> None:
+        """Stop the tokenizer thread once the calls already queued have run (at shutdown)."""
         self._thread.close(wait=False)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

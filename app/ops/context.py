@@ -7,6 +7,7 @@ request metrics (status 499 for a request whose client went away before its answ
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -27,6 +28,8 @@ _REQUEST_ID = re.compile(r"[\w.:/=+-]{1,128}")
 # A route's regex ends in `$`, which also matches before a trailing newline: a path with
 # control characters could reach a route that a check of the raw path would judge otherwise.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MATCHES_KEPT = 4096
+MATCHED_PATH_CHARS = 256
 
 
 class RequestContextMiddleware:
@@ -41,6 +44,7 @@ class RequestContextMiddleware:
         self.metrics = metrics
         self.routes = routes
         self.stamp = [(b"x-request-id", b"")]
+        self._matched = functools.lru_cache(maxsize=MATCHES_KEPT)(self._scan)
         if replica is not None:  # which replica answered (behind Ray Serve's proxy)
             self.stamp.append((b"x-rlserve-replica", replica.encode()))
 
@@ -100,7 +104,17 @@ class RequestContextMiddleware:
             self._record(scope, route, request_id, status, time.perf_counter() - started)
 
     def _match(self, scope: Scope) -> BaseRoute | None:
-        """The route the router will match for this request (method and path)."""
+        """The route the router will match for this request: a function of its method and
+        path alone, remembered for the last MATCHES_KEPT of them (a route's match runs its
+        regex, and a late route's takes every earlier one's). Long paths are not kept, so the
+        memory kept stays small whatever paths clients send."""
+        method, path, root_path = scope["method"], scope["path"], scope.get("root_path", "")
+        if len(path) + len(root_path) > MATCHED_PATH_CHARS:
+            return self._scan(method, path, root_path)
+        return self._matched(method, path, root_path)
+
+    def _scan(self, method: str, path: str, root_path: str) -> BaseRoute | None:
+        scope = {"type": "http", "method": method, "path": path, "root_path": root_path}
         for route in self.routes:
             if route.matches(scope)[0] == Match.FULL:
                 return route

@@ -81,11 +81,12 @@ def _serve(calls: queue.SimpleQueue[_Call], name: str) -> None:
         except BaseException as error:  # handed to its caller
             outcome = (False, error)
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
-            future.get_loop().call_soon_threadsafe(_settle, future, *outcome)
+            future.get_loop().call_soon_threadsafe(settle, future, *outcome)
 
 
-def _settle(future: asyncio.Future[Any], succeeded: bool, value: Any) -> None:
-    if future.cancelled():  # its caller stopped waiting meanwhile
+def settle(future: asyncio.Future[Any], succeeded: bool, value: Any) -> None:
+    """Give `future` a call's outcome (on its loop) unless its caller stopped waiting."""
+    if future.cancelled():
         return
     if succeeded:
         future.set_result(value)

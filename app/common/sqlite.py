@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.common.lane import Lane
+from app.common.lane import Lane, settle
 
 _Pending = tuple[Callable[[], Any], asyncio.Future[Any]]
 
@@ -79,18 +79,10 @@ class SQLiteFile:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
             outcomes = [(False, error)] * len(batch)
+        # (a write whose caller stopped waiting stands)
         for (_fn, future), outcome in zip(batch, outcomes, strict=True):
-            future.get_loop().call_soon_threadsafe(_settle, future, *outcome)
+            future.get_loop().call_soon_threadsafe(settle, future, *outcome)
 
     async def aclose(self) -> None:
         await self._run(self._db.close)
         self._worker.close(wait=True)
-
-
-def _settle(future: asyncio.Future[Any], succeeded: bool, value: Any) -> None:
-    if future.cancelled():  # its caller stopped waiting; the write stands
-        return
-    if succeeded:
-        future.set_result(value)
-    else:
-        future.set_exception(value)

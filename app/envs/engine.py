@@ -164,7 +164,7 @@ class EpisodeEngine:
     async def _tools(
         self, config: EnvSpec, act: ActionTokens | None, budget: ToolBudget
     ) -> list[BlockResult]:
-        if act is None or not runs_tools(config):
+        if act is None:
             return []
         try:
             return await run_python_blocks(act.text, self.sandbox, budget)

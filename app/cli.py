@@ -23,6 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {
         "models.model": args.model,
         "models.ref_model": args.ref_model,
+        "models.served_model_name": args.served_model_name,
         "models.backend": args.backend,
         "models.dtype": args.dtype,
         "models.device": args.device,
@@ -134,6 +135,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     serve.add_argument(
         "--ref-model", help="reference model for /v1/kl, as --model (default: policy copy)"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="more names for the policy, as vLLM's flag (a trainer's configured model name)",
     )
     serve.add_argument(
         "--replicas",

@@ -59,6 +59,15 @@ class ModelSettings(Group):
         "the policy as loaded.",
     )
     load_reference: bool = Field(default=True, description="Serve a reference model at all.")
+    served_model_name: CommaList = Field(
+        default_factory=list,
+        description="More names for the policy (vLLM's --served-model-name): a trainer's "
+        "configured model name (a hub id, 'default') then works on every route that takes a "
+        "model name, and GET /v1/models lists them. Comma-separated in the environment.",
+    )
+    ref_served_model_name: CommaList = Field(
+        default_factory=list, description="More names for the reference model, likewise."
+    )
     backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto", description="'auto': vLLM when it is installed and a GPU is present."
     )
@@ -89,6 +98,25 @@ class ModelSettings(Group):
     @classmethod
     def _empty_is_default(cls, value: Any) -> Any:
         return DEFAULT_MODEL if value in ("", None) else value
+
+    _split = field_validator("served_model_name", "ref_served_model_name", mode="before")(
+        _split_commas
+    )
+
+    @field_validator("served_model_name", "ref_served_model_name")
+    @classmethod
+    def _not_the_model_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name in ("policy", "reference") or not name or len(name) > 256:
+                raise ValueError(f"'{name}': an alias is 1-256 characters, not policy/reference")
+        return list(dict.fromkeys(value))
+
+    @model_validator(mode="after")
+    def _aliases_distinct(self) -> ModelSettings:
+        both = set(self.served_model_name) & set(self.ref_served_model_name)
+        if both:
+            raise ValueError(f"{sorted(both)} name both the policy and the reference")
+        return self
 
     @field_validator("ref_model", mode="before")
     @classmethod

@@ -32,6 +32,7 @@ async def sample(
     n: int = 1,
     seed: int | None = None,
     asks: ScoreSpec | None = None,
+    prompt_asks: ScoreSpec | None = None,
 ) -> Sampled:
     """The policy's `n` samples of each prompt, as /v1/generate draws them (row k's random
     stream is the same for the same seed), after the same checks."""
@@ -45,7 +46,17 @@ async def sample(
         return prepared
 
     checked = await preparer.off_loop(prepare)
-    return await generation.sample("policy", checked, config, n=n, seed=seed, asks=asks)
+    return await generation.sample(
+        "policy", checked, config, n=n, seed=seed, asks=asks, prompt_asks=prompt_asks
+    )
+
+
+def check_policy_name(registry: ModelRegistry, model: str | None, field: str = "model") -> None:
+    """A dialect request's model name: unset, 'policy' or one of its aliases
+    (--served-model-name)."""
+    if model is not None and registry.canonical(model) != "policy":
+        names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
+        raise invalid(field, f"'{model}' does not name the policy (served as {names})")
 
 
 def version_number(text: str | None, field: str) -> int | None:

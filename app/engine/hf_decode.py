@@ -155,7 +155,7 @@ class _Rows:
         self.processed: list[list[float]] = [[] for _ in items]
         self.versions: list[list[int]] = [[] for _ in items]
         self.finish: list[str | None] = [None for _ in items]
-        self.stop_reason: list[str | None] = [None for _ in items]
+        self.stop_reason: list[str | int | None] = [None for _ in items]
 
     def active(self) -> list[int]:
         return [i for i, f in enumerate(self.finish) if f is None]
@@ -176,7 +176,7 @@ def generate(
     control = control or ModelThreadControl()
     device = model.device
     configs = [item.config for item in items]
-    sampler = RowSampler(configs, [it.seed for it in items], device)
+    sampler = RowSampler(configs, [it.seed for it in items], device, eos_ids)
     ids, mask = _padded([it.prompt_ids for it in items], pad_id, device, left=True)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     want_prompt = any(c.return_prompt_log_probs for c in configs)
@@ -209,8 +209,9 @@ def generate(
     cache_argument = _cache_argument(model)
     for _step in range(max(c.max_new_tokens for c in configs)):
         raw = logits.log_softmax(-1)
-        processed = sampler.process(logits, seen)
+        processed = sampler.process(logits, seen, rows.tokens)
         chosen = sampler.choose(processed)
+        sampler.observe(chosen)
         processed_lp = processed.log_softmax(-1).gather(-1, chosen[:, None]).squeeze(-1)
         raw_lp = raw.gather(-1, chosen[:, None]).squeeze(-1)
         chosen_list, raw_list, proc_list = chosen.tolist(), raw_lp.tolist(), processed_lp.tolist()
@@ -301,8 +302,12 @@ def _advance(
         sink.put([token], [raw_lp])
     if token in eos_ids and not config.ignore_eos:
         rows.finish[i] = "stop"
-    elif config.stop_sequences and (
-        hit := _stop_hit(rows.tokens[i], config.stop_sequences, decode)
+    elif token in config.stop_token_ids:
+        rows.finish[i], rows.stop_reason[i] = "stop", token
+    elif (
+        config.stop_sequences
+        and len(rows.tokens[i]) > config.min_tokens
+        and (hit := _stop_hit(rows.tokens[i], config.stop_sequences, decode, config.min_tokens))
     ):
         rows.finish[i], rows.stop_reason[i] = "stop", hit
     elif len(rows.tokens[i]) >= config.max_new_tokens:
@@ -310,9 +315,13 @@ def _advance(
 
 
 def _stop_hit(
-    tokens: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]
+    tokens: list[int], stops: Sequence[str], decode: Callable[[list[int]], str], skip: int = 0
 ) -> str | None:
+    """The first stop string in the text of `tokens` after that of their first `skip` (the
+    min-tokens, whose text vLLM does not search either)."""
     text = decode(tokens)
+    if skip:
+        text = text[len(decode(tokens[:skip])) :]
     return next((s for s in stops if s in text), None)
 
 

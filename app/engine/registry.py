@@ -146,12 +146,29 @@ class ModelRegistry:
         detail = f": {self.error}" if self.error else ""
         return f"model is {self.status}{detail}"
 
+    @property
+    def aliases(self) -> dict[str, str]:
+        """The names clients may use besides 'policy' and 'reference' (--served-model-name),
+        each to the model it names."""
+        names = {alias: "policy" for alias in self.model_settings.served_model_name}
+        names |= {alias: "reference" for alias in self.model_settings.ref_served_model_name}
+        return names
+
+    def canonical(self, name: str) -> str | None:
+        """'policy' or 'reference' for a served name or alias; None for any other name."""
+        if name in self.models:
+            return name
+        target = self.aliases.get(name)
+        return target if target in self.models else None
+
     def get(self, name: str) -> ServedModel:
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
-        if name not in self.models:
-            raise invalid("model", f"'{name}' is not served (have {sorted(self.models)})")
-        return self.models[name]
+        canonical = self.canonical(name)
+        if canonical is None:
+            served = sorted([*self.models, *self.aliases])
+            raise invalid("model", f"'{name}' is not served (have {served})")
+        return self.models[canonical]
 
     async def aclose(self) -> None:
         self.status = "stopped"

@@ -1,6 +1,5 @@
-"""Per-row logits processing and sampling, so rows with different parameters share a batch.
-
-Order follows vLLM: repetition penalty, temperature, min-p, then top-k and top-p."""
+"""Per-row logits processing and sampling, so rows with different parameters share a batch
+(the order follows vLLM's sampler: `RowSampler`)."""
 
 from __future__ import annotations
 
@@ -47,39 +46,110 @@ def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class RowSampler:
-    """Holds each row's parameters as tensors and its own random generator."""
+    """Holds each row's parameters as tensors and its own random generator.
+
+    The order of the processing follows vLLM's sampler: allowed tokens, bad words, min-tokens
+    and logit bias; then the penalties (repetition over prompt and output, frequency and
+    presence over the output); then temperature, min-p, top-k and top-p."""
 
     def __init__(
-        self, configs: Sequence[SamplingConfig], seeds: Sequence[int], device: torch.device
+        self,
+        configs: Sequence[SamplingConfig],
+        seeds: Sequence[int],
+        device: torch.device,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.configs = list(configs)
+        self.device = device
         self.temperature = torch.tensor([c.temperature for c in configs], device=device)
         self.top_p = torch.tensor([c.top_p for c in configs], device=device)
         self.top_k = torch.tensor([c.top_k or 0 for c in configs], device=device)
         self.min_p = torch.tensor([c.min_p for c in configs], device=device)
         self.penalty = torch.tensor([c.repetition_penalty for c in configs], device=device)
+        self.presence = torch.tensor([c.presence_penalty for c in configs], device=device)
+        self.frequency = torch.tensor([c.frequency_penalty for c in configs], device=device)
         self.do_sample = [c.do_sample for c in configs]
         self.needs_penalty = any(c.repetition_penalty != 1.0 for c in configs)
+        self.needs_counts = any(c.presence_penalty or c.frequency_penalty for c in configs)
         self.needs_filter = any(c.top_k or c.top_p < 1.0 for c in configs)
         self.needs_min_p = any(c.min_p > 0 for c in configs)
+        self.constrained = any(c.constrained for c in configs)
+        # What min_tokens holds back: end-of-sequence (unless ignored) and the stop ids.
+        self.held = [
+            sorted(set(c.stop_token_ids) | (set() if c.ignore_eos else set(eos_ids)))
+            for c in configs
+        ]
+        self.counts: torch.Tensor | None = None  # [B, V] output-token counts
+        self.fixed: torch.Tensor | None = None  # [B, V] allowed-token mask and logit bias
         self.generators = []
         for seed in seeds:
             generator = torch.Generator(device=device)
             generator.manual_seed(seed)
             self.generators.append(generator)
 
-    def process(self, logits: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
-        """Logits [B, V] (float32) -> processed logits; filtered entries are -inf."""
+    def process(
+        self,
+        logits: torch.Tensor,
+        seen: torch.Tensor | None,
+        outputs: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, V] (float32) -> processed logits; filtered entries are -inf. `seen`
+        marks the tokens of each row's prompt and output (repetition penalty); `outputs` are
+        the tokens each row generated so far (min-tokens, bad words)."""
+        if self.constrained:
+            logits = self._constrain(logits, outputs or [[] for _ in self.configs])
         if self.needs_penalty and seen is not None:
             penalty = self.penalty[:, None]
             penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalised, logits)
+        if self.needs_counts and self.counts is not None:
+            logits = logits - self.frequency[:, None] * self.counts
+            logits = logits - self.presence[:, None] * (self.counts > 0)
         logits = logits / self.temperature[:, None]
         if self.needs_min_p:
             logits = filter_min_p(logits, self.min_p[:, None])
         if self.needs_filter:
             logits = self._filter(logits)
         return logits
+
+    def observe(self, chosen: torch.Tensor) -> None:
+        """Count each row's new token (frequency and presence penalties)."""
+        if not self.needs_counts:
+            return
+        if self.counts is None:
+            raise RuntimeError("observe() before process()")
+        self.counts[torch.arange(len(self.configs), device=self.device), chosen] += 1
+
+    def _constrain(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        if self.fixed is None:
+            self.fixed = self._fixed(vocab)
+            if self.needs_counts:
+                self.counts = torch.zeros((len(self.configs), vocab), device=self.device)
+        logits = logits + self.fixed
+        for row, (config, generated) in enumerate(zip(self.configs, outputs, strict=True)):
+            if len(generated) < config.min_tokens and self.held[row]:
+                held = [t for t in self.held[row] if t < vocab]
+                logits[row, held] = float("-inf")
+            for word in config.bad_word_ids:
+                *prefix, last = word
+                tail = generated[len(generated) - len(prefix) :] if prefix else []
+                if len(prefix) <= len(generated) and list(tail) == prefix and last < vocab:
+                    logits[row, last] = float("-inf")
+        return logits
+
+    def _fixed(self, vocab: int) -> torch.Tensor:
+        """[B, V]: -inf outside each row's allowed tokens, plus its logit bias."""
+        fixed = torch.zeros((len(self.configs), vocab), device=self.device)
+        for row, config in enumerate(self.configs):
+            if config.allowed_token_ids is not None:
+                allowed = torch.full((vocab,), float("-inf"), device=self.device)
+                allowed[[t for t in config.allowed_token_ids if t < vocab]] = 0.0
+                fixed[row] = allowed
+            for token, bias in config.logit_bias:
+                if token < vocab:
+                    fixed[row, token] += bias
+        return fixed
 
     def _filter(self, logits: torch.Tensor) -> torch.Tensor:
         return filter_top_k_top_p(logits, self.top_k[:, None], self.top_p[:, None])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +26,37 @@ class SamplingConfig:
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
     return_prompt_log_probs: bool = False
+    min_tokens: int = 0
+    """End-of-sequence and `stop_token_ids` are masked, and stops not checked, until this many
+    tokens are generated."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after any of these (the row's `stop_reason` is the id)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    """OpenAI's penalties over the generated tokens: minus `presence` once a token appeared,
+    minus `frequency` times how often."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) added to the logits before the penalties (as vLLM does)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens can be sampled."""
+    bad_words: tuple[str, ...] = ()
+    """Words never to generate (as given: vLLM tokenizes them itself)."""
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    """`bad_words` as token sequences (each with and without a leading space, as vLLM's
+    `SamplingParams.update_from_tokenizer` cuts them): the last token of one is masked when the
+    generated tokens end with the rest of it."""
+
+    @property
+    def constrained(self) -> bool:
+        """Whether anything beyond temperature/top-k/top-p/min-p/repetition shapes the logits."""
+        return bool(
+            self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_word_ids
+        )
 
     @classmethod
     def resolve(
@@ -41,9 +72,12 @@ class SamplingConfig:
         repetition_penalty: float = 1.0,
         ignore_eos: bool = False,
         return_prompt_log_probs: bool = False,
+        **constraints: Any,
     ) -> SamplingConfig:
         """The request rule, in one place: greedy rows score at temperature 1 without top-k
-        or top-p (as vLLM treats them); otherwise the temperature defaults to 1."""
+        or top-p (as vLLM treats them); otherwise the temperature defaults to 1. The
+        `constraints` (min_tokens, stop_token_ids, penalties, logit_bias, allowed_token_ids,
+        bad words) apply to greedy rows too, before the argmax, as in vLLM."""
         return cls(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
@@ -55,6 +89,7 @@ class SamplingConfig:
             stop_sequences=tuple(stops or ()),
             ignore_eos=ignore_eos,
             return_prompt_log_probs=return_prompt_log_probs,
+            **constraints,
         )
 
 
@@ -105,7 +140,8 @@ class Generation:
     log_probs: list[float]
     processed_log_probs: list[float] | None
     finish_reason: FinishReason
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the row (None at end-of-sequence)."""
     prompt_log_probs: list[float] | None = None
     versions: list[VersionSpan] | None = None
     """Which weights produced which tokens; None when the engine does not say."""

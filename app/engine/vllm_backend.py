@@ -284,7 +284,7 @@ class VLLMBackend(Backend):
             log_probs, processed = sampled, None
             if config.return_prompt_log_probs:
                 prompt = [0.0, *grid.own] if grid is not None else None
-        stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        stop = completion.stop_reason if isinstance(completion.stop_reason, str | int) else None
         return Generation(
             token_ids=tokens,
             log_probs=log_probs,
@@ -475,6 +475,15 @@ def sampling_params(
         stop=list(config.stop_sequences) or None,
         include_stop_str_in_output=True,
         ignore_eos=config.ignore_eos,
+        min_tokens=config.min_tokens,
+        stop_token_ids=list(config.stop_token_ids) or None,
+        presence_penalty=config.presence_penalty,
+        frequency_penalty=config.frequency_penalty,
+        logit_bias=dict(config.logit_bias) or None,
+        allowed_token_ids=None
+        if config.allowed_token_ids is None
+        else list(config.allowed_token_ids),
+        bad_words=list(config.bad_words) or None,
         logprobs=0,
         prompt_logprobs=prompt_top,
         flat_logprobs=True,

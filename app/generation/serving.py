@@ -270,6 +270,7 @@ def generated_sample(
         log_probs=log_probs,
         history=history,
         finish_reason=generation.finish_reason,
-        stop_reason=generation.stop_reason,
+        # (/v1/generate takes stop strings only: a stop id is a dialect's)
+        stop_reason=generation.stop_reason if isinstance(generation.stop_reason, str) else None,
         policy_versions=wire_spans(generation.versions),
     )

@@ -110,7 +110,7 @@ class OpenAIService(ModelServing):
 
     def served(self, name: str) -> ServedModel:
         """The model named in the request; OpenAI answers an unknown one with 404."""
-        if self.registry.not_ready_reason() is None and name not in self.registry.models:
+        if self.registry.not_ready_reason() is None and self.registry.canonical(name) is None:
             served = ", ".join(sorted(self.registry.models))
             raise NotFound(f"model '{name}' does not exist (served: {served})", param="model")
         return self.registry.get(name)
@@ -231,7 +231,7 @@ class OpenAIService(ModelServing):
             texts = self._texts[served.name] = TokenTexts(served.preparer)
         return Job(
             kind,
-            request.model,
+            served.name,
             served,
             prompts,
             config,
@@ -267,7 +267,7 @@ class OpenAIService(ModelServing):
         usage = _usage(job, generations)
         common: dict[str, Any] = {
             "created": job.created,
-            "model": job.model,
+            "model": job.request.model,
             "usage": usage,
             "policy_version": sampled.version,
             "trajectory_id": job.trajectory_id,
@@ -453,7 +453,7 @@ class _Chunks:
         job = self.job
         common: dict[str, Any] = {
             "created": job.created,
-            "model": job.model,
+            "model": job.request.model,
             "policy_version": self.version,
             "trajectory_id": job.trajectory_id,
             **extra,

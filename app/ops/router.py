@@ -63,6 +63,11 @@ async def models(registry: RegistryDep) -> ModelsResponse:
                 pad_token_id=served.preparer.pad_token_id,
             )
         )
+    # Each alias (--served-model-name) is listed too, as vLLM lists every served name.
+    by_name = {card.id: card for card in cards}
+    for alias, target in registry.aliases.items():
+        if target in by_name:
+            cards.append(by_name[target].model_copy(update={"id": alias}))
     return ModelsResponse(data=cards, models=cards, policy_version=registry.policy_version)
 
 

@@ -226,8 +226,8 @@ async def test_unsupported_requests_name_what_they_ask(client):
     cases = [
         (
             "/inference/v1/generate",
-            {"token_ids": [1, 2], "sampling_params": {"stop_token_ids": [5]}},
-            "sampling_params.stop_token_ids",
+            {"token_ids": [1, 2], "sampling_params": {"structured_outputs": {"json": {}}}},
+            "sampling_params.structured_outputs",
         ),
         ("/generate", {"input_ids": [1, 2], "image_data": [{"url": "x"}]}, "image_data"),
         (

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from app.common.protocol import (
     RepetitionPenalty,
     Seed,
+    TokenId,
     WireModel,
     field_error,
     stop_list,
@@ -20,22 +21,37 @@ from app.common.protocol import (
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
+SAMPLING_REFUSED = (
+    "stop_regex",
+    "beam_width",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "watermark",
+)
+"""SGLang's sampling fields that would change what a trainer gets if ignored: refused by name
+when given."""
+
+
 class SamplingParams(WireModel):
-    """SGLang's sampling_params, the keys rlserve honours (the rest refused by name)."""
+    """SGLang 0.5.23's sampling_params, every API field: honoured; accepted and ignored
+    where it changes nothing returned (custom_params, stream_interval); or refused by name
+    (`SAMPLING_REFUSED`: constrained decoding, beam search, stop regexes, watermarks)."""
 
     max_new_tokens: int = Field(default=128, gt=0)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(
-        default=None, description="Only the end-of-sequence id (where generation stops anyway)."
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, description="Generation stops after any of these (matched: the id)."
     )
     temperature: float = Field(default=1.0, ge=0, le=1e4)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=1 << 30, ge=-1, le=1 << 30, description="-1: all tokens.")
     min_p: float = Field(default=0.0, ge=0, le=1)
-    frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="Only 0.")
-    presence_penalty: float = Field(default=0.0, ge=0, le=0, description="Only 0.")
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: RepetitionPenalty = 1.0
-    min_new_tokens: int = Field(default=0, ge=0, le=0, description="Only 0.")
+    min_new_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1, le=128)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -44,14 +60,37 @@ class SamplingParams(WireModel):
     sampling_seed: Seed | None = Field(
         default=None, description="Seeds each sample's own random stream, as /v1/generate's seed."
     )
-    logit_bias: dict[str, float] | None = Field(default=None, description="Only empty.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (a string) -> bias added to its logit."
+    )
     custom_params: Any = Field(default=None, description="Accepted and ignored.")
     stream_interval: int | None = Field(default=None, description="Accepted and ignored.")
+    stop_regex: Any = Field(default=None, description="Only unset.")
+    beam_width: int | None = Field(default=None, description="Only unset.")
+    json_schema: Any = Field(default=None, description="Only unset.")
+    regex: Any = Field(default=None, description="Only unset.")
+    ebnf: Any = Field(default=None, description="Only unset.")
+    structural_tag: Any = Field(default=None, description="Only unset.")
+    watermark: Any = Field(default=None, description="Only unset.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """SGLang reads null as the default for every field that has one."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingParams:
-        if self.logit_bias:
-            raise field_error("sampling_params.logit_bias", "is not supported")
+        for name in SAMPLING_REFUSED:
+            if getattr(self, name) is not None:
+                raise field_error(
+                    f"sampling_params.{name}", "is not supported here; leave it unset"
+                )
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise field_error("sampling_params.logit_bias", f"'{key}' is not a token id")
         return self
 
     @property
@@ -61,6 +100,13 @@ class SamplingParams(WireModel):
     @property
     def top_k_or_none(self) -> int | None:
         return None if self.top_k == 1 << 30 else top_k_or_none(self.top_k)
+
+    @property
+    def bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
+
+    def ignored(self) -> list[str]:
+        return [name for name in ("custom_params", "stream_interval") if getattr(self, name)]
 
 
 class GenerateRequest(WireModel):

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from app.common.failures import Conflict, invalid
+from app.dialects import sampling
 from app.dialects.common import Prompts, abort_all, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
@@ -107,7 +108,6 @@ async def generate(
     rids = iter(_rids(request.rid, count))
     params = request.sampling_params
     started = time.perf_counter()
-    eos = generation.served("policy").preparer.tokenizer.eos_token_id
     if isinstance(params, list):
         groups = [(_prompts(texts, token_ids, [i]), p) for i, p in enumerate(params)]
     else:
@@ -119,7 +119,6 @@ async def generate(
             prompts,
             p,
             f"sampling_params[{i}]" if len(groups) > 1 else "sampling_params",
-            eos,
         )
         for i, (prompts, p) in enumerate(groups)
     ]
@@ -145,14 +144,22 @@ async def _sample(
     prompt: Prompts,
     p: SamplingParams,
     field: str,
-    eos: Any,
 ) -> Sampled:
-    if p.stop_token_ids and any(t != eos for t in p.stop_token_ids):
-        raise invalid(
-            f"{field}.stop_token_ids",
-            f"only the end-of-sequence id {eos} is supported; use stop strings",
-        )
+    sampling.warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
     max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
+    served = generation.served("policy")
+    constraints = sampling.constraints(
+        vocab_size=served.backend.info.vocab_size,
+        tokenizer=served.preparer.tokenizer,
+        prefix=f"{field}.",
+        min_tokens=p.min_new_tokens,
+        max_tokens=max_new,
+        stop_token_ids=p.stop_token_ids,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=p.bias,
+        min_tokens_field="min_new_tokens",
+    )
     config = SamplingConfig.resolve(
         max_new,
         greedy=p.temperature < 1e-6,
@@ -164,6 +171,7 @@ async def _sample(
         repetition_penalty=p.repetition_penalty,
         ignore_eos=p.ignore_eos,
         return_prompt_log_probs=request.return_logprob and request.logprob_start_len >= 0,
+        **constraints,
     )
     k = request.top_logprobs_num
     if k > generation.limits.max_top_logprobs:

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import RepetitionPenalty, Seed, WireModel, field_error, stop_list
+from app.common.protocol import (
+    RepetitionPenalty,
+    Seed,
+    TokenId,
+    WireModel,
+    field_error,
+    stop_list,
+)
+from app.dialects.sampling import MAX_BAD_WORDS
 from app.engine.types import VersionSpan as EngineSpan
 
 
@@ -134,64 +142,175 @@ class WeightInfo(WireModel):
 # -- /inference/v1/generate ------------------------------------------------------------------
 
 
+IGNORED = {
+    "flat_logprobs": False,
+    "stream_interval": None,
+    "skip_clone": False,
+    "output_text_buffer_length": 0,
+    "extra_args": None,
+    "skip_reading_prefix_cache": None,
+    "routed_experts_prompt_start": 0,
+    "trace_decode_token_ids": None,
+}
+"""vLLM's sampling fields that change nothing rlserve returns, with their defaults: accepted,
+and logged as ignored when given another value."""
+
+REFUSED_WHY = {
+    "best_of": "only unset or equal to n (vLLM's V1 engine has no best_of either)",
+    "output_kind": "1 (deltas) would answer only the last delta unstreamed; use 0 or 2",
+}
+
+
 class SamplingParams(WireModel):
-    """vLLM's SamplingParams, the fields rlserve honours (the rest refused by name)."""
+    """vLLM 0.32's SamplingParams, every field: honoured, accepted and ignored where it
+    changes nothing returned (`IGNORED`, logged), or refused by name where ignoring it would
+    change what the trainer gets (structured outputs, watermarking, beam search, ...)."""
 
     n: int = Field(default=1, ge=1, le=128)
+    best_of: int | None = Field(default=None, ge=1, description="Only unset or n.")
+    use_beam_search: bool = Field(default=False, description="Only false.")
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: RepetitionPenalty = 1.0
     temperature: float = Field(default=1.0, ge=0, le=1e4)
+    watermarking: Any | None = Field(default=None, description="Only unset or false.")
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1, le=1 << 30, description="0 or -1: all tokens.")
     min_p: float = Field(default=0.0, ge=0, le=1)
     seed: Seed | None = None
-    max_tokens: int | None = Field(default=16, gt=0)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(
-        default=None, description="Only empty: stop at end-of-sequence or at `stop` strings."
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, description="Generation stops after any of these (stop_reason: the id)."
     )
     ignore_eos: bool = False
+    max_tokens: int | None = Field(default=16, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, description="The k most likely per token.")
-    repetition_penalty: RepetitionPenalty = 1.0
-    presence_penalty: float = Field(default=0.0, ge=0, le=0, description="Only 0.")
-    frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="Only 0.")
-    min_tokens: int = Field(default=0, ge=0, le=0, description="Only 0.")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        description="Each prompt token's log-prob and rank, and the k most likely.",
+    )
+    prompt_logprob_token_ids: list[int] | None = Field(default=None, description="Only unset.")
+    prompt_logprob_start: int | None = Field(default=None, description="Only unset.")
+    logprob_token_ids: list[int] | None = Field(default=None, description="Only unset.")
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=-1, description="Keep the last k prompt tokens (-1: no limit)."
+    )
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: int = Field(default=2, description="Only 2 (final output).")
+    output_kind: int = Field(
+        default=0, ge=0, le=2, description="0 (cumulative) or 2 (final): the same answer here."
+    )
+    structured_outputs: Any | None = Field(default=None, description="Only unset.")
+    guided_decoding: Any | None = Field(default=None, description="Only unset.")
+    logit_bias: dict[int, float] | None = Field(
+        default=None, description="Token id -> bias added to its logit (before the penalties)."
+    )
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    thinking_token_budget: int | None = Field(default=None, description="Only unset.")
+    repetition_detection: Any | None = Field(default=None, description="Only unset.")
+    flat_logprobs: bool = Field(default=False, description="Accepted: the JSON is the same.")
+    stream_interval: int | None = Field(default=None, description="Accepted and ignored.")
+    skip_clone: bool = Field(default=False, description="Accepted and ignored.")
+    output_text_buffer_length: int = Field(default=0, description="Accepted and ignored.")
+    extra_args: dict[str, Any] | None = Field(default=None, description="Accepted and ignored.")
+    skip_reading_prefix_cache: bool | None = Field(
+        default=None, description="Accepted and ignored."
+    )
+    routed_experts_prompt_start: int = Field(default=0, description="Accepted and ignored.")
+    trace_decode_token_ids: list[int] | None = Field(
+        default=None, description="Accepted and ignored."
+    )
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingParams:
-        if self.stop_token_ids:
-            raise field_error("sampling_params.stop_token_ids", "is not supported; use stop")
-        if self.output_kind != 2:
-            raise field_error("sampling_params.output_kind", "only 2 (the final output)")
+        refused = {
+            "watermarking": self.watermarking not in (None, False),
+            "use_beam_search": self.use_beam_search,
+            "best_of": self.best_of not in (None, self.n),
+            "prompt_logprob_token_ids": self.prompt_logprob_token_ids is not None,
+            "prompt_logprob_start": self.prompt_logprob_start is not None,
+            "logprob_token_ids": self.logprob_token_ids is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "guided_decoding": self.guided_decoding is not None,
+            "thinking_token_budget": self.thinking_token_budget is not None,
+            "repetition_detection": self.repetition_detection is not None,
+            "output_kind": self.output_kind == 1,
+        }
+        for name, bad in refused.items():
+            if bad:
+                raise field_error(
+                    f"sampling_params.{name}",
+                    REFUSED_WHY.get(name, "is not supported here; leave it unset"),
+                )
         return self
 
     @property
     def stops(self) -> list[str]:
         return stop_list(self.stop)
 
+    def ignored(self) -> list[str]:
+        """The given fields that change nothing here (logged)."""
+        return [name for name, default in IGNORED.items() if getattr(self, name) != default]
+
+
+REQUEST_IGNORED = (
+    "token_offsets",
+    "reasoning_ended",
+    "reasoning_parser_kwargs",
+    "stream_options",
+    "kv_transfer_params",
+    "ec_transfer_params",
+)
+
 
 class InferenceGenerateRequest(WireModel):
+    """vLLM's GenerateRequest. Unknown top-level fields are ignored, as vLLM does (logged)."""
+
+    model_config = ConfigDict(extra="allow")
+
     request_id: str | None = Field(default=None, max_length=256)
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     features: Any | None = Field(default=None, description="Only null: no multimodal input.")
+    content_parts: Any | None = Field(default=None, description="Only null: no multimodal input.")
     return_token_ids: bool | None = None
-    output_mode: Literal["tokens"] = "tokens"
+    output_mode: Literal["tokens", "text"] = Field(
+        default="tokens",
+        description="tokens: ids and their log-probs; text: also the text, with OpenAI-style "
+        "log-probs carrying each token's text and bytes.",
+    )
     stream: Literal[False] = False
     priority: int = 0
     cache_salt: str | None = None
+    token_offsets: Any | None = Field(default=None, description="Accepted and ignored.")
+    reasoning_ended: bool | None = Field(default=None, description="Accepted and ignored.")
+    reasoning_parser_kwargs: Any | None = Field(default=None, description="Accepted and ignored.")
+    stream_options: Any | None = Field(default=None, description="Accepted and ignored.")
+    kv_transfer_params: Any | None = Field(default=None, description="Accepted and ignored.")
+    ec_transfer_params: Any | None = Field(default=None, description="Accepted and ignored.")
 
     @model_validator(mode="after")
     def _text_only(self) -> InferenceGenerateRequest:
         if self.features is not None:
             raise field_error("features", "multimodal inputs are not supported")
-        if self.model not in (None, "policy"):
-            raise field_error("model", "only the policy generates here")
+        if self.content_parts is not None:
+            raise field_error("content_parts", "multimodal inputs are not supported")
+        if self.output_mode == "text" and not self.sampling_params.detokenize:
+            raise field_error("output_mode", "'text' needs sampling_params.detokenize true")
         return self
+
+    def ignored(self) -> list[str]:
+        """What was given that changes nothing here (unknown fields too, as vLLM ignores
+        them)."""
+        given = [name for name in REQUEST_IGNORED if getattr(self, name) is not None]
+        sampling = [f"sampling_params.{n}" for n in self.sampling_params.ignored()]
+        return given + list(self.model_extra or {}) + sampling
 
 
 class GenerateLogProb(WireModel):
@@ -218,12 +337,37 @@ class WeightVersionSpan(WireModel):
         return cls(version=str(span.version), start=span.start, end=span.end)
 
 
+class TextLogProb(WireModel):
+    """OpenAI's log-prob entry, as vLLM's `output_mode: text` answers it."""
+
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class TextLogProbsContent(TextLogProb):
+    top_logprobs: list[TextLogProb] = Field(default_factory=list)
+
+
+class TextLogProbs(WireModel):
+    content: list[TextLogProbsContent] | None = None
+
+
+class PromptLogProb(WireModel):
+    """vLLM's `Logprob`: one prompt position's entry for one token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class GenerateChoice(WireModel):
     index: int
     finish_reason: Literal["stop", "length", "abort"]
     stop_reason: int | str | None = None
+    text: str | None = Field(default=None, description="output_mode text only.")
     token_ids: list[int]
-    logprobs: GenerateLogProbs | None = None
+    logprobs: GenerateLogProbs | TextLogProbs | None = None
     weight_versions: list[WeightVersionSpan] | None = None
 
 
@@ -237,7 +381,12 @@ class InferenceGenerateResponse(WireModel):
     request_id: str
     model: str
     created: int
-    output_mode: Literal["tokens"] = "tokens"
+    output_mode: Literal["tokens", "text"] = "tokens"
     choices: list[GenerateChoice]
+    prompt_logprobs: list[dict[str, PromptLogProb] | None] | None = Field(
+        default=None,
+        description="With sampling_params.prompt_logprobs: null for the first token, then "
+        "token id -> entry (the prompt's own token, then the k most likely).",
+    )
     prompt_token_ids: list[int] | None = None
     usage: Usage

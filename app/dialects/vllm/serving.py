@@ -3,12 +3,15 @@ generation service (the same tokens and log-probs as /v1/generate for the same s
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from typing import Any
 
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none
-from app.dialects.common import Prompts, sample
+from app.dialects import sampling
+from app.dialects.common import Prompts, check_policy_name, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
     GenerateLogProb,
@@ -16,19 +19,42 @@ from app.dialects.vllm.protocol import (
     GenerateLogProbsContent,
     InferenceGenerateRequest,
     InferenceGenerateResponse,
+    PromptLogProb,
+    SamplingParams,
+    TextLogProb,
+    TextLogProbs,
+    TextLogProbsContent,
     Usage,
     WeightVersionSpan,
 )
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.serving import GenerationService
+from app.openai_compat.streaming import final_text
+
+FIELD = "sampling_params."
 
 
-async def generate(
-    generation: GenerationService, request: InferenceGenerateRequest
-) -> InferenceGenerateResponse:
-    params = request.sampling_params
-    max_new = generation.max_new_tokens(params.max_tokens, "sampling_params.max_tokens")
-    config = SamplingConfig.resolve(
+def config_of(
+    generation: GenerationService, params: SamplingParams, prefix: str = FIELD
+) -> SamplingConfig:
+    """vLLM's sampling parameters as rlserve's, checked against the policy (its vocabulary,
+    the server's limits), naming the field of a refusal."""
+    served = generation.served("policy")
+    max_new = generation.max_new_tokens(params.max_tokens, prefix + "max_tokens")
+    constraints = sampling.constraints(
+        vocab_size=served.backend.info.vocab_size,
+        tokenizer=served.preparer.tokenizer,
+        prefix=prefix,
+        min_tokens=params.min_tokens,
+        max_tokens=max_new,
+        stop_token_ids=params.stop_token_ids,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
+        bad_words=params.bad_words,
+    )
+    return SamplingConfig.resolve(
         max_new,
         greedy=params.temperature == 0,
         temperature=params.temperature,
@@ -38,56 +64,103 @@ async def generate(
         min_p=params.min_p,
         repetition_penalty=params.repetition_penalty,
         ignore_eos=params.ignore_eos,
+        **constraints,
     )
-    k = params.logprobs
+
+
+def top_k_asked(generation: GenerationService, k: int | None, field: str) -> int | None:
     if k is not None and k > generation.limits.max_top_logprobs:
-        raise invalid(
-            "sampling_params.logprobs",
-            f"at most {generation.limits.max_top_logprobs} (the server's max_top_logprobs)",
-        )
-    asks = ScoreSpec(top_logprobs=k, ranks=True) if k is not None else None
-    prompts = Prompts(token_ids=[request.token_ids], field="token_ids")
-    sampled = await sample(generation, prompts, config, n=params.n, seed=params.seed, asks=asks)
-    choices = [_choice(i, g, sampled.scores_of(i), k) for i, g in enumerate(sampled.generations)]
+        raise invalid(field, f"at most {generation.limits.max_top_logprobs} (max_top_logprobs)")
+    return k
+
+
+async def generate(
+    generation: GenerationService, request: InferenceGenerateRequest
+) -> InferenceGenerateResponse:
+    check_policy_name(generation.registry, request.model)
+    sampling.warn_ignored("/inference/v1/generate", request.ignored())
+    params = request.sampling_params
+    config = config_of(generation, params)
+    k = top_k_asked(generation, params.logprobs, FIELD + "logprobs")
+    prompt_k = top_k_asked(generation, params.prompt_logprobs, FIELD + "prompt_logprobs")
+    token_ids = request.token_ids
+    if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
+        token_ids = token_ids[-params.truncate_prompt_tokens :]
+    sampled = await sample(
+        generation,
+        Prompts(token_ids=[token_ids], field="token_ids"),
+        config,
+        n=params.n,
+        seed=params.seed,
+        asks=ScoreSpec(top_logprobs=k, ranks=True) if k is not None else None,
+        prompt_asks=None if prompt_k is None else ScoreSpec(top_logprobs=prompt_k, ranks=True),
+    )
+    preparer = generation.served("policy").preparer
+    text_mode = request.output_mode == "text"
+
+    def token_text(token: int) -> str:
+        return str(preparer.decode([token]))
+
+    choices = []
+    for i, g in enumerate(sampled.generations):
+        choice = _choice(i, g, sampled.scores_of(i), k, token_text if text_mode else None)
+        if text_mode:
+            text = preparer.decode(g.token_ids, skip_special=params.skip_special_tokens)
+            choice.text = (
+                text if params.include_stop_str_in_output else final_text(text, params.stops)
+            )
+        choices.append(choice)
+    prompt_logprobs = None
+    if prompt_k is not None and sampled.prompt_scores and sampled.prompt_scores[0] is not None:
+        prompt_logprobs = _prompt_logprobs(token_ids, sampled.prompt_scores[0], token_text)
     completion = sum(len(g.token_ids) for g in sampled.generations)
-    prompt = len(request.token_ids)
+    prompt = len(token_ids)
     return InferenceGenerateResponse(
         request_id=request.request_id or uuid.uuid4().hex,
-        model="policy",
+        model=request.model or "policy",
         created=int(time.time()),
+        output_mode=request.output_mode,
         choices=choices,
-        prompt_token_ids=request.token_ids if request.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs,
+        prompt_token_ids=token_ids if request.return_token_ids else None,
         usage=Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         ),
     )
 
 
-def _choice(index: int, g: Generation, scores: Scores | None, k: int | None) -> GenerateChoice:
-    logprobs = None
+def _choice(
+    index: int, g: Generation, scores: Scores | None, k: int | None, text: Any
+) -> GenerateChoice:
+    """One choice; its log-probs as vLLM's tokens mode gives them (ids), or with `text` (a
+    token's text) as its text mode does (OpenAI's entries, with bytes)."""
+    logprobs: GenerateLogProbs | TextLogProbs | None = None
     if k is not None and len(g.log_probs) == len(g.token_ids):
-        ranks = scores.ranks.tolist() if scores is not None and scores.ranks is not None else []
-        top_ids = (
-            scores.top_ids.tolist() if scores is not None and scores.top_ids is not None else []
-        )
-        top_values = (
-            scores.top_log_probs.tolist()
-            if scores is not None and scores.top_log_probs is not None
-            else []
-        )
-        content = []
-        for t, (token, value) in enumerate(zip(g.token_ids, g.log_probs, strict=True)):
-            rank = ranks[t] if t < len(ranks) else None
-            top = [GenerateLogProb(token_id=token, logprob=value, rank=rank)]
-            if t < len(top_ids):
-                top += [
-                    GenerateLogProb(token_id=i, logprob=v, rank=r + 1)
-                    for r, (i, v) in enumerate(zip(top_ids[t], top_values[t], strict=True))
+        rows = _rows(g, scores, max(k, 1))
+        if text is None:
+            logprobs = GenerateLogProbs(
+                content=[
+                    GenerateLogProbsContent(
+                        token_id=token,
+                        logprob=value,
+                        rank=rank,
+                        top_logprobs=[
+                            GenerateLogProb(token_id=t, logprob=v, rank=r) for t, v, r in top
+                        ],
+                    )
+                    for token, value, rank, top in rows
                 ]
-            content.append(
-                GenerateLogProbsContent(token_id=token, logprob=value, rank=rank, top_logprobs=top)
             )
-        logprobs = GenerateLogProbs(content=content)
+        else:
+            logprobs = TextLogProbs(
+                content=[
+                    TextLogProbsContent(
+                        **_named(token, value, text),
+                        top_logprobs=[TextLogProb(**_named(t, v, text)) for t, v, _ in top],
+                    )
+                    for token, value, _, top in rows
+                ]
+            )
     return GenerateChoice(
         index=index,
         finish_reason=g.finish_reason,
@@ -96,3 +169,61 @@ def _choice(index: int, g: Generation, scores: Scores | None, k: int | None) -> 
         logprobs=logprobs,
         weight_versions=[WeightVersionSpan.of(s) for s in g.versions] if g.versions else None,
     )
+
+
+Entry = tuple[int, float, int | None]
+
+
+def _rows(
+    g: Generation, scores: Scores | None, keep: int
+) -> list[tuple[int, float, int | None, list[Entry]]]:
+    """Per generated token: its id, log-prob and rank, and its first `keep` entries as vLLM
+    lists them (one per token id: the sampled token first, then the most likely in rank
+    order)."""
+    ranks = scores.ranks.tolist() if scores is not None and scores.ranks is not None else []
+    top_ids = scores.top_ids.tolist() if scores is not None and scores.top_ids is not None else []
+    top_values = (
+        scores.top_log_probs.tolist()
+        if scores is not None and scores.top_log_probs is not None
+        else []
+    )
+    rows = []
+    for t, (token, value) in enumerate(zip(g.token_ids, g.log_probs, strict=True)):
+        rank = ranks[t] if t < len(ranks) else None
+        top: dict[int, Entry] = {token: (token, value, rank)}
+        if t < len(top_ids):
+            for r, (i, v) in enumerate(zip(top_ids[t], top_values[t], strict=True)):
+                top.setdefault(i, (i, v, r + 1))
+        rows.append((token, value, rank, list(top.values())[:keep]))
+    return rows
+
+
+def _named(token: int, value: float, text: Any) -> dict[str, Any]:
+    """OpenAI's entry fields: the token's text, its log-prob (-9999.0 for -inf, as vLLM
+    clamps it) and its UTF-8 bytes."""
+    name = text(token)
+    clamped = -9999.0 if math.isnan(value) else max(value, -9999.0)
+    return {"token": name, "logprob": clamped, "bytes": list(name.encode("utf-8", "replace"))}
+
+
+def _prompt_logprobs(
+    ids: list[int], scores: Scores, text: Any
+) -> list[dict[str, PromptLogProb] | None]:
+    """vLLM's layout: null for the first token, then per token id its entry (the prompt's
+    own token first, then the k most likely in order)."""
+    own = scores.log_probs.tolist()
+    ranks = scores.ranks.tolist() if scores.ranks is not None else []
+    top_ids = scores.top_ids.tolist() if scores.top_ids is not None else [[] for _ in ranks]
+    top_values = scores.top_log_probs.tolist() if scores.top_log_probs is not None else top_ids
+
+    def entry(token: int, value: float, rank: int | None) -> PromptLogProb:
+        clamped = -9999.0 if math.isnan(value) else max(value, -9999.0)
+        return PromptLogProb(logprob=clamped, rank=rank, decoded_token=text(token))
+
+    out: list[dict[str, PromptLogProb] | None] = [None]
+    for p in range(1, len(ids)):
+        row = {str(ids[p]): entry(ids[p], own[p], ranks[p - 1] if p - 1 < len(ranks) else None)}
+        for r, (token, value) in enumerate(zip(top_ids[p - 1], top_values[p - 1], strict=True)):
+            row.setdefault(str(token), entry(token, value, r + 1))
+        out.append(row)
+    return out

@@ -1,0 +1,96 @@
+"""The sampling parameters vLLM and SGLang take beyond rlserve's own (min-tokens, stop ids,
+penalties, logit bias, allowed tokens, bad words), checked against the policy's vocabulary
+and resolved into `SamplingConfig` fields, and the warning for fields accepted and ignored."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from app.common.failures import invalid
+
+log = logging.getLogger("rlserve.dialects")
+
+MAX_BAD_WORDS = 128
+"""The most token sequences `bad_words` may become (vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
+
+
+def constraints(
+    *,
+    vocab_size: int,
+    tokenizer: Any,
+    prefix: str,
+    min_tokens: int = 0,
+    max_tokens: int | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    allowed_token_ids: Iterable[int] | None = None,
+    bad_words: Iterable[str] | None = None,
+    min_tokens_field: str = "min_tokens",
+) -> dict[str, Any]:
+    """`SamplingConfig` keyword arguments for these parameters, refused by field name (under
+    `prefix`, e.g. "sampling_params.") where vLLM refuses them: out-of-vocabulary ids in
+    `logit_bias` and `allowed_token_ids`, an empty `allowed_token_ids`, more min- than
+    max-tokens, a bad word that tokenizes to nothing."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise invalid(
+            prefix + min_tokens_field, f"{min_tokens} is more than the {max_tokens} max tokens"
+        )
+    bias = dict(logit_bias or {})
+    _in_vocab(bias, vocab_size, prefix + "logit_bias")
+    allowed = None
+    if allowed_token_ids is not None:
+        allowed = tuple(allowed_token_ids)
+        if not allowed:
+            raise invalid(prefix + "allowed_token_ids", "is empty: no token could be sampled")
+        _in_vocab(allowed, vocab_size, prefix + "allowed_token_ids")
+    words = tuple(bad_words or ())
+    return {
+        "min_tokens": min_tokens,
+        "stop_token_ids": tuple(dict.fromkeys(stop_token_ids or ())),
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "logit_bias": tuple(sorted(bias.items())),
+        "allowed_token_ids": allowed,
+        "bad_words": words,
+        "bad_word_ids": bad_word_ids(words, tokenizer, prefix + "bad_words") if words else (),
+    }
+
+
+def _in_vocab(ids: Iterable[int], vocab_size: int, field: str) -> None:
+    outside = sorted(t for t in ids if not 0 <= t < vocab_size)
+    if outside:
+        raise invalid(
+            field, f"token ids {outside[:8]} are outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def bad_word_ids(words: tuple[str, ...], tokenizer: Any, field: str) -> tuple[tuple[int, ...], ...]:
+    """Each word as vLLM's `SamplingParams.update_from_tokenizer` cuts it: its tokens as
+    written (stripped on the left), and with a leading space where that gives a different
+    first token and as many tokens (a word in the middle of a text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        for spaced in (False, True):
+            ids = tuple(
+                tokenizer.encode((" " if spaced else "") + word.lstrip(), add_special_tokens=False)
+            )
+            if not ids:
+                if not spaced:
+                    raise invalid(field, f"'{word}' tokenizes to no token")
+                continue
+            if not spaced or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
+                sequences.append(ids)
+    if len(sequences) > MAX_BAD_WORDS:
+        raise invalid(field, f"{len(sequences)} token sequences; at most {MAX_BAD_WORDS}")
+    return tuple(sequences)
+
+
+def warn_ignored(route: str, fields: Iterable[str]) -> None:
+    """Log the fields a dialect request gave that change nothing here (vLLM logs the same)."""
+    names = sorted(fields)
+    if names:
+        log.warning("%s: accepted and ignored (no effect on this server): %s", route, names)

@@ -25,6 +25,7 @@ from app.deploy.replicated import Replicas, ReplicatedWeights
 from app.dialects.refusals import router as refused_router
 from app.dialects.sglang.router import router as sglang_router
 from app.dialects.sglang.serving import SGLangWeights
+from app.dialects.tokenize import router as tokenize_router
 from app.dialects.vllm.router import router as vllm_router
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
@@ -213,6 +214,7 @@ def create_app(
         ops_router,
         vllm_router,
         sglang_router,
+        tokenize_router,
         refused_router,
     )
     routes = [route for router in routers for route in router.routes]

@@ -125,10 +125,17 @@ class InputPreparer:
         return backend
 
     def render(
-        self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None
+        self,
+        conversation: Conversation,
+        *,
+        generation_prompt: bool,
+        tools: Any = None,
+        options: dict[str, Any] | None = None,
     ) -> str:
-        """The chat template's text for `conversation` (the last RENDERS_KEPT remembered)."""
-        key = self._render_key(conversation, generation_prompt, tools)
+        """The chat template's text for `conversation` (the last RENDERS_KEPT remembered);
+        `options` are more variables for the template (vLLM's chat_template_kwargs, such as
+        Qwen3's enable_thinking, and continue_final_message)."""
+        key = self._render_key(conversation, generation_prompt, tools, options)
         if key is not None:
             with self._renders_lock:
                 text = self._renders.get(key)
@@ -137,7 +144,11 @@ class InputPreparer:
                     return text
         text = str(
             self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=generation_prompt, tools=tools
+                conversation,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                tools=tools,
+                **(options or {}),
             )
         )
         if key is not None:
@@ -148,7 +159,11 @@ class InputPreparer:
         return text
 
     def _render_key(
-        self, conversation: Conversation, generation_prompt: bool, tools: Any
+        self,
+        conversation: Conversation,
+        generation_prompt: bool,
+        tools: Any,
+        options: dict[str, Any] | None,
     ) -> str | None:
         """The render's inputs as one string; None when renders are not remembered: inputs
         that are not plain JSON, or a template that reads the clock or draws random values."""
@@ -161,9 +176,19 @@ class InputPreparer:
         if not self._remembering:
             return None
         try:
-            return json.dumps([conversation, generation_prompt, tools], ensure_ascii=False)
+            return json.dumps(
+                [conversation, generation_prompt, tools, options or {}], ensure_ascii=False
+            )
         except (TypeError, ValueError):
             return None
+
+    def knows_role(self, role: str) -> bool:
+        """Whether the chat template names `role` (a template that does not may drop it)."""
+        return f"'{role}'" in self._template_source or f'"{role}"' in self._template_source
+
+    @property
+    def _template_source(self) -> str:
+        return str(getattr(self.tokenizer, "chat_template", None) or "")
 
     @cached_property
     def supports_tools(self) -> bool:
@@ -171,14 +196,22 @@ class InputPreparer:
         return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     def template(
-        self, conversation: Conversation, *, generation_prompt: bool, tools: Any = None
+        self,
+        conversation: Conversation,
+        *,
+        generation_prompt: bool,
+        tools: Any = None,
+        options: dict[str, Any] | None = None,
     ) -> Prepared:
         """Template a conversation (with tool definitions for templates that take them); the
         assistant mask covers what the assistant wrote: every token of each assistant message
         as rendered and its end-of-turn token (from character offsets of the assistant turns),
         and whatever the template's generation tags mark, where it has them."""
-        text = self.render(conversation, generation_prompt=generation_prompt, tools=tools)
-        if self.has_generation_tags:
+        text = self.render(
+            conversation, generation_prompt=generation_prompt, tools=tools, options=options
+        )
+        # (transformers marks no assistant tokens in a final message left open)
+        if self.has_generation_tags and not (options or {}).get("continue_final_message"):
             out = self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=True,
@@ -186,6 +219,7 @@ class InputPreparer:
                 add_generation_prompt=generation_prompt,
                 return_assistant_tokens_mask=True,
                 tools=tools,
+                **(options or {}),
             )
             ids, tagged = list(out["input_ids"]), list(out["assistant_masks"])
             # The tags' token mask ends on the token holding the span's last character's

@@ -146,19 +146,31 @@ class ToolCall(WireModel):
 
 
 class ChatMessage(WireModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer: OpenAI's name for system instructions; templates that know "
+        "no developer role get it as system (never dropped)."
+    )
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(
+        default=None,
+        description="An assistant turn's reasoning, for templates that render it (Qwen3, "
+        "DeepSeek-R1: inside <think>...</think>).",
+    )
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(self, developer: bool = True) -> dict[str, Any]:
         """The message as chat templates take it: text content; tool-call arguments as
-        objects (what Hugging Face templates expect)."""
+        objects (what Hugging Face templates expect); a developer message as a system one
+        unless the template knows the `developer` role."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" and not developer else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
@@ -232,6 +244,17 @@ class ChatCompletionRequest(SamplingFields):
     )
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="vLLM's: more variables for the chat template (Qwen3's enable_thinking).",
+    )
+    add_generation_prompt: bool = Field(
+        default=True, description="vLLM's: end the prompt with the assistant's turn opening."
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="vLLM's: leave the last (assistant) message open for the model to go on.",
+    )
     parallel_tool_calls: bool | None = Field(default=None, description="Accepted and ignored.")
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = Field(default=None, description="Accepted and ignored.")
@@ -245,7 +268,20 @@ class ChatCompletionRequest(SamplingFields):
             raise field_error("tool_choice", "naming a function needs constrained decoding")
         if self.tool_choice == "required":
             raise field_error("tool_choice", "required needs constrained decoding: use auto")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise field_error(
+                "continue_final_message", "needs add_generation_prompt: false (not both)"
+            )
         return self
+
+    def template_options(self) -> dict[str, Any] | None:
+        """What the chat template gets beyond the messages and tools."""
+        options = dict(self.chat_template_kwargs or {})
+        for name in ("add_generation_prompt", "tools", "conversation", "messages"):
+            options.pop(name, None)
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        return options or None
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -127,13 +127,17 @@ class OpenAIService(ModelServing):
             if not preparer.supports_tools:
                 raise invalid("tools", "this model's chat template does not render tools")
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        messages = [m.for_template() for m in request.messages]
+        messages = [m.for_template(preparer.knows_role("developer")) for m in request.messages]
         max_new = self.max_new_tokens(
             request.max_new_tokens,
             "max_completion_tokens" if request.max_completion_tokens else "max_tokens",
         )
         prompt = await preparer.off_loop(
-            preparer.template, messages, generation_prompt=True, tools=tools
+            preparer.template,
+            messages,
+            generation_prompt=request.add_generation_prompt,
+            tools=tools,
+            options=request.template_options(),
         )
         preparer.check([prompt], "messages", max_new_tokens=max_new)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

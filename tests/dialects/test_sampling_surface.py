@@ -178,7 +178,9 @@ async def test_vllm_text_mode_and_prompt_logprobs(client, hf_model, hf_tokenizer
     assert reply["output_mode"] == "text"
     assert choice["text"] == hf_tokenizer.decode(ids, skip_special_tokens=True)
     raw = forward_log_probs(hf_model, PROMPT + ids)
-    for entry, token, value in zip(choice["logprobs"]["content"], ids, raw[len(PROMPT) :], strict=True):
+    for entry, token, value in zip(
+        choice["logprobs"]["content"], ids, raw[len(PROMPT) :], strict=True
+    ):
         name = hf_tokenizer.decode([token])
         assert entry["token"] == name and entry["bytes"] == list(name.encode())
         assert abs(entry["logprob"] - value) < 1e-4

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (if needed), lint, type-check and run the test suite. CI runs exactly this.
 # With CI=true (or RLSERVE_TEST_VLLM=1) the vLLM tests also run, in their own venv; with
-# CI=true (or RLSERVE_TEST_TORCHRL=1) so do the tests beside the real TorchRL library; with
+# CI=true (or RLSERVE_TEST_TORCHRL=1) so do the tests beside the real TorchRL library, and (or
+# RLSERVE_TEST_TRAINERS=1) the trainers' own clients against the server (tests/trainers); with
 # CI=true (or RLSERVE_TEST_DOCKER=1) the images are built and run (scripts/docker-smoke.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ cd "$(dirname "$0")/.."
 extras=()
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then extras+=(torchrl); fi
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then extras+=(vllm); fi
+if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TRAINERS:-0}" = "1" ]; then extras+=(trainers); fi
 # Their venvs build in the background, side by side with each other and the checks below
 # (one pip uses one core), and are waited for before the tests start.
 setups=$(mktemp -d)

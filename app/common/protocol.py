@@ -3,7 +3,8 @@ TorchRL-style sample containers (text / tokens / masks / log_probs / history).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import Response
@@ -13,6 +14,7 @@ from rlserve_client import types as containers
 
 from app.engine import types as engine_types
 
+_log = logging.getLogger("rlserve.requests")
 ModelName = Literal["policy", "reference"]
 TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
@@ -72,6 +74,15 @@ class WireModel(BaseModel):
             if where is not None:
                 raise field_error(where or "body", "contains a lone surrogate (not valid Unicode)")
         return data
+
+
+def warn_ignored(route: str, fields: Iterable[str]) -> None:
+    """Log the fields a request gave that change nothing here: the unknown fields of the
+    models that accept them (the dialects' and OpenAI's, as vLLM ignores them with a warning),
+    and known fields without effect."""
+    names = sorted(fields)
+    if names:
+        _log.warning("%s: accepted and ignored (no effect on this server): %s", route, names)
 
 
 def _lone_surrogate(value: object, path: str) -> str | None:

@@ -1,16 +1,13 @@
 """The sampling parameters vLLM and SGLang take beyond rlserve's own (min-tokens, stop ids,
 penalties, logit bias, allowed tokens, bad words), checked against the policy's vocabulary
-and resolved into `SamplingConfig` fields, and the warning for fields accepted and ignored."""
+and resolved into `SamplingConfig` fields."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.common.failures import invalid
-
-log = logging.getLogger("rlserve.dialects")
 
 MAX_BAD_WORDS = 128
 """The most token sequences `bad_words` may become (vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
@@ -87,10 +84,3 @@ def bad_word_ids(words: tuple[str, ...], tokenizer: Any, field: str) -> tuple[tu
     if len(sequences) > MAX_BAD_WORDS:
         raise invalid(field, f"{len(sequences)} token sequences; at most {MAX_BAD_WORDS}")
     return tuple(sequences)
-
-
-def warn_ignored(route: str, fields: Iterable[str]) -> None:
-    """Log the fields a dialect request gave that change nothing here (vLLM logs the same)."""
-    names = sorted(fields)
-    if names:
-        log.warning("%s: accepted and ignored (no effect on this server): %s", route, names)

@@ -10,9 +10,8 @@ from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.failures import invalid
-from app.common.protocol import TokenId, WireModel, field_error
+from app.common.protocol import TokenId, WireModel, field_error, warn_ignored
 from app.deps import GenerationDep
-from app.dialects import sampling
 from app.dialects.common import check_policy_name
 from app.errors import ERROR_RESPONSES
 from app.generation.serving import GenerationService
@@ -78,7 +77,7 @@ class DetokenizeResponse(WireModel):
 
 def _tokenize(generation: GenerationService, request: TokenizeRequest) -> TokenizeResponse:
     check_policy_name(generation.registry, request.model)
-    sampling.warn_ignored("/tokenize", list(request.model_extra or {}))
+    warn_ignored("/tokenize", list(request.model_extra or {}))
     served = generation.served("policy")
     preparer = served.preparer
     if request.messages is not None:

@@ -41,7 +41,11 @@ class StreamOptions(WireModel):
 
 
 class SamplingFields(WireModel):
-    """What both routes share: OpenAI's sampling parameters and the RL extensions."""
+    """What both routes share: OpenAI's sampling parameters and the RL extensions. Unknown
+    fields are ignored and logged, as vLLM's OpenAI server does (clients add their own: ART's
+    `nvext`); a known field with a value rlserve cannot honour is still refused by name."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(
         default="policy",
@@ -225,13 +229,14 @@ class ResponseFormat(WireModel):
 class ChatCompletionRequest(SamplingFields):
     # top_logprobs > 0 needs logprobs: true, in the schema as in the validator.
     model_config = ConfigDict(
+        extra="allow",
         json_schema_extra={
             "if": {
                 "required": ["top_logprobs"],
                 "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
             },
             "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-        }
+        },
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

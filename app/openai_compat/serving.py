@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
-from app.common.protocol import wire_spans
+from app.common.protocol import warn_ignored, wire_spans
 from app.common.serving import ModelServing
 from app.config import LimitSettings
 from app.engine.registry import ModelRegistry
@@ -185,6 +185,7 @@ class OpenAIService(ModelServing):
         trajectory_id: str | None,
     ) -> Job:
         self.check_num_items(len(prompts) * request.n, "n")
+        warn_ignored(f"/v1/{kind} completions", request.model_extra or {})
         top_field = "top_logprobs" if kind == "chat" else "logprobs"
         if logprobs and logprobs > self.limits.max_top_logprobs:
             raise invalid(

@@ -29,7 +29,7 @@ from app.dialects.sglang.protocol import (
     WeightVersion,
 )
 from app.dialects.sglang.serving import SGLangWeights
-from app.errors import ERROR_RESPONSES
+from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
 from app.ops.access import Access, access
 from app.weights.protocol import LoadWeightsRequest, TransferInit
 
@@ -102,7 +102,11 @@ async def flush_cache() -> Response:
 
 
 @router.post(
-    "/abort_request", response_class=Response, summary="Abort all (SGLang)", openapi_extra=ADMIN
+    "/abort_request",
+    responses=TRANSFER_ERROR_RESPONSES,
+    response_class=Response,
+    summary="Abort all (SGLang)",
+    openapi_extra=ADMIN,
 )
 async def abort_request(
     request: AbortRequest, registry: RegistryDep, weights: WeightsDep
@@ -126,6 +130,7 @@ async def pause_generation(
 
 @router.post(
     "/continue_generation",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=StatusMessage,
     summary="Continue (SGLang)",
     openapi_extra=ADMIN,
@@ -140,6 +145,7 @@ async def continue_generation(
 
 @router.post(
     "/init_weights_update_group",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Success,
     summary="Join the trainer (SGLang)",
     openapi_extra=ADMIN,
@@ -167,6 +173,7 @@ async def init_weights_update_group(
 
 @router.post(
     "/destroy_weights_update_group",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Success,
     summary="Leave the group (SGLang)",
     openapi_extra=ADMIN,
@@ -181,6 +188,7 @@ async def destroy_weights_update_group(
 
 @router.post(
     "/begin_weight_update",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Success,
     summary="Open an update (SGLang)",
     openapi_extra=ADMIN,
@@ -194,6 +202,7 @@ async def begin_weight_update(
 
 @router.post(
     "/end_weight_update",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Success,
     summary="Commit the update (SGLang)",
     openapi_extra=ADMIN,
@@ -206,6 +215,7 @@ async def end_weight_update(request: Request) -> Success:
 
 @router.post(
     "/update_weights_from_distributed",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Success,
     summary="Receive tensors (SGLang)",
     openapi_extra=ADMIN,
@@ -226,6 +236,7 @@ async def update_weights_from_distributed(
 
 @router.post(
     "/update_weights_from_disk",
+    responses=WEIGHTS_ERROR_RESPONSES,
     response_model=DiskUpdated,
     summary="Load from a path (SGLang)",
     openapi_extra=ADMIN,

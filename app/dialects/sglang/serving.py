@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from app.common.failures import Conflict, invalid
+from app.common.protocol import warn_ignored
 from app.dialects import sampling
 from app.dialects.common import Prompts, abort_all, sample, version_number
 from app.dialects.sglang.protocol import (
@@ -145,7 +146,7 @@ async def _sample(
     p: SamplingParams,
     field: str,
 ) -> Sampled:
-    sampling.warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
+    warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
     max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
     served = generation.served("policy")
     constraints = sampling.constraints(

@@ -164,7 +164,11 @@ REFUSED_WHY = {
 class SamplingParams(WireModel):
     """vLLM 0.32's SamplingParams, every field: honoured, accepted and ignored where it
     changes nothing returned (`IGNORED`, logged), or refused by name where ignoring it would
-    change what the trainer gets (structured outputs, watermarking, beam search, ...)."""
+    change what the trainer gets (structured outputs, watermarking, beam search, ...). Other
+    keys are ignored (logged), as vLLM ignores them: trainers pass their own configs through
+    (verifiers' `reasoning_effort`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     n: int = Field(default=1, ge=1, le=128)
     best_of: int | None = Field(default=None, ge=1, description="Only unset or n.")
@@ -255,7 +259,8 @@ class SamplingParams(WireModel):
 
     def ignored(self) -> list[str]:
         """The given fields that change nothing here (logged)."""
-        return [name for name, default in IGNORED.items() if getattr(self, name) != default]
+        given = [name for name, default in IGNORED.items() if getattr(self, name) != default]
+        return given + list(self.model_extra or {})
 
 
 REQUEST_IGNORED = (
@@ -314,7 +319,11 @@ class InferenceGenerateRequest(WireModel):
 
 
 class GenerateLogProb(WireModel):
+    """vLLM 0.32's entry (`token_id`, `logprob`, `rank`), with the `token` of the releases
+    before it (`token_id:N`, what renderers and SkyRL's older clients check)."""
+
     token_id: int
+    token: str
     logprob: float
     rank: int | None = None
 

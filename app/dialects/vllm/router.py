@@ -29,7 +29,7 @@ from app.dialects.vllm.protocol import (
     WeightInfo,
     WorldSize,
 )
-from app.errors import ERROR_RESPONSES
+from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES
 from app.ops.access import Access, access
 from app.weights.protocol import TransferFinish, TransferInit, TransferUpdate
 
@@ -62,7 +62,11 @@ async def is_paused(registry: RegistryDep) -> IsPaused:
 
 
 @router.post(
-    "/abort_requests", response_model=Aborted, summary="Abort all (vLLM)", openapi_extra=ADMIN
+    "/abort_requests",
+    responses=TRANSFER_ERROR_RESPONSES,
+    response_model=Aborted,
+    summary="Abort all (vLLM)",
+    openapi_extra=ADMIN,
 )
 async def abort_requests(
     registry: RegistryDep, weights: WeightsDep, body: AbortRequests | None = None
@@ -105,6 +109,7 @@ async def server_info(
 
 @router.post(
     "/init_weight_transfer_engine",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Message,
     summary="Join the trainer (vLLM)",
     openapi_extra=ADMIN,
@@ -131,6 +136,7 @@ async def init_weight_transfer_engine(request: InitWeightTransfer, weights: Weig
 
 @router.post(
     "/shutdown_weight_transfer_engine",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Message,
     summary="Leave the group (vLLM)",
     openapi_extra=ADMIN,
@@ -142,6 +148,7 @@ async def shutdown_weight_transfer_engine(weights: WeightsDep) -> Message:
 
 @router.post(
     "/start_weight_update",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Message,
     summary="Begin an update (vLLM)",
     openapi_extra=ADMIN,
@@ -155,6 +162,7 @@ async def start_weight_update(
 
 @router.post(
     "/update_weights",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Message,
     summary="Announce tensors (vLLM)",
     openapi_extra=ADMIN,
@@ -171,6 +179,7 @@ async def update_weights(request: UpdateWeights, weights: WeightsDep) -> Message
 
 @router.post(
     "/finish_weight_update",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=Message,
     summary="Commit the update (vLLM)",
     openapi_extra=ADMIN,
@@ -187,6 +196,7 @@ async def finish_weight_update(
 
 @router.post(
     "/update_weight_version",
+    responses=TRANSFER_ERROR_RESPONSES,
     response_model=VersionConfirmed,
     summary="Confirm the version (vLLM and SGLang)",
     openapi_extra=ADMIN,

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from app.common.failures import invalid
-from app.common.protocol import top_k_or_none
+from app.common.protocol import top_k_or_none, warn_ignored
 from app.dialects import sampling
 from app.dialects.common import Prompts, check_policy_name, sample
 from app.dialects.vllm.protocol import (
@@ -78,7 +78,7 @@ async def generate(
     generation: GenerationService, request: InferenceGenerateRequest
 ) -> InferenceGenerateResponse:
     check_policy_name(generation.registry, request.model)
-    sampling.warn_ignored("/inference/v1/generate", request.ignored())
+    warn_ignored("/inference/v1/generate", request.ignored())
     params = request.sampling_params
     config = config_of(generation, params)
     k = top_k_asked(generation, params.logprobs, FIELD + "logprobs")
@@ -142,10 +142,12 @@ def _choice(
                 content=[
                     GenerateLogProbsContent(
                         token_id=token,
+                        token=f"token_id:{token}",
                         logprob=value,
                         rank=rank,
                         top_logprobs=[
-                            GenerateLogProb(token_id=t, logprob=v, rank=r) for t, v, r in top
+                            GenerateLogProb(token_id=t, token=f"token_id:{t}", logprob=v, rank=r)
+                            for t, v, r in top
                         ],
                     )
                     for token, value, rank, top in rows

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv-trainers: rlserve (server and tests) beside the trainers' own clients, pinned and
+# unmodified, for tests/trainers (scripts/test-trainers.sh). A trainer package that drags in a
+# GPU stack is installed with --no-deps, plus the few packages its client module imports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${RLSERVE_TRAINERS_VENV:-.venv-trainers}
+# AReaL 1.0.4: areal.engine.sglang_remote (its remote SGLang engine). Its import chain loads
+# areal.infra and areal.api.cli_args (ray, hydra/omegaconf, uvloop, ...), not SGLang or vLLM.
+areal=(areal==1.0.4)
+areal_needs=(
+  "ray==2.60.0" aiohttp requests colorlog tenacity flask torchdata lark uvloop pyyaml
+  "hydra-core==1.4.0.dev1" "omegaconf==2.4.0.dev2" numba pillow orjson einops aiofiles
+  psutil pybase64
+)
+stamp="$venv/.rlserve-installed"
+wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
+  exit 0
+fi
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+"$venv/bin/python" -m pip install --quiet torch==2.13.0
+# One editable install of the project at a time (scripts/test.sh builds venvs side by side).
+flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
+"$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}"
+"$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" torch==2.13.0
+scripts/install-model.sh "$venv/bin/python"
+echo "$wanted" > "$stamp"

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv-trainers and run the trainers' own clients against rlserve (tests/trainers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup-trainers.sh
+.venv-trainers/bin/python -m pytest -m trainers tests/trainers --durations=10 "$@"

@@ -14,6 +14,9 @@ areal_needs=(
   "hydra-core==1.4.0.dev1" "omegaconf==2.4.0.dev2" numba pillow orjson einops aiofiles
   psutil pybase64
 )
+# renderers 0.1.12: renderers.client.generate, what verifiers' TrainClient and prime-rl call
+# (it imports httpx and openai, already here, and pydantic_config).
+renderers=(renderers==0.1.12 prime-pydantic-config==0.4.3)
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
 
@@ -25,7 +28,7 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet torch==2.13.0
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side).
 flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
-"$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}"
+"$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}"
 "$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" torch==2.13.0
 scripts/install-model.sh "$venv/bin/python"
 echo "$wanted" > "$stamp"

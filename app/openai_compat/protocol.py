@@ -15,6 +15,7 @@ from app.common.protocol import (
     RepetitionPenalty,
     Seed,
     Temperature,
+    TokenId,
     TopP,
     VersionSpan,
     WireModel,
@@ -38,6 +39,9 @@ TRAJECTORY_ID = Annotated[
 
 class StreamOptions(WireModel):
     include_usage: bool = False
+
+
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class SamplingFields(WireModel):
@@ -64,20 +68,15 @@ class SamplingFields(WireModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # What the validator allows, stated in the schema too (its message is the friendlier).
     presence_penalty: float = Field(
-        default=0.0,
-        description="Only 0 (use repetition_penalty, an RL extension).",
-        json_schema_extra={"minimum": 0, "maximum": 0},
+        default=0.0, ge=-2, le=2, description="Minus this once a token was generated."
     )
     frequency_penalty: float = Field(
-        default=0.0,
-        description="Only 0 (use repetition_penalty, an RL extension).",
-        json_schema_extra={"minimum": 0, "maximum": 0},
+        default=0.0, ge=-2, le=2, description="Minus this times how often a token was generated."
     )
-    logit_bias: dict[str, float] | None = Field(
-        default=None, description="Only empty.", json_schema_extra={"maxProperties": 0}
-    )
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
+    ) = Field(default=None, description="Token id (a string) -> bias added to its logit.")
     user: str | None = Field(default=None, description="Accepted and ignored.")
     # RL extensions (vLLM's names and meanings)
     top_k: Annotated[int | None, Field(default=None, ge=-1, le=1 << 30)] = Field(
@@ -91,6 +90,18 @@ class SamplingFields(WireModel):
     )
     repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
+    min_tokens: int = Field(
+        default=0, ge=0, description="Extension (vLLM's): no stop before this many tokens."
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        default=None, description="Extension (vLLM's): stop after any of these tokens."
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None, description="Extension (vLLM's): sample only these tokens."
+    )
+    bad_words: Annotated[list[str], Field(max_length=128)] | None = Field(
+        default=None, description="Extension (vLLM's): words never generated."
+    )
     return_token_ids: bool = Field(
         default=False,
         description="Extension: prompt_token_ids (as templated) and each choice's token_ids "
@@ -110,12 +121,14 @@ class SamplingFields(WireModel):
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise field_error(name, "only 0 is supported; use repetition_penalty")
-        if self.logit_bias:
-            raise field_error("logit_bias", "is not supported")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise field_error("logit_bias", f"'{key}' is not a token id")
         return self
+
+    @property
+    def bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     @property
     def top_k_or_none(self) -> int | None:

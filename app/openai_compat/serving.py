@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.common.constraints import sampling_constraints
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
@@ -212,6 +213,19 @@ class OpenAIService(ModelServing):
         trajectory_id = request.trajectory_id or trajectory_id
         if trajectory_id is not None and len(prompts) * request.n != 1:
             raise invalid("n", "a completion recorded in a trajectory has one prompt and n = 1")
+        constraints = sampling_constraints(
+            vocab_size=served.backend.info.vocab_size,
+            tokenizer=served.preparer.tokenizer,
+            prefix="",
+            min_tokens=request.min_tokens,
+            max_tokens=max_new,
+            stop_token_ids=request.stop_token_ids,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            logit_bias=request.bias,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
+        )
         config = SamplingConfig.resolve(
             max_new,
             greedy=request.temperature == 0,
@@ -222,6 +236,7 @@ class OpenAIService(ModelServing):
             min_p=request.min_p,
             repetition_penalty=request.repetition_penalty,
             ignore_eos=request.ignore_eos,
+            **constraints,
         )
         prompt_logprobs = getattr(request, "prompt_logprobs", None)
         if prompt_logprobs is not None and prompt_logprobs > self.limits.max_top_logprobs:

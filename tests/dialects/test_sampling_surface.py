@@ -262,3 +262,29 @@ async def test_served_model_names_reach_the_policy(aliased):
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     answer = await aliased.post("/v1/chat/completions", json=chat)
     assert answer.status_code == 200 and answer.json()["model"] == "default"
+
+
+async def test_openai_routes_take_the_same_parameters(client):
+    """/v1/completions with OpenAI's penalties and logit bias and vLLM's extensions samples what
+    /inference/v1/generate does with the same parameters."""
+    plain = await vllm_tokens(client, max_tokens=8, ignore_eos=True)
+    favoured = plain["token_ids"][2]
+    params = {
+        "frequency_penalty": 1.0,
+        "presence_penalty": 0.5,
+        "min_tokens": 3,
+        "stop_token_ids": [plain["token_ids"][4]],
+        "ignore_eos": True,
+    }
+    vllm = await vllm_tokens(client, max_tokens=8, logit_bias={favoured: 2.0}, **params)
+    body = {
+        "prompt": [PROMPT],
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logit_bias": {str(favoured): 2.0},
+        **params,
+    }
+    answer = await client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["token_ids"] == vllm["token_ids"]

@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from app.common.constraints import sampling_constraints
 from app.common.failures import Conflict, invalid
 from app.common.protocol import warn_ignored
-from app.dialects import sampling
 from app.dialects.common import Prompts, abort_all, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
@@ -149,7 +149,7 @@ async def _sample(
     warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
     max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
     served = generation.served("policy")
-    constraints = sampling.constraints(
+    constraints = sampling_constraints(
         vocab_size=served.backend.info.vocab_size,
         tokenizer=served.preparer.tokenizer,
         prefix=f"{field}.",

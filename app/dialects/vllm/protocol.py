@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
     RepetitionPenalty,
     Seed,
@@ -16,7 +17,6 @@ from app.common.protocol import (
     field_error,
     stop_list,
 )
-from app.dialects.sampling import MAX_BAD_WORDS
 from app.engine.types import VersionSpan as EngineSpan
 
 

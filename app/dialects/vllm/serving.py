@@ -8,9 +8,9 @@ import time
 import uuid
 from typing import Any
 
+from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none, warn_ignored
-from app.dialects import sampling
 from app.dialects.common import Prompts, check_policy_name, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
@@ -41,7 +41,7 @@ def config_of(
     the server's limits), naming the field of a refusal."""
     served = generation.served("policy")
     max_new = generation.max_new_tokens(params.max_tokens, prefix + "max_tokens")
-    constraints = sampling.constraints(
+    constraints = sampling_constraints(
         vocab_size=served.backend.info.vocab_size,
         tokenizer=served.preparer.tokenizer,
         prefix=prefix,

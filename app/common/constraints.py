@@ -1,6 +1,6 @@
-"""The sampling parameters vLLM and SGLang take beyond rlserve's own (min-tokens, stop ids,
-penalties, logit bias, allowed tokens, bad words), checked against the policy's vocabulary
-and resolved into `SamplingConfig` fields."""
+"""The sampling parameters the vLLM, SGLang and OpenAI routes take beyond rlserve's own
+(min-tokens, stop ids, penalties, logit bias, allowed tokens, bad words), checked against the
+policy's vocabulary and resolved into `SamplingConfig` fields."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ MAX_BAD_WORDS = 128
 """The most token sequences `bad_words` may become (vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
 
 
-def constraints(
+def sampling_constraints(
     *,
     vocab_size: int,
     tokenizer: Any,

@@ -22,6 +22,7 @@ from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService
 from app.datasets.store import DatasetStore, SQLiteDatasetStore
 from app.deploy.replicated import Replicas, ReplicatedWeights
+from app.dialects.areal import router as areal_router
 from app.dialects.refusals import router as refused_router
 from app.dialects.sglang.router import router as sglang_router
 from app.dialects.sglang.serving import SGLangWeights
@@ -215,6 +216,7 @@ def create_app(
         vllm_router,
         sglang_router,
         tokenize_router,
+        areal_router,
         refused_router,
     )
     routes = [route for router in routers for route in router.routes]

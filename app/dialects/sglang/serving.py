@@ -44,6 +44,7 @@ class SGLangWeights:
         self.weights = weights
         self.session: Session | None = None
         self.version: int | None = None
+        self.announced: UpdateWeightsFromDistributed | None = None
         self._lock = asyncio.Lock()
 
     async def begin(self) -> None:
@@ -88,6 +89,18 @@ class SGLangWeights:
             await self.weights.transfer_start("policy")
             await self.weights.transfer_update(announce)
             return await self.weights.transfer_finish(TransferFinish(version=version))
+
+    def announce(self, request: UpdateWeightsFromDistributed) -> None:
+        """Remember the tensors of the next `update_announced` (AReaL's vLLM server takes
+        them in a call of their own, before the one that receives them)."""
+        self.announced = request
+
+    async def update_announced(self) -> WeightsUpdated | None:
+        """`update` with the tensors `announce` named (409 when none were)."""
+        request, self.announced = self.announced, None
+        if request is None:
+            raise Conflict("no tensors were announced; set the update's meta first")
+        return await self.update(request)
 
     async def _commit(self) -> WeightsUpdated:
         version, self.session, self.version = self.version, None, None

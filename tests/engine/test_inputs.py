@@ -165,10 +165,12 @@ def test_masks_take_a_constant_number_of_renders(model_dir):
     calls = 0
     render = preparer.render
 
-    def counting(conversation, *, generation_prompt, tools=None):  # type: ignore[no-untyped-def]
+    def counting(conversation, *, generation_prompt, tools=None, options=None):  # type: ignore[no-untyped-def]
         nonlocal calls
         calls += 1
-        return render(conversation, generation_prompt=generation_prompt, tools=tools)
+        return render(
+            conversation, generation_prompt=generation_prompt, tools=tools, options=options
+        )
 
     preparer.render = counting  # type: ignore[method-assign]
     for num_turns in (2, 40):

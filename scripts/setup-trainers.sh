@@ -17,6 +17,12 @@ areal_needs=(
 # renderers 0.1.12: renderers.client.generate, what verifiers' TrainClient and prime-rl call
 # (it imports httpx and openai, already here, and pydantic_config).
 renderers=(renderers==0.1.12 prime-pydantic-config==0.4.3)
+# SkyRL 0.4.0: its RemoteInferenceClient, in a venv of its own (.venv-skyrl): SkyRL needs
+# Python 3.12, and its client module imports torch (PyPI's build for 3.12: the CUDA one, which
+# runs on the CPU); tests/trainers/skyrl_driver.py runs there, the server in .venv-trainers.
+skyrl_venv=${RLSERVE_SKYRL_VENV:-.venv-skyrl}
+skyrl=(skyrl==0.4.0)
+skyrl_needs=(torch==2.13.0 aiohttp orjson numpy pybase64 loguru rich pydantic cloudpathlib requests)
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
 
@@ -31,4 +37,14 @@ flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "
 "$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}"
 "$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" torch==2.13.0
 scripts/install-model.sh "$venv/bin/python"
+python312=$(ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)
+if [ -z "$python312" ] && python3.12 --version > /dev/null 2>&1; then python312=$(command -v python3.12); fi
+if [ -n "$python312" ]; then
+  "$python312" -m venv "$skyrl_venv"
+  "$skyrl_venv/bin/python" -m pip install --quiet --upgrade pip
+  "$skyrl_venv/bin/python" -m pip install --quiet --no-deps "${skyrl[@]}"
+  "$skyrl_venv/bin/python" -m pip install --quiet "${skyrl_needs[@]}"
+else
+  echo "note: no Python 3.12 here: SkyRL's client (tests/trainers/test_skyrl.py) will skip" >&2
+fi
 echo "$wanted" > "$stamp"

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup-trainers.sh
-.venv-trainers/bin/python -m pytest -m trainers tests/trainers --durations=10 "$@"
+RLSERVE_TRAINERS_SUITE=1 .venv-trainers/bin/python -m pytest -m trainers tests/trainers \
+  --durations=10 "$@"

@@ -1,0 +1,94 @@
+"""SkyRL 0.4.0's own `RemoteInferenceClient` (from its PyPI release, unmodified) against a real
+rlserve started with the model name SkyRL is configured with: generation as its generator asks
+(min_tokens 1, a stop id, skip_special_tokens, include_stop_str_in_output), the detokenizing it
+does over HTTP, its Tinker-style `sample` with prompt log-probs, tokenize, pause and resume, the
+world size and the prefix-cache reset. SkyRL needs Python 3.12: the client runs in .venv-skyrl
+(`tests/trainers/skyrl_driver.py`), the server and these checks in .venv-trainers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import assert_close
+from tests.e2e.server import running_server
+
+pytestmark = pytest.mark.trainers
+ROOT = Path(__file__).resolve().parents[2]
+SKYRL = ROOT / ".venv-skyrl" / "bin" / "python"
+NAME = "Qwen/Qwen3-0.6B"  # what SkyRL's config names (generator.inference_engine.served_model_name)
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:  # type: ignore[type-arg]
+    if not SKYRL.exists():
+        pytest.skip("no .venv-skyrl (SkyRL needs Python 3.12: scripts/setup-trainers.sh)")
+    tmp = tmp_path_factory.mktemp("skyrl")
+    env = {"RLSERVE_STORAGE__DATA_DIR": str(tmp), "RLSERVE_MODELS__LOAD_REFERENCE": "false"}
+    with running_server("--served-model-name", NAME, env=env, log=tmp / "server.log") as server:
+        stop = httpx.get(f"{server.url}/v1/models").json()["data"][0]["pad_token_id"]
+        ran = subprocess.run(
+            [
+                str(SKYRL),
+                str(Path(__file__).with_name("skyrl_driver.py")),
+                server.url,
+                NAME,
+                str(stop),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp,
+        )
+        assert ran.returncode == 0, ran.stderr[-4000:]
+        out = json.loads(ran.stdout.strip().splitlines()[-1])
+        yield server.url, out
+
+
+def scored(url: str, sequence: list[int]) -> list[float]:
+    body = httpx.post(f"{url}/v1/logprobs", json={"tokens": [sequence]}).json()
+    return body["outputs"][0]["log_probs"]["full"]  # type: ignore[no-any-return]
+
+
+def test_skyrl_generates_detokenizes_and_parses_log_probs(answers):
+    url, out = answers
+    generated = out["generate"]
+    for prompt, ids, values, text, reason in zip(
+        [[5, 6, 7, 8], [40, 41]],
+        generated["response_ids"],
+        generated["response_logprobs"],
+        generated["responses"],
+        generated["stop_reasons"],
+        strict=True,
+    ):
+        assert 1 <= len(ids) <= 8 and reason in ("stop", "length")
+        assert_close(values, scored(url, prompt + ids)[len(prompt) :], 1e-4)
+        assert text == httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def test_skyrl_samples_with_prompt_log_probs(answers):
+    url, out = answers
+    prompt = [5, 6, 7, 8, 9]
+    sample = out["sample"]
+    assert len(sample["sequences"]) == 2
+    for sequence in sample["sequences"]:
+        tokens = sequence["tokens"]
+        assert_close(sequence["logprobs"], scored(url, prompt + tokens)[len(prompt) :], 1e-4)
+    own = scored(url, prompt)
+    assert sample["prompt_logprobs"][0] is None
+    assert_close(sample["prompt_logprobs"][1:], own[1:], 1e-4)
+    for top in sample["topk_prompt_logprobs"][1:]:
+        assert len(top) == 2 and top[0][1] >= top[1][1]
+
+
+def test_skyrl_controls_and_tokenizes(answers):
+    url, out = answers
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "2 + 3 ="}).json()["tokens"]
+    assert out["tokenize"] == [tokens]
+    assert out["detokenize"] == ["abc"]
+    assert out["paused"] and out["resumed"]
+    assert out["world_size"] == [1, 1]

@@ -207,6 +207,7 @@ class InputPreparer:
         assistant mask covers what the assistant wrote: every token of each assistant message
         as rendered and its end-of-turn token (from character offsets of the assistant turns),
         and whatever the template's generation tags mark, where it has them."""
+        given, conversation = conversation, self.known_roles(conversation)
         text = self.render(
             conversation, generation_prompt=generation_prompt, tools=tools, options=options
         )
@@ -233,7 +234,19 @@ class InputPreparer:
         else:
             ids = self.encode(text, special=False)
             mask = self._mask_from_offsets(conversation, text, generation_prompt)
-        return Prepared(ids=ids, assistant_mask=mask, text=text, history=conversation)
+        return Prepared(ids=ids, assistant_mask=mask, text=text, history=given)
+
+    def known_roles(self, conversation: Conversation) -> Conversation:
+        """`conversation` as the template gets it: a developer message (OpenAI's system
+        instructions) as a system one where the template does not name the developer role,
+        which it would otherwise drop or misplace."""
+        if not any(m.get("role") == "developer" for m in conversation):
+            return conversation
+        if self.knows_role("developer"):
+            return conversation
+        return [
+            {**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation
+        ]
 
     def _mask_from_offsets(
         self, conversation: Conversation, text: str, generation_prompt: bool

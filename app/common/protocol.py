@@ -132,8 +132,13 @@ RepetitionPenalty = Annotated[float, Field(default=1.0, ge=0.01, le=100)]
 Seed = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+"""The roles chat templates know (developer: OpenAI's name for system instructions, given to a
+template that does not name it as system)."""
+
+
 class Message(WireModel):
-    role: Annotated[str, Field(min_length=1, examples=["user"])]
+    role: Role
     content: str
 
 

@@ -35,7 +35,12 @@ def log_prob_fields(parts: LogProbParts) -> LogProbFields:
 
 
 def messages(conversation: list[dict[str, str]] | None) -> list[Message] | None:
-    return None if conversation is None else [Message(**m) for m in conversation]
+    # (the service's own conversations, of checked messages: built, not validated again)
+    return (
+        None
+        if conversation is None
+        else [Message.model_construct(role=m["role"], content=m["content"]) for m in conversation]
+    )
 
 
 def scored_sample(

@@ -84,12 +84,11 @@ def _tokenize(generation: GenerationService, request: TokenizeRequest) -> Tokeni
         if not preparer.has_chat_template:
             raise invalid("messages", "this model's tokenizer has no chat template")
         tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-        developer = preparer.knows_role("developer")
         options = dict(request.chat_template_kwargs or {})
         if request.continue_final_message:
             options["continue_final_message"] = True
         prepared = preparer.template(
-            [m.for_template(developer) for m in request.messages],
+            [m.for_template() for m in request.messages],
             generation_prompt=request.add_generation_prompt,
             tools=tools,
             options=options or None,

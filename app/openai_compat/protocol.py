@@ -177,15 +177,13 @@ class ChatMessage(WireModel):
         "DeepSeek-R1: inside <think>...</think>).",
     )
 
-    def for_template(self, developer: bool = True) -> dict[str, Any]:
+    def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it: text content; tool-call arguments as
-        objects (what Hugging Face templates expect); a developer message as a system one
-        unless the template knows the `developer` role."""
+        objects (what Hugging Face templates expect)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        role = "system" if self.role == "developer" and not developer else self.role
-        out: dict[str, Any] = {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         if self.name is not None:

@@ -128,7 +128,7 @@ class OpenAIService(ModelServing):
             if not preparer.supports_tools:
                 raise invalid("tools", "this model's chat template does not render tools")
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        messages = [m.for_template(preparer.knows_role("developer")) for m in request.messages]
+        messages = [m.for_template() for m in request.messages]
         max_new = self.max_new_tokens(
             request.max_new_tokens,
             "max_completion_tokens" if request.max_completion_tokens else "max_tokens",

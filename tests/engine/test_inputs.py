@@ -273,3 +273,35 @@ def test_decode_equals_the_tokenizers_own(model_dir, clean_up):
             assert preparer.decode(ids, skip_special=skip) == tokenizer.decode(
                 ids, skip_special_tokens=skip
             )
+
+
+ROLES_BY_NAME = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}{{- '<<SYS>>' + m['content'] + '<</SYS>>' }}"
+    "{%- elif m['role'] == 'user' %}{{- '[U]' + m['content'] }}"
+    "{%- elif m['role'] == 'assistant' %}{{- '[A]' + m['content'] + '[/A]' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '[A]' }}{%- endif %}"
+)
+
+
+def test_a_developer_message_is_never_dropped(model_dir):
+    """A template that renders the roles it names (and drops any other) gets OpenAI's
+    developer message as a system one; the history keeps the role as sent."""
+    preparer = preparer_with(model_dir, ROLES_BY_NAME)
+    conversation = [
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "Hi"},
+    ]
+    prepared = preparer.template(conversation, generation_prompt=True)
+    assert prepared.text == "<<SYS>>Answer in French.<</SYS>>[U]Hi[A]"
+    assert prepared.history == conversation
+    # A template that names the developer role gets it as it is.
+    knowing = preparer_with(model_dir, ROLES_BY_NAME.replace("'system'", "'developer'"))
+    assert knowing.template(conversation, generation_prompt=True).text.startswith("<<SYS>>")
+
+
+async def test_roles_must_be_ones_templates_know(client):
+    body = {"messages": [[{"role": "0", "content": "Hi"}]], "max_new_tokens": 1}
+    refused = await client.post("/v1/generate", json=body)
+    assert refused.status_code == 422 and "role" in refused.json()["error"]["param"]

@@ -15,6 +15,7 @@ from app.common.protocol import (
     TokenId,
     WireModel,
     field_error,
+    one_of,
     stop_list,
 )
 from app.engine.types import VersionSpan as EngineSpan
@@ -111,10 +112,28 @@ class UpdateInfo(WireModel):
 
 
 class UpdateWeights(WireModel):
-    update_info: UpdateInfo | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024)]
+    """vLLM's announcement of the tensors the trainer broadcasts next (`update_info`), or the
+    folder of a checkpoint to load (`weight_dir`: prime-rl's vLLM sends it)."""
+
+    model_config = ConfigDict(json_schema_extra=one_of(("update_info",), ("weight_dir",)))
+
+    update_info: (
+        UpdateInfo | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024)] | None
+    ) = None
+    weight_dir: str | None = Field(
+        default=None, min_length=1, description="A safetensors checkpoint the server can read."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> UpdateWeights:
+        if (self.update_info is None) == (self.weight_dir is None):
+            raise field_error("update_info", "give exactly one of update_info and weight_dir")
+        return self
 
     @property
     def infos(self) -> list[UpdateInfo]:
+        if self.update_info is None:
+            return []
         return self.update_info if isinstance(self.update_info, list) else [self.update_info]
 
 

@@ -29,9 +29,14 @@ from app.dialects.vllm.protocol import (
     WeightInfo,
     WorldSize,
 )
-from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES
+from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
 from app.ops.access import Access, access
-from app.weights.protocol import TransferFinish, TransferInit, TransferUpdate
+from app.weights.protocol import (
+    LoadWeightsRequest,
+    TransferFinish,
+    TransferInit,
+    TransferUpdate,
+)
 
 router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -162,14 +167,18 @@ async def start_weight_update(
 
 @router.post(
     "/update_weights",
-    responses=TRANSFER_ERROR_RESPONSES,
+    responses={**WEIGHTS_ERROR_RESPONSES, **TRANSFER_ERROR_RESPONSES},
     response_model=Message,
     summary="Announce tensors (vLLM)",
     openapi_extra=ADMIN,
 )
 async def update_weights(request: UpdateWeights, weights: WeightsDep) -> Message:
     """Announce the tensors the trainer broadcasts next (checked against the model; names
-    the field of a mismatch) and receive them in the background."""
+    the field of a mismatch) and receive them in the background; or, given `weight_dir`
+    (prime-rl's), load that checkpoint as POST /v1/weights/load, whole or not at all."""
+    if request.weight_dir is not None:
+        updated = await weights.load(LoadWeightsRequest(path=request.weight_dir))
+        return Message(message=f"Weights loaded as version {updated.policy_version}")
     for info in request.infos:
         await weights.transfer_update(
             TransferUpdate(names=info.names, dtype_names=info.dtype_names, shapes=info.shapes)

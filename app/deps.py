@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from app.config import Settings
 from app.datasets.service import DatasetService
+from app.dialects.sglang.serving import SGLangWeights
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
@@ -81,6 +82,11 @@ async def _openai(request: Request) -> OpenAIService:
     return openai
 
 
+async def _sglang_weights(request: Request) -> SGLangWeights:
+    session: SGLangWeights = request.app.state.sglang_weights
+    return session
+
+
 async def _trajectories(request: Request) -> TrajectoryService:
     trajectories: TrajectoryService = request.app.state.trajectories
     return trajectories
@@ -99,3 +105,5 @@ RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsControl, Depends(_weights)]
 OpenAIDep = Annotated[OpenAIService, Depends(_openai)]
 TrajectoriesDep = Annotated[TrajectoryService, Depends(_trajectories)]
+SGLangWeightsDep = Annotated[SGLangWeights, Depends(_sglang_weights)]
+"""The update session of this server's SGLang-speaking trainer (AReaL's vLLM routes share it)."""

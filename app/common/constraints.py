@@ -8,35 +8,37 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.common.failures import invalid
+from app.engine.served import ServedModel
 
 MAX_BAD_WORDS = 128
 """The most token sequences `bad_words` may become (vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
 
 
 def sampling_constraints(
+    served: ServedModel,
     *,
-    vocab_size: int,
-    tokenizer: Any,
     prefix: str,
     min_tokens: int = 0,
     max_tokens: int | None = None,
     stop_token_ids: Iterable[int] | None = None,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
-    logit_bias: Mapping[int, float] | None = None,
+    logit_bias: Mapping[int, float] | Mapping[str, float] | None = None,
     allowed_token_ids: Iterable[int] | None = None,
     bad_words: Iterable[str] | None = None,
     min_tokens_field: str = "min_tokens",
 ) -> dict[str, Any]:
-    """`SamplingConfig` keyword arguments for these parameters, refused by field name (under
-    `prefix`, e.g. "sampling_params.") where vLLM refuses them: out-of-vocabulary ids in
-    `logit_bias` and `allowed_token_ids`, an empty `allowed_token_ids`, more min- than
-    max-tokens, a bad word that tokenizes to nothing."""
+    """`SamplingConfig` keyword arguments for these parameters, checked against `served` (the
+    policy), refused by field name (under `prefix`, e.g. "sampling_params.") where vLLM
+    refuses them: out-of-vocabulary ids in `logit_bias` (keyed by ids or, as OpenAI and SGLang
+    send them, their strings) and `allowed_token_ids`, an empty `allowed_token_ids`, more min-
+    than max-tokens, a bad word that tokenizes to nothing."""
+    vocab_size = served.backend.info.vocab_size
     if max_tokens is not None and min_tokens > max_tokens:
         raise invalid(
             prefix + min_tokens_field, f"{min_tokens} is more than the {max_tokens} max tokens"
         )
-    bias = dict(logit_bias or {})
+    bias = _token_keys(logit_bias or {}, prefix + "logit_bias")
     _in_vocab(bias, vocab_size, prefix + "logit_bias")
     allowed = None
     if allowed_token_ids is not None:
@@ -53,8 +55,19 @@ def sampling_constraints(
         "logit_bias": tuple(sorted(bias.items())),
         "allowed_token_ids": allowed,
         "bad_words": words,
-        "bad_word_ids": bad_word_ids(words, tokenizer, prefix + "bad_words") if words else (),
+        "bad_word_ids": (
+            bad_word_ids(words, served.preparer.tokenizer, prefix + "bad_words") if words else ()
+        ),
     }
+
+
+def _token_keys(bias: Mapping[int, float] | Mapping[str, float], field: str) -> dict[int, float]:
+    keyed = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+            raise invalid(field, f"'{key}' is not a token id")
+        keyed[int(key)] = value
+    return keyed
 
 
 def _in_vocab(ids: Iterable[int], vocab_size: int, field: str) -> None:

@@ -119,17 +119,6 @@ class SamplingFields(WireModel):
     )
     trajectory_id: TRAJECTORY_ID | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> SamplingFields:
-        for key in self.logit_bias or {}:
-            if not (key.isascii() and key.isdigit()):
-                raise field_error("logit_bias", f"'{key}' is not a token id")
-        return self
-
-    @property
-    def bias(self) -> dict[int, float]:
-        return {int(key): value for key, value in (self.logit_bias or {}).items()}
-
     @property
     def top_k_or_none(self) -> int | None:
         return top_k_or_none(self.top_k)

@@ -214,15 +214,14 @@ class OpenAIService(ModelServing):
         if trajectory_id is not None and len(prompts) * request.n != 1:
             raise invalid("n", "a completion recorded in a trajectory has one prompt and n = 1")
         constraints = sampling_constraints(
-            vocab_size=served.backend.info.vocab_size,
-            tokenizer=served.preparer.tokenizer,
+            served,
             prefix="",
             min_tokens=request.min_tokens,
             max_tokens=max_new,
             stop_token_ids=request.stop_token_ids,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
-            logit_bias=request.bias,
+            logit_bias=request.logit_bias,
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words,
         )

@@ -88,9 +88,6 @@ class SamplingParams(WireModel):
                 raise field_error(
                     f"sampling_params.{name}", "is not supported here; leave it unset"
                 )
-        for key in self.logit_bias or {}:
-            if not (key.isascii() and key.isdigit()):
-                raise field_error("sampling_params.logit_bias", f"'{key}' is not a token id")
         return self
 
     @property
@@ -100,10 +97,6 @@ class SamplingParams(WireModel):
     @property
     def top_k_or_none(self) -> int | None:
         return None if self.top_k == 1 << 30 else top_k_or_none(self.top_k)
-
-    @property
-    def bias(self) -> dict[int, float]:
-        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     def ignored(self) -> list[str]:
         return [name for name in ("custom_params", "stream_interval") if getattr(self, name)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Body, Response
 
-from app.deps import GenerationDep, ProbeDep, RegistryDep, WeightsDep
+from app.deps import GenerationDep, ProbeDep, RegistryDep, SGLangWeightsDep, WeightsDep
 from app.dialects import common
 from app.dialects.sglang import serving
 from app.dialects.sglang.protocol import (
@@ -28,7 +28,6 @@ from app.dialects.sglang.protocol import (
     UpdateWeightsFromDistributed,
     WeightVersion,
 )
-from app.dialects.sglang.serving import SGLangWeights
 from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
 from app.ops.access import Access, access
 from app.weights.protocol import LoadWeightsRequest, TransferInit
@@ -36,11 +35,6 @@ from app.weights.protocol import LoadWeightsRequest, TransferInit
 router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
-
-
-def _session(request: Request) -> SGLangWeights:
-    session: SGLangWeights = request.app.state.sglang_weights
-    return session
 
 
 @router.post(
@@ -136,10 +130,10 @@ async def pause_generation(
     openapi_extra=ADMIN,
 )
 async def continue_generation(
-    request: Request, body: Annotated[ContinueGeneration | None, Body()] = None
+    session: SGLangWeightsDep, body: Annotated[ContinueGeneration | None, Body()] = None
 ) -> StatusMessage:
     """Commit the buckets sent while paused (all at once, or none), then resume."""
-    await _session(request).continue_generation()
+    await session.continue_generation()
     return StatusMessage(message="Generation continued successfully.")
 
 
@@ -179,10 +173,10 @@ async def init_weights_update_group(
     openapi_extra=ADMIN,
 )
 async def destroy_weights_update_group(
-    request: Request, weights: WeightsDep, body: Annotated[GroupName | None, Body()] = None
+    session: SGLangWeightsDep, weights: WeightsDep, body: Annotated[GroupName | None, Body()] = None
 ) -> Success:
     await weights.transfer_close("policy")
-    await _session(request).reset()
+    await session.reset()
     return Success(message="Succeeded to destroy custom process group.")
 
 
@@ -194,9 +188,9 @@ async def destroy_weights_update_group(
     openapi_extra=ADMIN,
 )
 async def begin_weight_update(
-    request: Request, body: Annotated[BeginWeightUpdate | None, Body()] = None
+    session: SGLangWeightsDep, body: Annotated[BeginWeightUpdate | None, Body()] = None
 ) -> Success:
-    await _session(request).begin()
+    await session.begin()
     return Success(message="Success")
 
 
@@ -207,9 +201,9 @@ async def begin_weight_update(
     summary="Commit the update (SGLang)",
     openapi_extra=ADMIN,
 )
-async def end_weight_update(request: Request) -> Success:
+async def end_weight_update(session: SGLangWeightsDep) -> Success:
     """Wait for every bucket of the session, then swap them all in at once (or none)."""
-    await _session(request).end()
+    await session.end()
     return Success(message="Success")
 
 
@@ -221,11 +215,11 @@ async def end_weight_update(request: Request) -> Success:
     openapi_extra=ADMIN,
 )
 async def update_weights_from_distributed(
-    body: UpdateWeightsFromDistributed, request: Request
+    body: UpdateWeightsFromDistributed, session: SGLangWeightsDep
 ) -> Success:
     """Receive one bucket the trainer broadcasts: committed at /end_weight_update inside a
     session, at /continue_generation while paused, else at once (returning then)."""
-    updated = await _session(request).update(body)
+    updated = await session.update(body)
     if updated is None:
         return Success(message="Received; applied with the rest of the update.")
     return Success(

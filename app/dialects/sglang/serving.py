@@ -163,15 +163,14 @@ async def _sample(
     max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
     served = generation.served("policy")
     constraints = sampling_constraints(
-        vocab_size=served.backend.info.vocab_size,
-        tokenizer=served.preparer.tokenizer,
+        served,
         prefix=f"{field}.",
         min_tokens=p.min_new_tokens,
         max_tokens=max_new,
         stop_token_ids=p.stop_token_ids,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
-        logit_bias=p.bias,
+        logit_bias=p.logit_bias,
         min_tokens_field="min_new_tokens",
     )
     config = SamplingConfig.resolve(

@@ -42,8 +42,7 @@ def config_of(
     served = generation.served("policy")
     max_new = generation.max_new_tokens(params.max_tokens, prefix + "max_tokens")
     constraints = sampling_constraints(
-        vocab_size=served.backend.info.vocab_size,
-        tokenizer=served.preparer.tokenizer,
+        served,
         prefix=prefix,
         min_tokens=params.min_tokens,
         max_tokens=max_new,
@@ -200,12 +199,20 @@ def _rows(
     return rows
 
 
+def _clamped(value: float) -> float:
+    """vLLM's floor for a log-prob in its answers: -inf and NaN become -9999.0."""
+    return -9999.0 if math.isnan(value) else max(value, -9999.0)
+
+
 def _named(token: int, value: float, text: Any) -> dict[str, Any]:
     """OpenAI's entry fields: the token's text, its log-prob (-9999.0 for -inf, as vLLM
     clamps it) and its UTF-8 bytes."""
     name = text(token)
-    clamped = -9999.0 if math.isnan(value) else max(value, -9999.0)
-    return {"token": name, "logprob": clamped, "bytes": list(name.encode("utf-8", "replace"))}
+    return {
+        "token": name,
+        "logprob": _clamped(value),
+        "bytes": list(name.encode("utf-8", "replace")),
+    }
 
 
 def _prompt_logprobs(
@@ -219,8 +226,7 @@ def _prompt_logprobs(
     top_values = scores.top_log_probs.tolist() if scores.top_log_probs is not None else top_ids
 
     def entry(token: int, value: float, rank: int | None) -> PromptLogProb:
-        clamped = -9999.0 if math.isnan(value) else max(value, -9999.0)
-        return PromptLogProb(logprob=clamped, rank=rank, decoded_token=text(token))
+        return PromptLogProb(logprob=_clamped(value), rank=rank, decoded_token=text(token))
 
     out: list[dict[str, PromptLogProb] | None] = [None]
     for p in range(1, len(ids)):

@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from app.config import ReasoningParser
 
 DEFAULT_SPEC = Path("openapi/openapi.json")
 
@@ -24,6 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
         "models.model": args.model,
         "models.ref_model": args.ref_model,
         "models.served_model_name": args.served_model_name,
+        "models.reasoning_parser": args.reasoning_parser,
         "models.backend": args.backend,
         "models.dtype": args.dtype,
         "models.device": args.device,
@@ -141,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="NAME",
         help="more names for the policy, as vLLM's flag (a trainer's configured model name)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=list(get_args(ReasoningParser)),
+        help="split chat replies' <think>...</think> into reasoning, as vLLM's flag",
     )
     serve.add_argument(
         "--replicas",

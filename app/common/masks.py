@@ -11,9 +11,9 @@ assistant header."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 Spans = list[tuple[int, int]]
 _OPEN, _CLOSE, _END = "\ue000", "\ue001", "\ue002"
 _PROBE = "\ue003"

@@ -6,7 +6,6 @@ and which plain OpenAI clients never send (`return_token_ids`, `logprobs_mode`, 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -165,16 +164,21 @@ class ChatMessage(WireModel):
         description="An assistant turn's reasoning, for templates that render it (Qwen3, "
         "DeepSeek-R1: inside <think>...</think>).",
     )
+    reasoning: str | None = Field(
+        default=None, description="vLLM's name for reasoning_content (either may be sent)."
+    )
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates take it: text content; tool-call arguments as
-        objects (what Hugging Face templates expect)."""
+        """The message as chat templates take it: text content; tool-call arguments as the
+        text sent (InputPreparer.as_template_takes gives templates that want an object the
+        object)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.reasoning_content is not None:
-            out["reasoning_content"] = self.reasoning_content
+        reasoning = self.reasoning_content if self.reasoning is None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
@@ -186,19 +190,12 @@ class ChatMessage(WireModel):
                     "type": "function",
                     "function": {
                         "name": call.function.name,
-                        "arguments": _json_or_text(call.function.arguments),
+                        "arguments": call.function.arguments,
                     },
                 }
                 for call in self.tool_calls
             ]
         return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 class FunctionDefinition(WireModel):
@@ -260,6 +257,16 @@ class ChatCompletionRequest(SamplingFields):
         default=False,
         description="vLLM's: leave the last (assistant) message open for the model to go on.",
     )
+    include_reasoning: bool = Field(
+        default=True,
+        description="vLLM's: with a reasoning parser, false leaves the reasoning out of the "
+        "reply (its tokens stay in token_ids and the trajectory).",
+    )
+    separate_reasoning: bool = Field(
+        default=True,
+        description="SGLang's: with a reasoning parser, false leaves the reasoning in content "
+        "as the model wrote it.",
+    )
     parallel_tool_calls: bool | None = Field(default=None, description="Accepted and ignored.")
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = Field(default=None, description="Accepted and ignored.")
@@ -307,9 +314,17 @@ class ChoiceLogprobs(WireModel):
     content: list[TokenLogprob] | None = None
 
 
+_REASONING = (
+    "The reply's reasoning (inside <think>...</think>) when the server runs a reasoning parser "
+    "(--reasoning-parser): vLLM's name for it; reasoning_content, SGLang's, carries the same."
+)
+
+
 class AssistantMessage(WireModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = Field(default=None, description=_REASONING)
+    reasoning_content: str | None = Field(default=None, description="Equal to reasoning.")
     tool_calls: list[ToolCall] | None = None
 
 
@@ -364,6 +379,8 @@ class ToolCallDelta(WireModel):
 class ChatDelta(WireModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = Field(default=None, description=_REASONING)
+    reasoning_content: str | None = Field(default=None, description="Equal to reasoning.")
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -20,7 +20,7 @@ from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
 from app.common.serving import ModelServing
-from app.config import LimitSettings
+from app.config import LimitSettings, ReasoningParser
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
@@ -44,6 +44,7 @@ from app.openai_compat.protocol import (
     ToolCallDelta,
     Usage,
 )
+from app.openai_compat.reasoning import ReasoningReader, prompt_opens_thinking
 from app.openai_compat.streaming import (
     IncrementalText,
     Tokens,
@@ -75,6 +76,9 @@ class Job:
     trajectory_id: str | None
     owner: str
     texts: TokenTexts
+    reasoning: ReasoningParser | None = None
+    """The reasoning parser a chat reply is read with (None: the text is all content)."""
+    show_reasoning: bool = True
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -101,9 +105,11 @@ class OpenAIService(ModelServing):
         generation: GenerationService,
         trajectories: TrajectoryService,
         limits: LimitSettings,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         super().__init__(registry, limits)
         self.generation = generation
+        self.reasoning_parser = reasoning_parser
         self.trajectories = trajectories
         self._texts: dict[str, TokenTexts] = {}
 
@@ -143,9 +149,13 @@ class OpenAIService(ModelServing):
         preparer.check([prompt], "messages", max_new_tokens=max_new)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         names = {tool["function"]["name"] for tool in tools} if tools else None
-        return self._job(
+        job = self._job(
             "chat", served, [prompt], request, max_new, logprobs, names, owner, trajectory_id
         )
+        if request.separate_reasoning:
+            job.reasoning = self.reasoning_parser
+        job.show_reasoning = request.include_reasoning
+        return job
 
     async def completion_job(
         self, request: CompletionRequest, owner: str, trajectory_id: str | None
@@ -330,11 +340,15 @@ class OpenAIService(ModelServing):
         g: Generation,
         tops: list[list[tuple[int, float]]] | None,
     ) -> ChatChoice:
+        reader = _reasoning_reader(job)
         text = _reply_text(job, g)
         content: str | None = text
+        if reader is not None:
+            reader.feed(text, last=True)
+            content = reader.result()[1]
         calls: list[ToolCall] = []
-        if job.tool_names is not None:
-            content, calls = parse_tool_calls(text, job.tool_names)
+        if job.tool_names is not None and content is not None:
+            content, calls = parse_tool_calls(content, job.tool_names)
         logprobs = None
         if job.logprobs is not None:
             entries = job.texts.chat_entries(
@@ -343,7 +357,9 @@ class OpenAIService(ModelServing):
             logprobs = ChoiceLogprobs(content=entries)
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=content, tool_calls=calls or None),
+            message=AssistantMessage(
+                content=content, tool_calls=calls or None, **_reasoning(job, reader)
+            ),
             logprobs=logprobs,
             finish_reason="tool_calls" if calls else g.finish_reason,
             **_choice_extensions(job, g),
@@ -466,6 +482,7 @@ class _Chunks:
         self.count = len(job.prompts) * job.n
         decode = _decoder(job)
         self.text = [IncrementalText(decode, job.request.stops) for _ in range(self.count)]
+        self.readers = [_reasoning_reader(job) for _ in range(self.count)]
         self.version = version
 
     def _chunk(self, choices: list[Any], **extra: Any) -> str:
@@ -504,8 +521,12 @@ class _Chunks:
             new = ""
         else:
             new = text.add(tokens.ids)
+        reader = self.readers[index]
+        reasoning = ""
+        if reader is not None and new:
+            reasoning, new = reader.feed(new)
         with_ids = job.request.return_token_ids
-        if not new and job.logprobs is None and not with_ids:
+        if not new and not reasoning and job.logprobs is None and not with_ids:
             return []
         ids = tokens.ids if with_ids else None
         if job.kind == "chat":
@@ -519,7 +540,10 @@ class _Chunks:
                         as_ids=self.job.request.return_tokens_as_token_ids,
                     )
                 )
-            delta = ChatDelta(content=None if held else new)
+            delta = ChatDelta(
+                content=None if held or (reasoning and not new) else new,
+                **_reasoning(job, reader, reasoning),
+            )
             choice: Any = ChatChunkChoice(
                 index=index, delta=delta, logprobs=logprobs, token_ids=ids
             )
@@ -547,11 +571,18 @@ class _Chunks:
             if missing:
                 lines += self.tokens(index, Tokens(missing, _values(job, g)[len(text.ids) :]))
             finish: FinishReason = g.finish_reason
+            reader = self.readers[index]
             if job.tool_names is not None:
-                full = text.full_text()
-                content, calls = parse_tool_calls(full, job.tool_names)
+                content: str | None = text.full_text()
+                calls: list[ToolCall] = []
+                if reader is not None:
+                    reader.feed(content or "", last=True)
+                    content = reader.result()[1]
+                if content is not None:
+                    content, calls = parse_tool_calls(content, job.tool_names)
                 delta = ChatDelta(
                     content=content,
+                    **_reasoning(job, reader),
                     tool_calls=[
                         ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
                         for i, c in enumerate(calls)
@@ -560,6 +591,11 @@ class _Chunks:
                 )
                 finish = "tool_calls" if calls else finish
                 lines.append(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
+            elif reader is not None:
+                reasoning, rest = reader.feed(text.finish(), last=True)
+                if reasoning or rest:
+                    delta = ChatDelta(content=rest or None, **_reasoning(job, reader, reasoning))
+                    lines.append(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
             elif rest := text.finish():
                 if job.kind == "chat":
                     lines.append(
@@ -584,6 +620,23 @@ class _Chunks:
 def _reply_text(job: Job, g: Generation) -> str:
     """What the reply shows: the sampled text without special tokens, cut at a stop string."""
     return final_text(job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops)
+
+
+def _reasoning_reader(job: Job) -> ReasoningReader | None:
+    """A reader for one chat reply's reasoning, where the server runs a parser."""
+    if job.reasoning is None or job.kind != "chat":
+        return None
+    opened = prompt_opens_thinking(job.prompts[0].text or "")
+    return ReasoningReader(job.reasoning, opened=opened)
+
+
+def _reasoning(job: Job, reader: ReasoningReader | None, text: str | None = None) -> dict[str, Any]:
+    """The reply's (or a delta's) reasoning fields: `text`, or the reader's whole reasoning."""
+    if reader is None or not job.show_reasoning:
+        return {}
+    if text is None:
+        text = reader.result()[0]
+    return {"reasoning": text, "reasoning_content": text} if text else {}
 
 
 def _prompt_logprobs(

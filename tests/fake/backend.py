@@ -23,7 +23,8 @@ LogProb = Callable[[int], float]
 class FakeBackend(Backend):
     """`log_prob(t)` is log p of token t at any position (position 0 is 0.0). Generation writes
     `reply` (cut at max_new_tokens), each token with its `log_prob`; `on_generate` runs at
-    the start of every call (a test's hook, e.g. to start a weight update)."""
+    the start of every call (a test's hook, e.g. to start a weight update). The tokenizer is
+    the built-in model's unless one is given."""
 
     def __init__(
         self,
@@ -31,8 +32,9 @@ class FakeBackend(Backend):
         log_prob: LogProb,
         reply: Sequence[int] = (72, 105, 33),
         on_generate: Callable[[int], Awaitable[None] | None] | None = None,
+        tokenizer: Any = None,
     ) -> None:
-        self.tokenizer = build_tokenizer()
+        self.tokenizer = build_tokenizer() if tokenizer is None else tokenizer
         self.info = ModelInfo(
             name=name,
             source="fake",

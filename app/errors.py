@@ -115,6 +115,11 @@ WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
 }
 
+PAUSE_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    409: {"model": ErrorResponse, "description": "Already paused with another mode"},
+}
+
 TRANSFER_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
     409: {

@@ -277,8 +277,28 @@ def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
                 operation = schema["paths"].get(route.path, {}).get(method.lower())
                 if operation is not None:
                     declare_access(operation, level)
-        app.openapi_schema = schema
+        app.openapi_schema = _exact_bounds(schema)
     return app.openapi_schema
+
+
+def _exact_bounds(node: Any) -> Any:
+    """FastAPI's schema models hold numeric bounds as floats: a bound past 2**53 (a seed's)
+    becomes an integer again, the value pydantic checks, so validators that compare integers
+    agree with the server at the edge."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _BOUNDS and isinstance(value, float) and value.is_integer():
+                if abs(value) >= 2**53:
+                    node[key] = int(value)
+            else:
+                _exact_bounds(value)
+    elif isinstance(node, list):
+        for item in node:
+            _exact_bounds(item)
+    return node
+
+
+_BOUNDS = ("maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum")
 
 
 def declare_access(operation: dict[str, Any], level: Access) -> None:

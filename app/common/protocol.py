@@ -42,6 +42,28 @@ def one_of(*choices: tuple[str, ...], optional: bool = False) -> Callable[[dict[
     return hook
 
 
+def never_together(**conditions: dict[str, Any]) -> dict[str, Any]:
+    """A schema refusing a body where every named field is given and meets its condition
+    (a cross-field rule the validator checks, stated in the spec)."""
+    return {"not": {"required": list(conditions), "properties": conditions}}
+
+
+STREAMED: dict[str, Any] = {"const": True}
+POSITIVE: dict[str, Any] = {"type": "integer", "exclusiveMinimum": 0}
+
+NOT_CONTINUE_AND_OPEN: dict[str, Any] = {
+    "not": {
+        "required": ["continue_final_message"],
+        "properties": {
+            "continue_final_message": {"const": True},
+            "add_generation_prompt": {"const": True},
+        },
+    }
+}
+"""vLLM's chat rule in a schema: continue_final_message needs add_generation_prompt: false
+(which defaults to true)."""
+
+
 def stop_list(stop: str | list[str] | None) -> list[str]:
     """A `stop` field (one string, several, or none) as a list."""
     if stop is None:
@@ -59,12 +81,19 @@ def field_error(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{field}: " + message, {"field": field})
 
 
+ONLY_UNSET: dict[str, Any] = {"type": "null"}
+"""A field's json_schema_extra where a dialect declares a field rlserve refuses unless unset:
+the spec says null (ANDed with the field's own type), as the server answers."""
+
+
 class WireModel(BaseModel):
     """Base of every request and response body. Unknown request fields are rejected, so are
     NaN and infinities (a number is a finite number, in and out) and strings that are not
-    valid Unicode (lone surrogates: nothing could store or print them)."""
+    valid Unicode (lone surrogates: nothing could store or print them). Values are what the
+    schema says, not coerced (strict: 0 is not false, "5" is not 5; an integer is a number);
+    the other servers' dialects are lax as their own servers are (DialectModel)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -74,6 +103,14 @@ class WireModel(BaseModel):
             if where is not None:
                 raise field_error(where or "body", "contains a lone surrogate (not valid Unicode)")
         return data
+
+
+class DialectModel(WireModel):
+    """A body of another server's dialect (vLLM's, SGLang's, OpenAI's): values coerce as that
+    server's own models do (pydantic's lax mode: 1.0 for 1, 0 for false, "5" for 5), since
+    its clients were written against it."""
+
+    model_config = ConfigDict(strict=False)
 
 
 def warn_ignored(route: str, fields: Iterable[str]) -> None:
@@ -129,7 +166,13 @@ Temperature = Annotated[
 TopP = Annotated[float, Field(default=1.0, ge=0, le=1)]
 TopK = Annotated[int | None, Field(default=None, gt=0, le=1 << 30)]
 RepetitionPenalty = Annotated[float, Field(default=1.0, ge=0.01, le=100)]
-Seed = Annotated[int, Field(ge=0, le=(1 << 63) - 1)]
+MAX_SEED = (1 << 63) - 1024
+"""Seeds fit in 63 bits; the bound is one a double holds exactly, so a JSON Schema validator
+that reads numbers as doubles agrees with the server at the edge."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+VersionText = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,17}$")]
+"""A dialect's weight version as the trainer sends it (a string there): a whole number; it
+must also be above the current version (GET /v1/weights/version), a rule of state."""
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]

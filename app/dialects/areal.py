@@ -12,12 +12,16 @@ from fastapi import APIRouter
 from app.deps import SGLangWeightsDep
 from app.dialects.sglang import router as sglang
 from app.dialects.sglang.protocol import Success, UpdateWeightsFromDistributed
-from app.errors import TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
+from app.errors import PAUSE_ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
 from app.ops.access import Access, access
 
 router = APIRouter(tags=["AReaL's vLLM routes"], responses=TRANSFER_ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
 
+RESPONSES = {
+    "/areal_update_weights": WEIGHTS_ERROR_RESPONSES,
+    "/areal_pause_generation": PAUSE_ERROR_RESPONSES,
+}
 for path, endpoint, summary in (
     ("/areal_pause_generation", sglang.pause_generation, "Pause (AReaL's vLLM)"),
     ("/areal_continue_generation", sglang.continue_generation, "Continue (AReaL's vLLM)"),
@@ -30,7 +34,7 @@ for path, endpoint, summary in (
         endpoint,
         methods=["POST"],
         response_model=getattr(route, "response_model", None),
-        responses=WEIGHTS_ERROR_RESPONSES if path == "/areal_update_weights" else None,
+        responses=RESPONSES.get(path),
         summary=summary,
         openapi_extra=ADMIN,
     )

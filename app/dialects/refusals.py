@@ -1,5 +1,6 @@
 """Routes of either dialect that rlserve cannot honour, each answering an error that names it
-(instead of a bare 404), so a trainer that calls one learns why at once."""
+(instead of a bare 404), so a trainer that calls one learns why at once. They are not in the
+OpenAPI spec: no request to them can succeed, so they are not operations of this API."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def _refusal(path: str, why: str) -> None:
         openapi_extra=access(Access.ADMIN),
         status_code=200,
         response_model=None,
+        include_in_schema=False,
     )
 
 

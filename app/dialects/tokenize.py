@@ -10,7 +10,14 @@ from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.failures import invalid
-from app.common.protocol import TokenId, WireModel, field_error, warn_ignored
+from app.common.protocol import (
+    NOT_CONTINUE_AND_OPEN,
+    DialectModel,
+    TokenId,
+    field_error,
+    one_of,
+    warn_ignored,
+)
 from app.deps import GenerationDep
 from app.dialects.common import check_policy_name
 from app.errors import ERROR_RESPONSES
@@ -20,11 +27,16 @@ from app.openai_compat.protocol import ChatMessage, Tool
 router = APIRouter(tags=["vLLM and SGLang dialects"], responses=ERROR_RESPONSES)
 
 
-class TokenizeRequest(WireModel):
+def _tokenize_schema(schema: dict[str, Any]) -> None:
+    one_of(("prompt",), ("messages",))(schema)
+    schema.update(NOT_CONTINUE_AND_OPEN)
+
+
+class TokenizeRequest(DialectModel):
     """vLLM's TokenizeCompletionRequest or TokenizeChatRequest, and SGLang's TokenizeRequest
     (several prompts at once). Unknown fields are ignored (logged), as both servers do."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_tokenize_schema)
 
     model: str | None = None
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
@@ -51,14 +63,14 @@ class TokenizeRequest(WireModel):
         return self
 
 
-class TokenizeResponse(WireModel):
+class TokenizeResponse(DialectModel):
     count: int | list[int]
     max_model_len: int
     tokens: list[int] | list[list[int]]
     token_strs: list[str] | list[list[str]] | None = None
 
 
-class DetokenizeRequest(WireModel):
+class DetokenizeRequest(DialectModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -70,7 +82,7 @@ class DetokenizeRequest(WireModel):
     )
 
 
-class DetokenizeResponse(WireModel):
+class DetokenizeResponse(DialectModel):
     prompt: str | list[str] = Field(description="vLLM's name for the text.")
     text: str | list[str] = Field(description="SGLang's name for the same text.")
 

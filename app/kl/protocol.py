@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Any
+
+from pydantic import ConfigDict, Field, model_validator
 
 from app.common.protocol import SplitInputFields, TokenFields, WireModel, field_error
 from app.kl.estimators import Estimator, RewardPlacement
 
 
+def _kl_schema(schema: dict[str, Any]) -> None:
+    """The inputs' choice, and: whole sequences (text, tokens) count every token only when
+    asked to (assistant_only: false), having no split to say which are the response's."""
+    split_choices: Any = SplitInputFields.model_config.get("json_schema_extra")
+    split_choices(schema)
+    schema["allOf"] = [
+        {
+            "if": {"required": [name], "properties": {name: {"not": {"type": "null"}}}},
+            "then": {
+                "required": ["assistant_only"],
+                "properties": {"assistant_only": {"const": False}},
+            },
+        }
+        for name in ("text", "tokens")
+    ]
+
+
 class KLRequest(SplitInputFields):
     """Per-token KL between the policy (p) and the reference (q) on given sequences."""
+
+    model_config = ConfigDict(json_schema_extra=_kl_schema)
 
     policy_log_probs: list[list[float]] | None = Field(
         default=None,

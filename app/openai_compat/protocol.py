@@ -11,14 +11,18 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.protocol import (
+    NOT_CONTINUE_AND_OPEN,
+    POSITIVE,
+    STREAMED,
+    DialectModel,
     RepetitionPenalty,
     Seed,
     Temperature,
     TokenId,
     TopP,
     VersionSpan,
-    WireModel,
     field_error,
+    never_together,
     stop_list,
     top_k_or_none,
 )
@@ -36,14 +40,14 @@ TRAJECTORY_ID = Annotated[
 ]
 
 
-class StreamOptions(WireModel):
+class StreamOptions(DialectModel):
     include_usage: bool = False
 
 
 Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
-class SamplingFields(WireModel):
+class SamplingFields(DialectModel):
     """What both routes share: OpenAI's sampling parameters and the RL extensions. Unknown
     fields are ignored and logged, as vLLM's OpenAI server does (clients add their own: ART's
     `nvext`); a known field with a value rlserve cannot honour is still refused by name."""
@@ -95,12 +99,12 @@ class SamplingFields(WireModel):
     stop_token_ids: list[TokenId] | None = Field(
         default=None, description="Extension (vLLM's): stop after any of these tokens."
     )
-    allowed_token_ids: list[TokenId] | None = Field(
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
         default=None, description="Extension (vLLM's): sample only these tokens."
     )
-    bad_words: Annotated[list[str], Field(max_length=128)] | None = Field(
-        default=None, description="Extension (vLLM's): words never generated."
-    )
+    bad_words: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=128)] | None
+    ) = Field(default=None, description="Extension (vLLM's): words never generated.")
     return_token_ids: bool = Field(
         default=False,
         description="Extension: prompt_token_ids (as templated) and each choice's token_ids "
@@ -134,23 +138,23 @@ class SamplingFields(WireModel):
 # -- chat ----------------------------------------------------------------------------------
 
 
-class TextPart(WireModel):
+class TextPart(DialectModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(WireModel):
+class FunctionCall(DialectModel):
     name: str
     arguments: str = Field(description="JSON text of the arguments.")
 
 
-class ToolCall(WireModel):
+class ToolCall(DialectModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(WireModel):
+class ChatMessage(DialectModel):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="developer: OpenAI's name for system instructions; templates that know "
         "no developer role get it as system (never dropped)."
@@ -198,28 +202,28 @@ class ChatMessage(WireModel):
         return out
 
 
-class FunctionDefinition(WireModel):
+class FunctionDefinition(DialectModel):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(WireModel):
+class Tool(DialectModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(WireModel):
+class NamedFunction(DialectModel):
     name: str
 
 
-class NamedToolChoice(WireModel):
+class NamedToolChoice(DialectModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ResponseFormat(WireModel):
+class ResponseFormat(DialectModel):
     type: Literal["text"] = Field(description="Only text: no constrained decoding.")
 
 
@@ -233,6 +237,10 @@ class ChatCompletionRequest(SamplingFields):
                 "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
             },
             "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            "allOf": [
+                NOT_CONTINUE_AND_OPEN,
+                never_together(top_logprobs=POSITIVE, stream=STREAMED),
+            ],
         },
     )
 
@@ -245,7 +253,12 @@ class ChatCompletionRequest(SamplingFields):
         default=None, ge=0, description="With logprobs; at most the server's max_top_logprobs."
     )
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = None
+    tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = Field(
+        default=None,
+        description="none or auto: a named function and required (which need constrained "
+        "decoding) are refused by name.",
+        json_schema_extra={"enum": ["none", "auto", None]},
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None,
         description="vLLM's: more variables for the chat template (Qwen3's enable_thinking).",
@@ -300,7 +313,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TopLogprob(WireModel):
+class TopLogprob(DialectModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -310,7 +323,7 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChoiceLogprobs(WireModel):
+class ChoiceLogprobs(DialectModel):
     content: list[TokenLogprob] | None = None
 
 
@@ -320,7 +333,7 @@ _REASONING = (
 )
 
 
-class AssistantMessage(WireModel):
+class AssistantMessage(DialectModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning: str | None = Field(default=None, description=_REASONING)
@@ -328,7 +341,7 @@ class AssistantMessage(WireModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChoiceExtensions(WireModel):
+class ChoiceExtensions(DialectModel):
     token_ids: list[int] | None = Field(default=None, description="Extension (return_token_ids).")
     policy_versions: list[VersionSpan] | None = Field(
         default=None, description="Extension (return_token_ids): which weights sampled which."
@@ -345,13 +358,13 @@ class ChatChoice(ChoiceExtensions):
     finish_reason: FinishReason
 
 
-class Usage(WireModel):
+class Usage(DialectModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class ReplyExtensions(WireModel):
+class ReplyExtensions(DialectModel):
     policy_version: int = Field(description="Extension: the policy version it started on.")
     prompt_token_ids: list[int] | None = Field(
         default=None, description="Extension (return_token_ids): the prompt as templated."
@@ -369,14 +382,14 @@ class ChatCompletion(ReplyExtensions):
     usage: Usage
 
 
-class ToolCallDelta(WireModel):
+class ToolCallDelta(DialectModel):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionCall | None = None
 
 
-class ChatDelta(WireModel):
+class ChatDelta(DialectModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = Field(default=None, description=_REASONING)
@@ -404,6 +417,18 @@ class ChatCompletionChunk(ReplyExtensions):
 
 
 class CompletionRequest(SamplingFields):
+    # What is not streamed, in the schema as in the validators.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "allOf": [
+                never_together(echo={"const": True}, stream=STREAMED),
+                never_together(prompt_logprobs={"type": "integer"}, stream=STREAMED),
+                never_together(logprobs=POSITIVE, stream=STREAMED),
+            ]
+        },
+    )
+
     prompt: (
         Annotated[str, Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
@@ -416,8 +441,12 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(
         default=None, ge=0, description="The k most likely tokens at each step (and the chosen)."
     )
+    echo: bool = Field(
+        default=False,
+        description="vLLM's: each choice's text and log-probs begin with its prompt's (the "
+        "first prompt token's log-prob is null); not with stream.",
+    )
     # Only what the validator allows, in the schema too (its message is the friendlier).
-    echo: bool = Field(default=False, description="Only false.", json_schema_extra={"const": False})
     suffix: str | None = Field(
         default=None, description="Only unset.", json_schema_extra={"type": "null"}
     )
@@ -432,8 +461,8 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _completion_rules(self) -> CompletionRequest:
-        if self.echo:
-            raise field_error("echo", "is not supported; score prompts with /v1/logprobs")
+        if self.echo and self.stream:
+            raise field_error("echo", "is not streamed: ask without stream")
         if self.suffix is not None:
             raise field_error("suffix", "is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -452,14 +481,16 @@ class CompletionRequest(SamplingFields):
         return None, [list(p) for p in prompt if isinstance(p, list)]
 
 
-class CompletionLogprobs(WireModel):
+class CompletionLogprobs(DialectModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(
+        description="null: an echoed prompt's first token (or a log-prob of -infinity)."
+    )
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 
-class PromptLogprob(WireModel):
+class PromptLogprob(DialectModel):
     logprob: float | None = Field(description="null: -infinity.")
     rank: int = Field(description="1 + how many tokens were more likely.")
     decoded_token: str
@@ -492,7 +523,7 @@ class Completion(ReplyExtensions):
 # -- models --------------------------------------------------------------------------------
 
 
-class ModelObject(WireModel):
+class ModelObject(DialectModel):
     """OpenAI's model object."""
 
     id: str

@@ -36,6 +36,7 @@ from app.openai_compat.protocol import (
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     FinishReason,
     PromptLogprob,
@@ -277,8 +278,11 @@ class OpenAIService(ModelServing):
     async def complete(self, job: Job) -> ChatCompletion | Completion:
         await self._check_trajectory(job)
         # vLLM's prompt_logprobs: each prompt token's raw log-prob and rank, and the k most
-        # likely tokens at each position (scored in the generation's own pass where it can).
+        # likely tokens at each position (scored in the generation's own pass where it can);
+        # an echo with logprobs shows the prompt's too.
         k = getattr(job.request, "prompt_logprobs", None)
+        if _echoes(job) and job.logprobs is not None:
+            k = max(k or 0, job.logprobs)
         sampled = await self.generation.sample(
             job.model,
             job.prompts,
@@ -308,12 +312,15 @@ class OpenAIService(ModelServing):
         if job.kind == "chat":
             choices = [self._chat_choice(job, k, g, tops[k]) for k, g in enumerate(generations)]
             return ChatCompletion(id=f"chatcmpl-{job.id}", choices=choices, **common)
+        prompt_scores = sampled.prompt_scores or [None] * len(job.prompts)
         completion_choices = [
-            self._completion_choice(job, k, g, tops[k]) for k, g in enumerate(generations)
+            self._completion_choice(job, k, g, tops[k], prompt_scores[k // job.n])
+            for k, g in enumerate(generations)
         ]
-        if sampled.prompt_scores is not None:
+        asked = getattr(job.request, "prompt_logprobs", None)
+        if sampled.prompt_scores is not None and asked is not None:
             prompt_logprobs = [  # (null for a prompt aborted before it was scored)
-                None if s is None else _prompt_logprobs(job, p.ids, s)
+                None if s is None else _prompt_logprobs(job, p.ids, s, asked)
                 for p, s in zip(job.prompts, sampled.prompt_scores, strict=True)
             ]
             for choice in completion_choices:
@@ -371,13 +378,34 @@ class OpenAIService(ModelServing):
         index: int,
         g: Generation,
         tops: list[list[tuple[int, float]]] | None,
+        prompt_scores: Scores | None,
     ) -> CompletionChoice:
         text = _reply_text(job, g)
+        echoed = ""
+        if _echoes(job):
+            prompt = job.prompt_of(index)
+            echoed = prompt.text or job.served.preparer.decode(prompt.ids, skip_special=True)
         logprobs = None
         if job.logprobs is not None:
+            as_ids = job.request.return_tokens_as_token_ids
             logprobs = job.texts.completion_logprobs(
-                g.token_ids, _values(job, g), tops, as_ids=job.request.return_tokens_as_token_ids
+                g.token_ids, _values(job, g), tops, start=len(echoed), as_ids=as_ids
             )
+            if _echoes(job):
+                ids = job.prompt_of(index).ids
+                values, prompt_tops = _echoed_scores(ids, prompt_scores, job.logprobs)
+                shown = job.texts.completion_logprobs(ids, values, prompt_tops, as_ids=as_ids)
+                shown.top_logprobs = [
+                    None if v is None else row
+                    for row, v in zip(shown.top_logprobs or [], values, strict=True)
+                ]
+                logprobs = CompletionLogprobs(
+                    tokens=shown.tokens + logprobs.tokens,
+                    token_logprobs=shown.token_logprobs + logprobs.token_logprobs,
+                    top_logprobs=(shown.top_logprobs or []) + (logprobs.top_logprobs or []),
+                    text_offset=shown.text_offset + logprobs.text_offset,
+                )
+        text = echoed + text
         extensions = _choice_extensions(job, g)
         if job.request.return_token_ids:
             extensions["prompt_token_ids"] = job.prompt_of(index).ids
@@ -639,8 +667,29 @@ def _reasoning(job: Job, reader: ReasoningReader | None, text: str | None = None
     return {"reasoning": text, "reasoning_content": text} if text else {}
 
 
+def _echoes(job: Job) -> bool:
+    return bool(getattr(job.request, "echo", False))
+
+
+def _echoed_scores(
+    ids: list[int], scores: Scores | None, k: int
+) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+    """An echoed prompt's log-probs as a completion's: null for the first token (and where a
+    prompt aborted before it was scored, or a log-prob is -infinity), then each token's; and
+    at each position the k most likely tokens (k = 0: the token itself, as vLLM answers)."""
+    if scores is None:
+        return [None] * len(ids), [[] for _ in ids]
+    own = scores.log_probs.tolist()
+    values = [None, *(v if math.isfinite(v) else None for v in own[1 : len(ids)])]
+    if k == 0 or scores.top_ids is None or scores.top_log_probs is None:
+        return values, [[] if v is None else [(t, v)] for t, v in zip(ids, values, strict=True)]
+    rows = zip(scores.top_ids.tolist(), scores.top_log_probs.tolist(), strict=True)
+    tops = [[], *([(i, v) for i, v in zip(r[:k], lp[:k], strict=True)] for r, lp in rows)]
+    return values, tops[: len(ids)]
+
+
 def _prompt_logprobs(
-    job: Job, ids: list[int], scores: Scores
+    job: Job, ids: list[int], scores: Scores, k: int
 ) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's layout: null for the first token, then per token id -> log-prob, rank, text
     (the prompt's own token first, then the k most likely in order)."""
@@ -660,7 +709,8 @@ def _prompt_logprobs(
     top_values = scores.top_log_probs.tolist() if scores.top_log_probs is not None else top_ids
     for p in range(1, len(ids)):
         row = {str(ids[p]): entry(ids[p], own[p], ranks[p - 1])}
-        for r, (token, value) in enumerate(zip(top_ids[p - 1], top_values[p - 1], strict=True)):
+        row_tops = zip(top_ids[p - 1][:k], top_values[p - 1][:k], strict=True)
+        for r, (token, value) in enumerate(row_tops):
             row.setdefault(str(token), entry(token, value, r + 1))
         out.append(row)
     return out

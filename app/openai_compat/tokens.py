@@ -3,6 +3,7 @@ token may hold part of a UTF-8 character; its bytes are exact where its text can
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -76,7 +77,7 @@ class TokenTexts:
     def completion_logprobs(
         self,
         ids: list[int],
-        values: list[float],
+        values: Sequence[float | None],
         tops: Tops,
         *,
         start: int = 0,
@@ -91,7 +92,13 @@ class TokenTexts:
         if tops is not None:
             top = [{self.name(i, as_ids): v for i, v in row} for row in tops]
         else:  # logprobs 0: each position names the chosen token alone, as vLLM answers
-            top = [{self.name(t, as_ids): v} for t, v in zip(ids, values, strict=False)]
+            top = [
+                {} if v is None else {self.name(t, as_ids): v}
+                for t, v in zip(ids, values, strict=False)
+            ]
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=list(values), top_logprobs=top, text_offset=offsets
+            tokens=tokens,
+            token_logprobs=list(values),
+            top_logprobs=list[dict[str, float] | None](top),
+            text_offset=offsets,
         )

@@ -65,8 +65,15 @@ class RolloutGeneration(WireModel):
 
 
 def _rollout_choices(schema: dict[str, Any]) -> None:
-    """Exactly one of env and env_id; with env_id, num_envs is 1."""
+    """Exactly one of env and env_id; an env given here names its dataset (episodes draw
+    their prompts from it) and its max_turns (episodes end); with env_id, num_envs is 1."""
     one_of(("env",), ("env_id",))(schema)
+    given = {"not": {"type": "null"}}
+    schema["oneOf"][0]["properties"]["env"] = {
+        **given,
+        "required": ["dataset", "max_turns"],
+        "properties": {"dataset": given, "max_turns": given},
+    }
     schema["oneOf"][1]["properties"]["num_envs"] = {"const": 1}
 
 

@@ -8,6 +8,7 @@ from app.deps import RegistryDep, WeightsDep
 from app.engine.gate import GateState
 from app.errors import (
     ERROR_RESPONSES,
+    PAUSE_ERROR_RESPONSES,
     TRANSFER_ERROR_RESPONSES,
     WEIGHTS_ERROR_RESPONSES,
     ErrorResponse,
@@ -167,7 +168,7 @@ def _serving_state(state: GateState) -> ServingState:
     response_model=ServingState,
     summary="Pause serving",
     openapi_extra=ADMIN,
-    responses={409: {"model": ErrorResponse, "description": "Already paused with another mode"}},
+    responses=PAUSE_ERROR_RESPONSES,
 )
 async def pause(request: PauseRequest, weights: WeightsDep) -> ServingState:
     """New requests wait until POST /v1/resume; in-flight work meets `mode`. Returns once it

@@ -208,7 +208,7 @@ async def test_errors_are_the_sdks_exceptions(sdk):
             await sdk.chat.completions.create(model="policy", messages=CHAT, **params)
         assert caught.value.body["param"] == field, (params, caught.value.body)
     with pytest.raises(openai.BadRequestError) as caught:
-        await sdk.completions.create(model="policy", prompt="x", echo=True)
+        await sdk.completions.create(model="policy", prompt="x", echo=True, stream=True)
     assert caught.value.body["param"] == "echo"
     # A field rlserve does not know is ignored (and logged), as vLLM's server ignores it.
     reply = await sdk.chat.completions.create(
@@ -371,3 +371,37 @@ async def test_a_failure_after_the_stream_started_is_an_error_event(
             "param": None,
             "code": 500,
         }
+
+
+@pytest.mark.parametrize("k", [0, 2])
+async def test_echo_shows_the_prompt_and_its_log_probs(sdk, client, reference_log_probs, k):
+    """vLLM's echo, as AReaL's teacher scoring sends it (token prompt, max_tokens 1, greedy,
+    logprobs and prompt_logprobs): the text and log-probs begin with the prompt's, the first
+    prompt token's log-prob is null, the rest are the model's own (a plain forward)."""
+    prompt = [5, 6, 7, 8, 9]
+    reply = await sdk.completions.create(
+        model="policy",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0.0,
+        logprobs=k,
+        echo=True,
+        extra_body={"prompt_logprobs": 1, "return_token_ids": True},
+    )
+    (choice,) = reply.choices
+    extra = choice.model_extra or {}
+    sampled = extra["token_ids"]
+    decoded = (await client.post("/detokenize", json={"tokens": prompt})).json()["prompt"]
+    assert choice.text.startswith(decoded) and len(choice.text) >= len(decoded)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt) + len(sampled)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = reference_log_probs(prompt + sampled)
+    assert_close(logprobs.token_logprobs[1:], expected[1:], 1e-4)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[len(prompt)] == len(decoded)
+    for row in logprobs.top_logprobs[1 : len(prompt)]:
+        assert len(row) == max(k, 1)
+    # AReaL reads the prompt's own log-prob from prompt_logprobs (first entry of each row)
+    scored = [next(iter(r.values()))["logprob"] for r in extra["prompt_logprobs"][1:]]
+    assert_close(scored, expected[1 : len(prompt)], 1e-4)
+    assert all(len(r) <= 2 for r in extra["prompt_logprobs"][1:])  # its own and the top 1

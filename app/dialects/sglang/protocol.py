@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from app.common.protocol import (
+    ONLY_UNSET,
+    POSITIVE,
+    DialectModel,
     RepetitionPenalty,
     Seed,
     TokenId,
-    WireModel,
+    VersionText,
     field_error,
+    never_together,
+    one_of,
     stop_list,
     top_k_or_none,
 )
@@ -34,7 +39,7 @@ SAMPLING_REFUSED = (
 when given."""
 
 
-class SamplingParams(WireModel):
+class SamplingParams(DialectModel):
     """SGLang 0.5.23's sampling_params, every API field: honoured; accepted and ignored
     where it changes nothing returned (custom_params, stream_interval); or refused by name
     (`SAMPLING_REFUSED`: constrained decoding, beam search, stop regexes, watermarks)."""
@@ -65,13 +70,17 @@ class SamplingParams(WireModel):
     )
     custom_params: Any = Field(default=None, description="Accepted and ignored.")
     stream_interval: int | None = Field(default=None, description="Accepted and ignored.")
-    stop_regex: Any = Field(default=None, description="Only unset.")
-    beam_width: int | None = Field(default=None, description="Only unset.")
-    json_schema: Any = Field(default=None, description="Only unset.")
-    regex: Any = Field(default=None, description="Only unset.")
-    ebnf: Any = Field(default=None, description="Only unset.")
-    structural_tag: Any = Field(default=None, description="Only unset.")
-    watermark: Any = Field(default=None, description="Only unset.")
+    stop_regex: Any = Field(default=None, description="Only unset.", json_schema_extra=ONLY_UNSET)
+    beam_width: int | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
+    json_schema: Any = Field(default=None, description="Only unset.", json_schema_extra=ONLY_UNSET)
+    regex: Any = Field(default=None, description="Only unset.", json_schema_extra=ONLY_UNSET)
+    ebnf: Any = Field(default=None, description="Only unset.", json_schema_extra=ONLY_UNSET)
+    structural_tag: Any = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
+    watermark: Any = Field(default=None, description="Only unset.", json_schema_extra=ONLY_UNSET)
 
     @model_validator(mode="before")
     @classmethod
@@ -102,7 +111,19 @@ class SamplingParams(WireModel):
         return [name for name in ("custom_params", "stream_interval") if getattr(self, name)]
 
 
-class GenerateRequest(WireModel):
+def _generate_schema(schema: dict[str, Any]) -> None:
+    """Exactly one of text and input_ids; top log-probs for output tokens only."""
+    one_of(("text",), ("input_ids",))(schema)
+    schema.update(
+        never_together(
+            top_logprobs_num=POSITIVE, logprob_start_len={"type": "integer", "minimum": 0}
+        )
+    )
+
+
+class GenerateRequest(DialectModel):
+    model_config = ConfigDict(json_schema_extra=_generate_schema)
+
     text: str | Annotated[list[str], Field(min_length=1)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     sampling_params: SamplingParams | Annotated[list[SamplingParams], Field(min_length=1)] = Field(
@@ -117,7 +138,9 @@ class GenerateRequest(WireModel):
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     stream: Literal[False] = Field(default=False, description="Only false.")
-    image_data: list[Any] | None = Field(default=None, description="Only empty.")
+    image_data: list[Any] | None = Field(
+        default=None, description="Only empty.", json_schema_extra={"maxItems": 0}
+    )
     return_routed_experts: Literal[False] = Field(default=False, description="Only false.")
     return_hidden_states: Literal[False] = Field(default=False, description="Only false.")
     lora_path: None = Field(default=None, description="Only unset: no LoRA adapters.")
@@ -151,7 +174,7 @@ class GenerateRequest(WireModel):
         return None, [list(t) for t in ids if isinstance(t, list)]
 
 
-class MetaInfo(WireModel):
+class MetaInfo(DialectModel):
     id: str
     finish_reason: dict[str, Any]
     prompt_tokens: int
@@ -166,28 +189,41 @@ class MetaInfo(WireModel):
     output_top_logprobs: list[list[list[Any]] | None] | None = None
 
 
-class GenerateOutput(WireModel):
+class GenerateOutput(DialectModel):
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
     prompt_token_ids: list[int] | None = None
 
 
-class Success(WireModel):
+class Success(DialectModel):
     success: bool = True
     message: str
 
 
-class StatusMessage(WireModel):
+class StatusMessage(DialectModel):
     message: str
     status: str = "ok"
 
 
-class WeightVersion(WireModel):
+class WeightVersion(DialectModel):
     weight_version: str
 
 
-class ModelInfo(WireModel):
+class Load(DialectModel):
+    dp_rank: int = 0
+    num_running_reqs: int = Field(description="Generations in flight.")
+    num_waiting_reqs: int = Field(description="Requests waiting (for a pause to end, a slot).")
+    num_total_reqs: int
+
+
+class Loads(DialectModel):
+    """SGLang's /v1/loads, with the counts slime's abort loop reads (one data-parallel rank)."""
+
+    loads: list[Load]
+
+
+class ModelInfo(DialectModel):
     model_path: str
     served_model_name: str
     tokenizer_path: str
@@ -196,7 +232,7 @@ class ModelInfo(WireModel):
     preferred_sampling_params: None = None
 
 
-class PauseGeneration(WireModel):
+class PauseGeneration(DialectModel):
     mode: Literal["abort", "retract", "in_place"] = Field(
         default="abort",
         description="abort: in-flight generations end now (finish_reason abort); retract and "
@@ -205,12 +241,16 @@ class PauseGeneration(WireModel):
     )
 
 
-class ContinueGeneration(WireModel):
+class ContinueGeneration(DialectModel):
     torch_empty_cache: bool = Field(default=True, description="Accepted and ignored.")
 
 
-class AbortRequest(WireModel):
-    rid: str = Field(default="", description="Only empty: abort by id is not supported.")
+class AbortRequest(DialectModel):
+    rid: str = Field(
+        default="",
+        description="Only empty: abort by id is not supported.",
+        json_schema_extra={"maxLength": 0},
+    )
     abort_all: bool = False
 
     @model_validator(mode="after")
@@ -220,7 +260,7 @@ class AbortRequest(WireModel):
         return self
 
 
-class InitWeightsUpdateGroup(WireModel):
+class InitWeightsUpdateGroup(DialectModel):
     master_address: str = Field(min_length=1, max_length=253)
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
@@ -232,15 +272,15 @@ class InitWeightsUpdateGroup(WireModel):
     )
 
 
-class GroupName(WireModel):
+class GroupName(DialectModel):
     group_name: str = Field(default="weight_update_group", max_length=256)
 
 
-class BeginWeightUpdate(WireModel):
+class BeginWeightUpdate(DialectModel):
     selector: Literal["target", "all"] = "all"
 
 
-class UpdateWeightsFromDistributed(WireModel):
+class UpdateWeightsFromDistributed(DialectModel):
     names: list[str] = Field(min_length=1, max_length=1 << 20)
     dtypes: list[str]
     shapes: list[list[int]]
@@ -249,7 +289,7 @@ class UpdateWeightsFromDistributed(WireModel):
     abort_all_requests: bool = Field(
         default=False, description="End in-flight generations before the update."
     )
-    weight_version: str | None = Field(
+    weight_version: VersionText | None = Field(
         default=None, description="A whole number above the current version (default: next)."
     )
     load_format: Literal["flattened_bucket"] | None = Field(
@@ -261,11 +301,15 @@ class UpdateWeightsFromDistributed(WireModel):
     torch_empty_cache: bool = Field(default=False, description="Accepted and ignored.")
 
 
-class UpdateWeightsFromDisk(WireModel):
+class UpdateWeightsFromDisk(DialectModel):
     model_path: str = Field(min_length=1)
-    load_format: str | None = Field(default=None, description="Only unset or safetensors.")
+    load_format: str | None = Field(
+        default=None,
+        description="Only unset, auto or safetensors.",
+        json_schema_extra={"enum": [None, "auto", "safetensors"]},
+    )
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: VersionText | None = None
     flush_cache: bool = True
     torch_empty_cache: bool = False
     keep_pause: bool = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Response
+from fastapi import APIRouter, Body, Query, Response
 
 from app.deps import GenerationDep, ProbeDep, RegistryDep, SGLangWeightsDep, WeightsDep
 from app.dialects import common
@@ -20,6 +20,8 @@ from app.dialects.sglang.protocol import (
     GenerateRequest,
     GroupName,
     InitWeightsUpdateGroup,
+    Load,
+    Loads,
     ModelInfo,
     PauseGeneration,
     StatusMessage,
@@ -28,7 +30,12 @@ from app.dialects.sglang.protocol import (
     UpdateWeightsFromDistributed,
     WeightVersion,
 )
-from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
+from app.errors import (
+    ERROR_RESPONSES,
+    PAUSE_ERROR_RESPONSES,
+    TRANSFER_ERROR_RESPONSES,
+    WEIGHTS_ERROR_RESPONSES,
+)
 from app.ops.access import Access, access
 from app.weights.protocol import LoadWeightsRequest, TransferInit
 
@@ -47,7 +54,7 @@ PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
     "/generate",
     response_model=GenerateOutput | list[GenerateOutput],
     response_model_exclude_none=True,
-    include_in_schema=False,
+    summary="Generate (SGLang, PUT)",
 )
 async def generate(
     request: GenerateRequest, generation: GenerationDep
@@ -81,6 +88,21 @@ async def model_info(registry: RegistryDep) -> ModelInfo:
     )
 
 
+@router.get("/v1/loads", response_model=Loads, summary="Load (SGLang)")
+async def loads(
+    registry: RegistryDep,
+    include: Annotated[str | None, Query(description="Accepted: every count is given.")] = None,
+) -> Loads:
+    """How many requests this server holds: what a trainer polls after aborting them all
+    (slime waits for 0)."""
+    state = registry.gate.state()
+    running, waiting = state.in_flight_generations + state.in_flight_scoring, state.waiting
+    load = Load(
+        num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting
+    )
+    return Loads(loads=[load])
+
+
 @router.get("/get_weight_version", response_model=WeightVersion, summary="Version (SGLang)")
 async def get_weight_version(registry: RegistryDep) -> WeightVersion:
     return WeightVersion(weight_version=str(registry.versions["policy"]))
@@ -89,7 +111,12 @@ async def get_weight_version(registry: RegistryDep) -> WeightVersion:
 @router.post(
     "/flush_cache", response_class=Response, summary="Flush cache (SGLang)", openapi_extra=ADMIN
 )
-@router.get("/flush_cache", response_class=Response, include_in_schema=False, openapi_extra=ADMIN)
+@router.get(
+    "/flush_cache",
+    response_class=Response,
+    summary="Flush cache (SGLang, GET)",
+    openapi_extra=ADMIN,
+)
 async def flush_cache() -> Response:
     """Always succeeds: a committed weight update already leaves no cache of the old weights."""
     return Response("Cache flushed.", media_type="text/plain")
@@ -113,7 +140,11 @@ async def abort_request(
 
 
 @router.post(
-    "/pause_generation", response_model=StatusMessage, summary="Pause (SGLang)", openapi_extra=ADMIN
+    "/pause_generation",
+    response_model=StatusMessage,
+    summary="Pause (SGLang)",
+    openapi_extra=ADMIN,
+    responses=PAUSE_ERROR_RESPONSES,
 )
 async def pause_generation(
     weights: WeightsDep, body: Annotated[PauseGeneration | None, Body()] = None

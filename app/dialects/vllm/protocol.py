@@ -10,10 +10,12 @@ from pydantic import ConfigDict, Field, model_validator
 
 from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
+    ONLY_UNSET,
+    DialectModel,
     RepetitionPenalty,
     Seed,
     TokenId,
-    WireModel,
+    VersionText,
     field_error,
     one_of,
     stop_list,
@@ -21,34 +23,36 @@ from app.common.protocol import (
 from app.engine.types import VersionSpan as EngineSpan
 
 
-class Message(WireModel):
+class Message(DialectModel):
     message: str
 
 
-class Status(WireModel):
+class Status(DialectModel):
     status: str
 
 
-class IsPaused(WireModel):
+class IsPaused(DialectModel):
     is_paused: bool
 
 
-class WorldSize(WireModel):
+class WorldSize(DialectModel):
     world_size: int = Field(description="The server's ranks in a weight-transfer group.")
 
 
-class PrefixCacheReset(WireModel):
+class PrefixCacheReset(DialectModel):
     success: bool
 
 
-class Aborted(WireModel):
+class Aborted(DialectModel):
     status: Literal["aborted"] = "aborted"
     aborted: int
 
 
-class AbortRequests(WireModel):
+class AbortRequests(DialectModel):
     request_ids: list[str] | None = Field(
-        default=None, description="Only empty or absent: every in-flight generation."
+        default=None,
+        description="Only empty or absent: every in-flight generation.",
+        json_schema_extra={"maxItems": 0},
     )
 
     @model_validator(mode="after")
@@ -60,7 +64,7 @@ class AbortRequests(WireModel):
         return self
 
 
-class InitInfo(WireModel):
+class InitInfo(DialectModel):
     """vLLM's NCCLWeightTransferInitInfo (what its trainer engine and TRL send)."""
 
     master_address: str = Field(min_length=1, max_length=253)
@@ -73,7 +77,9 @@ class InitInfo(WireModel):
         default=2, ge=1, le=64, description="Accepted: buffers in flight change no byte."
     )
     nccl_unique_id_b64: str | None = Field(
-        default=None, description="Not supported: rendezvous at master_address/master_port."
+        default=None,
+        description="Not supported: rendezvous at master_address/master_port.",
+        json_schema_extra=ONLY_UNSET,
     )
     timeout_s: float = Field(
         default=300.0, gt=0, le=3600, description="rlserve's: how long to wait for the trainer."
@@ -89,13 +95,15 @@ class InitInfo(WireModel):
         return self
 
 
-class InitWeightTransfer(WireModel):
+class InitWeightTransfer(DialectModel):
     init_info: InitInfo
 
 
-class StartWeightUpdate(WireModel):
+class StartWeightUpdate(DialectModel):
     is_checkpoint_format: bool = Field(
-        default=True, description="Only true: tensors named and shaped as in the checkpoint."
+        default=True,
+        description="Only true: tensors named and shaped as in the checkpoint.",
+        json_schema_extra={"const": True},
     )
 
     @model_validator(mode="after")
@@ -105,13 +113,13 @@ class StartWeightUpdate(WireModel):
         return self
 
 
-class UpdateInfo(WireModel):
+class UpdateInfo(DialectModel):
     names: list[str] = Field(min_length=1, max_length=1 << 20)
     dtype_names: list[str]
     shapes: list[list[int]]
 
 
-class UpdateWeights(WireModel):
+class UpdateWeights(DialectModel):
     """vLLM's announcement of the tensors the trainer broadcasts next (`update_info`), or the
     folder of a checkpoint to load (`weight_dir`: prime-rl's vLLM sends it)."""
 
@@ -137,24 +145,24 @@ class UpdateWeights(WireModel):
         return self.update_info if isinstance(self.update_info, list) else [self.update_info]
 
 
-class FinishWeightUpdate(WireModel):
-    weight_version: str | None = Field(
+class FinishWeightUpdate(DialectModel):
+    weight_version: VersionText | None = Field(
         default=None, description="A whole number above the current version (default: next)."
     )
 
 
-class NewVersion(WireModel):
+class NewVersion(DialectModel):
     new_version: str
     abort_all_requests: bool = Field(default=False, description="Accepted (SGLang's); ignored.")
 
 
-class VersionConfirmed(WireModel):
+class VersionConfirmed(DialectModel):
     success: bool = True
     new_version: str
     message: str
 
 
-class WeightInfo(WireModel):
+class WeightInfo(DialectModel):
     weight_version: str
 
 
@@ -180,7 +188,7 @@ REFUSED_WHY = {
 }
 
 
-class SamplingParams(WireModel):
+class SamplingParams(DialectModel):
     """vLLM 0.32's SamplingParams, every field: honoured, accepted and ignored where it
     changes nothing returned (`IGNORED`, logged), or refused by name where ignoring it would
     change what the trainer gets (structured outputs, watermarking, beam search, ...). Other
@@ -191,12 +199,16 @@ class SamplingParams(WireModel):
 
     n: int = Field(default=1, ge=1, le=128)
     best_of: int | None = Field(default=None, ge=1, description="Only unset or n.")
-    use_beam_search: bool = Field(default=False, description="Only false.")
+    use_beam_search: bool = Field(
+        default=False, description="Only false.", json_schema_extra={"const": False}
+    )
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: RepetitionPenalty = 1.0
     temperature: float = Field(default=1.0, ge=0, le=1e4)
-    watermarking: Any | None = Field(default=None, description="Only unset or false.")
+    watermarking: Any | None = Field(
+        default=None, description="Only unset or false.", json_schema_extra={"enum": [None, False]}
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1, le=1 << 30, description="0 or -1: all tokens.")
     min_p: float = Field(default=0.0, ge=0, le=1)
@@ -214,9 +226,15 @@ class SamplingParams(WireModel):
         ge=0,
         description="Each prompt token's log-prob and rank, and the k most likely.",
     )
-    prompt_logprob_token_ids: list[int] | None = Field(default=None, description="Only unset.")
-    prompt_logprob_start: int | None = Field(default=None, description="Only unset.")
-    logprob_token_ids: list[int] | None = Field(default=None, description="Only unset.")
+    prompt_logprob_token_ids: list[int] | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
+    prompt_logprob_start: int | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
+    logprob_token_ids: list[int] | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=-1, description="Keep the last k prompt tokens (-1: no limit)."
     )
@@ -225,17 +243,31 @@ class SamplingParams(WireModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: int = Field(
-        default=0, ge=0, le=2, description="0 (cumulative) or 2 (final): the same answer here."
+        default=0,
+        ge=0,
+        le=2,
+        description="0 (cumulative) or 2 (final): the same answer here.",
+        json_schema_extra={"enum": [0, 2]},
     )
-    structured_outputs: Any | None = Field(default=None, description="Only unset.")
-    guided_decoding: Any | None = Field(default=None, description="Only unset.")
+    structured_outputs: Any | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
+    guided_decoding: Any | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
     logit_bias: dict[int, float] | None = Field(
         default=None, description="Token id -> bias added to its logit (before the penalties)."
     )
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
-    thinking_token_budget: int | None = Field(default=None, description="Only unset.")
-    repetition_detection: Any | None = Field(default=None, description="Only unset.")
+    allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS
+    )
+    thinking_token_budget: int | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
+    repetition_detection: Any | None = Field(
+        default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
+    )
     flat_logprobs: bool = Field(default=False, description="Accepted: the JSON is the same.")
     stream_interval: int | None = Field(default=None, description="Accepted and ignored.")
     skip_clone: bool = Field(default=False, description="Accepted and ignored.")
@@ -292,7 +324,7 @@ REQUEST_IGNORED = (
 )
 
 
-class InferenceGenerateRequest(WireModel):
+class InferenceGenerateRequest(DialectModel):
     """vLLM's GenerateRequest. Unknown top-level fields are ignored, as vLLM does (logged)."""
 
     model_config = ConfigDict(extra="allow")
@@ -301,8 +333,12 @@ class InferenceGenerateRequest(WireModel):
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
-    features: Any | None = Field(default=None, description="Only null: no multimodal input.")
-    content_parts: Any | None = Field(default=None, description="Only null: no multimodal input.")
+    features: Any | None = Field(
+        default=None, description="Only null: no multimodal input.", json_schema_extra=ONLY_UNSET
+    )
+    content_parts: Any | None = Field(
+        default=None, description="Only null: no multimodal input.", json_schema_extra=ONLY_UNSET
+    )
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text"] = Field(
         default="tokens",
@@ -337,7 +373,7 @@ class InferenceGenerateRequest(WireModel):
         return given + list(self.model_extra or {}) + sampling
 
 
-class GenerateLogProb(WireModel):
+class GenerateLogProb(DialectModel):
     """vLLM 0.32's entry (`token_id`, `logprob`, `rank`), with the `token` of the releases
     before it (`token_id:N`, what renderers and SkyRL's older clients check)."""
 
@@ -351,11 +387,11 @@ class GenerateLogProbsContent(GenerateLogProb):
     top_logprobs: list[GenerateLogProb] = Field(default_factory=list)
 
 
-class GenerateLogProbs(WireModel):
+class GenerateLogProbs(DialectModel):
     content: list[GenerateLogProbsContent] | None = None
 
 
-class WeightVersionSpan(WireModel):
+class WeightVersionSpan(DialectModel):
     version: str
     start: int
     end: int
@@ -365,7 +401,7 @@ class WeightVersionSpan(WireModel):
         return cls(version=str(span.version), start=span.start, end=span.end)
 
 
-class TextLogProb(WireModel):
+class TextLogProb(DialectModel):
     """OpenAI's log-prob entry, as vLLM's `output_mode: text` answers it."""
 
     token: str
@@ -377,11 +413,11 @@ class TextLogProbsContent(TextLogProb):
     top_logprobs: list[TextLogProb] = Field(default_factory=list)
 
 
-class TextLogProbs(WireModel):
+class TextLogProbs(DialectModel):
     content: list[TextLogProbsContent] | None = None
 
 
-class PromptLogProb(WireModel):
+class PromptLogProb(DialectModel):
     """vLLM's `Logprob`: one prompt position's entry for one token id."""
 
     logprob: float
@@ -389,7 +425,7 @@ class PromptLogProb(WireModel):
     decoded_token: str | None = None
 
 
-class GenerateChoice(WireModel):
+class GenerateChoice(DialectModel):
     index: int
     finish_reason: Literal["stop", "length", "abort"]
     stop_reason: int | str | None = None
@@ -399,13 +435,13 @@ class GenerateChoice(WireModel):
     weight_versions: list[WeightVersionSpan] | None = None
 
 
-class Usage(WireModel):
+class Usage(DialectModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class InferenceGenerateResponse(WireModel):
+class InferenceGenerateResponse(DialectModel):
     request_id: str
     model: str
     created: int

@@ -29,7 +29,12 @@ from app.dialects.vllm.protocol import (
     WeightInfo,
     WorldSize,
 )
-from app.errors import ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
+from app.errors import (
+    ERROR_RESPONSES,
+    PAUSE_ERROR_RESPONSES,
+    TRANSFER_ERROR_RESPONSES,
+    WEIGHTS_ERROR_RESPONSES,
+)
 from app.ops.access import Access, access
 from app.weights.protocol import (
     LoadWeightsRequest,
@@ -42,7 +47,13 @@ router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
 
 
-@router.post("/pause", response_model=Status, summary="Pause (vLLM)", openapi_extra=ADMIN)
+@router.post(
+    "/pause",
+    response_model=Status,
+    summary="Pause (vLLM)",
+    openapi_extra=ADMIN,
+    responses=PAUSE_ERROR_RESPONSES,
+)
 async def pause(
     weights: WeightsDep,
     mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",

@@ -23,6 +23,16 @@ renderers=(renderers==0.1.12 prime-pydantic-config==0.4.3)
 skyrl_venv=${RLSERVE_SKYRL_VENV:-.venv-skyrl}
 skyrl=(skyrl==0.4.0)
 skyrl_needs=(torch==2.13.0 aiohttp orjson numpy pybase64 loguru rich pydantic cloudpathlib requests)
+# ART (openpipe-art 0.5.23): its TrainableModel's OpenAI client, trajectory capture and
+# tokenizing, in a venv of its own (.venv-art: ART needs Python 3.12). `import art` loads
+# openai, polars, anthropic, ... (python-dotenv, which it imports, is not among its declared
+# dependencies); weave once a TrainableModel's client makes a call. No torch, no vLLM.
+art_venv=${RLSERVE_ART_VENV:-.venv-art}
+art=(openpipe-art==0.5.23)
+art_needs=(
+  python-dotenv "openai>=2.14,<3" "pydantic>=2.12" "numpy>=1.26" "polars>=1.26"
+  "anthropic>=0.77" aiohttp requests tqdm "weave>=0.52.41"
+)
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
 
@@ -44,7 +54,11 @@ if [ -n "$python312" ]; then
   "$skyrl_venv/bin/python" -m pip install --quiet --upgrade pip
   "$skyrl_venv/bin/python" -m pip install --quiet --no-deps "${skyrl[@]}"
   "$skyrl_venv/bin/python" -m pip install --quiet "${skyrl_needs[@]}"
+  "$python312" -m venv "$art_venv"
+  "$art_venv/bin/python" -m pip install --quiet --upgrade pip
+  "$art_venv/bin/python" -m pip install --quiet --no-deps "${art[@]}"
+  "$art_venv/bin/python" -m pip install --quiet "${art_needs[@]}"
 else
-  echo "note: no Python 3.12 here: SkyRL's client (tests/trainers/test_skyrl.py) will skip" >&2
+  echo "note: no Python 3.12 here: SkyRL's and ART's clients (tests/trainers) will skip" >&2
 fi
 echo "$wanted" > "$stamp"

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.conftest import assert_close, forward_log_probs
@@ -118,3 +119,19 @@ def test_areal_vllm_updates_weights_from_a_path_and_over_gloo(server, engine, tm
     reply = generate(engine, [5, 6, 7], max_new_tokens=4)
     (full,) = served_log_probs(server.url, [[5, 6, 7, *reply.output_tokens]])
     assert_close(reply.output_logprobs, full[3:], 1e-4)
+
+
+def test_areal_vllm_scores_sequences_as_the_server_does(server, engine):
+    """Its engine's compute_logp (teacher scoring): /v1/completions with echo and
+    prompt_logprobs, read back per loss-masked token."""
+    sequences = [[5, 6, 7, 8, 9, 10], [100, 101, 102, 103, 0, 0]]
+    input_ids = torch.tensor(sequences)
+    attention = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
+    (out,) = engine.compute_logp(
+        [{"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention}]
+    )
+    served = served_log_probs(server.url, [sequences[0], sequences[1][:4]])
+    assert_close(out[0, 3:].tolist(), served[0][3:], 1e-4)
+    assert_close(out[1, 2:4].tolist(), served[1][2:4], 1e-4)
+    assert out[0, :3].tolist() == [0.0] * 3 and out[1, 4:].tolist() == [0.0] * 2

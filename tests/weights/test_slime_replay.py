@@ -1,0 +1,186 @@
+"""slime's requests to its SGLang servers, replayed as exact request bodies and read back as
+slime reads the answers: slime is not on PyPI, so its code cannot be imported. Source:
+THUDM/slime at commit 624b824a898ab0ec1fcb4d373004c7f3852bf515:
+- `slime/rollout/sglang_rollout.py` (`GenerateState.__init__`'s sampling_params, `generate`'s
+  payload and its reading of `meta_info.output_token_logprobs` as [log-prob, token id, _]);
+- `slime/backends/sglang_utils/server_control.py` (`abort_server_until_idle`: abort_all,
+  then `GET /v1/loads?include=core` until no request is left);
+- `slime/backends/sglang_utils/sglang_engine.py` (pause_generation, `GET /flush_cache`,
+  update_weights_from_disk / init_weights_update_group / update_weights_from_distributed,
+  continue_generation) as `slime/ray/actor_group.py` and
+  `slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py` order them.
+The one change: slime's group `backend` is "nccl" on CUDA; this CPU test says "gloo"."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import assert_close, forward_log_probs
+from tests.e2e.server import free_port
+from tests.weights.conftest import Served, perturbed
+from tests.weights.test_dialect_transfer import BROADCASTER, SEQUENCES, post, post_get
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
+
+
+def slime_sampling_params(max_new_tokens: int, **flags: Any) -> dict[str, Any]:
+    """GenerateState's sampling_params with slime's default arguments, in its key order."""
+    params: dict[str, Any] = {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": max_new_tokens,
+        "stop": None,
+        "stop_token_ids": None,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    params.update(flags)
+    if params["top_p"] != 1.0:
+        params["custom_params"] = {"return_top_p_token_ids": True}
+    return params
+
+
+async def slime_generate(served: Served, prompt: list[int], params: dict[str, Any]) -> Any:
+    payload = {"sampling_params": params, "return_logprob": True, "input_ids": prompt}
+    response = await served.http.post("/generate", json=payload)
+    assert response.status_code == 200, response.text
+    output = response.json()
+    meta = output["meta_info"]
+    tokens = [item[1] for item in meta["output_token_logprobs"]]
+    log_probs = [item[0] for item in meta["output_token_logprobs"]]
+    assert isinstance(output["text"], str)
+    assert meta["finish_reason"]["type"] in ("length", "stop", "abort")
+    assert isinstance(meta["weight_version"], str)
+    return tokens, log_probs, meta
+
+
+async def test_slimes_generate_requests_read_as_slime_reads_them(served, hf_tokenizer):
+    for prompt in PROMPTS:
+        tokens, log_probs, meta = await slime_generate(served, prompt, slime_sampling_params(6))
+        assert meta["finish_reason"]["type"] == "length" and len(tokens) == 6
+        (scores,) = await served.scores([prompt + tokens])
+        assert_close(log_probs, scores[len(prompt) :], 1e-4)
+    # --rollout-stop-token-ids, --rollout-top-p 0.95 (slime then asks for top-p token ids in
+    # custom_params) and deterministic mode's sampling_seed: the same seed, the same tokens
+    eos = hf_tokenizer.eos_token_id
+    params = slime_sampling_params(8, top_p=0.95, stop_token_ids=[eos, 7], sampling_seed=3)
+    first = await slime_generate(served, PROMPTS[0], params)
+    again = await slime_generate(served, PROMPTS[0], params)
+    assert first[0] == again[0] and first[1] == again[1]
+    tokens, _, meta = first
+    stopped = [t for t in tokens if t in (eos, 7)]
+    assert stopped == ([tokens[-1]] if meta["finish_reason"]["type"] == "stop" else [])
+
+
+async def test_slimes_abort_loop_finds_the_server_idle(served):
+    params = slime_sampling_params(2000, ignore_eos=True)
+    running = asyncio.create_task(slime_generate(served, PROMPTS[0], params))
+    async with asyncio.timeout(60):
+        while True:  # the generation is under way
+            loads = (await served.http.get("/v1/loads", params={"include": "core"})).json()
+            if loads["loads"][0]["num_running_reqs"] > 0:
+                break
+            await asyncio.sleep(0.01)
+    assert loads["loads"][0]["num_total_reqs"] == 1
+    aborted = await served.http.post("/abort_request", json={"abort_all": True})
+    assert aborted.status_code == 200, aborted.text
+    tokens, _, meta = await running
+    assert meta["finish_reason"]["type"] == "abort" and len(tokens) < 2000
+    loads = (await served.http.get("/v1/loads", params={"include": "core"})).json()
+    assert loads["loads"][0] == {
+        "dp_rank": 0,
+        "num_running_reqs": 0,
+        "num_waiting_reqs": 0,
+        "num_total_reqs": 0,
+    }
+
+
+async def served_version(served: Served) -> int:
+    return int((await served.http.get("/get_weight_version")).json()["weight_version"])
+
+
+async def assert_serves(served: Served, model: torch.nn.Module) -> None:
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(model, sequence), 1e-5)
+
+
+async def test_slimes_disk_update_serves_the_checkpoint(served, trainer_model, tmp_path):
+    new = perturbed(trainer_model, 0.95)
+    version = await served_version(served) + 1
+    folder = tmp_path / f"weight_v{version:06d}"  # slime's update_weight_disk_dir layout
+    new.save_pretrained(folder)
+    await asyncio.to_thread(post, served, "/pause_generation", {})
+    flushed = await served.http.get("/flush_cache")
+    assert flushed.status_code == 200
+    body = {"model_path": str(folder), "weight_version": str(version)}
+    await asyncio.to_thread(post, served, "/update_weights_from_disk", body)
+    await asyncio.to_thread(post, served, "/continue_generation", {})
+    assert await served_version(served) == version
+    await assert_serves(served, new)
+
+
+def slime_distributed_update(
+    served: Served, model: torch.nn.Module, version: int, tmp_path: Path
+) -> None:
+    """connect_rollout_engines, then update_weights: pause, flush, one
+    update_weights_from_distributed per bucket (its tensors broadcast from rank 0 in `names`
+    order), continue."""
+    world = post_get(served, "/server_info")["tp_size"] + 1
+    port = free_port()
+    name = "slime-pp_0"
+    tensors = list(model.state_dict().items())
+    buckets = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]]
+    saved = tmp_path / "buckets.pt"
+    torch.save([(False, [t for _, t in bucket]) for bucket in buckets], saved)
+    broadcaster = subprocess.Popen(
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved)]
+    )
+    try:
+        connect = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": "gloo",
+        }
+        post(served, "/init_weights_update_group", connect)
+        post(served, "/pause_generation", {})
+        with served.trainer_client() as client:
+            assert client._http.get("/flush_cache").status_code == 200
+        for bucket in buckets:
+            update = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": name,
+                "flush_cache": False,
+                "weight_version": str(version),
+            }
+            post(served, "/update_weights_from_distributed", update)
+        post(served, "/continue_generation", {})
+        post(served, "/destroy_weights_update_group", {"group_name": name})
+        assert broadcaster.wait(timeout=60) == 0
+    finally:
+        broadcaster.kill()
+
+
+@pytest.mark.parametrize("steps", [2])
+async def test_slimes_distributed_updates_serve_the_trainers_weights(
+    served, trainer_model, tmp_path, steps
+):
+    for step in range(steps):
+        new = perturbed(trainer_model, 1.05)
+        version = await served_version(served) + 1
+        await asyncio.to_thread(slime_distributed_update, served, new, version, tmp_path)
+        assert await served_version(served) == version, f"step {step}"
+        await assert_serves(served, new)

@@ -89,9 +89,10 @@ the spec says null (ANDed with the field's own type), as the server answers."""
 class WireModel(BaseModel):
     """Base of every request and response body. Unknown request fields are rejected, so are
     NaN and infinities (a number is a finite number, in and out) and strings that are not
-    valid Unicode (lone surrogates: nothing could store or print them). Values are what the
-    schema says, not coerced (strict: 0 is not false, "5" is not 5; an integer is a number);
-    the other servers' dialects are lax as their own servers are (DialectModel)."""
+    valid Unicode (lone surrogates: nothing could store or print them). Values are taken as
+    the schema types them, never coerced (pydantic's strict mode: 0 is not false, "5" is not
+    5, 2.0 is not 2; an integer is a number); the other servers' dialects coerce as those
+    servers do (DialectModel)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -167,8 +168,8 @@ TopP = Annotated[float, Field(default=1.0, ge=0, le=1)]
 TopK = Annotated[int | None, Field(default=None, gt=0, le=1 << 30)]
 RepetitionPenalty = Annotated[float, Field(default=1.0, ge=0.01, le=100)]
 MAX_SEED = (1 << 63) - 1024
-"""Seeds fit in 63 bits; the bound is one a double holds exactly, so a JSON Schema validator
-that reads numbers as doubles agrees with the server at the edge."""
+"""Seeds fit in 63 bits; the bound is one a double holds exactly (FastAPI's schema models keep
+bounds as floats), so the spec states the very bound the server checks."""
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 VersionText = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,17}$")]
 """A dialect's weight version as the trainer sends it (a string there): a whole number; it

@@ -40,7 +40,27 @@ ADMIN_KEY = "fuzz-admin-key"
 # Rules a JSON schema cannot state: a schema-valid request refused by one of them is right.
 # Each is (the error message's pattern, why the spec cannot say it).
 STATED_RULES: list[tuple[str, str]] = [
-    (r"is outside the vocabulary \(ids must be below \d+\)", "the vocabulary is the model's"),
+    (r"outside the vocabulary", "the vocabulary is the model's"),
+    (
+        r"tokenizes to no token|is past the prompt's \d+ tokens",
+        "what a text or a prompt encodes to is the tokenizer's",
+    ),
+    (
+        r"the model's is|is not served \(have|not in the served model|chat template|"
+        r"this engine streams|reports raw log-probs only",
+        "the served model's weights, names, template and engine are the server's",
+    ),
+    (
+        r"needs kind 'chat', this environment is|is running and needs an action",
+        "a session's kind and state are the server's",
+    ),
+    (
+        r"unknown reward|cannot run on this server|the python tool is disabled",
+        "the rewards and tools a server runs are its own",
+    ),
+    (r"a tensor is named twice|sum to \d+ tensors", "list entries must be distinct, or add up"),
+    (r"overflows a float|holds NaN or infinite values", "arithmetic on the values given"),
+    (r"when do_sample is false", "one field bounded by another"),
     (
         r"the sequence has no tokens",
         "a prompt and its response may not both be empty (nor a text that encodes to nothing)",
@@ -64,7 +84,7 @@ STATED_RULES: list[tuple[str, str]] = [
     (r"is more than the \d+ max tokens", "one field is bounded by another"),
     (
         r"exceeds? the (server's limit|model's maximum length|limit of)"
-        r"|at most \d+ \(the server's",
+        r"|at most \d+ (\(the server's|\(max_|ids \(max_)|has more than \d+ rows",
         "the model's length and the server's limits are settings",
     ),
     (r"does not name the policy", "the served names are settings (--served-model-name)"),
@@ -74,7 +94,8 @@ STATED_RULES: list[tuple[str, str]] = [
     (r"unknown dataset", "the datasets are the server's (GET /v1/datasets)"),
     (
         r"is not a valid safetensors file|not a application/x-safetensors body|has no rows"
-        r"|: not JSON",
+        r"|: not JSON|a row must be a JSON object|is not UTF-8 text|cannot be read by the "
+        r"server|line \d+, field|row \d+ of '",
         "a binary or JSONL body's content",
     ),
     (

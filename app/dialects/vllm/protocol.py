@@ -17,6 +17,7 @@ from app.common.protocol import (
     TokenId,
     VersionText,
     field_error,
+    never_together,
     one_of,
     stop_list,
 )
@@ -327,7 +328,17 @@ REQUEST_IGNORED = (
 class InferenceGenerateRequest(DialectModel):
     """vLLM's GenerateRequest. Unknown top-level fields are ignored, as vLLM does (logged)."""
 
-    model_config = ConfigDict(extra="allow")
+    # output_mode text needs detokenize, in the schema as in the validator.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra=never_together(
+            output_mode={"const": "text"},
+            sampling_params={
+                "required": ["detokenize"],
+                "properties": {"detokenize": {"const": False}},
+            },
+        ),
+    )
 
     request_id: str | None = Field(default=None, max_length=256)
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)

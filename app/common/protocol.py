@@ -81,6 +81,9 @@ def field_error(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{field}: " + message, {"field": field})
 
 
+TOKEN_ID_KEYS: dict[str, Any] = {"propertyNames": {"pattern": "^[0-9]+$"}}
+"""A logit_bias map's json_schema_extra: its keys are token ids written in digits."""
+
 ONLY_UNSET: dict[str, Any] = {"type": "null"}
 """A field's json_schema_extra where a dialect declares a field rlserve refuses unless unset:
 the spec says null (ANDed with the field's own type), as the server answers."""

@@ -7,7 +7,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import Message, Seed, TokenId, WireModel, field_error, one_of
+from app.common.protocol import (
+    Message,
+    Seed,
+    TokenId,
+    WireModel,
+    field_error,
+    never_together,
+    one_of,
+)
 from app.envs import episodes
 from app.envs.engine import RowOutcome, StepResult
 from app.envs.rewards import reward_names_schema
@@ -24,8 +32,21 @@ class KLPenalty(WireModel):
     estimator: Estimator = "k1"
 
 
+NOT_CHAT = {"not": {"const": "chat"}}
+
+
 class EnvConfig(WireModel):
     """An environment session: `batch_size` parallel episodes sharing one configuration."""
+
+    # tools and a system prompt need kind chat, in the schema as in the validator.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                never_together(kind=NOT_CHAT, system_prompt={"type": "string"}),
+                never_together(kind=NOT_CHAT, tools={"type": "array", "minItems": 1}),
+            ]
+        }
+    )
 
     kind: EnvKind = Field(
         default="chat",

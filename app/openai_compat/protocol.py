@@ -14,6 +14,7 @@ from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
     POSITIVE,
     STREAMED,
+    TOKEN_ID_KEYS,
     DialectModel,
     RepetitionPenalty,
     Seed,
@@ -79,7 +80,11 @@ class SamplingFields(DialectModel):
     )
     logit_bias: (
         Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
-    ) = Field(default=None, description="Token id (a string) -> bias added to its logit.")
+    ) = Field(
+        default=None,
+        description="Token id (a string) -> bias added to its logit.",
+        json_schema_extra=TOKEN_ID_KEYS,
+    )
     user: str | None = Field(default=None, description="Accepted and ignored.")
     # RL extensions (vLLM's names and meanings)
     top_k: Annotated[int | None, Field(default=None, ge=-1, le=1 << 30)] = Field(

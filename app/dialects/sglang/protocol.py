@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field, model_validator
 from app.common.protocol import (
     ONLY_UNSET,
     POSITIVE,
+    TOKEN_ID_KEYS,
     DialectModel,
     RepetitionPenalty,
     Seed,
@@ -66,7 +67,9 @@ class SamplingParams(DialectModel):
         default=None, description="Seeds each sample's own random stream, as /v1/generate's seed."
     )
     logit_bias: dict[str, float] | None = Field(
-        default=None, description="Token id (a string) -> bias added to its logit."
+        default=None,
+        description="Token id (a string) -> bias added to its logit.",
+        json_schema_extra=TOKEN_ID_KEYS,
     )
     custom_params: Any = Field(default=None, description="Accepted and ignored.")
     stream_interval: int | None = Field(default=None, description="Accepted and ignored.")

@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field, model_validator
 from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
     ONLY_UNSET,
+    TOKEN_ID_KEYS,
     DialectModel,
     RepetitionPenalty,
     Seed,
@@ -257,7 +258,9 @@ class SamplingParams(DialectModel):
         default=None, description="Only unset.", json_schema_extra=ONLY_UNSET
     )
     logit_bias: dict[int, float] | None = Field(
-        default=None, description="Token id -> bias added to its logit (before the penalties)."
+        default=None,
+        description="Token id -> bias added to its logit (before the penalties).",
+        json_schema_extra=TOKEN_ID_KEYS,
     )
     allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(

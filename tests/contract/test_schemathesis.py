@@ -55,8 +55,8 @@ STATED_RULES: list[tuple[str, str]] = [
         "a session's kind and state are the server's",
     ),
     (
-        r"unknown reward|cannot run on this server|the python tool is disabled",
-        "the rewards and tools a server runs are its own",
+        r"unknown reward|cannot run on this server|the python tool is disabled|\(reward '",
+        "the rewards and tools a server runs are its own, and so are a reward's options",
     ),
     (r"a tensor is named twice|sum to \d+ tensors", "list entries must be distinct, or add up"),
     (r"overflows a float|holds NaN or infinite values", "arithmetic on the values given"),
@@ -95,7 +95,7 @@ STATED_RULES: list[tuple[str, str]] = [
     (
         r"is not a valid safetensors file|not a application/x-safetensors body|has no rows"
         r"|: not JSON|a row must be a JSON object|is not UTF-8 text|cannot be read by the "
-        r"server|line \d+, field|row \d+ of '",
+        r"server|line \d+, field|row \d+ of '|the upload is empty",
         "a binary or JSONL body's content",
     ),
     (
@@ -161,7 +161,8 @@ def negative_data_rejected_or_coerced_by_a_dialect(ctx, response, case):  # type
     except Failure as failure:
         tags = set(case.operation.definition.raw.get("tags", []))
         mutated = str(failure).split("Invalid component:", 1)[-1]
-        coerced = "Incorrect type" in mutated and "Missing" not in mutated
+        typed = "Incorrect type" in mutated or "violates `type`" in mutated
+        coerced = typed and "Missing" not in mutated
         if tags & DIALECT_TAGS and coerced:
             return None
         raise

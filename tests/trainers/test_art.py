@@ -50,6 +50,19 @@ def scored(url: str, sequence: list[int]) -> list[float]:
     return body["outputs"][0]["log_probs"]["full"]  # type: ignore[no-any-return]
 
 
+def check_tokenized(
+    url: str, prompt: list[int], sampled: list[int], trajectory: dict[str, Any]
+) -> list[float]:
+    """ART's training tokens are the prompt, then the sampled ids, flagged as sampled, with
+    no log-prob for the prompt and the server's scores for the sampled ones (returned)."""
+    assert trajectory["tokens"] == prompt + sampled
+    assert trajectory["sampled"] == list(range(len(prompt), len(prompt) + len(sampled)))
+    assert all(v is None for v in trajectory["logprobs"][: len(prompt)])
+    values = [trajectory["logprobs"][i] for i in trajectory["sampled"]]
+    assert_close(values, scored(url, trajectory["tokens"])[len(prompt) :], 1e-4)
+    return values
+
+
 def test_art_tokenizes_captured_trajectories_as_the_server_sampled_them(answers):
     url, out = answers
     prompt = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
@@ -59,14 +72,7 @@ def test_art_tokenizes_captured_trajectories_as_the_server_sampled_them(answers)
         sampled = reply["token_ids"]
         assert reply["prompt_token_ids"] == prompt and 1 <= len(sampled) <= 8
         assert reply["tokens"] == [f"token_id:{t}" for t in sampled]
-        # ART's training tokens: the prompt, then the sampled ids, flagged as sampled
-        assert trajectory["tokens"] == prompt + sampled
-        assert trajectory["sampled"] == list(range(len(prompt), len(prompt) + len(sampled)))
-        assert all(v is None for v in trajectory["logprobs"][: len(prompt)])
-        # ... with the log-probs they were sampled with, which are the server's scores
-        values = [trajectory["logprobs"][i] for i in trajectory["sampled"]]
-        assert values == reply["logprobs"]
-        assert_close(values, scored(url, trajectory["tokens"])[len(prompt) :], 1e-4)
+        assert check_tokenized(url, prompt, sampled, trajectory) == reply["logprobs"]
     assert len({tuple(t["reply"]["token_ids"]) for t in out["captured"]}) > 1  # seeds differ
 
 
@@ -75,8 +81,4 @@ def test_art_tokenizes_gathered_trajectories_too(answers):
     prompt = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     assert len(out["legacy"]) == 2
     for trajectory in out["legacy"]:
-        sampled = trajectory["token_ids"]
-        assert trajectory["tokens"] == prompt + sampled
-        values = [trajectory["logprobs"][i] for i in trajectory["sampled"]]
-        assert trajectory["sampled"] == list(range(len(prompt), len(prompt) + len(sampled)))
-        assert_close(values, scored(url, trajectory["tokens"])[len(prompt) :], 1e-4)
+        check_tokenized(url, prompt, trajectory["token_ids"], trajectory)

@@ -125,6 +125,21 @@ async def test_a_vllm_trainer_updates_the_served_weights(served, trainer_model, 
     await assert_serves(served, new)
 
 
+def sglang_update(
+    bucket: list[tuple[str, torch.Tensor]], group: str, version: int
+) -> dict[str, Any]:
+    """SGLang's /update_weights_from_distributed body for one bucket, as slime and AReaL
+    send it."""
+    return {
+        "names": [n for n, _ in bucket],
+        "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "group_name": group,
+        "flush_cache": False,
+        "weight_version": str(version),
+    }
+
+
 def sglang_trainer(
     served: Served, model: torch.nn.Module, flow: str, version: int, tmp_path: Path
 ) -> list[int]:
@@ -155,14 +170,7 @@ def sglang_trainer(
         post(served, "/init_weights_update_group", body)
         post(served, "/pause_generation" if flow == "paused" else "/begin_weight_update", {})
         for flat, bucket in buckets:
-            update = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": name,
-                "flush_cache": False,
-                "weight_version": str(version),
-            }
+            update = sglang_update(bucket, name, version)
             if flat:
                 update["load_format"] = "flattened_bucket"
             post(served, "/update_weights_from_distributed", update)

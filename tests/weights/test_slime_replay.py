@@ -25,7 +25,13 @@ import torch
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import free_port
 from tests.weights.conftest import Served, perturbed
-from tests.weights.test_dialect_transfer import BROADCASTER, SEQUENCES, post, post_get
+from tests.weights.test_dialect_transfer import (
+    BROADCASTER,
+    SEQUENCES,
+    post,
+    post_get,
+    sglang_update,
+)
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
 
@@ -158,15 +164,7 @@ def slime_distributed_update(
         with served.trainer_client() as client:
             assert client._http.get("/flush_cache").status_code == 200
         for bucket in buckets:
-            update = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": name,
-                "flush_cache": False,
-                "weight_version": str(version),
-            }
-            post(served, "/update_weights_from_distributed", update)
+            post(served, "/update_weights_from_distributed", sglang_update(bucket, name, version))
         post(served, "/continue_generation", {})
         post(served, "/destroy_weights_update_group", {"group_name": name})
         assert broadcaster.wait(timeout=60) == 0

@@ -71,6 +71,7 @@ def in_process(model: Any, work: dict[str, list[list[int]]], args: argparse.Name
                 width = max(map(len, batch))
                 ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch])
                 mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch])
+                ids, mask = ids.to(model.device), mask.to(model.device)
                 if kind == "generate":
                     model.generate(
                         input_ids=ids,
@@ -84,6 +85,8 @@ def in_process(model: Any, work: dict[str, list[list[int]]], args: argparse.Name
                 else:
                     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
                     logits.gather(-1, ids[:, 1:, None]) - logits.logsumexp(-1, keepdim=True)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
             seconds = time.perf_counter() - started
             per = args.new_tokens if kind == "generate" else SCORE_TOKENS
             figures[kind] = {

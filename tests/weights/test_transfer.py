@@ -60,6 +60,18 @@ async def test_the_transferred_weights_are_served_exactly(served, trainer_model,
     assert (await served.http.get("/v1/weights/transfer")).json()["state"] == "idle"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_trainer_on_a_gpu_sends_its_tensors_over_gloo(served, trainer_model):
+    """Tensors on the GPU travel through host memory over gloo: each copy has landed before
+    it is sent (copied asynchronously, the bytes of a large tensor were sent half-written)."""
+    new = perturbed(trainer_model, 1.25).cuda()
+    options = {"transport": "gloo", "bucket_bytes": 1 << 17, "pack_below_bytes": 1 << 12}
+    await asyncio.to_thread(send, served, new, **options)
+    new = new.cpu()
+    for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
+        assert_close(got, forward_log_probs(new, sequence), 1e-5)
+
+
 async def test_a_partial_update_changes_only_its_tensors(served, trainer_model):
     await asyncio.to_thread(send, served, trainer_model)
     name = "model.layers.0.mlp.down_proj.weight"

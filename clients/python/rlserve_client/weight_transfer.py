@@ -256,7 +256,10 @@ def _payload(bucket: list[torch.Tensor], device: torch.device) -> tuple[torch.Te
     if len(bucket) == 1 and bucket[0].is_contiguous() and bucket[0].device == device:
         return bucket[0].reshape(-1).view(torch.uint8), False
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in bucket]
-    return torch.cat([p.to(device, non_blocking=True) for p in parts]), True
+    # A copy to the GPU may overlap (the collective waits on the stream that made it); a
+    # copy from the GPU to host memory may not: gloo would send the bytes before they land.
+    overlap = device.type == "cuda"
+    return torch.cat([p.to(device, non_blocking=overlap) for p in parts]), True
 
 
 def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:

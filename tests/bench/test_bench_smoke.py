@@ -179,3 +179,25 @@ def test_env_steps_ab_benchmark_quick(tmp_path):
     ratio = report["ratios"]["4 turns"]
     expected = ratio["this checkout steps/s"] / ratio[f"{report['against']} steps/s"]
     assert ratio["ratio"] == pytest.approx(expected, abs=0.01)
+
+
+def test_gpu_check_runs_its_steps_on_cpu(tmp_path):
+    """The GPU check's steps, on the tiny model and the CPU, so the script is ready for the day
+    a GPU host is: served scores and pushed weights match transformers' own forward."""
+    command = [sys.executable, "bench/gpu_check.py", "--quick", "--device", "cpu"]
+    command += ["--model", "builtin:tiny", "--output", str(tmp_path)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    report = json.loads((tmp_path / "gpu-check-quick.json").read_text())
+    float32 = report["dtypes"]["float32"]
+    assert float32["scoring"]["vs_forward_same_dtype"]["max_abs"] < 1e-4
+    assert float32["greedy"]["alone"]["identical"] == float32["greedy"]["prompts"] == 3
+    for way in ("upload", "transfer_gloo"):
+        push = float32["weight_push"][way]
+        assert push["vs_forward_of_pushed"]["max_abs"] < 1e-5
+    assert [float32["weight_push"][w]["policy_version"] for w in ("upload", "transfer_gloo")] == [
+        1,
+        2,
+    ]
+    bfloat16 = report["dtypes"]["bfloat16"]
+    assert bfloat16["scoring"]["vs_forward_float32"]["max_abs"] > 1e-3  # bfloat16's own error
+    assert set(bfloat16["throughput"]["rlserve_over_in_process"]["4"]) == {"generate", "score"}

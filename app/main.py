@@ -27,6 +27,7 @@ from app.dialects.refusals import router as refused_router
 from app.dialects.sglang.router import router as sglang_router
 from app.dialects.sglang.serving import SGLangWeights
 from app.dialects.tokenize import router as tokenize_router
+from app.dialects.vllm.router import render_router as vllm_render_router
 from app.dialects.vllm.router import router as vllm_router
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
@@ -216,6 +217,7 @@ def create_app(
         trajectories_router,
         ops_router,
         vllm_router,
+        vllm_render_router,
         sglang_router,
         tokenize_router,
         areal_router,

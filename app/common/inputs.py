@@ -335,7 +335,7 @@ class InputPreparer:
 
     def check_vocabulary(self, ids: list[int], field: str) -> None:
         """422 naming `field` for the first id outside the vocabulary."""
-        bad = next((t for t in ids if t >= self.vocab_size), None)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise invalid(
                 field,

@@ -53,7 +53,7 @@ from app.openai_compat.streaming import (
     final_text,
     sse_event,
 )
-from app.openai_compat.tokens import TokenTexts
+from app.openai_compat.tokens import TokenTexts, Tops
 from app.openai_compat.tools import parse_tool_calls
 from app.scoring.extras import extras
 from app.trajectories.service import TrajectoryService
@@ -293,9 +293,13 @@ class OpenAIService(ModelServing):
             prompt_asks=None if k is None else ScoreSpec(top_logprobs=k, ranks=True),
         )
         turn = await self._record(job, sampled)
-        return await job.served.preparer.off_loop(self._reply, job, sampled, turn)
+        return await job.served.preparer.off_loop(self.reply, job, sampled, turn)
 
-    def _reply(self, job: Job, sampled: Sampled, turn: int | None) -> ChatCompletion | Completion:
+    def reply(
+        self, job: Job, sampled: Sampled, turn: int | None, tops: list[Tops] | None = None
+    ) -> ChatCompletion | Completion:
+        """The reply to `job` for what was sampled; `tops`: each generation's most likely
+        tokens where they come from elsewhere (derendering), else from `sampled`'s scores."""
         generations = sampled.generations
         usage = _usage(job, generations)
         common: dict[str, Any] = {
@@ -308,7 +312,8 @@ class OpenAIService(ModelServing):
         }
         if job.request.return_token_ids and job.kind == "chat":
             common["prompt_token_ids"] = job.prompts[0].ids
-        tops = [self._tops(job, sampled, k) for k in range(len(generations))]
+        if tops is None:
+            tops = [self._tops(job, sampled, k) for k in range(len(generations))]
         if job.kind == "chat":
             choices = [self._chat_choice(job, k, g, tops[k]) for k, g in enumerate(generations)]
             return ChatCompletion(id=f"chatcmpl-{job.id}", choices=choices, **common)

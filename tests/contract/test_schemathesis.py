@@ -81,6 +81,13 @@ STATED_RULES: list[tuple[str, str]] = [
         "a trajectory, named in the body or in a header, records one completion",
     ),
     (r"must divide batch_size", "one field must divide another"),
+    (
+        r"asks for log-probs: send them|only unstreamed replies are derendered"
+        r"|the prompt's scores are not derendered|render has none to record"
+        r"|is not a policy version",
+        "a derendered answer must carry what the request it answers asked for, and a request "
+        "inside a body may not ask for what the route does not give",
+    ),
     (r"is more than the \d+ max tokens", "one field is bounded by another"),
     (
         r"exceeds? the (server's limit|model's maximum length|limit of)"

@@ -23,6 +23,7 @@ from app.common.protocol import (
     stop_list,
 )
 from app.engine.types import VersionSpan as EngineSpan
+from app.openai_compat.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class Message(DialectModel):
@@ -468,3 +469,51 @@ class InferenceGenerateResponse(DialectModel):
     )
     prompt_token_ids: list[int] | None = None
     usage: Usage
+
+
+# -- /v1/chat/completions/render, /v1/completions/render and their derender -------------------
+
+
+class RenderedRequest(InferenceGenerateRequest):
+    """What the render routes answer: the `/inference/v1/generate` body that samples the
+    rendered request (vLLM's GenerateRequest), `stream` as the request asked."""
+
+    stream: bool = False  # type: ignore[assignment]
+
+
+class TokensAnswer(InferenceGenerateResponse):
+    """An `/inference/v1/generate` answer with `output_mode` tokens (a text answer is already
+    detokenized: vLLM derenders only these too)."""
+
+    output_mode: Literal["tokens"] = "tokens"
+
+
+class DerenderChatRequest(DialectModel):
+    """vLLM's DerenderChatRequest: a token-in, token-out answer to read back as a chat reply.
+    The chat request that was rendered is required here: its tools, stops, reasoning and
+    log-prob settings shape the reply."""
+
+    stream: Literal[False] = Field(
+        default=False, description="Only false: streamed derendering is not served."
+    )
+    model: str | None = None
+    generate_response: TokensAnswer
+    prompt_tokens: int | None = Field(default=None, ge=0, description="Accepted and ignored.")
+    prompt_token_ids: list[int] | None = Field(default=None, description="Accepted and ignored.")
+    chat_request: ChatCompletionRequest
+
+
+class DerenderCompletionRequest(DialectModel):
+    """vLLM's DerenderCompletionRequest: one token-in, token-out answer per rendered prompt,
+    with the completion request that was rendered (required here, as for chat)."""
+
+    stream: Literal[False] = Field(
+        default=False, description="Only false: streamed derendering is not served."
+    )
+    model: str | None = None
+    generate_responses: list[TokensAnswer] = Field(min_length=1)
+    prompt_tokens: list[int] | None = Field(default=None, description="Accepted and ignored.")
+    prompt_token_ids: list[list[int] | None] | None = Field(
+        default=None, description="Accepted and ignored."
+    )
+    completion_request: CompletionRequest

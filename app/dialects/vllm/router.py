@@ -8,12 +8,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query
 
-from app.deps import GenerationDep, RegistryDep, SettingsDep, WeightsDep
+from app.deps import GenerationDep, OpenAIDep, OwnerDep, RegistryDep, SettingsDep, WeightsDep
 from app.dialects import common
-from app.dialects.vllm import serving
+from app.dialects.vllm import render, serving
 from app.dialects.vllm.protocol import (
     Aborted,
     AbortRequests,
+    DerenderChatRequest,
+    DerenderCompletionRequest,
     FinishWeightUpdate,
     InferenceGenerateRequest,
     InferenceGenerateResponse,
@@ -22,6 +24,7 @@ from app.dialects.vllm.protocol import (
     Message,
     NewVersion,
     PrefixCacheReset,
+    RenderedRequest,
     StartWeightUpdate,
     Status,
     UpdateWeights,
@@ -35,6 +38,13 @@ from app.errors import (
     TRANSFER_ERROR_RESPONSES,
     WEIGHTS_ERROR_RESPONSES,
 )
+from app.openai_compat.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+)
+from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
 from app.weights.protocol import (
     LoadWeightsRequest,
@@ -245,3 +255,64 @@ async def inference_generate(
     """vLLM's token-in, token-out generation: the same tokens and log-probs as /v1/generate
     for the same seed."""
     return await serving.generate(generation, request)
+
+
+# vLLM answers these as it answers the OpenAI routes they belong to: an invalid request is a 400.
+render_router = APIRouter(tags=["vLLM dialect"], route_class=OpenAIRoute)
+RENDER_RESPONSES = {status: RESPONSES[status] for status in RESPONSES if status != 200}
+
+
+@render_router.post(
+    "/v1/chat/completions/render",
+    response_model=RenderedRequest,
+    responses=RENDER_RESPONSES,
+    summary="Render a chat request (vLLM)",
+)
+async def render_chat(
+    body: ChatCompletionRequest, service: OpenAIDep, owner: OwnerDep
+) -> RenderedRequest:
+    """The `/inference/v1/generate` body that samples this chat request: its prompt's token
+    ids, exactly as `/v1/chat/completions` renders it, and its sampling parameters."""
+    return await render.render_chat(service, body, owner)
+
+
+@render_router.post(
+    "/v1/completions/render",
+    response_model=list[RenderedRequest],
+    responses=RENDER_RESPONSES,
+    summary="Render a completion request (vLLM)",
+)
+async def render_completion(
+    body: CompletionRequest, service: OpenAIDep, owner: OwnerDep
+) -> list[RenderedRequest]:
+    """One `/inference/v1/generate` body per prompt of this completion request."""
+    return await render.render_completion(service, body, owner)
+
+
+@render_router.post(
+    "/v1/chat/completions/derender",
+    response_model=ChatCompletion,
+    response_model_exclude_none=True,
+    responses=RENDER_RESPONSES,
+    summary="Derender a generation as a chat reply (vLLM)",
+)
+async def derender_chat(
+    body: DerenderChatRequest, service: OpenAIDep, owner: OwnerDep
+) -> ChatCompletion:
+    """`/inference/v1/generate`'s answer to a rendered chat request, as the chat reply
+    `/v1/chat/completions` gives for those tokens (reasoning and tool calls parsed)."""
+    return await render.derender_chat(service, body, owner)
+
+
+@render_router.post(
+    "/v1/completions/derender",
+    response_model=Completion,
+    response_model_exclude_none=True,
+    responses=RENDER_RESPONSES,
+    summary="Derender generations as a completion (vLLM)",
+)
+async def derender_completion(
+    body: DerenderCompletionRequest, service: OpenAIDep, owner: OwnerDep
+) -> Completion:
+    """`/inference/v1/generate`'s answers, one per rendered prompt, as the completion reply."""
+    return await render.derender_completion(service, body, owner)

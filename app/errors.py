@@ -183,18 +183,62 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError, request: Request | None = None) -> APIError:
+    """The first error, said as what to fix: where malformed JSON breaks, a body that is not
+    JSON (no content type), the fields a request takes for an unknown one."""
     first = exc.errors()[0]
+    kind = first.get("type")
+    loc = tuple(first.get("loc", ()))
     ctx = first.get("ctx") or {}
-    param = ctx.get("field") or _loc_to_param(tuple(first.get("loc", ()))) or "body"
+    if kind == "json_invalid":
+        return APIError(422, _json_error(exc.body, loc, str(ctx.get("error", ""))))
+    content_type = request.headers.get("content-type", "") if request is not None else ""
+    if loc == ("body",) and kind in BODY_NOT_AN_OBJECT and "json" not in content_type:
+        got = f"'{content_type}'" if content_type else "none"
+        message = f"the body must be JSON sent with content-type: application/json (got {got})"
+        return APIError(422, message)
+    param = ctx.get("field") or _loc_to_param(loc) or "body"
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if first.get("type") in (
-        "missing",
-        "extra_forbidden",
-        "json_invalid",
-    ) or not message.startswith(param):
+    if kind == "list_type" and isinstance(first.get("input"), dict) and _is_conversation(param):
+        message = (
+            "messages holds conversations, each a list of messages: "
+            '{"messages": [[{"role": "user", "content": "..."}]]}'
+        )
+    if kind == "extra_forbidden" and request is not None and len(loc) == 2:
+        message = f"not a field of this request (it takes {', '.join(_body_fields(request))})"
+    if kind in ("missing", "extra_forbidden") or not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(422, message, param=param)
+
+
+BODY_NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+
+
+def _json_error(body: object, loc: tuple[int | str, ...], reason: str) -> str:
+    """Where malformed JSON breaks, as a line and column of the body."""
+    position = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if not isinstance(body, str) or position is None:
+        return f"the body is not valid JSON: {reason}".rstrip(": ")
+    line = body.count("\n", 0, position) + 1
+    column = position - (body.rfind("\n", 0, position) + 1) + 1
+    return f"the body is not valid JSON: {reason} at line {line}, column {column}"
+
+
+def _is_conversation(param: str) -> bool:
+    """`messages[i]` of a route whose `messages` is a list of conversations."""
+    head, _, rest = param.partition("[")
+    return head == "messages" and rest.endswith("]") and rest[:-1].isdigit()
+
+
+def _body_fields(request: Request) -> list[str]:
+    """The top-level fields of the route's body model, by the names the wire uses."""
+    route = request.scope.get("route")
+    field = getattr(route, "body_field", None)
+    model = field.field_info.annotation if field is not None else None
+    fields = getattr(model, "model_fields", None)
+    if not isinstance(fields, dict):
+        return []
+    return [info.alias or name for name, info in fields.items()]
 
 
 def _allowed_methods(request: Request) -> str:
@@ -217,8 +261,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc, request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

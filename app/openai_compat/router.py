@@ -44,7 +44,7 @@ class OpenAIRoute(CancellableRoute):
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                return error_response(_as_400(validation_error(exc)))
+                return error_response(_as_400(validation_error(exc, request)))
             except Failure as exc:
                 return error_response(_as_400(failure_error(exc)))
 

@@ -93,9 +93,16 @@ class RequestContextMiddleware:
                 await error_response(_internal_error(exc))(scope, receive, send_with_id)
             status = 500
         except asyncio.CancelledError:
-            if gone and not sent:  # its client went away: nginx's "client closed request"
+            if gone and not sent:
+                # Its client went away (nginx's 499 "client closed request") and its work was
+                # dropped: a normal end, said by the access log's one line. Not re-raised,
+                # or the server would log it as a crash.
                 status = 499
-            elif not sent:
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                return
+            if not sent:
                 # uvicorn cancels what still runs when the shutdown grace (shutdown_timeout_s)
                 # is over: the client gets an answer it may retry, not a bare 500 or nothing.
                 await error_response(_cancelled())(scope, receive, send_with_id)

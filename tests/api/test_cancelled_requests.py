@@ -56,8 +56,8 @@ async def test_a_client_that_went_away_is_counted_as_499(app: FastAPI):
     connection = Connection(BODY)
     task = await generating(app, connection)
     connection.leave.set()
-    with pytest.raises(asyncio.CancelledError):  # cancel_on_disconnect ends it so
-        await asyncio.wait_for(task, timeout=60)
+    # The request ends quietly (a crash would reach the server, which logs it at ERROR).
+    assert await asyncio.wait_for(task, timeout=60) is None
     assert connection.messages == []  # nobody to answer
     assert counted(app, "499") == before["499"] + 1
     assert counted(app, "500") == before["500"]

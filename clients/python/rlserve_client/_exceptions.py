@@ -49,7 +49,11 @@ class APIStatusError(RLServeError):
         self.param = error.get("param")
         self.request_id = response.headers.get("x-request-id")
         self.response = response
-        super().__init__(f"{self.status_code}: {self.message}")
+        # The class says the status (`status_code` holds it): str() is what to fix.
+        super().__init__(self.message)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(status_code={self.status_code}, message={self.message!r})"
 
 
 class BadRequestError(APIStatusError):

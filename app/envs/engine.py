@@ -15,7 +15,7 @@ from rlserve_client.sequences import SequenceSplit
 from app.common.failures import Conflict, NotReady, invalid
 from app.common.inputs import InputPreparer
 from app.datasets.rows import Problem
-from app.envs import episodes, ifeval  # noqa: F401 - ifeval registers its reward
+from app.envs import episodes
 from app.envs.episodes import Act, ActionTokens, EpisodeState, Observation, Prompts, Row
 from app.envs.rewards import Sample, first_bad_row, score_reward
 from app.envs.sandbox import Sandbox, SandboxUnavailable

@@ -6,6 +6,7 @@ declares a check of them, run on every row before an episode starts."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,18 @@ class Reward:
 
 
 REWARDS: dict[str, Reward] = {}
+"""What `register_reward` registered; read it through `rewards()`."""
+REWARD_MODULES = ("app.envs.ifeval",)
+"""The modules besides this one whose rewards ship with the server: a new one is named here,
+once, and registers its rewards when imported."""
+
+
+def rewards() -> dict[str, Reward]:
+    """Every reward: this module's, the shipped modules' (imported on first use, so this
+    module needs none of them to load) and any registered since."""
+    for module in REWARD_MODULES:
+        importlib.import_module(module)
+    return REWARDS
 
 
 def register_reward(
@@ -80,7 +93,7 @@ def register_reward(
 
 def parse_options(name: str, options: dict[str, Any]) -> BaseModel:
     """The reward's options, or a 422 naming `reward_options.<field>`."""
-    model = REWARDS[name].options or NoOptions
+    model = rewards()[name].options or NoOptions
     try:
         return model.model_validate(options)
     except ValidationError as error:
@@ -90,7 +103,7 @@ def parse_options(name: str, options: dict[str, Any]) -> BaseModel:
 
 
 def score_reward(name: str, options: dict[str, Any], sample: Sample) -> RewardResult:
-    reward = REWARDS[name]
+    reward = rewards()[name]
     if reward.options is None:
         return reward.fn(sample)
     return reward.fn(sample, parse_options(name, options))
@@ -98,7 +111,7 @@ def score_reward(name: str, options: dict[str, Any], sample: Sample) -> RewardRe
 
 def first_bad_row(name: str, rows: Iterable[Mapping[str, Any]]) -> tuple[int, str, str] | None:
     """The first row whose fields this reward cannot score: (index, field, what is wrong)."""
-    check = REWARDS[name].check_fields
+    check = rewards()[name].check_fields
     if check is None:
         return None
     for index, fields in enumerate(rows):
@@ -109,9 +122,10 @@ def first_bad_row(name: str, rows: Iterable[Mapping[str, Any]]) -> tuple[int, st
 
 async def require(name: str, param: str = "reward") -> None:
     """A 422 naming `param` unless `name` is a reward this server can run."""
-    if name not in REWARDS:
-        raise invalid(param, f"unknown reward '{name}' (have {sorted(REWARDS)})")
-    check = REWARDS[name].unavailable
+    known = rewards()
+    if name not in known:
+        raise invalid(param, f"unknown reward '{name}' (have {sorted(known)})")
+    check = known[name].unavailable
     if check is not None and (problem := await asyncio.to_thread(check)) is not None:
         raise invalid(param, f"reward '{name}' cannot run on this server: {problem}")
 
@@ -215,9 +229,7 @@ def number_reward(sample: Sample, options: NumberOptions) -> RewardResult:
 def reward_names_schema(schema: dict[str, Any]) -> None:
     """A `json_schema_extra` hook: the field names one of the rewards registered when the
     spec is made (a name outside them is refused), null kept where the field allows it."""
-    from app.envs import ifeval  # noqa: F401 - registers its reward
-
-    names: list[str | None] = [*sorted(REWARDS)]
+    names: list[str | None] = [*sorted(rewards())]
     if any(option.get("type") == "null" for option in schema.get("anyOf", ())):
         names.append(None)
     schema["enum"] = names

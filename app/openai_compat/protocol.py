@@ -523,15 +523,3 @@ class Completion(ReplyExtensions):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-
-
-# -- models --------------------------------------------------------------------------------
-
-
-class ModelObject(DialectModel):
-    """OpenAI's model object."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "rlserve"

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 def run_quick(bench: str, output: Path) -> dict:  # type: ignore[type-arg]
     """`bench/BENCH.py --quick` into `output`; its JSON report."""
     command = [sys.executable, f"bench/{bench}.py", "--quick", "--output", str(output)]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{bench}.py exited {done.returncode}:\n{done.stderr[-6000:]}"
     return json.loads((output / f"{bench}-quick.json").read_text())
 
 
@@ -186,7 +187,8 @@ def test_gpu_check_runs_its_steps_on_cpu(tmp_path):
     a GPU host is: served scores and pushed weights match transformers' own forward."""
     command = [sys.executable, "bench/gpu_check.py", "--quick", "--device", "cpu"]
     command += ["--model", "builtin:tiny", "--output", str(tmp_path)]
-    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"gpu_check.py exited {done.returncode}:\n{done.stderr[-6000:]}"
     report = json.loads((tmp_path / "gpu-check-quick.json").read_text())
     float32 = report["dtypes"]["float32"]
     assert float32["scoring"]["vs_forward_same_dtype"]["max_abs"] < 1e-4

@@ -172,17 +172,27 @@ def _version(openai: OpenAIService, generations: list[Generation]) -> int:
     return max(spans) if spans else openai.registry.policy_version
 
 
+def _check_derenderable(request: ChatCompletionRequest | CompletionRequest, prefix: str) -> None:
+    _check_renderable(request, prefix)
+    if request.stream:
+        raise invalid(f"{prefix}stream", "only unstreamed replies are derendered")
+
+
+async def _reply(
+    openai: OpenAIService, job: Job, generations: list[Generation], tops: list[Tops]
+) -> ChatCompletion | Completion:
+    """The OpenAI route's reply to `job` for these generations."""
+    sampled = Sampled(_version(openai, generations), job.prompts, generations)
+    return await job.served.preparer.off_loop(openai.reply, job, sampled, None, tops)
+
+
 async def derender_chat(
     openai: OpenAIService, body: DerenderChatRequest, owner: str
 ) -> ChatCompletion:
-    request = body.chat_request
-    _check_renderable(request, "chat_request.")
-    if request.stream:
-        raise invalid("chat_request.stream", "only unstreamed replies are derendered")
-    job = await openai.chat_job(request, owner, None)
+    _check_derenderable(body.chat_request, "chat_request.")
+    job = await openai.chat_job(body.chat_request, owner, None)
     generations, tops = _generations(job, body.generate_response, "generate_response")
-    sampled = Sampled(_version(openai, generations), job.prompts, generations)
-    reply = await job.served.preparer.off_loop(openai.reply, job, sampled, None, tops)
+    reply = await _reply(openai, job, generations, tops)
     assert isinstance(reply, ChatCompletion)
     return reply
 
@@ -191,9 +201,7 @@ async def derender_completion(
     openai: OpenAIService, body: DerenderCompletionRequest, owner: str
 ) -> Completion:
     request = body.completion_request
-    _check_renderable(request, "completion_request.")
-    if request.stream:
-        raise invalid("completion_request.stream", "only unstreamed replies are derendered")
+    _check_derenderable(request, "completion_request.")
     if request.echo or request.prompt_logprobs is not None:
         field = "echo" if request.echo else "prompt_logprobs"
         raise invalid(f"completion_request.{field}", "the prompt's scores are not derendered")
@@ -208,7 +216,6 @@ async def derender_completion(
         more, more_tops = _generations(job, response, f"generate_responses[{i}]")
         generations += more
         tops += more_tops
-    sampled = Sampled(_version(openai, generations), job.prompts, generations)
-    reply = await job.served.preparer.off_loop(openai.reply, job, sampled, None, tops)
+    reply = await _reply(openai, job, generations, tops)
     assert isinstance(reply, Completion)
     return reply

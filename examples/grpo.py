@@ -13,7 +13,10 @@ with 1 it is sampled while the trainer learns from this one (one-step-off), the 
 the server in 'keep' mode so replies in flight finish under the new weights.
 
     ./scripts/serve.sh &     # SmolLM2-135M-Instruct
-    .venv/bin/python examples/grpo.py --steps 40 [--max-staleness 1]
+    .venv/bin/python examples/grpo.py --steps 40 [--max-staleness 1] [--restore]
+
+The trained weights stay on the server (every later request samples them) unless `--restore`
+puts back the weights it started with when the run ends (`POST /v1/weights/restore`).
 
 The same loop without a server is `bench/learning.py --loop local`.
 """
@@ -68,6 +71,11 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="leave out tokens whose importance weight exceeds this",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--restore",
+        action="store_true",
+        help="when done, serve again the weights the server started with",
+    )
     parser.add_argument("--log", type=Path, help="append one JSON line per step here")
     parser.add_argument(
         "--fixed-length",
@@ -206,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = arguments(argv)
     with Client(base_url=args.url, timeout=600) as client:
         client.ready()
+        if (version := client.weights_version().policy_version) != 0:
+            print(
+                f"note: the server serves policy version {version}, not the weights it started "
+                "with; this run trains from those (its first push replaces them)",
+                flush=True,
+            )
         for record in train(client, args):
             print(
                 f"step {record['step']:3d}  reward {record['reward']:.3f}  "
@@ -216,6 +230,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.log:
                 with args.log.open("a") as sink:
                     sink.write(json.dumps(record) + "\n")
+        if args.restore:
+            restored = client.restore_weights()
+            print(f"restored the starting weights as policy version {restored.policy_version}")
+        else:
+            version = client.weights_version().policy_version
+            print(
+                f"the server now serves the trained policy (version {version}) to every "
+                "request; to serve the starting weights again: rerun with --restore, or "
+                "client.restore_weights() (POST /v1/weights/restore)"
+            )
 
 
 if __name__ == "__main__":

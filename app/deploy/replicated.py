@@ -32,6 +32,7 @@ from app.weights.local import LocalWeights
 from app.weights.protocol import (
     LoadWeightsRequest,
     PauseMode,
+    RestoreWeightsRequest,
     TransferFinish,
     TransferInit,
     TransferState,
@@ -110,6 +111,11 @@ class ReplicatedWeights:
         put, files = self.replicas.put, self.local.files
         shipment = await files.ship_checkpoint(request.path, put, self.chunk_bytes)
         return await self._update(shipment, request.model, request, "path")
+
+    async def restore(self, request: RestoreWeightsRequest) -> WeightsUpdated:
+        """Read here from where the model started, shipped to every replica."""
+        path = await self.local.files.origin(request.model)
+        return await self.load(LoadWeightsRequest(path=str(path), **request.model_dump()))
 
     async def upload(
         self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -22,6 +23,15 @@ from app.engine.served import ModelPair, ServedModel
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a served model's weights were read from at start-up, and when reading began (a
+    file changed after it no longer holds what the server started with)."""
+
+    source: str
+    read_at: float
 
 
 class ModelRegistry:
@@ -40,6 +50,7 @@ class ModelRegistry:
         self.batching = batching
         self.state_dir = state_dir
         self.models: dict[str, ServedModel] = {}
+        self.origins: dict[str, Origin] = {}
         self.status: Status = "loading"
         self.loaded_at = 0.0  # time.time() when the models were ready
         self.error: str | None = None
@@ -103,12 +114,15 @@ class ModelRegistry:
                     self.models["policy"], self.models["reference"], self.batching
                 )
             self.status, self.loaded_at = "ready", time.time()
-            logger.info("ready: %s", ", ".join(str(m.backend.info) for m in self.models.values()))
+            logger.info(
+                "loaded %s", "; ".join(m.backend.info.summary() for m in self.models.values())
+            )
         except Exception as exc:
             logger.exception("model loading failed")
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
 
     async def _load(self, name: str, source: str, builtin: bool, num_engines: int) -> Backend:
+        self.origins[name] = Origin(source, time.time())
         return await load_backend(
             self.model_settings,
             self.vllm,
@@ -169,6 +183,10 @@ class ModelRegistry:
             served = sorted([*self.models, *self.aliases])
             raise invalid("model", f"'{name}' is not served (have {served})")
         return self.models[canonical]
+
+    def origin(self, name: str) -> Origin:
+        """Where the served model `name` (or an alias) started from."""
+        return self.origins[self.get(name).name]
 
     async def aclose(self) -> None:
         self.status = "stopped"

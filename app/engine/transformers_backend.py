@@ -69,6 +69,8 @@ class TransformersBackend(Backend):
         )
         model = model.to(device=target).eval()  # type: ignore[call-arg]
         model.requires_grad_(False)
+        if target.type == "cpu":
+            _own_memory(model)
         native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         info = ModelInfo(
             name=name,
@@ -153,6 +155,16 @@ class TransformersBackend(Backend):
             await self._transfer.close()
         self.control.thaw()
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy the weights out of the checkpoint files. On the CPU, transformers leaves them as
+    views of the safetensors files it mapped: a checkpoint later written over those files (a
+    trainer saving into the folder the server loaded) would change the served weights under
+    their version, with no update. (Tied weights stay tied: one parameter object.)"""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            tensor.data = tensor.data.clone()
 
 
 def _pad_id(tokenizer: Any, model: Any) -> int:

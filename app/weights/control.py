@@ -1,7 +1,7 @@
 """The weight controls the routes use: pause and resume serving, load or upload a checkpoint,
-and the collective transfer's steps. One server implements them alone
-(`app.weights.local.LocalWeights`); a replica of several implements them over every replica
-as one (`app.deploy.replicated.ReplicatedWeights`)."""
+restore the weights a model started with, and the collective transfer's steps. One server
+implements them alone (`app.weights.local.LocalWeights`); a replica of several implements
+them over every replica as one (`app.deploy.replicated.ReplicatedWeights`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from app.engine.gate import GateState
 from app.weights.protocol import (
     LoadWeightsRequest,
     PauseMode,
+    RestoreWeightsRequest,
     TransferFinish,
     TransferInit,
     TransferState,
@@ -39,6 +40,10 @@ class WeightsControl(Protocol):
 
     async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
         """Apply a checkpoint from a path the server can read, whole or not at all."""
+
+    async def restore(self, request: RestoreWeightsRequest) -> WeightsUpdated:
+        """Serve again the weights the model started with (read from where they came from),
+        as a new version."""
 
     async def upload(
         self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions

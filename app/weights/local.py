@@ -13,6 +13,7 @@ from app.engine.registry import ModelRegistry
 from app.weights.protocol import (
     LoadWeightsRequest,
     PauseMode,
+    RestoreWeightsRequest,
     TransferFinish,
     TransferInit,
     TransferState,
@@ -53,6 +54,10 @@ class LocalWeights:
 
     async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
         return await self.files.load(request)
+
+    async def restore(self, request: RestoreWeightsRequest) -> WeightsUpdated:
+        path = await self.files.origin(request.model)
+        return await self.load(LoadWeightsRequest(path=str(path), **request.model_dump()))
 
     async def upload(
         self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions

@@ -40,6 +40,10 @@ class LoadWeightsRequest(UpdateOptions):
     model: ModelName = Field(default="policy", description="reference only when targeted.")
 
 
+class RestoreWeightsRequest(UpdateOptions):
+    model: ModelName = Field(default="policy", description="reference only when targeted.")
+
+
 class WeightsUpdated(WireModel):
     model: ModelName
     policy_version: int

@@ -18,6 +18,7 @@ from app.weights.protocol import (
     LoadWeightsRequest,
     PauseMode,
     PauseRequest,
+    RestoreWeightsRequest,
     ServingState,
     TransferFinish,
     TransferInit,
@@ -52,6 +53,20 @@ async def load_weights(request: LoadWeightsRequest, weights: WeightsDep) -> Weig
     """Load a safetensors checkpoint (HF layout, any subset of the parameters) from storage the
     server can read. Serving pauses for the swap only (`pause`, 'keep' by default)."""
     return await weights.load(request)
+
+
+@router.post(
+    "/v1/weights/restore",
+    response_model=WeightsUpdated,
+    summary="Restore the starting weights",
+    openapi_extra=ADMIN,
+)
+async def restore_weights(request: RestoreWeightsRequest, weights: WeightsDep) -> WeightsUpdated:
+    """Serve again the weights the model started with, read from where the server loaded them
+    (its folder, or a hub model's local cache), as a new version: what an example or an
+    experiment changed is undone without a restart. Refused (409) when those files changed
+    since the server read them."""
+    return await weights.restore(request)
 
 
 @router.put(

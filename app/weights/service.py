@@ -25,6 +25,7 @@ from app.weights.checkpoint import (
     read_layout,
     snapshot,
 )
+from app.weights.origin import origin_checkpoint
 from app.weights.outcome import updated
 from app.weights.protocol import LoadWeightsRequest, UpdateOptions, WeightsUpdated
 from app.weights.shipment import CHUNK_BYTES, Put, Shipment, ship
@@ -80,6 +81,10 @@ class WeightsService:
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
+
+    async def origin(self, model: str) -> Path:
+        """The checkpoint `model` started from, unchanged since (POST /v1/weights/restore)."""
+        return await self._file_work(origin_checkpoint, self.registry.origin(model))
 
     async def ship(
         self, files: Mapping[str, Path], put: Put, param: str, chunk_bytes: int = CHUNK_BYTES

@@ -131,7 +131,12 @@ ADMIN_ROUTES = declared(Access.ADMIN)
 def test_the_weight_changing_routes_are_the_admin_routes():
     """The admin set is what the routes declare; it must cover every route that changes the
     served weights."""
-    assert {("POST", "/v1/weights/load"), ("PUT", "/v1/weights")} <= set(ADMIN_ROUTES)
+    changing = {
+        ("POST", "/v1/weights/load"),
+        ("PUT", "/v1/weights"),
+        ("POST", "/v1/weights/restore"),
+    }
+    assert changing <= set(ADMIN_ROUTES)
     assert ("GET", "/v1/weights/version") not in ADMIN_ROUTES
 
 

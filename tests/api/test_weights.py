@@ -202,3 +202,68 @@ async def test_vllm_refuses_updates_of_tied_embedding_models(settings, tmp_path)
             assert response.status_code == 422
             assert "tied input/output embeddings" in response.json()["error"]["message"]
             assert await score(client) == before
+
+
+async def _restore_round_trip(client: httpx.AsyncClient, other_dir: Path) -> None:
+    """Upload other weights, restore: the starting scores come back, as version 2."""
+    started_with = await score(client)
+    payload = (other_dir / "model.safetensors").read_bytes()
+    assert (await client.put("/v1/weights", content=payload)).status_code == 200
+    assert (await score(client))[1] != started_with[1]
+    response = await client.post("/v1/weights/restore", json={})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "policy" and response.json()["policy_version"] == 2
+    assert response.json()["num_tensors"] == len(load_file(other_dir / "model.safetensors"))
+    assert await score(client) == (2, started_with[1])
+
+
+async def test_restore_serves_the_starting_weights_again(fresh, other_dir, hf_model):
+    _, client = fresh
+    await _restore_round_trip(client, other_dir)
+    # The reference is restored only when named, as updates reach it only when named.
+    before = await score(client, "reference")
+    response = await client.post("/v1/weights/restore", json={"model": "reference"})
+    assert response.status_code == 200, response.text
+    assert response.json()["reference_version"] == 1
+    assert (await score(client, "reference"))[1] == before[1]
+    for seq, got in zip(SEQUENCES, before[1], strict=True):
+        assert_close(got, forward_log_probs(hf_model, seq), 1e-5)
+
+
+async def test_restore_refuses_a_source_changed_since_the_start(settings, tmp_path, other_dir):
+    """A checkpoint saved over the served folder changes nothing served (the weights are the
+    server's own, not views of the files), and restoring from it is refused."""
+    source = build_model(tmp_path / "policy", seed=3)
+    config = settings.replace(models={"model": str(source), "load_reference": False})
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            before = await score(client)
+            # The trainer saved its checkpoint over the folder the server started from.
+            (source / "model.safetensors").write_bytes(
+                (other_dir / "model.safetensors").read_bytes()
+            )
+            response = await client.post("/v1/weights/restore", json={"model": "policy"})
+            assert response.status_code == 409, response.text
+            error = response.json()["error"]
+            assert error["param"] == "model"
+            assert "model.safetensors" in error["message"]
+            assert "no longer holds the weights the server started with" in error["message"]
+            assert await score(client) == before
+            unknown = await client.post("/v1/weights/restore", json={"model": "critic"})
+            assert unknown.status_code == 422
+            assert unknown.json()["error"]["param"] == "model"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
+async def test_vllm_restore_serves_the_starting_weights_again(settings, other_dir):
+    vllm_settings = backend_settings(settings, "vllm").replace(models={"load_reference": False})
+    app = create_app(vllm_settings)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await _restore_round_trip(client, other_dir)

@@ -1,6 +1,7 @@
 """`examples/grpo.py` on the default model: two GRPO steps against a real server, each one
 sampling with the policy the step before pushed, its behaviour log-probs equal to the
-trainer's own forward (the importance ratio starts at 1)."""
+trainer's own forward (the importance ratio starts at 1); with --restore the server serves the
+weights it started with afterwards."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from app.config import DEFAULT_MODEL
@@ -26,13 +28,19 @@ def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
         "RLSERVE_MODELS__LOAD_REFERENCE": "false",
     }
     log = tmp_path / "steps.jsonl"
+    probe = {"prompt_text": ["What is 7 + 5?"], "response_text": [" 12"]}
     with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:
+        before = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
         command = [
             *[sys.executable, str(EXAMPLE), "--url", server.url, "--steps", "2"],
-            *["--prompts", "2", "--group-size", "4", "--log", str(log)],
+            *["--prompts", "2", "--group-size", "4", "--log", str(log), "--restore"],
         ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        after = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "restored the starting weights as policy version 3"
+    assert (before["policy_version"], after["policy_version"]) == (0, 3)
+    assert after["outputs"] == before["outputs"]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert [r["policy_version"] for r in records] == [1, 2]

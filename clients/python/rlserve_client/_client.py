@@ -69,6 +69,7 @@ class _Methods:
     weights_version = _Route(routes.weights_version)
     load_weights = _Route(routes.load_weights)
     upload_weights = _Route(routes.upload_weights)
+    restore_weights = _Route(routes.restore_weights)
     pause = _Route(routes.pause)
     resume = _Route(routes.resume)
     serving_state = _Route(routes.serving_state)

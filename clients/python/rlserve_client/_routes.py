@@ -176,6 +176,26 @@ def load_weights(
     )
 
 
+def restore_weights(
+    *,
+    model: str = "policy",
+    version: int | None = None,
+    pause: str = "keep",
+    timeout: Timeout = NOT_GIVEN,
+) -> Call[types.WeightsUpdated]:
+    """Serve again the weights `model` started with (read from where the server loaded them),
+    as a new version: undo what a run pushed without restarting the server. Admin key."""
+    body = _given(model=model, version=version, pause=pause)
+    return Call(
+        "POST",
+        "/v1/weights/restore",
+        types.WeightsUpdated,
+        json=body,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
 def upload_weights(
     *,
     payload: bytes | Path,

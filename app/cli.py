@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any, get_args
@@ -15,7 +17,27 @@ from app.config import ReasoningParser
 DEFAULT_SPEC = Path("openapi/openapi.json")
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything loads: a port in use stops the
+    start at once, saying so (uvicorn's own bind comes after the models have loaded)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(
+            f"rlserve: cannot listen on {host}:{port}: {exc.strerror}. Is another server "
+            f"running there? Choose another port with --port or RLSERVE_HTTP__PORT."
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def _serve(args: argparse.Namespace) -> int:
+    # Loading shows one log line per model, not transformers' progress bars (read when
+    # huggingface_hub is imported, below).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import uvicorn
 
     from app.config import Settings, nest
@@ -39,16 +61,24 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(http.log_level, http.log_format)
     if args.replicas is not None:
         return _serve_replicas(overrides, args.replicas, settings, args.sticky_sessions)
-    uvicorn.run(
+    sock = bind(http.host, http.port)
+    if http.port == 0:  # the port the system chose, for the ready line
+        http = http.model_copy(update={"port": sock.getsockname()[1]})
+        settings = settings.model_copy(update={"http": http})
+    logging.getLogger("app.cli").info(
+        "listening on %s:%d; loading the models (GET /ready answers true once they serve)",
+        http.host,
+        http.port,
+    )
+    config = uvicorn.Config(
         create_app(settings),
-        host=http.host,
-        port=http.port,
         log_level=http.log_level,
         log_config=None,  # keep configure_logging's handlers
         access_log=False,  # the service's access log carries the request id
         timeout_graceful_shutdown=http.shutdown_timeout_s,
         timeout_keep_alive=http.keep_alive_timeout_s,
     )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

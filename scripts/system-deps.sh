@@ -4,12 +4,15 @@
 # generator of bench/overhead.py (which falls back to Python's httpx without it). Installed when
 # missing and this runs as root with apt-get; otherwise it says what to install and carries
 # on (the python tool then refuses to run and says why; the Redis tests skip and say why).
+# With --serve only what serving uses: bubblewrap.
 set -euo pipefail
 
 missing=()
 command -v bwrap >/dev/null || missing+=(bubblewrap)
-command -v redis-server >/dev/null || missing+=(redis-server)
-command -v wrk >/dev/null || missing+=(wrk)
+if [ "${1:-}" != "--serve" ]; then
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v wrk >/dev/null || missing+=(wrk)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

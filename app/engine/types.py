@@ -169,6 +169,13 @@ class ModelInfo:
     extra: dict[str, str] = field(default_factory=dict)
     """Backend-specific facts, for logs."""
 
+    def summary(self) -> str:
+        """One line for logs: `policy: /path (transformers, float32 on cpu, 8192 tokens)`."""
+        return (
+            f"{self.name}: {self.source} ({self.backend}, {self.dtype} on {self.device}, "
+            f"{self.max_model_len} tokens)"
+        )
+
 
 @dataclass(frozen=True)
 class ScoreSpec:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import running_server
+from tests.e2e.server import SERVER_DEFAULTS, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +48,31 @@ def test_serve_tiny_builtin_model_end_to_end(tmp_path):
     log = (tmp_path / "server.log").read_text()
     assert "tiny built-in model" in log and "RLSERVE_MODELS__MODEL" in log
     assert "Application shutdown complete" in log
+    # A first start says what it prepares, then where to reach the server and one request to
+    # try; transformers' progress bars stay out of the log.
+    assert "preparing builtin-v" in log
+    assert f"ready: serving on {server.url} (docs: {server.url}/docs)" in log
+    assert f"curl -s {server.url}/v1/generate" in log
+    assert "Loading weights" not in log and "it/s]" not in log
+
+
+def test_a_port_in_use_stops_the_start_before_any_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+            env={**os.environ, **SERVER_DEFAULTS, **server_env(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "--port or RLSERVE_HTTP__PORT" in result.stderr
+    # Nothing was loaded or built: the process stopped before the app started.
+    assert "loading" not in result.stderr and not (tmp_path / "cache").exists()
 
 
 def test_idle_connections_outlive_the_clients_keep_alive(tmp_path):

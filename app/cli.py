@@ -35,9 +35,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # Loading shows one log line per model, not transformers' progress bars (read when
-    # huggingface_hub is imported, below).
+    # Loading shows one log line per model, not progress bars: transformers' own (read when
+    # huggingface_hub is imported, below) and any other tqdm's (the GGUF conversion's).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
     import uvicorn
 
     from app.config import Settings, nest

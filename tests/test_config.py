@@ -1,5 +1,5 @@
-"""Settings: groups read from `RLSERVE_<GROUP>__<FIELD>`, the old flat names still working with
-a warning that names the new one, and the checks done at start-up."""
+"""Settings: groups read from `RLSERVE_<GROUP>__<FIELD>`, a field named without its group
+refused with the grouped name, and the checks done at start-up."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 from pydantic import ValidationError
 
 from app.config import Settings
-from app.deprecated_settings import RENAMED
 
 
 @pytest.fixture(autouse=True)
@@ -32,56 +31,31 @@ def test_groups_are_read_from_nested_env_names(monkeypatch: pytest.MonkeyPatch) 
     assert settings.batching.enabled is False and settings.batching.config() is None
 
 
-def test_an_old_env_name_still_works_and_warns_naming_the_new_one(
+def test_a_field_named_without_its_group_is_a_warning_naming_the_grouped_name(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("RLSERVE_TOOL_TIMEOUT_S", "7")
-    with (
-        caplog.at_level(logging.WARNING, logger="app.deprecated_settings"),
-        pytest.warns(DeprecationWarning) as warned,
+    monkeypatch.setenv("RLSERVE_PORT", "9000")
+    monkeypatch.setenv("RLSERVE_MAX_BYTES", "1")  # a field two groups have: both are named
+    monkeypatch.setenv("RLSERVE_BATCHING", "false")  # a group, not a field
+    monkeypatch.setenv("RLSERVE_URL", "http://elsewhere:8000")  # the client's: not a setting
+    with caplog.at_level(logging.WARNING, logger="app.config"):
+        settings = Settings()
+    assert settings.http.port == 8000 and settings.batching.enabled  # none of them was read
+    assert caplog.messages == [
+        "RLSERVE_BATCHING is not read: a group's fields are RLSERVE_BATCHING__<FIELD>",
+        "RLSERVE_MAX_BYTES is not read: settings are grouped, the server reads "
+        "RLSERVE_DATASETS__MAX_BYTES or RLSERVE_WEIGHTS__MAX_BYTES",
+        "RLSERVE_PORT is not read: settings are grouped, the server reads RLSERVE_HTTP__PORT",
+    ]
+
+
+def test_a_flat_keyword_names_its_group() -> None:
+    with pytest.raises(
+        TypeError, match=r"Settings\(port=\.\.\.\): use Settings\(http=\{'port': \.\.\.\}\)"
     ):
-        settings = Settings()
-    assert settings.tools.timeout_s == 7.0
-    message = "RLSERVE_TOOL_TIMEOUT_S is deprecated: use RLSERVE_TOOLS__TIMEOUT_S"
-    assert [str(w.message) for w in warned] == [message]
-    assert message in caplog.text  # the start-up log says it too
-
-
-def test_the_new_name_wins_over_the_old(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RLSERVE_MAX_QUEUE", "5")
-    monkeypatch.setenv("RLSERVE_BATCHING__MAX_QUEUE", "9")
-    with pytest.warns(DeprecationWarning, match="use RLSERVE_BATCHING__MAX_QUEUE"):
-        assert Settings().batching.max_queue == 9
-
-
-def test_the_old_batching_timeout_in_ms_becomes_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RLSERVE_BATCHING_TIMEOUT_MS", "20")
-    with pytest.warns(DeprecationWarning, match="use RLSERVE_BATCHING__TIMEOUT_S"):
-        settings = Settings()
-    assert settings.batching.timeout_s == pytest.approx(0.02)
-    config = settings.batching.config()
-    assert config is not None and config.timeout_s == pytest.approx(0.02)
-
-
-def test_the_old_batching_switch_is_not_taken_for_the_group(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("RLSERVE_BATCHING", "false")
-    with pytest.warns(DeprecationWarning, match="use RLSERVE_BATCHING__ENABLED"):
-        assert Settings().batching.enabled is False
-
-
-def test_old_flat_keywords_still_work_and_warn() -> None:
-    with pytest.warns(DeprecationWarning, match=r"use Settings\(storage=\{'data_dir': \.\.\.\}\)"):
-        settings = Settings(data_dir="/tmp/rlserve-x", storage={"session_store": "redis://r"})
-    assert str(settings.storage.data_dir) == "/tmp/rlserve-x"
-    assert settings.storage.session_store == "redis://r"
-
-
-def test_every_old_name_maps_to_a_field() -> None:
-    fields = {group: type(model).model_fields for group, model in Settings()}
-    for old, renamed in RENAMED.items():
-        assert renamed.field in fields[renamed.group], old
+        Settings(port=9000)
+    with pytest.raises(TypeError, match="not a settings group"):
+        Settings(nonsense=1)
 
 
 def test_replace_validates_again() -> None:

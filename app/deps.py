@@ -8,15 +8,16 @@ from fastapi import Depends, Request
 
 from app.config import Settings
 from app.datasets.service import DatasetService
-from app.dialects.sglang.serving import SGLangWeights
+from app.dialects.sglang.service import SGLangWeights
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
-from app.generation.serving import GenerationService
-from app.kl.serving import KLService
-from app.openai_compat.serving import OpenAIService
-from app.rollouts.serving import RolloutService
-from app.scoring.serving import ScoringService
+from app.generation.service import GenerationService
+from app.kl.service import KLService
+from app.openai_compat.service import OpenAIService
+from app.ops.metrics import Metrics
+from app.rollouts.service import RolloutService
+from app.scoring.service import ScoringService
 from app.trajectories.service import TrajectoryService
 from app.weights.control import WeightsControl
 
@@ -87,6 +88,11 @@ async def _sglang_weights(request: Request) -> SGLangWeights:
     return session
 
 
+async def _metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
 async def _trajectories(request: Request) -> TrajectoryService:
     trajectories: TrajectoryService = request.app.state.trajectories
     return trajectories
@@ -104,6 +110,7 @@ DatasetsDep = Annotated[DatasetService, Depends(_datasets)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsControl, Depends(_weights)]
 OpenAIDep = Annotated[OpenAIService, Depends(_openai)]
+MetricsDep = Annotated[Metrics, Depends(_metrics)]
 TrajectoriesDep = Annotated[TrajectoryService, Depends(_trajectories)]
 SGLangWeightsDep = Annotated[SGLangWeights, Depends(_sglang_weights)]
 """The update session of this server's SGLang-speaking trainer (AReaL's vLLM routes share it)."""

@@ -25,7 +25,7 @@ from app.deploy.replicated import Replicas, ReplicatedWeights
 from app.dialects.areal import router as areal_router
 from app.dialects.refusals import router as refused_router
 from app.dialects.sglang.router import router as sglang_router
-from app.dialects.sglang.serving import SGLangWeights
+from app.dialects.sglang.service import SGLangWeights
 from app.dialects.tokenize import router as tokenize_router
 from app.dialects.vllm.router import render_router as vllm_render_router
 from app.dialects.vllm.router import router as vllm_router
@@ -37,11 +37,11 @@ from app.envs.service import EnvService
 from app.envs.store import SessionStore, SQLiteSessionStore
 from app.errors import install_error_handlers
 from app.generation.router import router as generation_router
-from app.generation.serving import GenerationService
+from app.generation.service import GenerationService
 from app.kl.router import router as kl_router
-from app.kl.serving import KLService
+from app.kl.service import KLService
 from app.openai_compat.router import router as openai_router
-from app.openai_compat.serving import OpenAIService
+from app.openai_compat.service import OpenAIService
 from app.ops.access import Access, policy_of
 from app.ops.auth import AuthMiddleware
 from app.ops.context import RequestContextMiddleware
@@ -49,9 +49,9 @@ from app.ops.limits import BodyLimitMiddleware
 from app.ops.metrics import Metrics
 from app.ops.router import router as ops_router
 from app.rollouts.router import router as rollouts_router
-from app.rollouts.serving import RolloutService
+from app.rollouts.service import RolloutService
 from app.scoring.router import router as scoring_router
-from app.scoring.serving import ScoringService
+from app.scoring.service import ScoringService
 from app.trajectories.router import router as trajectories_router
 from app.trajectories.service import TrajectoryService
 from app.trajectories.store import SQLiteTrajectoryStore, TrajectoryStore

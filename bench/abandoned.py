@@ -22,7 +22,7 @@ from app.config import Settings
 from app.engine import memory
 from app.engine.registry import ModelRegistry
 from app.engine.types import SamplingConfig
-from app.generation.serving import GenerationService
+from app.generation.service import GenerationService
 
 
 def rss_mb() -> int:

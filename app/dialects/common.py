@@ -11,7 +11,7 @@ from app.common.failures import Conflict, Unsupported, invalid
 from app.common.inputs import Prepared
 from app.engine.registry import ModelRegistry
 from app.engine.types import SamplingConfig, ScoreSpec
-from app.generation.serving import GenerationService, Sampled
+from app.generation.service import GenerationService, Sampled
 from app.weights.control import WeightsControl
 
 

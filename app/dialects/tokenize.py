@@ -21,7 +21,7 @@ from app.common.protocol import (
 from app.deps import GenerationDep
 from app.dialects.common import check_policy_name
 from app.errors import ERROR_RESPONSES
-from app.generation.serving import GenerationService
+from app.generation.service import GenerationService
 from app.openai_compat.protocol import ChatMessage, Tool
 
 router = APIRouter(tags=["vLLM and SGLang dialects"], responses=ERROR_RESPONSES)

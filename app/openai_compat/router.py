@@ -28,7 +28,7 @@ from app.openai_compat.protocol import (
     Completion,
     CompletionRequest,
 )
-from app.openai_compat.serving import Job, OpenAIService
+from app.openai_compat.service import Job, OpenAIService
 from app.openai_compat.streaming import sse_event
 
 logger = logging.getLogger(__name__)

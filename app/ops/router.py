@@ -1,9 +1,9 @@
 from dataclasses import asdict
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import EnvsDep, ProbeDep, RegistryDep, SettingsDep
+from app.deps import EnvsDep, MetricsDep, ProbeDep, RegistryDep, SettingsDep
 from app.errors import ERROR_RESPONSES
 from app.ops.access import Access, access
 from app.ops.protocol import (
@@ -111,9 +111,8 @@ async def batching(registry: RegistryDep, settings: SettingsDep) -> BatchingResp
     summary="Prometheus metrics",
     openapi_extra=access(Access.METRICS),
 )
-async def metrics(request: Request, envs: EnvsDep) -> Response:
+async def metrics(metrics: MetricsDep, envs: EnvsDep) -> Response:
     """Requests by route and status, latency histograms, queue depth, batch sizes, tokens
     generated and scored, live environment sessions and the current policy version."""
-    registry = request.app.state.metrics
-    registry.env_sessions.set(await envs.count())
-    return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)
+    metrics.env_sessions.set(await envs.count())
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

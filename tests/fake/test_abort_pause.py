@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from app.engine.base import ScoreItem
 from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec
-from app.generation.serving import Sampled
+from app.generation.service import Sampled
 from tests.fake.backend import FakeBackend, fake_app
 
 ASKS = ScoreSpec(top_logprobs=2)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Query, Response
 
 from app.deps import GenerationDep, ProbeDep, RegistryDep, SGLangWeightsDep, WeightsDep
 from app.dialects import common
-from app.dialects.sglang import serving
+from app.dialects.sglang import service
 from app.dialects.sglang.protocol import (
     AbortRequest,
     BeginWeightUpdate,
@@ -61,7 +61,7 @@ async def generate(
 ) -> GenerateOutput | list[GenerateOutput]:
     """SGLang's /generate: one object for one input and n = 1, else a list (prompt-major).
     Tokens and log-probs equal /v1/generate's for the same seed (`sampling_seed`)."""
-    return await serving.generate(generation, request)
+    return await service.generate(generation, request)
 
 
 @router.get(

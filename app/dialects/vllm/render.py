@@ -21,14 +21,14 @@ from app.dialects.vllm.protocol import (
     WeightVersionSpan,
 )
 from app.engine.types import Generation, VersionSpan
-from app.generation.serving import Sampled
+from app.generation.service import Sampled
 from app.openai_compat.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
 )
-from app.openai_compat.serving import Job, OpenAIService
+from app.openai_compat.service import Job, OpenAIService
 from app.openai_compat.tokens import Tops
 
 UNRENDERED = {

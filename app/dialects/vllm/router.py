@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Query
 
 from app.deps import GenerationDep, OpenAIDep, OwnerDep, RegistryDep, SettingsDep, WeightsDep
 from app.dialects import common
-from app.dialects.vllm import render, serving
+from app.dialects.vllm import render, service
 from app.dialects.vllm.protocol import (
     Aborted,
     AbortRequests,
@@ -254,7 +254,7 @@ async def inference_generate(
 ) -> InferenceGenerateResponse:
     """vLLM's token-in, token-out generation: the same tokens and log-probs as /v1/generate
     for the same seed."""
-    return await serving.generate(generation, request)
+    return await service.generate(generation, request)
 
 
 # vLLM answers these as it answers the OpenAI routes they belong to: an invalid request is a 400.

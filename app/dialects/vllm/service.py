@@ -28,7 +28,7 @@ from app.dialects.vllm.protocol import (
     WeightVersionSpan,
 )
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
-from app.generation.serving import GenerationService
+from app.generation.service import GenerationService
 from app.openai_compat.streaming import final_text
 
 FIELD = "sampling_params."

@@ -18,7 +18,7 @@ from app.envs.engine import RowOutcome
 from app.envs.episodes import Act, Observation
 from app.envs.service import EnvService
 from app.envs.spec import EnvSpec
-from app.generation.serving import GenerationService
+from app.generation.service import GenerationService
 from app.rollouts.protocol import (
     RolloutGeneration,
     RolloutRequest,

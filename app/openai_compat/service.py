@@ -19,12 +19,12 @@ from app.common.constraints import sampling_constraints
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
-from app.common.serving import ModelServing
+from app.common.service import ModelServing
 from app.config import LimitSettings, ReasoningParser
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
-from app.generation.serving import GenerationService, Sampled
+from app.generation.service import GenerationService, Sampled
 from app.openai_compat.protocol import (
     AssistantMessage,
     ChatChoice,

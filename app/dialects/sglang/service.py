@@ -28,7 +28,7 @@ from app.dialects.sglang.protocol import (
 )
 from app.engine.registry import ModelRegistry
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
-from app.generation.serving import GenerationService, Sampled
+from app.generation.service import GenerationService, Sampled
 from app.openai_compat.streaming import final_text
 from app.weights.control import WeightsControl
 from app.weights.protocol import TransferFinish, TransferUpdate, WeightsUpdated

@@ -13,7 +13,7 @@ from app.common.failures import TooLarge, invalid
 from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
-from app.common.serving import ModelServing
+from app.common.service import ModelServing
 from app.engine.base import Backend, ScoreItem
 from app.engine.sampling import row_seed
 from app.engine.served import ServedModel

@@ -11,7 +11,7 @@ from app.common.failures import TooLarge, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import WireModel
 from app.common.samples import scored_sample
-from app.common.serving import ModelServing
+from app.common.service import ModelServing
 from app.engine.types import ScoreSpec
 from app.scoring.extras import extras, mismatch
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse, ScoredSample, Span

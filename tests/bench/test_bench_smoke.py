@@ -94,6 +94,7 @@ def test_stream_text_benchmark_quick(tmp_path):
         assert figures["windowed_s"] > 0 and figures["whole_list_s"] > 0
 
 
+@pytest.mark.beside
 def test_learning_benchmark_quick(tmp_path):
     """The in-process loop (the rlserve one is tests/e2e/test_grpo_example.py) for 2 steps."""
     command = [sys.executable, "bench/learning.py", "--quick", "--loops", "local"]
@@ -106,6 +107,7 @@ def test_learning_benchmark_quick(tmp_path):
     assert (tmp_path / "learning-quick.png").stat().st_size > 0
 
 
+@pytest.mark.beside
 def test_real_model_benchmark_quick(tmp_path):
     report = run_quick("real_model", tmp_path)
     for name in ("rlserve_transformers", "in_process_transformers"):
@@ -131,6 +133,7 @@ def test_load_benchmark_quick(tmp_path):
     assert report["failed"] == 0 and report["requests"] == sum(report["outcomes"].values())
 
 
+@pytest.mark.beside
 def test_async_training_benchmark_quick(tmp_path):
     report = run_quick("async_training", tmp_path)
     assert set(report["summary"]) == {

@@ -249,11 +249,19 @@ def drive_wrk(
     url: str, requests: list[Request], per_request: float, seconds: float, pid: int | None
 ) -> dict[str, Any]:
     """`drive`'s figures with wrk sending `requests` (cycling) for `seconds`, after a warm-up
-    second; the load generator's CPU is wrk's (a child process: its rusage)."""
+    second; the load generator's CPU is wrk's (a child process: its rusage). wrk counts only
+    the requests answered within its run: a run in which none was (a loaded machine, requests
+    slower than the run) is run again, twice as long, up to 32 s."""
     wrk_load.run(url, requests, CLIENTS, 1)
-    server_cpu, client_cpu = cpu_seconds(pid), _children_cpu()
-    figures = wrk_load.run(url, requests, CLIENTS, seconds)
-    server_cpu, client_cpu = cpu_seconds(pid) - server_cpu, _children_cpu() - client_cpu
+    while True:
+        server_cpu, client_cpu = cpu_seconds(pid), _children_cpu()
+        figures = wrk_load.run(url, requests, CLIENTS, seconds)
+        server_cpu, client_cpu = cpu_seconds(pid) - server_cpu, _children_cpu() - client_cpu
+        if figures["requests"] > 0:
+            break
+        if seconds >= 32:
+            raise RuntimeError(f"wrk saw no request answered in {seconds:g} s: {figures}")
+        seconds *= 2
     count, elapsed = figures["requests"], figures["microseconds"] / 1e6
     result: dict[str, Any] = {
         "requests": count,

@@ -73,3 +73,68 @@ def test_renderers_generate_parses_rlserves_answer(server):
         ).json()
         full = scored["outputs"][0]["log_probs"]["full"]
         assert_close(out["completion_logprobs"], full[len(prompt) :], 1e-4)
+
+
+def test_a_three_step_loop_with_renderers_and_prime_rls_weight_updates(server, tmp_path):
+    """prime-rl's loop on rlserve: each step samples a group with renderers' `generate` (the
+    real client), takes a policy-gradient step on the trainer, saves the weights and loads them
+    with prime-rl's admin requests (`InferenceAdmin.on_new_version`, filesystem mode: pause
+    keep, `/update_weights {"weight_dir"}`, resume; replayed as in
+    tests/dialects/test_prime_rl_admin.py). Each step's log-probs are the trainer's own forward
+    of the weights it loaded last."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    chat = [{"role": "user", "content": "Count: 1 2 3"}]
+    own = renderer(server.url)
+    source = httpx.get(f"{server.url}/v1/models").json()["data"][0]["source"]
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    async def group(step: int) -> list[dict[str, object]]:
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY")
+        try:
+            return [
+                await client_module.generate(
+                    client=client,
+                    renderer=own,
+                    model=NAME,
+                    messages=chat,
+                    sampling_params={"max_tokens": 6, "temperature": 1.0, "seed": 10 * step + k},
+                )
+                for k in range(4)
+            ]
+        finally:
+            await client.close()
+
+    def own_log_probs(prompt: list[int], completion: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt + completion])
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        return logits.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+
+    def admin(path: str, **kwargs: object) -> None:
+        response = httpx.post(f"{server.url}{path}", timeout=120, **kwargs)  # type: ignore[arg-type]
+        assert response.status_code == 200, response.text
+
+    for step in range(1, 4):
+        outs = asyncio.run(group(step))
+        rewards = [sum(t % 2 == 0 for t in o["completion_ids"]) / 6 for o in outs]  # type: ignore[union-attr]
+        mean = sum(rewards) / len(rewards)
+        optimizer.zero_grad()
+        loss = torch.zeros(())
+        for out, reward in zip(outs, rewards, strict=True):
+            mine = own_log_probs(out["prompt_ids"], out["completion_ids"])  # type: ignore[arg-type]
+            # sampled by the weights loaded last: the ratio starts at 1
+            assert_close(out["completion_logprobs"], mine.tolist(), 1e-4)  # type: ignore[arg-type]
+            loss = loss - (reward - mean) * mine.sum()
+        loss.backward()
+        optimizer.step()
+        step_dir = tmp_path / f"step_{step}"
+        model.save_pretrained(step_dir)
+        admin("/pause", params={"mode": "keep", "clear_cache": "false"})
+        admin("/update_weights", json={"weight_dir": str(step_dir)})
+        admin("/resume")
+    out = asyncio.run(group(4))[0]
+    with torch.no_grad():
+        mine = own_log_probs(out["prompt_ids"], out["completion_ids"])  # type: ignore[arg-type]
+    assert_close(out["completion_logprobs"], mine.tolist(), 1e-4)  # type: ignore[arg-type]

@@ -182,3 +182,56 @@ async def test_slimes_distributed_updates_serve_the_trainers_weights(
         await asyncio.to_thread(slime_distributed_update, served, new, version, tmp_path)
         assert await served_version(served) == version, f"step {step}"
         await assert_serves(served, new)
+
+
+def grpo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[tuple[list[int], list[list[int]], list[float]]],
+) -> None:
+    """One policy-gradient step on group-normalised advantages (prompt, replies, rewards)."""
+    optimizer.zero_grad()
+    loss = torch.zeros(())
+    for prompt, replies, rewards in groups:
+        mean = sum(rewards) / len(rewards)
+        for reply, reward in zip(replies, rewards, strict=True):
+            ids = torch.tensor([prompt + reply])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+            taken = logits.gather(-1, ids[0, len(prompt) :, None]).sum()
+            loss = loss - (reward - mean) * taken
+    loss.backward()
+    optimizer.step()
+
+
+async def test_a_three_step_grpo_loop_through_slimes_requests(served, trainer_model, tmp_path):
+    """slime's loop: its first weight sync, then per step rollouts with its generate bodies, a
+    policy-gradient step on the trainer and the new weights pushed with its distributed
+    update. Each step samples with the weights pushed last: the log-probs slime reads back
+    are the trainer's own forward of them (the importance ratio starts at 1)."""
+    optimizer = torch.optim.Adam(trainer_model.parameters(), lr=1e-3)
+    version = await served_version(served) + 1
+    await asyncio.to_thread(slime_distributed_update, served, trainer_model, version, tmp_path)
+    previous: list[float] | None = None
+    for step in range(3):
+        groups = []
+        for prompt in PROMPTS:
+            replies, rewards = [], []
+            for seed in range(4):  # a group of four, as --n-samples-per-prompt
+                params = slime_sampling_params(5, sampling_seed=100 * step + seed)
+                tokens, log_probs, meta = await slime_generate(served, prompt, params)
+                assert meta["weight_version"] == str(version)
+                with torch.no_grad():
+                    own = forward_log_probs(trainer_model, prompt + tokens)[len(prompt) :]
+                assert_close(log_probs, own, 1e-4)
+                replies.append(tokens)
+                rewards.append(sum(t % 2 == 0 for t in tokens) / len(tokens))  # even ids
+            groups.append((prompt, replies, rewards))
+        grpo_step(trainer_model, optimizer, groups)
+        version += 1
+        await asyncio.to_thread(slime_distributed_update, served, trainer_model, version, tmp_path)
+        assert await served_version(served) == version, f"step {step}"
+        (scores,) = await served.scores([SEQUENCES[0]])
+        assert previous is None or scores != previous  # the step changed the served weights
+        previous = scores
+    with torch.no_grad():
+        await assert_serves(served, trainer_model)

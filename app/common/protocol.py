@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 from rlserve_client import types as containers
 
@@ -166,6 +166,17 @@ Temperature = Annotated[
     float | None,
     Field(default=None, ge=0, le=1e4, description="Default 1.0; 0 is greedy."),
     AfterValidator(_not_too_cold),
+    # The spec says the rule too: 0, or from MIN_TEMPERATURE up.
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "enum": [0]},
+                {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 1e4},
+                {"type": "null"},
+            ],
+            "description": f"Default 1.0; 0 is greedy; else at least {MIN_TEMPERATURE}.",
+        }
+    ),
 ]
 TopP = Annotated[float, Field(default=1.0, ge=0, le=1)]
 TopK = Annotated[int | None, Field(default=None, gt=0, le=1 << 30)]

@@ -125,7 +125,18 @@ class SamplingFields(DialectModel):
         description="Extension: log-probs of the raw model distribution (temperature 1, no "
         "filtering: what a trainer computes) or of the distribution sampled from.",
     )
+    use_beam_search: bool = Field(
+        default=False,
+        description="Extension (vLLM's): only false; beam search is not offered.",
+        json_schema_extra={"const": False},
+    )
     trajectory_id: TRAJECTORY_ID | None = None
+
+    @model_validator(mode="after")
+    def _sampling_rules(self) -> SamplingFields:
+        if self.use_beam_search:
+            raise field_error("use_beam_search", "beam search is not offered: sample with n")
+        return self
 
     @property
     def top_k_or_none(self) -> int | None:

@@ -202,11 +202,15 @@ async def test_errors_are_the_sdks_exceptions(sdk):
         ({"n": 2, "extra_body": {"trajectory_id": "t"}}, "n"),
         ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),  # not silently sampled
     ]
     for params, field in bad:
         with pytest.raises(openai.BadRequestError) as caught:
             await sdk.chat.completions.create(model="policy", messages=CHAT, **params)
         assert caught.value.body["param"] == field, (params, caught.value.body)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.completions.create(model="policy", prompt="x", extra_body={"use_beam_search": 1})
+    assert caught.value.body["param"] == "use_beam_search"
     with pytest.raises(openai.BadRequestError) as caught:
         await sdk.completions.create(model="policy", prompt="x", echo=True, stream=True)
     assert caught.value.body["param"] == "echo"

@@ -67,6 +67,17 @@ async def test_a_rendered_chat_samples_and_derenders_as_the_chat_route(client, l
     assert mine == theirs
 
 
+async def test_top_p_zero_renders_as_top_k_one_and_samples_the_same(client):
+    """OpenAI's top_p 0 (the most likely token alone) is outside vLLM's (0, 1]: it renders as
+    top_k 1, which draws the same tokens (it was a 500)."""
+    chat = {"messages": MESSAGES, "max_tokens": 6, "seed": 4, "top_p": 0, "return_token_ids": True}
+    expected = await ok(await client.post("/v1/chat/completions", json=chat))
+    rendered = await ok(await client.post("/v1/chat/completions/render", json=chat))
+    assert (rendered["sampling_params"]["top_p"], rendered["sampling_params"]["top_k"]) == (1.0, 1)
+    generated = await ok(await client.post("/inference/v1/generate", json=rendered))
+    assert generated["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+
+
 async def test_rendered_completions_sample_and_derender_as_the_completions_route(client):
     """One body per prompt, each sampled as a request of its own (with a seed, as
     `/v1/completions` samples that prompt alone: vLLM gives each prompt the request's seed)."""

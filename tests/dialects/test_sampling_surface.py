@@ -288,3 +288,11 @@ async def test_openai_routes_take_the_same_parameters(client):
     answer = await client.post("/v1/completions", json=body)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["token_ids"] == vllm["token_ids"]
+
+
+async def test_a_temperature_below_vllms_epsilon_samples_greedily(client):
+    """vLLM samples greedily below 1e-5; dividing the logits by 1e-200 would overflow them
+    (it was a 500)."""
+    greedy_row = await vllm_tokens(client, temperature=0.0, max_tokens=6, seed=1)
+    for tiny in (1e-200, 1e-6):
+        assert await vllm_tokens(client, temperature=tiny, max_tokens=6, seed=1) == greedy_row

@@ -31,21 +31,21 @@ from app.openai_compat.protocol import (
 from app.openai_compat.service import Job, OpenAIService
 from app.openai_compat.tokens import Tops
 
-UNRENDERED = {
-    "use_beam_search": "beam search is not rendered (vLLM's render refuses it too)",
-    "trajectory_id": "a trajectory records sampled turns: render has none to record",
-}
-
 
 def sampling_params(job: Job) -> SamplingParams:
     """The job's sampling as vLLM's SamplingParams: what `/inference/v1/generate` turns back
     into the same `SamplingConfig` (the server's default length made explicit)."""
     request = job.request
+    # OpenAI's top_p 0 keeps the most likely token alone, which vLLM's sampling (top_p in
+    # (0, 1]) says as top_k 1: the same token from the same random stream.
+    top_p, top_k = request.top_p, request.top_k_or_none or 0
+    if top_p == 0:
+        top_p, top_k = 1.0, 1
     return SamplingParams(
         n=request.n,
         temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k_or_none or 0,
+        top_p=top_p,
+        top_k=top_k,
         min_p=request.min_p,
         seed=request.seed,
         stop=request.stops or None,
@@ -67,11 +67,11 @@ def sampling_params(job: Job) -> SamplingParams:
 
 
 def _check_renderable(request: ChatCompletionRequest | CompletionRequest, prefix: str = "") -> None:
-    extra = request.model_extra or {}
-    if extra.get("use_beam_search"):
-        raise invalid(f"{prefix}use_beam_search", UNRENDERED["use_beam_search"])
     if request.trajectory_id is not None:
-        raise invalid(f"{prefix}trajectory_id", UNRENDERED["trajectory_id"])
+        raise invalid(
+            f"{prefix}trajectory_id",
+            "a trajectory records sampled turns: render has none to record",
+        )
 
 
 def _rendered(job: Job, index: int, request_id: str) -> RenderedRequest:

@@ -55,7 +55,9 @@ def config_of(
     )
     return SamplingConfig.resolve(
         max_new,
-        greedy=params.temperature == 0,
+        # vLLM samples greedily below its _SAMPLING_EPS (1e-5), where dividing the logits by
+        # the temperature would overflow
+        greedy=params.temperature < 1e-5,
         temperature=params.temperature,
         stops=params.stops,
         top_p=params.top_p,

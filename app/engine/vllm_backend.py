@@ -461,14 +461,19 @@ def sampling_params(
 
     if prompt_top is None and config.return_prompt_log_probs and prompt_log_probs:
         prompt_top = 0  # the prompt's own log-probs alone
+    # top_p 0 keeps the most likely token alone (OpenAI's meaning, and the transformers
+    # backend's), which vLLM, taking top_p in (0, 1], says as top_k 1.
+    top_p, top_k = config.top_p, config.top_k or 0
+    if top_p == 0:
+        top_p, top_k = 1.0, 1
     return SamplingParams(
         output_kind=RequestOutputKind.CUMULATIVE if streaming else _final_only(),
         detokenize=bool(config.stop_sequences),
         n=1,
         max_tokens=config.max_new_tokens,
         temperature=config.temperature if config.do_sample else 0.0,
-        top_p=config.top_p,
-        top_k=config.top_k or 0,
+        top_p=top_p,
+        top_k=top_k,
         min_p=config.min_p,
         repetition_penalty=config.repetition_penalty,
         seed=seed,

@@ -406,6 +406,13 @@ class BatchingSettings(Group):
         default=65536, gt=0, description="Padded-token budget (rows x longest) per model call."
     )
     max_queue: int = Field(default=1024, gt=0, description="Requests waiting; beyond it 503.")
+    invariant: bool = Field(
+        default=False,
+        description="Batch-invariant mode: every sequence is scored and generated in a model "
+        "call of its own, so its tokens and log-probs are bitwise the same whatever else is "
+        "sent, and sampled log-probs equal /v1/logprobs of the same tokens bitwise. Costs "
+        "throughput; a request's batch_invariant overrides it. transformers backend only.",
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> BatchingSettings:

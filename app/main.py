@@ -168,6 +168,7 @@ def create_app(
             settings.vllm,
             batching=settings.batching.config(),
             state_dir=data_dir / "vllm-weights",
+            invariant=settings.batching.invariant,
         )
         app.state.registry = registry
         app.state.probe = EngineProbe(

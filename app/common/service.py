@@ -10,7 +10,7 @@ from typing import Any
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.config import LimitSettings
-from app.engine.registry import ModelRegistry
+from app.engine.registry import ModelRegistry, check_batch_invariant
 from app.engine.served import ServedModel
 
 
@@ -35,6 +35,14 @@ class ModelServing:
 
     def served(self, model: str) -> ServedModel:
         return self.registry.get(model)
+
+    def alone(self, requested: bool | None, served: ServedModel) -> bool:
+        """Whether this request's rows run batch-invariant (each in a model call of its own):
+        its `batch_invariant`, else the server's `batching.invariant`."""
+        invariant = self.registry.invariant if requested is None else requested
+        if invariant:
+            check_batch_invariant(served, "batch_invariant")
+        return invariant
 
     def max_new_tokens(self, requested: int | None, field: str = "max_new_tokens") -> int:
         value = requested or self.limits.default_max_new_tokens

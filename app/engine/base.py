@@ -33,6 +33,9 @@ class Capabilities:
     prompt_scores: bool = False
     """Scores a prompt (top-k, ranks) in the same engine pass that generates from it
     (`GenerateItem.prompt_asks`); otherwise the service scores prompts in a pass of their own."""
+    batch_invariant: bool = False
+    """A call with one row computes it as every other such call does, bitwise: the engine
+    batches nothing across calls (batch-invariant mode runs each row in a call of its own)."""
 
 
 class Backend(ABC):

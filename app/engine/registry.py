@@ -34,6 +34,17 @@ class Origin:
     read_at: float
 
 
+def check_batch_invariant(served: ServedModel, param: str) -> None:
+    """Refuse batch-invariant mode (named by `param`) on an engine that cannot run it."""
+    if not served.backend.capabilities.batch_invariant:
+        raise Unsupported(
+            f"{param}: batch-invariant mode needs the transformers backend; the "
+            f"{served.backend.info.backend} engine batches requests itself (and vLLM's CPU "
+            "attention has no batch-invariant kernels)",
+            param=param,
+        )
+
+
 class ModelRegistry:
     """`state_dir`: where vLLM engines keep their weight-update state (one folder each)."""
 
@@ -44,10 +55,13 @@ class ModelRegistry:
         *,
         batching: BatchingConfig | None,
         state_dir: Path,
+        invariant: bool = False,
     ) -> None:
         self.model_settings = models
         self.vllm = vllm
         self.batching = batching
+        self.invariant = invariant
+        """Batch-invariant mode by default (`batching.invariant`; requests may override)."""
         self.state_dir = state_dir
         self.models: dict[str, ServedModel] = {}
         self.origins: dict[str, Origin] = {}
@@ -113,6 +127,9 @@ class ModelRegistry:
                 self.pair = ModelPair(
                     self.models["policy"], self.models["reference"], self.batching
                 )
+            if self.invariant:
+                for served in self.models.values():
+                    check_batch_invariant(served, "batching.invariant")
             self.status, self.loaded_at = "ready", time.time()
             logger.info(
                 "loaded %s", "; ".join(m.backend.info.summary() for m in self.models.values())
@@ -139,7 +156,7 @@ class ModelRegistry:
             vocab_size=backend.info.vocab_size,
             max_model_len=backend.info.max_model_len,
         )
-        served = ServedModel(backend, preparer, self.batching)
+        served = ServedModel(backend, preparer, self.batching, invariant=self.invariant)
         self.models[served.name] = served
         return served
 

@@ -22,11 +22,18 @@ class ServedModel:
     """A loaded backend, the input preparer for its tokenizer, and its request batchers."""
 
     def __init__(
-        self, backend: Backend, preparer: InputPreparer, batching: BatchingConfig | None
+        self,
+        backend: Backend,
+        preparer: InputPreparer,
+        batching: BatchingConfig | None,
+        *,
+        invariant: bool = False,
     ) -> None:
         self.name = backend.info.name
         self.backend = backend
         self.preparer = preparer
+        self.invariant = invariant
+        """Batch-invariant by default: a call that does not say runs each row alone."""
         self.num_tokens_scored = 0
         self.num_tokens_generated = 0
         self.last_success = 0.0  # time.monotonic() of the last backend call that returned
@@ -58,25 +65,39 @@ class ServedModel:
         self.last_success = time.monotonic()
         return generations
 
-    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        if self.scoring is None:
+    async def score(
+        self, sequences: Sequence[Sequence[int]], *, alone: bool | None = None
+    ) -> list[list[float]]:
+        """`alone`: each sequence in a backend call of its own, never batched with another
+        (batch-invariant mode; None: the model's default)."""
+        if self.invariant if alone is None else alone:
+            scored = [(await _direct(self._score_batch([s])))[0] for s in sequences]
+        elif self.scoring is None:
             scored = await _direct(self._score_batch(list(sequences)))
         else:
             scored = await self.scoring.submit(sequences)
         self.num_tokens_scored += sum(len(s) for s in sequences)
         return scored
 
-    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
+    async def score_detailed(
+        self, items: Sequence[ScoreItem], *, alone: bool | None = None
+    ) -> list[Scores]:
         """Raw log-probs and the extras each item's spec asks for."""
-        if self.detailed is None:
+        if self.invariant if alone is None else alone:
+            scored = [(await _direct(self._detailed_batch([item])))[0] for item in items]
+        elif self.detailed is None:
             scored = await _direct(self._detailed_batch(list(items)))
         else:
             scored = await self.detailed.submit(items)
         self.num_tokens_scored += sum(len(seq) for seq, _ in items)
         return scored
 
-    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
-        if self.generation is None:
+    async def generate(
+        self, items: Sequence[GenerateItem], *, alone: bool | None = None
+    ) -> list[Generation]:
+        if self.invariant if alone is None else alone:
+            generations = [(await _direct(self._generate_batch([i])))[0] for i in items]
+        elif self.generation is None:
             generations = await _direct(self._generate_batch(list(items)))
         else:
             generations = await self.generation.submit(items)
@@ -162,6 +183,8 @@ class ModelPair:
     async def score(
         self, sequences: Sequence[Sequence[int]]
     ) -> list[tuple[list[float], list[float]]]:
+        if self.policy.invariant:  # each sequence alone, on both models
+            return [(await _direct(self._score_batch([s])))[0] for s in sequences]
         if self.batcher is None:
             return await _direct(self._score_batch(list(sequences)))
         return await self.batcher.submit(sequences)

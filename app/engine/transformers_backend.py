@@ -34,7 +34,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 class TransformersBackend(Backend):
-    capabilities = Capabilities(weight_transfer=True, processed_log_probs=True)
+    capabilities = Capabilities(
+        weight_transfer=True, processed_log_probs=True, batch_invariant=True
+    )
 
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo) -> None:
         self.model = model

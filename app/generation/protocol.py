@@ -70,6 +70,14 @@ class GenerateRequest(InputFields):
     entropy: bool = Field(
         default=False, description="At every generated token, the raw distribution's entropy."
     )
+    batch_invariant: bool | None = Field(
+        default=None,
+        description="Each row generated in a model call of its own, so its tokens and "
+        "log-probs are bitwise the same whatever else is sent, and its log-probs are those "
+        "/v1/logprobs gives its tokens, bitwise (a row that spans a weight update keeps the "
+        "ones it was sampled with). Default: the server's batching.invariant. transformers "
+        "backend only.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:

@@ -58,14 +58,18 @@ class GenerationService(ModelServing):
         prompt_asks: ScoreSpec | None = None,
         sinks: Sequence[TokenSink] | None = None,
         started: asyncio.Future[int] | None = None,
+        alone: bool | None = None,
     ) -> Sampled:
         """The domain API: checked prompts in, `n` generations each out. Row k's random stream
         is `row_seed(seed, k)`, whatever else is batched with it. With `asks`, each finished
         sequence is also scored for them over its response, under the weights at its end;
         with `prompt_asks`, each prompt is scored for them too. Row k's tokens also go to
         `sinks[k]` as they are sampled (streaming), and `started` gets the policy version once
-        generation is admitted."""
+        generation is admitted. `alone` (batch-invariant mode): every row and every scoring
+        pass in a model call of its own, and each finished row's log-probs those of one
+        scoring pass over its tokens."""
         served = self.registry.get(model)
+        alone = served.invariant if alone is None else alone
         abandoned = threading.Event()
         # An engine that scores prompts as it generates (top-k and ranks) does so for each
         # prompt's first row.
@@ -90,20 +94,26 @@ class GenerationService(ModelServing):
                 prompt_scores: list[Scores | None] | None = None
                 if prompt_asks is not None and in_pass is None:
                     # Scored first: an engine with a prefix cache then generates from it.
-                    work = served.score_detailed([(p.ids, prompt_asks) for p in prompts])
+                    work = served.score_detailed(
+                        [(p.ids, prompt_asks) for p in prompts], alone=alone
+                    )
                     first = await self.registry.unless_aborted(work)
                     if first is None:  # an abort pause began: nothing is generated
                         aborted = [Generation([], [], None, "abort") for _ in items]
                         return Sampled(version, prompts, aborted, None, [None] * len(prompts))
                     prompt_scores = list(first)
-                generations = await served.generate(items)
+                generations = await served.generate(items, alone=alone)
+                if alone:
+                    await self._rescore_alone(served, items, generations)
                 if in_pass is not None:
                     # (Not scored again when missing: an aborted row is missing them, and
                     # while an abort pause holds, the engine admits no new request.)
                     prompt_scores = [g.prompt_scores for g in generations[::n]]
                 scores = None
                 if asks is not None:
-                    scores = await self._score_finished(served, items, generations, asks)
+                    scores = await self._score_finished(
+                        served, items, generations, asks, alone=alone
+                    )
         except asyncio.CancelledError:
             abandoned.set()  # the backend stops these rows at the next token
             raise
@@ -115,6 +125,8 @@ class GenerationService(ModelServing):
         items: list[GenerateItem],
         generations: list[Generation],
         asks: ScoreSpec,
+        *,
+        alone: bool = False,
     ) -> list[Scores | None]:
         """`asks` over each finished row's response, in one call. Rows an abort ended are not
         scored. An abort pause that begins first cancels the call (the pause waits for this
@@ -125,7 +137,8 @@ class GenerationService(ModelServing):
         if not rows:
             return scores
         work = served.score_detailed(
-            _finished([items[k] for k in rows], [generations[k] for k in rows], asks)
+            _finished([items[k] for k in rows], [generations[k] for k in rows], asks),
+            alone=alone,
         )
         scored = await self.registry.unless_aborted(work)
         for j, k in enumerate(rows):
@@ -134,6 +147,34 @@ class GenerationService(ModelServing):
             else:
                 scores[k] = scored[j]
         return scores
+
+    async def _rescore_alone(
+        self, served: ServedModel, items: list[GenerateItem], generations: list[Generation]
+    ) -> None:
+        """Batch-invariant log-probs: each finished row's raw log-probs (and its prompt's,
+        when asked) from one scoring pass over its tokens alone, the pass /v1/logprobs runs,
+        instead of the decoding steps' (equal to about 1e-6, not bitwise). Only for a row
+        that ran on one version that is still served before and after the pass: a row that
+        spans an update keeps the log-probs it was sampled with."""
+        rows = [k for k, g in enumerate(generations) if g.finish_reason != "abort"]
+        if not rows:
+            return
+        before = self.registry.versions[served.name]
+        work = served.score(
+            [items[k].prompt_ids + tuple(generations[k].token_ids) for k in rows], alone=True
+        )
+        scored = await self.registry.unless_aborted(work)
+        if scored is None or self.registry.versions[served.name] != before:
+            return
+        for k, full in zip(rows, scored, strict=True):
+            generation = generations[k]
+            spans = generation.versions
+            if spans is not None and (len(spans) != 1 or spans[0].version != before):
+                continue
+            num_prompt = len(items[k].prompt_ids)
+            generation.log_probs = full[num_prompt:]
+            if generation.prompt_log_probs is not None:
+                generation.prompt_log_probs = full[:num_prompt]
 
     def _asks(
         self,
@@ -181,7 +222,13 @@ class GenerationService(ModelServing):
         config = request.to_sampling_config(max_new_tokens)
         asks = self._asks(request, inputs.items, max_new_tokens, inputs.served.backend)
         sampled = await self.sample(
-            request.model, inputs.items, config, n=request.num_samples, seed=request.seed, asks=asks
+            request.model,
+            inputs.items,
+            config,
+            n=request.num_samples,
+            seed=request.seed,
+            asks=asks,
+            alone=self.alone(request.batch_invariant, inputs.served),
         )
         preparer = inputs.preparer
         outputs = await preparer.off_loop(_generated_samples, sampled, preparer, request)

@@ -26,6 +26,12 @@ class LogProbsRequest(SplitInputFields):
     entropy: bool = Field(
         default=False, description="Per-position entropy (nats) of the raw distribution."
     )
+    batch_invariant: bool | None = Field(
+        default=None,
+        description="Each sequence scored in a model call of its own: bitwise the same "
+        "whatever else is sent. Default: the server's batching.invariant. transformers "
+        "backend only.",
+    )
     temperature: float = Field(
         default=1.0,
         gt=0,

@@ -37,14 +37,16 @@ class ScoringService(ModelServing):
         _check_full_distribution(asks, prepared, served.backend.full_distribution_limit())
         specs = [replace(asks, start=max(1, start)) for _, start in spans]
         detailed = asks.extras
+        alone = self.alone(request.batch_invariant, served)
         async with self.registry.reading() as version:
             if detailed:
                 scores = await served.score_detailed(
-                    [(item.ids, spec) for item, spec in zip(prepared, specs, strict=True)]
+                    [(item.ids, spec) for item, spec in zip(prepared, specs, strict=True)],
+                    alone=alone,
                 )
                 values = [s.log_probs.tolist() for s in scores]
             else:
-                values = await served.score([item.ids for item in prepared])
+                values = await served.score([item.ids for item in prepared], alone=alone)
         with_text = field != "tokens" and field != "prompt_tokens"
 
         def build(i: int) -> ScoredSample | dict[str, Any]:

@@ -34,6 +34,22 @@ def test_batching_benchmark_quick(tmp_path):
     assert "| /v1/generate | 8 |" in (tmp_path / "batching-quick.md").read_text()
 
 
+def test_batch_invariance_benchmark_quick(tmp_path):
+    """The script checks that invariant mode's gaps are 0.0; here, that it measured both modes
+    in both dtypes."""
+    report = run_quick("batch_invariance", tmp_path)
+    for dtype in ("float32", "bfloat16"):
+        for mode in ("default", "invariant"):
+            figures = report[dtype][mode]
+            assert set(figures["score_gap_alone_vs"]) == {
+                "batch_8",
+                "batch_32",
+                "beside_7_requests",
+            }
+            assert figures["score_tok_s"] > 0 and figures["generate_tok_s"] > 0
+        assert report[dtype]["invariant"]["sampled_vs_scored_gap"] == 0.0
+
+
 def test_rollouts_benchmark_quick(tmp_path):
     report = run_quick("rollouts", tmp_path)
     for parallel in ("2", "4"):

@@ -64,6 +64,7 @@ def logprobs(
     reference_log_probs: Any = None,
     mismatch_threshold: float | None = None,
     span: str | None = None,
+    batch_invariant: bool | None = None,
     tensors: bool = False,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.LogProbsResult]:
@@ -71,7 +72,9 @@ def logprobs(
     per position of the span (the response when split, else the full sequence): the
     `top_logprobs` most likely tokens, the `entropy`, log-probs under `temperature`/`top_k`/
     `top_p` (`processed`), the log-probs of candidate `token_ids`; and a `mismatch` report
-    against `reference_log_probs` (one list per input, over the span). `tensors=True`: the
+    against `reference_log_probs` (one list per input, over the span). `batch_invariant`:
+    each sequence scored alone, bitwise the same whatever else the server is sent (None: the
+    server's setting). `tensors=True`: the
     reply travels as binary and its arrays are torch tensors (NaN / -1 where JSON has null,
     -inf for a token top-k/top-p removed); tensors given as inputs always travel as binary."""
     body = _given(
@@ -92,6 +95,7 @@ def logprobs(
         reference_log_probs=reference_log_probs,
         mismatch_threshold=mismatch_threshold,
         span=span,
+        batch_invariant=batch_invariant,
     )
     return tensor_call("/v1/logprobs", types.LogProbsResult, body, tensors=tensors, timeout=timeout)
 

@@ -91,7 +91,9 @@ class ScoringService(ModelServing):
                 )
             for j, token in enumerate(request.token_ids):
                 if token >= vocab_size:
-                    raise invalid(f"token_ids[{j}]", f"{token} is not below the vocabulary size")
+                    raise invalid(
+                        f"token_ids[{j}]", f"{token} is outside the vocabulary [0, {vocab_size})"
+                    )
 
 
 def _plain(value: Any) -> Any:

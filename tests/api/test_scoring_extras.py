@@ -159,6 +159,8 @@ async def test_the_mismatch_report_against_given_log_probs(client):
 async def test_bad_asks_are_422_naming_the_field(client, body, param):
     error = (await score(client, 422, **body))["error"]
     assert param in (error["param"] or ""), error
+    if body.get("token_ids") == [4, 100000]:  # said as every vocabulary refusal is
+        assert "100000 is outside the vocabulary [0, " in error["message"]
 
 
 async def test_chunked_positions_give_the_same_answers(client, backend_name, monkeypatch):

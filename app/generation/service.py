@@ -153,7 +153,7 @@ class GenerationService(ModelServing):
     ) -> None:
         """Batch-invariant log-probs: each finished row's raw log-probs (and its prompt's,
         when asked) from one scoring pass over its tokens alone, the pass /v1/logprobs runs,
-        instead of the decoding steps' (equal to about 1e-6, not bitwise). Only for a row
+        instead of the decoding steps' (within about 1e-5 in float32, not bitwise). Only for a row
         that ran on one version that is still served before and after the pass: a row that
         spans an update keeps the log-probs it was sampled with."""
         rows = [k for k, g in enumerate(generations) if g.finish_reason != "abort"]

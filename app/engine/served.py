@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from app.batching import BackendCallError, Batcher, BatchingConfig
@@ -16,6 +16,7 @@ from app.engine.types import GenerateItem, Generation, Scores
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class ServedModel:
@@ -50,6 +51,9 @@ class ServedModel:
                 f"{self.name}/generate", self._generate_batch, _generation_length, generation
             )
 
+    def _alone(self, alone: bool | None) -> bool:
+        return self.invariant if alone is None else alone
+
     async def _score_batch(self, sequences: list[Sequence[int]]) -> list[list[float]]:
         scored = await self.backend.score(sequences)
         self.last_success = time.monotonic()
@@ -70,8 +74,8 @@ class ServedModel:
     ) -> list[list[float]]:
         """`alone`: each sequence in a backend call of its own, never batched with another
         (batch-invariant mode; None: the model's default)."""
-        if self.invariant if alone is None else alone:
-            scored = [(await _direct(self._score_batch([s])))[0] for s in sequences]
+        if self._alone(alone):
+            scored = await _one_at_a_time(self._score_batch, sequences)
         elif self.scoring is None:
             scored = await _direct(self._score_batch(list(sequences)))
         else:
@@ -83,8 +87,8 @@ class ServedModel:
         self, items: Sequence[ScoreItem], *, alone: bool | None = None
     ) -> list[Scores]:
         """Raw log-probs and the extras each item's spec asks for."""
-        if self.invariant if alone is None else alone:
-            scored = [(await _direct(self._detailed_batch([item])))[0] for item in items]
+        if self._alone(alone):
+            scored = await _one_at_a_time(self._detailed_batch, items)
         elif self.detailed is None:
             scored = await _direct(self._detailed_batch(list(items)))
         else:
@@ -95,8 +99,8 @@ class ServedModel:
     async def generate(
         self, items: Sequence[GenerateItem], *, alone: bool | None = None
     ) -> list[Generation]:
-        if self.invariant if alone is None else alone:
-            generations = [(await _direct(self._generate_batch([i])))[0] for i in items]
+        if self._alone(alone):
+            generations = await _one_at_a_time(self._generate_batch, items)
         elif self.generation is None:
             generations = await _direct(self._generate_batch(list(items)))
         else:
@@ -148,6 +152,13 @@ def _generation_length(item: GenerateItem) -> int:
     return len(item.prompt_ids) + item.config.max_new_tokens
 
 
+async def _one_at_a_time(
+    call: Callable[[list[T]], Awaitable[list[R]]], items: Sequence[T]
+) -> list[R]:
+    """Each item in a backend call of its own, one after another (batch-invariant mode)."""
+    return [(await _direct(call([item])))[0] for item in items]
+
+
 async def _direct(call: Awaitable[R]) -> R:
     """Batching off: one backend call per request, errors reported like batched ones."""
     try:
@@ -184,7 +195,7 @@ class ModelPair:
         self, sequences: Sequence[Sequence[int]]
     ) -> list[tuple[list[float], list[float]]]:
         if self.policy.invariant:  # each sequence alone, on both models
-            return [(await _direct(self._score_batch([s])))[0] for s in sequences]
+            return await _one_at_a_time(self._score_batch, sequences)
         if self.batcher is None:
             return await _direct(self._score_batch(list(sequences)))
         return await self.batcher.submit(sequences)

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from rlserve_client import tensor_wire
 
 from app import __version__
+from app.adapters.router import router as adapters_router
 from app.config import HttpSettings, Settings, StorageSettings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.router import router as datasets_router
@@ -228,6 +229,7 @@ def create_app(
         datasets_router,
         rollouts_router,
         weights_router,
+        adapters_router,
         transfer_router,
         serving_router,
         openai_router,

@@ -16,6 +16,15 @@ from app.engine import types as engine_types
 
 _log = logging.getLogger("rlserve.requests")
 ModelName = Literal["policy", "reference"]
+ServedName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=128,
+        description="'policy', 'reference', an alias of either (--served-model-name), or the "
+        "name of a served LoRA adapter (`POST /v1/adapters`).",
+    ),
+]
 TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]

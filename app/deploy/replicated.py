@@ -23,11 +23,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
-from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed
+from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed, Unsupported
 from app.deploy.answers import cause, combined, of_kind, serving
 from app.deploy.ledger import Ledger
 from app.deploy.replica import Commit, Committed, Ranks, Refusal, ReplicaEndpoint, Stage
 from app.engine.gate import GateState
+from app.engine.lora import LoraAdapter
 from app.weights.local import LocalWeights
 from app.weights.protocol import (
     LoadWeightsRequest,
@@ -103,6 +104,20 @@ class ReplicatedWeights:
         if state.paused is not None:
             await self.local.pause(state.paused)
             logger.info("paused (%s), as every replica is", state.paused)
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    async def load_adapter(
+        self, name: str, path: str, param: str, name_param: str = "name"
+    ) -> LoraAdapter:
+        raise Unsupported(
+            f"{param}: LoRA adapters are served by a single server for now, not across the "
+            "replicas of a deployment",
+            param=param,
+        )
+
+    async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
+        return await self.load_adapter(name, "", param)
 
     # -- checkpoint updates ----------------------------------------------------------------
 

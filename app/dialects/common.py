@@ -33,10 +33,11 @@ async def sample(
     seed: int | None = None,
     asks: ScoreSpec | None = None,
     prompt_asks: ScoreSpec | None = None,
+    model: str = "policy",
 ) -> Sampled:
-    """The policy's `n` samples of each prompt, as /v1/generate draws them (row k's random
-    stream is the same for the same seed), after the same checks."""
-    served = generation.served("policy")
+    """The policy's (or one of its adapters') `n` samples of each prompt, as /v1/generate
+    draws them (row k's random stream is the same for the same seed), after the same checks."""
+    served = generation.served(model)
     preparer = served.preparer
     generation.check_num_items(len(prompts.token_ids or prompts.texts or []) * n, "n")
 
@@ -47,16 +48,20 @@ async def sample(
 
     checked = await preparer.off_loop(prepare)
     return await generation.sample(
-        "policy", checked, config, n=n, seed=seed, asks=asks, prompt_asks=prompt_asks
+        model, checked, config, n=n, seed=seed, asks=asks, prompt_asks=prompt_asks
     )
 
 
-def check_policy_name(registry: ModelRegistry, model: str | None, field: str = "model") -> None:
-    """A dialect request's model name: unset, 'policy' or one of its aliases
-    (--served-model-name)."""
-    if model is not None and registry.canonical(model) != "policy":
-        names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
-        raise invalid(field, f"'{model}' does not name the policy (served as {names})")
+def policy_side(registry: ModelRegistry, model: str | None, field: str = "model") -> str:
+    """A dialect request's model name, unset, 'policy' or one of its aliases
+    (--served-model-name), as 'policy'; or a served LoRA adapter's name, as itself."""
+    if model is None or registry.canonical(model) == "policy":
+        return "policy"
+    if model in registry.adapters:
+        return model
+    names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
+    adapters = f", adapters {sorted(registry.adapters)}" if registry.adapters else ""
+    raise invalid(field, f"'{model}' does not name the policy (served as {names}{adapters})")
 
 
 def version_number(text: str | None, field: str) -> int | None:

@@ -13,14 +13,13 @@ from app.ops.access import Access, access
 REFUSED = {
     "/sleep": "sleep levels: rlserve keeps its weights and cache resident",
     "/wake_up": "sleep levels: rlserve keeps its weights and cache resident",
-    "/v1/load_lora_adapter": "LoRA adapters: update the merged weights instead",
-    "/v1/unload_lora_adapter": "LoRA adapters: update the merged weights instead",
     "/start_draft_weight_update": "draft models: rlserve serves no speculative draft",
     "/weight_checker": "weight checksums: score a fixed batch to compare weights",
     "/release_memory_occupation": "releasing memory: rlserve keeps its weights resident",
     "/resume_memory_occupation": "releasing memory: rlserve keeps its weights resident",
-    "/load_lora_adapter": "LoRA adapters: update the merged weights instead",
-    "/unload_lora_adapter": "LoRA adapters: update the merged weights instead",
+    "/load_lora_adapter_from_tensors": "LoRA tensors as pickled bytes: rlserve unpickles "
+    "nothing; save the adapter (PEFT's save_pretrained) and load its folder "
+    "(/load_lora_adapter)",
     "/update_weights_from_tensor": "CUDA IPC handles: use /update_weights_from_distributed",
     "/weights_checker": "weight checksums: score a fixed batch to compare weights",
 }

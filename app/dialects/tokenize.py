@@ -19,7 +19,7 @@ from app.common.protocol import (
     warn_ignored,
 )
 from app.deps import GenerationDep
-from app.dialects.common import check_policy_name
+from app.dialects.common import policy_side
 from app.errors import ERROR_RESPONSES
 from app.generation.service import GenerationService
 from app.openai_compat.protocol import ChatMessage, Tool
@@ -88,7 +88,7 @@ class DetokenizeResponse(DialectModel):
 
 
 def _tokenize(generation: GenerationService, request: TokenizeRequest) -> TokenizeResponse:
-    check_policy_name(generation.registry, request.model)
+    policy_side(generation.registry, request.model)  # an adapter shares its tokenizer
     warn_ignored("/tokenize", list(request.model_extra or {}))
     served = generation.served("policy")
     preparer = served.preparer
@@ -133,7 +133,7 @@ def _tokenize(generation: GenerationService, request: TokenizeRequest) -> Tokeni
 def _detokenize(
     generation: GenerationService, request: DetokenizeRequest, skip_default: bool
 ) -> DetokenizeResponse:
-    check_policy_name(generation.registry, request.model)
+    policy_side(generation.registry, request.model)  # an adapter shares its tokenizer
     preparer = generation.served("policy").preparer
     skip = skip_default if request.skip_special_tokens is None else request.skip_special_tokens
     rows = [row for row in request.tokens if isinstance(row, list)]

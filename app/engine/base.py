@@ -12,6 +12,7 @@ from app.engine.types import GenerateItem, Generation, ModelInfo, Scores, ScoreS
 from app.weights.checkpoint import Layout
 
 if TYPE_CHECKING:
+    from app.engine.lora import LoraAdapter
     from app.weights.transfer_engine import WeightTransfer
 
 
@@ -36,6 +37,8 @@ class Capabilities:
     batch_invariant: bool = False
     """A call with one row computes it as every other such call does, bitwise: the engine
     batches nothing across calls (batch-invariant mode runs each row in a call of its own)."""
+    adapters: bool = False
+    """Serves LoRA adapters (`Backend.load_adapter`), rows of several in one call."""
 
 
 class Backend(ABC):
@@ -78,6 +81,11 @@ class Backend(ABC):
     async def update_weights(self, files: list[Path]) -> None:
         """Copy the tensors of checked safetensors files into the live model."""
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")
+
+    async def load_adapter(self, path: Path, *, name: str, version: int, param: str) -> LoraAdapter:
+        """Read a LoRA adapter (PEFT's layout) for this model, ready for rows to name it
+        (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming `param` if it does not fit."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
 
     def transfer(self) -> WeightTransfer:
         """The server side of the collective weight transfer (when `capabilities` says so)."""

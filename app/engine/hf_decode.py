@@ -5,6 +5,7 @@ other rows in its batch."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 from app.engine.distribution import assemble, position_scores
 from app.engine.freeze import ModelThreadControl
+from app.engine.lora import LoraAdapter, LoraHooks
 from app.engine.sampling import RowSampler
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 
@@ -42,6 +44,17 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24
 full-vocabulary work of a call stays bounded however long its sequences are."""
 
 
+def _adapted(
+    lora: LoraHooks | None, adapters: Sequence[LoraAdapter | None]
+) -> contextlib.AbstractContextManager[None]:
+    """Forwards in this block run each row with its LoRA adapter (`app.engine.lora`)."""
+    if lora is None:
+        if any(a is not None for a in adapters):
+            raise ValueError("a row asks for a LoRA adapter, but this model serves none")
+        return contextlib.nullcontext()
+    return lora.rows(adapters)
+
+
 @torch.inference_mode()
 def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:
     items = [(seq, ScoreSpec()) for seq in sequences]
@@ -50,14 +63,19 @@ def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[l
 
 @torch.inference_mode()
 def score_detailed(
-    model: Any, items: Sequence[tuple[Sequence[int], ScoreSpec]], pad_id: int
+    model: Any,
+    items: Sequence[tuple[Sequence[int], ScoreSpec]],
+    pad_id: int,
+    lora: LoraHooks | None = None,
 ) -> list[Scores]:
     """One forward through the model's trunk for the batch, then its output head over each
     row's positions in chunks of `LOGIT_CHUNK_ELEMENTS`, answering each row's spec. Rows that
-    ask for log-probs alone share their chunks (`_plain_scores`)."""
+    ask for log-probs alone share their chunks (`_plain_scores`). A row whose spec names a
+    LoRA adapter runs with it (`lora`: the model's hooks)."""
     device = model.device
     ids, mask = _padded([seq for seq, _ in items], pad_id, device, left=False)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
+    with _adapted(lora, [spec.adapter for _, spec in items]):
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
     head = model.get_output_embeddings()
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
     results: list[Scores | None] = [None] * len(items)
@@ -170,9 +188,11 @@ def generate(
     eos_ids: frozenset[int],
     decode: Callable[[list[int]], str],
     control: ModelThreadControl | None = None,
+    lora: LoraHooks | None = None,
 ) -> list[Generation]:
     """Decode `items` together. With a `control`, the loop parks at its checkpoints while the
-    model is frozen, ends every row on an abort, and labels each token with its version."""
+    model is frozen, ends every row on an abort, and labels each token with its version. A row
+    that names a LoRA adapter runs with it (`lora`: the model's hooks)."""
     control = control or ModelThreadControl()
     device = model.device
     configs = [item.config for item in items]
@@ -184,13 +204,15 @@ def generate(
     # A prompt shared by several rows (a GRPO group, n > 1) is prefilled once; its cache and
     # logits are then copied to each of its rows.
     firsts, expand = _distinct_prompts(items, device)
-    out = model(
-        input_ids=ids[firsts],
-        attention_mask=mask[firsts],
-        position_ids=positions[firsts],
-        use_cache=True,
-        logits_to_keep=0 if want_prompt else 1,
-    )
+    adapters = [item.adapter for item in items]
+    with _adapted(lora, [adapters[i] for i in firsts]):
+        out = model(
+            input_ids=ids[firsts],
+            attention_mask=mask[firsts],
+            position_ids=positions[firsts],
+            use_cache=True,
+            logits_to_keep=0 if want_prompt else 1,
+        )
     cache, prefill_logits = _returned_cache(out), out.logits
     if expand is not None:
         cache.reorder_cache(expand)
@@ -229,25 +251,27 @@ def generate(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         columns.append(chosen[:, None])
         previous, version = version, control.checkpoint()
-        if version == previous:
-            out = model(
-                input_ids=chosen[:, None],
-                attention_mask=mask,
-                position_ids=next_position,
-                **{cache_argument: cache},
-                use_cache=True,
-            )
-        else:
-            # The weights changed while frozen: the cache holds the old weights' keys and
-            # values, so it is rebuilt over everything so far. Every later token then comes
-            # from the new weights exactly, as if the whole sequence had been fed to them.
-            out = model(
-                input_ids=torch.cat([ids, *columns], dim=1),
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        with _adapted(lora, adapters):
+            if version == previous:
+                out = model(
+                    input_ids=chosen[:, None],
+                    attention_mask=mask,
+                    position_ids=next_position,
+                    **{cache_argument: cache},
+                    use_cache=True,
+                )
+            else:
+                # The weights changed while frozen: the cache holds the old weights' keys and
+                # values, so it is rebuilt over everything so far. Every later token then
+                # comes from the new weights exactly, as if the whole sequence had been fed
+                # to them.
+                out = model(
+                    input_ids=torch.cat([ids, *columns], dim=1),
+                    attention_mask=mask,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps) for i in range(len(items))]
@@ -269,13 +293,13 @@ def _returned_cache(out: Any) -> Any:
 def _distinct_prompts(
     items: Sequence[GenerateItem], device: torch.device
 ) -> tuple[list[int], torch.Tensor | None]:
-    """The first row of each distinct prompt, and each row's index among those (None when
-    every prompt is distinct)."""
-    first: dict[tuple[int, ...], int] = {}
+    """The first row of each distinct prompt (and adapter), and each row's index among those
+    (None when every prompt is distinct)."""
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
     firsts: list[int] = []
     index = []
     for row, item in enumerate(items):
-        key = tuple(item.prompt_ids)
+        key = (id(item.adapter), tuple(item.prompt_ids))
         if key not in first:
             first[key] = len(firsts)
             firsts.append(row)

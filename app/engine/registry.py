@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from app.batching import BatchingConfig
-from app.common.failures import NotReady, Unsupported, invalid
+from app.common.failures import Conflict, NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config import ModelSettings, VllmSettings
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_model, resolve_source
-from app.engine.served import ModelPair, ServedModel
+from app.engine.lora import LoraAdapter
+from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
@@ -69,6 +70,9 @@ class ModelRegistry:
         self.loaded_at = 0.0  # time.time() when the models were ready
         self.error: str | None = None
         self.pair: ModelPair | None = None
+        self.adapters: dict[str, LoraAdapter] = {}
+        """LoRA adapters on the policy by name, each the version new requests get."""
+        self._adapter_lock = asyncio.Lock()
         self.gate = ServingGate(lambda: {name: m.backend for name, m in self.models.items()})
 
     @property
@@ -160,8 +164,16 @@ class ModelRegistry:
         self.models[served.name] = served
         return served
 
-    def get_pair(self) -> ModelPair:
-        self.get("policy")
+    def get_pair(self, model: str = "policy") -> ModelPair | AdapterPair:
+        """The policy (or `model`, one of its LoRA adapters) and its reference, for KL. An
+        adapter's reference is its base with the adapter off, unless a reference model of
+        its own is configured (`ref_model`)."""
+        served = self.get(model)
+        if isinstance(served, AdaptedModel):
+            separate = self.model_settings.ref_model and "reference" in self.models
+            return AdapterPair(served, self.models["reference"] if separate else served.base)
+        if served.name != "policy":
+            raise invalid("model", f"'{model}' is not the policy or one of its adapters")
         if self.pair is None:
             raise Unsupported(
                 "model: no reference model is served "
@@ -192,14 +204,79 @@ class ModelRegistry:
         target = self.aliases.get(name)
         return target if target in self.models else None
 
+    def serves(self, name: str) -> bool:
+        """Whether `name` is a served model, an alias or a LoRA adapter."""
+        return self.canonical(name) is not None or name in self.adapters
+
     def get(self, name: str) -> ServedModel:
+        """The served model, alias or LoRA adapter `name` (an adapter: its current version)."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         canonical = self.canonical(name)
-        if canonical is None:
-            served = sorted([*self.models, *self.aliases])
-            raise invalid("model", f"'{name}' is not served (have {served})")
-        return self.models[canonical]
+        if canonical is not None:
+            return self.models[canonical]
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            return AdaptedModel(self.models["policy"], adapter)
+        served = sorted([*self.models, *self.aliases, *self.adapters])
+        raise invalid("model", f"'{name}' is not served (have {served})")
+
+    def version_of(self, served: ServedModel) -> int:
+        """The version `served` answers with: an adapter's own, or its model's weights'."""
+        if isinstance(served, AdaptedModel):
+            return served.adapter.version
+        return self.versions[served.name]
+
+    @staticmethod
+    def answered(served: ServedModel, policy_version: int) -> int:
+        """The version an answer of `served` reports: an adapter's own version, otherwise
+        the policy version its work was admitted at."""
+        return served.adapter.version if isinstance(served, AdaptedModel) else policy_version
+
+    async def load_adapter(
+        self, name: str, path: Path, *, param: str, name_param: str = "name"
+    ) -> LoraAdapter:
+        """Serve the LoRA adapter in folder `path` on the policy as `name`: a new name at
+        version 1, a served one as its next version (rows in flight keep the version they
+        started with)."""
+        base = self.get("policy")
+        if not base.backend.capabilities.adapters:
+            raise Unsupported(
+                f"{param}: the {base.backend.info.backend} backend serves no LoRA adapters "
+                "here (the transformers backend does)",
+                param=param,
+            )
+        if self.canonical(name) is not None:
+            raise Conflict(
+                f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
+            )
+        async with self._adapter_lock:
+            previous = self.adapters.get(name)
+            version = previous.version + 1 if previous is not None else 1
+            adapter = await base.backend.load_adapter(path, name=name, version=version, param=param)
+            self.adapters[name] = adapter
+        logger.info(
+            "adapter %s v%d loaded from %s (rank %d, %d layers)",
+            name,
+            version,
+            path,
+            adapter.rank,
+            len(adapter.modules),
+        )
+        return adapter
+
+    def unload_adapter(self, name: str, *, param: str) -> LoraAdapter:
+        """Stop serving adapter `name` to new requests (rows in flight finish with it)."""
+        if (reason := self.not_ready_reason()) is not None:
+            raise NotReady(reason)
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            raise NotFound(
+                f"{param}: no adapter '{name}' is served (have {sorted(self.adapters)})",
+                param=param,
+            )
+        logger.info("adapter %s unloaded", name)
+        return adapter
 
     def origin(self, name: str) -> Origin:
         """Where the served model `name` (or an alias) started from."""

@@ -12,7 +12,8 @@ from typing import TypeVar
 from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
 from app.engine.base import Backend, Capabilities, ScoreItem
-from app.engine.types import GenerateItem, Generation, Scores
+from app.engine.lora import LoraAdapter
+from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -168,6 +169,51 @@ async def _direct(call: Awaitable[R]) -> R:
         raise BackendCallError(f"{type(exc).__name__}: {exc}") from exc
 
 
+class AdaptedModel(ServedModel):
+    """A LoRA adapter served as a model of its own: the rows it is asked for go to its base's
+    batchers, named for the adapter, so they batch with the base's rows and other adapters'."""
+
+    def __init__(self, base: ServedModel, adapter: LoraAdapter) -> None:
+        # (No batchers of its own: every call goes through the base's.)
+        self.name = adapter.name
+        self.base = base
+        self.adapter = adapter
+        self.backend = base.backend
+        self.preparer = base.preparer
+        self.invariant = base.invariant
+
+    async def score(
+        self, sequences: Sequence[Sequence[int]], *, alone: bool | None = None
+    ) -> list[list[float]]:
+        spec = ScoreSpec(adapter=self.adapter)
+        scored = await self.base.score_detailed([(s, spec) for s in sequences], alone=alone)
+        return [s.log_probs.tolist() for s in scored]
+
+    async def score_detailed(
+        self, items: Sequence[ScoreItem], *, alone: bool | None = None
+    ) -> list[Scores]:
+        adapted = [(seq, dataclasses.replace(spec, adapter=self.adapter)) for seq, spec in items]
+        return await self.base.score_detailed(adapted, alone=alone)
+
+    async def generate(
+        self, items: Sequence[GenerateItem], *, alone: bool | None = None
+    ) -> list[Generation]:
+        adapted = [dataclasses.replace(item, adapter=self.adapter) for item in items]
+        generations = await self.base.generate(adapted, alone=alone)
+        for generation in generations:  # every token came from this version of the adapter
+            if generation.versions is not None and generation.token_ids:
+                generation.versions = version_spans(
+                    [self.adapter.version] * len(generation.token_ids)
+                )
+        return generations
+
+    async def check(self, fresh_s: float) -> None:
+        await self.base.check(fresh_s)
+
+    async def aclose(self) -> None:
+        """Nothing of its own to release: the base closes the engine."""
+
+
 class ModelPair:
     """Scores the same batch with the policy and the reference, concurrently. Both passes always
     see identical batches, so equal weights give bit-identical log-probs (KL exactly 0)."""
@@ -203,3 +249,27 @@ class ModelPair:
     async def aclose(self) -> None:
         if self.batcher is not None:
             await self.batcher.aclose()
+
+
+class AdapterPair:
+    """A LoRA adapter and its reference, for KL: the base with the adapter off, in the same
+    model call as the adapter's rows (a zero adapter's KL is then exactly 0), or a separately
+    configured reference model, called beside it."""
+
+    def __init__(self, policy: AdaptedModel, reference: ServedModel) -> None:
+        self.policy = policy
+        self.reference = reference
+
+    async def score(
+        self, sequences: Sequence[Sequence[int]]
+    ) -> list[tuple[list[float], list[float]]]:
+        if self.reference is self.policy.base:
+            adapter = ScoreSpec(adapter=self.policy.adapter)
+            rows = [(s, adapter) for s in sequences] + [(s, ScoreSpec()) for s in sequences]
+            scored = await _direct(self.reference.backend.score_detailed(rows))
+            values = [s.log_probs.tolist() for s in scored]
+            return list(zip(values[: len(sequences)], values[len(sequences) :], strict=True))
+        policy, reference = await asyncio.gather(
+            self.policy.score(sequences), self.reference.score(sequences)
+        )
+        return list(zip(policy, reference, strict=True))

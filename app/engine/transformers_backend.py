@@ -16,9 +16,11 @@ import torch
 from app.engine import hf_decode
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.freeze import ModelThreadControl
+from app.engine.lora import LoraAdapter, LoraHooks
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.lora_layout import read_adapter
 from app.weights.staging import adopt
 from app.weights.transfer_engine import InProcessTransfer, WeightTransfer
 
@@ -35,7 +37,7 @@ def resolve_device(device: str) -> torch.device:
 
 class TransformersBackend(Backend):
     capabilities = Capabilities(
-        weight_transfer=True, processed_log_probs=True, batch_invariant=True
+        weight_transfer=True, processed_log_probs=True, batch_invariant=True, adapters=True
     )
 
     def __init__(self, model: Any, tokenizer: Any, info: ModelInfo) -> None:
@@ -47,6 +49,7 @@ class TransformersBackend(Backend):
         self.control = ModelThreadControl()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{info.name}")
         self._transfer: InProcessTransfer | None = None
+        self.lora: LoraHooks | None = None  # hooks on the adapted layers, once an adapter loads
 
     @classmethod
     def load(
@@ -106,7 +109,7 @@ class TransformersBackend(Backend):
     async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
         size = len(items) * max((len(seq) for seq, _ in items), default=0)
         result: list[Scores] = await self._run(
-            _released, size, hf_decode.score_detailed, self.model, items, self.pad_id
+            _released, size, hf_decode.score_detailed, self.model, items, self.pad_id, self.lora
         )
         return result
 
@@ -122,8 +125,22 @@ class TransformersBackend(Backend):
             eos_ids=self.eos_ids,
             decode=self.tokenizer.decode,
             control=self.control,
+            lora=self.lora,
         )
         return result
+
+    async def load_adapter(self, path: Path, *, name: str, version: int, param: str) -> LoraAdapter:
+        adapter = await asyncio.to_thread(
+            read_adapter, path, self.model, name=name, version=version, param=param
+        )
+        # Hooks are added on the model thread, between model calls, never during one.
+        await self._run(self._install, adapter)
+        return adapter
+
+    def _install(self, adapter: LoraAdapter) -> None:
+        if self.lora is None:
+            self.lora = LoraHooks(self.model)
+        self.lora.install(adapter)
 
     def weight_layout(self) -> Layout:
         return layout_of_state(self.model.state_dict())

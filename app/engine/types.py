@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from app.engine.lora import LoraAdapter
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -107,6 +109,8 @@ class GenerateItem:
     prompt_asks: ScoreSpec | None = None
     """Score the prompt for these (its log-probs, top-k, ranks: `ScoreSpec.ranked_top_k`) in
     the generation's own pass: only for engines with `Capabilities.prompt_scores`."""
+    adapter: LoraAdapter | None = None
+    """Generate with this LoRA adapter on the model (None: the model itself)."""
 
 
 class TokenSink(Protocol):
@@ -191,6 +195,8 @@ class ScoreSpec:
     ranks: bool = False
     """Each token's rank in the raw distribution (1: the most likely), as vLLM reports it."""
     start: int = 1
+    adapter: LoraAdapter | None = None
+    """Score with this LoRA adapter on the model (None: the model itself)."""
 
     @property
     def processed(self) -> bool:

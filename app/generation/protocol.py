@@ -9,10 +9,10 @@ from pydantic import Field, model_validator
 from app.common.protocol import (
     VERSIONS_DESCRIPTION,
     InputFields,
-    ModelName,
     RepetitionPenalty,
     Sample,
     Seed,
+    ServedName,
     Temperature,
     TopK,
     TopP,
@@ -32,7 +32,7 @@ class GenerateRequest(InputFields):
     """Inputs plus TorchRL-standard generation parameters. Backend names (`max_tokens`, `n`,
     `stop`, `logprobs`) are accepted as aliases and win when both are given."""
 
-    model: ModelName = "policy"
+    model: ServedName = "policy"
     max_new_tokens: int | None = Field(default=None, gt=0)
     max_tokens: int | None = Field(default=None, gt=0, description="Alias of max_new_tokens; wins.")
     num_return_sequences: int | None = Field(default=None, gt=0)
@@ -132,7 +132,7 @@ class GeneratedSample(Sample):
 
 class GenerateResponse(WireModel):
     policy_version: int
-    model: ModelName
+    model: ServedName
     pad_token_id: int = Field(description="The model's padding token (for padded layouts).")
     outputs: list[list[GeneratedSample]] = Field(
         description="One list per input, with num_return_sequences samples each."

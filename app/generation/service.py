@@ -88,7 +88,8 @@ class GenerationService(ModelServing):
             for j in range(n)
         ]
         try:
-            async with self.registry.generating() as version:
+            async with self.registry.generating() as admitted:
+                version = self.registry.answered(served, admitted)
                 if started is not None and not started.done():
                     started.set_result(version)
                 prompt_scores: list[Scores | None] | None = None
@@ -159,12 +160,12 @@ class GenerationService(ModelServing):
         rows = [k for k, g in enumerate(generations) if g.finish_reason != "abort"]
         if not rows:
             return
-        before = self.registry.versions[served.name]
+        before = self.registry.version_of(served)
         work = served.score(
             [items[k].prompt_ids + tuple(generations[k].token_ids) for k in rows], alone=True
         )
         scored = await self.registry.unless_aborted(work)
-        if scored is None or self.registry.versions[served.name] != before:
+        if scored is None or self.registry.version_of(served) != before:
             return
         for k, full in zip(rows, scored, strict=True):
             generation = generations[k]

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import SplitInputFields, TokenFields, WireModel, field_error
+from app.common.protocol import ServedName, SplitInputFields, TokenFields, WireModel, field_error
 from app.kl.estimators import Estimator, RewardPlacement
 
 
@@ -32,6 +32,11 @@ class KLRequest(SplitInputFields):
 
     model_config = ConfigDict(json_schema_extra=_kl_schema)
 
+    model: ServedName = Field(
+        default="policy",
+        description="The policy, or one of its LoRA adapters: then the reference is the base "
+        "with the adapter off (unless a reference model is configured with ref_model).",
+    )
     policy_log_probs: list[list[float]] | None = Field(
         default=None,
         description="Log-probs the client already holds (e.g. from generation), one list per "

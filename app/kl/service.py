@@ -14,7 +14,7 @@ from app.kl.protocol import KLRequest, KLResponse, KLSample
 
 class KLService(ModelServing):
     async def kl(self, request: KLRequest) -> KLResponse:
-        pair = self.registry.get_pair()
+        pair = self.registry.get_pair(request.model)
         field = request.given_inputs()[0]
         if request.assistant_only and field not in ("messages", "prompt_text", "prompt_tokens"):
             raise invalid(
@@ -22,7 +22,7 @@ class KLService(ModelServing):
                 f"needs messages or a prompt/response split to know which tokens count, got "
                 f"{field}; send assistant_only=false to count every token",
             )
-        prepared = (await self.sequences(request, "policy")).items
+        prepared = (await self.sequences(request, request.model)).items
         given = request.policy_log_probs
         if given is not None:
             for i, (item, values) in enumerate(zip(prepared, given, strict=True)):
@@ -42,7 +42,11 @@ class KLService(ModelServing):
             _sample(i, item, p, q, request)
             for i, (item, p, q) in enumerate(zip(prepared, policy, reference, strict=True))
         ]
-        return KLResponse(policy_version=version, estimator=request.estimator, outputs=outputs)
+        return KLResponse(
+            policy_version=self.registry.answered(pair.policy, version),
+            estimator=request.estimator,
+            outputs=outputs,
+        )
 
 
 def _sample(

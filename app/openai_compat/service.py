@@ -118,8 +118,9 @@ class OpenAIService(ModelServing):
 
     def served(self, name: str) -> ServedModel:
         """The model named in the request; OpenAI answers an unknown one with 404."""
-        if self.registry.not_ready_reason() is None and self.registry.canonical(name) is None:
-            served = ", ".join(sorted(self.registry.models))
+        registry = self.registry
+        if registry.not_ready_reason() is None and not registry.serves(name):
+            served = ", ".join(sorted([*registry.models, *registry.adapters]))
             raise NotFound(f"model '{name}' does not exist (served: {served})", param="model")
         return self.registry.get(name)
 
@@ -256,9 +257,10 @@ class OpenAIService(ModelServing):
             )
         if prompt_logprobs is not None and request.stream:
             raise invalid("prompt_logprobs", "is not streamed: ask without stream")
-        texts = self._texts.setdefault(served.name, TokenTexts(served.preparer))
+        engine = served.backend.info.name  # an adapter shares its base's tokenizer
+        texts = self._texts.setdefault(engine, TokenTexts(served.preparer))
         if texts.preparer is not served.preparer:  # the model was reloaded
-            texts = self._texts[served.name] = TokenTexts(served.preparer)
+            texts = self._texts[engine] = TokenTexts(served.preparer)
         return Job(
             kind,
             served.name,

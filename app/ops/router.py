@@ -61,6 +61,7 @@ async def models(registry: RegistryDep) -> ModelsResponse:
                 created=int(registry.loaded_at),
                 **fields,
                 pad_token_id=served.preparer.pad_token_id,
+                root=served.backend.info.source,
             )
         )
     # Each alias (--served-model-name) is listed too, as vLLM lists every served name.
@@ -68,6 +69,11 @@ async def models(registry: RegistryDep) -> ModelsResponse:
     for alias, target in registry.aliases.items():
         if target in by_name:
             cards.append(by_name[target].model_copy(update={"id": alias}))
+    # And each LoRA adapter, with its base as `parent`, as vLLM and SGLang list them.
+    for adapter in sorted(registry.adapters.values(), key=lambda a: a.name):
+        update = {"id": adapter.name, "name": adapter.name, "source": adapter.source}
+        update |= {"root": adapter.source, "parent": "policy"}
+        cards.append(by_name["policy"].model_copy(update=update))
     return ModelsResponse(data=cards, models=cards, policy_version=registry.policy_version)
 
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from app.common.protocol import ModelName, Sample, SplitInputFields, TopK, WireModel
+from app.common.protocol import Sample, ServedName, SplitInputFields, TopK, WireModel
 
 Span = Literal["response", "full"]
 
@@ -16,7 +16,7 @@ class LogProbsRequest(SplitInputFields):
     raw log-prob of every token, a request may ask for more about the next-token distribution
     at each position of its span; nothing it does not ask for is computed."""
 
-    model: ModelName = "policy"
+    model: ServedName = "policy"
     top_logprobs: int = Field(
         default=0,
         ge=0,
@@ -113,6 +113,6 @@ class ScoredSample(Sample):
 
 class LogProbsResponse(WireModel):
     policy_version: int
-    model: ModelName
+    model: ServedName
     pad_token_id: int = Field(description="The model's padding token (for padded layouts).")
     outputs: list[ScoredSample]

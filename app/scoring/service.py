@@ -69,7 +69,7 @@ class ScoringService(ModelServing):
 
         outputs = await preparer.off_loop(lambda: [build(i) for i in range(len(prepared))])
         head: dict[str, Any] = {
-            "policy_version": version,
+            "policy_version": self.registry.answered(served, version),
             "model": request.model,
             "pad_token_id": served.preparer.pad_token_id,
         }

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from app.engine.gate import GateState
+from app.engine.lora import LoraAdapter
 from app.weights.protocol import (
     LoadWeightsRequest,
     PauseMode,
@@ -49,6 +50,15 @@ class WeightsControl(Protocol):
         self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
     ) -> WeightsUpdated:
         """Apply a checkpoint streamed as `chunks`, whole or not at all."""
+
+    async def load_adapter(
+        self, name: str, path: str, param: str, name_param: str = "name"
+    ) -> LoraAdapter:
+        """Serve the LoRA adapter in folder `path` as `name` (a served name: its next
+        version); refused naming `param` when it does not fit the policy."""
+
+    async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
+        """Stop serving adapter `name` to new requests; requests in flight finish with it."""
 
     async def transfer_state(self, model: str) -> TransferState: ...
 

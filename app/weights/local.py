@@ -9,6 +9,7 @@ from pathlib import Path
 
 from app.config import WeightSettings
 from app.engine.gate import GateState
+from app.engine.lora import LoraAdapter
 from app.engine.registry import ModelRegistry
 from app.weights.protocol import (
     LoadWeightsRequest,
@@ -63,6 +64,16 @@ class LocalWeights:
         self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
     ) -> WeightsUpdated:
         return await self.files.upload(chunks, model, options)
+
+    async def load_adapter(
+        self, name: str, path: str, param: str, name_param: str = "name"
+    ) -> LoraAdapter:
+        return await self.registry.load_adapter(
+            name, Path(path), param=param, name_param=name_param
+        )
+
+    async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
+        return self.registry.unload_adapter(name, param=param)
 
     async def transfer_state(self, model: str) -> TransferState:
         return await self.transfers.state(model)

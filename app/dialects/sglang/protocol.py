@@ -146,7 +146,11 @@ class GenerateRequest(DialectModel):
     )
     return_routed_experts: Literal[False] = Field(default=False, description="Only false.")
     return_hidden_states: Literal[False] = Field(default=False, description="Only false.")
-    lora_path: None = Field(default=None, description="Only unset: no LoRA adapters.")
+    lora_path: str | list[str | None] | None = Field(
+        default=None,
+        description="The LoRA adapter to generate with, by the name it was loaded under "
+        "(`/load_lora_adapter`), or one per prompt (null: the policy itself).",
+    )
 
     @model_validator(mode="after")
     def _inputs(self) -> GenerateRequest:
@@ -326,3 +330,25 @@ class UpdateWeightsFromDisk(DialectModel):
 
 class DiskUpdated(Success):
     num_paused_requests: int = 0
+
+
+class LoadLoRAAdapter(DialectModel):
+    """SGLang's /load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, description="A PEFT adapter folder the server can read.")
+    pinned: bool = Field(default=False, description="No effect: every adapter stays resident.")
+    lora_id: str | None = Field(default=None, description="No effect: names identify adapters.")
+
+
+class UnloadLoRAAdapter(DialectModel):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_id: str | None = Field(default=None, description="No effect: names identify adapters.")
+
+
+class LoRAUpdated(DialectModel):
+    """SGLang's answer to an adapter load or unload: the adapters served afterwards."""
+
+    success: bool = True
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] = Field(description="Each served adapter's folder, by name.")

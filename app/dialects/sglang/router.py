@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Response
 
+from app.common.failures import Conflict
 from app.deps import GenerationDep, ProbeDep, RegistryDep, SGLangWeightsDep, WeightsDep
 from app.dialects import common
 from app.dialects.sglang import service
@@ -21,15 +22,19 @@ from app.dialects.sglang.protocol import (
     GroupName,
     InitWeightsUpdateGroup,
     Load,
+    LoadLoRAAdapter,
     Loads,
+    LoRAUpdated,
     ModelInfo,
     PauseGeneration,
     StatusMessage,
     Success,
+    UnloadLoRAAdapter,
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
     WeightVersion,
 )
+from app.engine.registry import ModelRegistry
 from app.errors import (
     ERROR_RESPONSES,
     PAUSE_ERROR_RESPONSES,
@@ -274,3 +279,45 @@ async def update_weights_from_disk(body: UpdateWeightsFromDisk, weights: Weights
     return DiskUpdated(
         message=f"Succeeded to update model weights. Weight version {updated.policy_version}."
     )
+
+
+@router.post(
+    "/load_lora_adapter",
+    response_model=LoRAUpdated,
+    responses=WEIGHTS_ERROR_RESPONSES,
+    summary="Load a LoRA adapter (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def load_lora_adapter(
+    request: LoadLoRAAdapter, weights: WeightsDep, registry: RegistryDep
+) -> LoRAUpdated:
+    """POST /v1/adapters in SGLang's words; /generate then takes the name as `lora_path`. A
+    loaded name is refused, as SGLang refuses it (unload it first, or use POST /v1/adapters
+    for a next version)."""
+    name = request.lora_name
+    if name in registry.adapters:
+        raise Conflict(
+            f"lora_name: Failed to load LoRA adapter {name} because it is already loaded",
+            param="lora_name",
+        )
+    await weights.load_adapter(name, request.lora_path, "lora_path", name_param="lora_name")
+    return _adapters(registry)
+
+
+@router.post(
+    "/unload_lora_adapter",
+    response_model=LoRAUpdated,
+    responses=WEIGHTS_ERROR_RESPONSES,
+    summary="Unload a LoRA adapter (SGLang)",
+    openapi_extra=ADMIN,
+)
+async def unload_lora_adapter(
+    request: UnloadLoRAAdapter, weights: WeightsDep, registry: RegistryDep
+) -> LoRAUpdated:
+    await weights.unload_adapter(request.lora_name, "lora_name")
+    return _adapters(registry)
+
+
+def _adapters(registry: ModelRegistry) -> LoRAUpdated:
+    served = {name: adapter.source for name, adapter in sorted(registry.adapters.items())}
+    return LoRAUpdated(loaded_adapters=served)

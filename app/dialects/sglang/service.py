@@ -122,19 +122,23 @@ async def generate(
     rids = iter(_rids(request.rid, count))
     params = request.sampling_params
     started = time.perf_counter()
-    if isinstance(params, list):
-        groups = [(_prompts(texts, token_ids, [i]), p) for i, p in enumerate(params)]
+    adapters = _adapters(generation, request.lora_path, count)
+    if isinstance(params, list) or len(set(adapters)) > 1:
+        per_prompt = params if isinstance(params, list) else [params] * count
+        groups = [(_prompts(texts, token_ids, [i]), p) for i, p in enumerate(per_prompt)]
     else:
         groups = [(_prompts(texts, token_ids, range(count)), params)]
+        adapters = adapters[:1]
     runs = [
         _sample(
             generation,
             request,
             prompts,
             p,
-            f"sampling_params[{i}]" if len(groups) > 1 else "sampling_params",
+            f"sampling_params[{i}]" if isinstance(params, list) else "sampling_params",
+            model,
         )
-        for i, (prompts, p) in enumerate(groups)
+        for i, ((prompts, p), model) in enumerate(zip(groups, adapters, strict=True))
     ]
     outputs = []
     for (_, p), sampled in zip(groups, await asyncio.gather(*runs), strict=True):
@@ -158,10 +162,11 @@ async def _sample(
     prompt: Prompts,
     p: SamplingParams,
     field: str,
+    model: str,
 ) -> Sampled:
     warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
     max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
-    served = generation.served("policy")
+    served = generation.served(model)
     constraints = sampling_constraints(
         served,
         prefix=f"{field}.",
@@ -193,7 +198,31 @@ async def _sample(
             f"at most {generation.limits.max_top_logprobs} (the server's max_top_logprobs)",
         )
     asks = ScoreSpec(top_logprobs=k) if k and request.return_logprob else None
-    return await sample(generation, prompt, config, n=p.n, seed=p.sampling_seed, asks=asks)
+    return await sample(
+        generation, prompt, config, n=p.n, seed=p.sampling_seed, asks=asks, model=model
+    )
+
+
+def _adapters(
+    generation: GenerationService, lora_path: str | list[str | None] | None, count: int
+) -> list[str]:
+    """The model each prompt samples from: the policy, or the adapter `lora_path` names (one
+    for all prompts, or one per prompt, as SGLang takes it)."""
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * count
+    if len(names) != count:
+        raise invalid("lora_path", f"{len(names)} adapters for {count} prompts")
+    field = "lora_path" if not isinstance(lora_path, list) else "lora_path[{}]"
+    return [
+        "policy" if name is None else _adapter(generation, name, field.format(i))
+        for i, name in enumerate(names)
+    ]
+
+
+def _adapter(generation: GenerationService, name: str, field: str) -> str:
+    if name not in generation.registry.adapters:
+        loaded = sorted(generation.registry.adapters)
+        raise invalid(field, f"the LoRA adapter '{name}' is not loaded (loaded: {loaded})")
+    return name
 
 
 def _prompts(

@@ -517,3 +517,22 @@ class DerenderCompletionRequest(DialectModel):
         default=None, description="Accepted and ignored."
     )
     completion_request: CompletionRequest
+
+
+class LoadLoRAAdapter(DialectModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, description="A PEFT adapter folder the server can read.")
+    load_inplace: bool = Field(
+        default=False,
+        description="Serve a loaded name's new tensors as its next version (refused when false).",
+    )
+    is_3d_lora_weight: Literal[False] = Field(
+        default=False, description="Only false: MoE experts' 3-D LoRA weights are not served."
+    )
+
+
+class UnloadLoRAAdapter(DialectModel):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = Field(default=None, description="No effect, as in vLLM.")

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query
+from fastapi.responses import PlainTextResponse
 
+from app.common.failures import invalid
 from app.deps import GenerationDep, OpenAIDep, OwnerDep, RegistryDep, SettingsDep, WeightsDep
 from app.dialects import common
 from app.dialects.vllm import render, service
@@ -21,12 +23,14 @@ from app.dialects.vllm.protocol import (
     InferenceGenerateResponse,
     InitWeightTransfer,
     IsPaused,
+    LoadLoRAAdapter,
     Message,
     NewVersion,
     PrefixCacheReset,
     RenderedRequest,
     StartWeightUpdate,
     Status,
+    UnloadLoRAAdapter,
     UpdateWeights,
     VersionConfirmed,
     WeightInfo,
@@ -37,6 +41,7 @@ from app.errors import (
     PAUSE_ERROR_RESPONSES,
     TRANSFER_ERROR_RESPONSES,
     WEIGHTS_ERROR_RESPONSES,
+    ErrorResponse,
 )
 from app.openai_compat.protocol import (
     ChatCompletion,
@@ -259,6 +264,53 @@ async def inference_generate(
 
 # vLLM answers these as it answers the OpenAI routes they belong to: an invalid request is a 400.
 render_router = APIRouter(tags=["vLLM dialect"], route_class=OpenAIRoute)
+LORA_RESPONSES = {
+    **{status: RESPONSES[status] for status in RESPONSES if status != 200},
+    200: {
+        "description": "vLLM's plain-text confirmation",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    },
+    404: {"model": ErrorResponse, "description": "No adapter folder there; no such adapter"},
+    409: {"model": ErrorResponse, "description": "The name is a served model's"},
+}
+
+
+@render_router.post(
+    "/v1/load_lora_adapter",
+    response_model=None,
+    responses=LORA_RESPONSES,
+    summary="Load a LoRA adapter (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def load_lora_adapter(
+    request: LoadLoRAAdapter, weights: WeightsDep, registry: RegistryDep
+) -> PlainTextResponse:
+    """POST /v1/adapters in vLLM's words (its runtime LoRA updating): with `load_inplace`, a
+    loaded name's new tensors become its next version. Answered in vLLM's plain text."""
+    name = request.lora_name
+    if name in registry.adapters and not request.load_inplace:
+        raise invalid(
+            "lora_name",
+            f"The lora adapter '{name}' has already been loaded. If you want to load the "
+            "adapter in place, set 'load_inplace' to True.",
+        )
+    await weights.load_adapter(name, request.lora_path, "lora_path", name_param="lora_name")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@render_router.post(
+    "/v1/unload_lora_adapter",
+    response_model=None,
+    responses=LORA_RESPONSES,
+    summary="Unload a LoRA adapter (vLLM)",
+    openapi_extra=ADMIN,
+)
+async def unload_lora_adapter(request: UnloadLoRAAdapter, weights: WeightsDep) -> PlainTextResponse:
+    """DELETE /v1/adapters/{name} in vLLM's words (404 for a name not loaded)."""
+    await weights.unload_adapter(request.lora_name, "lora_name")
+    return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+
 RENDER_RESPONSES = {status: RESPONSES[status] for status in RESPONSES if status != 200}
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none, warn_ignored
-from app.dialects.common import Prompts, check_policy_name, sample
+from app.dialects.common import Prompts, policy_side, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
     GenerateLogProb,
@@ -78,7 +78,7 @@ def top_k_asked(generation: GenerationService, k: int | None, field: str) -> int
 async def generate(
     generation: GenerationService, request: InferenceGenerateRequest
 ) -> InferenceGenerateResponse:
-    check_policy_name(generation.registry, request.model)
+    model = policy_side(generation.registry, request.model)
     warn_ignored("/inference/v1/generate", request.ignored())
     params = request.sampling_params
     config = config_of(generation, params)
@@ -95,8 +95,9 @@ async def generate(
         seed=params.seed,
         asks=ScoreSpec(top_logprobs=k, ranks=True) if k is not None else None,
         prompt_asks=None if prompt_k is None else ScoreSpec(top_logprobs=prompt_k, ranks=True),
+        model=model,
     )
-    preparer = generation.served("policy").preparer
+    preparer = generation.served(model).preparer
     text_mode = request.output_mode == "text"
 
     def token_text(token: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from rlserve_client import types
 from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout, session, tensor_call
@@ -197,6 +198,33 @@ def restore_weights(
         json=body,
         timeout=timeout,
         retry=Retry.UNSENT,
+    )
+
+
+def load_adapter(
+    *, name: str, path: str | Path, timeout: Timeout = NOT_GIVEN
+) -> Call[types.Adapter]:
+    """Serve the LoRA adapter in folder `path` (PEFT's `save_pretrained` layout, readable by
+    the server) as `name`; every model route then takes `model=name`. Loading a served name
+    again serves the folder as its next version. Admin key."""
+    return Call(
+        "POST",
+        "/v1/adapters",
+        types.Adapter,
+        json={"name": name, "path": str(path)},
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
+def adapters(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapters]:
+    return Call("GET", "/v1/adapters", types.Adapters, timeout=timeout)
+
+
+def unload_adapter(*, name: str, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapter]:
+    """New requests can no longer name it; those in flight finish with it. Admin key."""
+    return Call(
+        "DELETE", f"/v1/adapters/{quote(name, safe='/@:+')}", types.Adapter, timeout=timeout
     )
 
 

@@ -261,6 +261,28 @@ class ModelCard(Result):
     vocab_size: int
     builtin: bool
     pad_token_id: int
+    root: str | None = Field(
+        default=None, description="Where its weights came from (vLLM's field)."
+    )
+    parent: str | None = Field(
+        default=None, description="A LoRA adapter's base model (vLLM's field); null for a model."
+    )
+
+
+class Adapter(Result):
+    """A served LoRA adapter: requests name it as their `model`."""
+
+    name: str
+    version: int
+    base: str
+    source: str
+    rank: int
+    num_layers: int
+    num_parameters: int
+
+
+class Adapters(Result):
+    adapters: list[Adapter]
 
 
 class Models(Result):

@@ -1,0 +1,193 @@
+"""PEFT's LoRA adapter layout (`adapter_config.json` beside `adapter_model.safetensors`, what
+`PeftModel.save_pretrained` writes), read and checked against the served model. What the
+per-row LoRA of `app.engine.lora` computes is plain LoRA on the decoder's linear layers; an
+adapter that needs more (DoRA, biases, embeddings, the output head, modules saved whole) is
+refused by name rather than served without it."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from app.common.failures import NotFound, Unsupported, invalid
+from app.engine.lora import LoraAdapter, LoraModule
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+# Settings that change what an adapter computes beyond plain LoRA on linear layers: served only
+# while unset (or false, or empty).
+_MUST_BE_OFF = (
+    "use_dora",
+    "fan_in_fan_out",
+    "lora_bias",
+    "modules_to_save",
+    "trainable_token_indices",
+    "target_parameters",
+    "layer_replication",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "use_bdlora",
+    "arrow_config",
+)
+
+
+def read_adapter(
+    path: Path,
+    model: torch.nn.Module,
+    *,
+    name: str,
+    version: int,
+    param: str = "path",
+) -> LoraAdapter:
+    """The adapter in folder `path`, its tensors in the model's dtype on its device."""
+    config_file, weights_file = path / CONFIG, path / WEIGHTS
+    if not path.is_dir():
+        raise NotFound(f"{param}: no adapter folder at {path}", param=param)
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise NotFound(
+                f"{param}: {path} holds no {file.name} (PEFT's adapter layout: "
+                f"{CONFIG} and {WEIGHTS}, as save_pretrained writes them)",
+                param=param,
+            )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise invalid(param, f"{config_file} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise invalid(param, f"{config_file} holds no JSON object")
+    try:
+        tensors = load_file(weights_file)
+    except Exception as exc:
+        raise invalid(param, f"{weights_file} is not a safetensors file: {exc}") from exc
+    return adapter_from(
+        config, tensors, model, name=name, version=version, source=str(path), param=param
+    )
+
+
+def adapter_from(
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    *,
+    name: str,
+    version: int,
+    source: str,
+    param: str,
+) -> LoraAdapter:
+    """An adapter from PEFT's config and tensors (names as PEFT saves them), checked against
+    `model`: every adapted layer a linear layer of its decoder, A and B of matching shapes."""
+    _check_config(config, param)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key.removeprefix(_PREFIX))
+        if match is None:
+            raise Unsupported(
+                f"{param}: the adapter holds {key}, which is not a LoRA A or B matrix of a "
+                "linear layer (embeddings, biases and modules saved whole are not served)",
+                param=param,
+            )
+        pairs.setdefault(match["module"], {})[match["which"]] = tensor
+    if not pairs:
+        raise invalid(param, "the adapter holds no LoRA tensors")
+    linear = _decoder_linears(model)
+    parameter = next(model.parameters())
+    device = parameter.device
+    # On a half-precision model the adapter stays in float32, as PEFT keeps it by default.
+    half = parameter.dtype in (torch.bfloat16, torch.float16)
+    dtype = torch.float32 if half else parameter.dtype
+    r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora", False))
+    modules: dict[str, LoraModule] = {}
+    for module, pair in sorted(pairs.items()):
+        layer = linear.get(module)
+        if layer is None:
+            raise Unsupported(
+                f"{param}: the adapter adapts {module}, which is not a linear layer of the "
+                "served model's decoder (LoRA on the output head or embeddings is not served)",
+                param=param,
+            )
+        if set(pair) != {"A", "B"}:
+            raise invalid(param, f"{module} has lora_{set('AB') - set(pair)} missing")
+        a, b = pair["A"], pair["B"]
+        rank = _pattern(rank_pattern, module, r)
+        if a.shape != (a.shape[0], layer.in_features) or b.shape != (
+            layer.out_features,
+            a.shape[0],
+        ):
+            raise invalid(
+                param,
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a "
+                f"{layer.in_features}->{layer.out_features} layer",
+            )
+        if a.shape[0] != rank:
+            raise invalid(param, f"{module}: rank {a.shape[0]}, but its config says {rank}")
+        scale = _pattern(alpha_pattern, module, alpha)
+        scaling = scale / math.sqrt(rank) if rslora else scale / rank
+        modules[module] = LoraModule(
+            a=a.to(device=device, dtype=dtype).contiguous(),
+            b=b.to(device=device, dtype=dtype).contiguous(),
+            scaling=scaling,
+        )
+    return LoraAdapter(
+        name=name,
+        version=version,
+        source=source,
+        rank=max(m.a.shape[0] for m in modules.values()),
+        modules=modules,
+    )
+
+
+def _check_config(config: dict[str, Any], param: str) -> None:
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise Unsupported(f"{param}: a {peft_type} adapter; only LoRA is served", param=param)
+    if config.get("bias", "none") != "none":
+        raise Unsupported(
+            f"{param}: the adapter trains biases (bias {config['bias']!r}); rlserve serves "
+            "plain LoRA (bias 'none')",
+            param=param,
+        )
+    for key in _MUST_BE_OFF:
+        if config.get(key):
+            raise Unsupported(
+                f"{param}: the adapter sets {key} ({config[key]!r}); rlserve serves plain "
+                f"LoRA on linear layers, without {key}",
+                param=param,
+            )
+    for key in ("r", "lora_alpha"):
+        value = config.get(key, 8)
+        if not isinstance(value, int | float) or value <= 0:
+            raise invalid(param, f"the adapter's {key} must be a positive number, not {value!r}")
+
+
+def _pattern(patterns: dict[str, Any], module: str, default: float) -> Any:
+    """PEFT's rule for `rank_pattern` and `alpha_pattern`: the first key that matches the end
+    of the module's name (`get_pattern_key`)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The linear layers inside the model's decoder, by their names in the whole model."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder: torch.nn.Module = get_decoder() if callable(get_decoder) else model
+    prefix = next((n for n, m in model.named_modules() if m is decoder), "")
+    found = {}
+    for sub, module in decoder.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            found[f"{prefix}.{sub}" if prefix else sub] = module
+    return found

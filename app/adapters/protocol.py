@@ -9,12 +9,13 @@ from pydantic import Field
 from app.common.protocol import WireModel
 from app.engine.lora import LoraAdapter
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
 AdapterName = Annotated[
     str,
     Field(
         min_length=1,
         max_length=128,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$",
+        pattern=NAME_PATTERN,
         description="The adapter's name: what requests put in `model` to use it.",
     ),
 ]
@@ -32,7 +33,10 @@ class LoadAdapterRequest(WireModel):
 
 class AdapterInfo(WireModel):
     name: str
-    version: int = Field(description="1 when first loaded, one more at each load under the name.")
+    version: int = Field(
+        description="0 when first loaded (as the policy starts at 0), one more at each "
+        "load or push under the name."
+    )
     base: str = Field(description="The served model the adapter is applied to.")
     source: str = Field(description="The folder it was read from.")
     rank: int = Field(description="Its largest LoRA rank.")

@@ -116,6 +116,9 @@ class ReplicatedWeights:
             param=param,
         )
 
+    async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
+        return await self.load_adapter(name, "", "body")
+
     async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
         return await self.load_adapter(name, "", param)
 

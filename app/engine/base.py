@@ -12,6 +12,8 @@ from app.engine.types import GenerateItem, Generation, ModelInfo, Scores, ScoreS
 from app.weights.checkpoint import Layout
 
 if TYPE_CHECKING:
+    import torch
+
     from app.engine.lora import LoraAdapter
     from app.weights.transfer_engine import WeightTransfer
 
@@ -82,9 +84,19 @@ class Backend(ABC):
         """Copy the tensors of checked safetensors files into the live model."""
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")
 
-    async def load_adapter(self, path: Path, *, name: str, version: int, param: str) -> LoraAdapter:
-        """Read a LoRA adapter (PEFT's layout) for this model, ready for rows to name it
-        (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming `param` if it does not fit."""
+    async def build_adapter(
+        self,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        *,
+        name: str,
+        version: int,
+        source: str,
+        param: str,
+    ) -> LoraAdapter:
+        """A LoRA adapter (PEFT's config and tensor names) on this model, ready for rows to
+        name it (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming `param` if it does
+        not fit the model."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
 
     def transfer(self) -> WeightTransfer:

@@ -34,8 +34,17 @@ class LoraAdapter:
     version: int
     source: str
     rank: int
+    config: dict[str, Any] = field(repr=False)
+    """PEFT's adapter config it was read with (a push of new tensors keeps it)."""
     modules: dict[str, LoraModule] = field(repr=False)
     """By the module's name in the served model (`model.layers.0.self_attn.q_proj`)."""
+
+    def same_layout(self, other: LoraAdapter) -> bool:
+        """Whether `other` adapts the same layers with matrices of the same shapes."""
+        return self.modules.keys() == other.modules.keys() and all(
+            m.a.shape == other.modules[k].a.shape and m.b.shape == other.modules[k].b.shape
+            for k, m in self.modules.items()
+        )
 
     @property
     def num_parameters(self) -> int:

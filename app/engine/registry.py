@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from app.batching import BatchingConfig
 from app.common.failures import Conflict, NotFound, NotReady, Unsupported, invalid
@@ -20,6 +20,10 @@ from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_model, resolve_source
 from app.engine.lora import LoraAdapter
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
+from app.weights.lora_layout import read_folder, read_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
@@ -237,8 +241,32 @@ class ModelRegistry:
         self, name: str, path: Path, *, param: str, name_param: str = "name"
     ) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` on the policy as `name`: a new name at
-        version 1, a served one as its next version (rows in flight keep the version they
+        version 0, a served one as its next version (rows in flight keep the version they
         started with)."""
+        base = self._adapter_base(param)
+        if self.canonical(name) is not None:
+            raise Conflict(
+                f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
+            )
+        config, tensors = await asyncio.to_thread(read_folder, path, param)
+        return await self._serve_adapter(base, name, config, tensors, str(path), param)
+
+    async def push_adapter(self, name: str, file: Path, *, param: str) -> LoraAdapter:
+        """New tensors for served adapter `name` (a safetensors file, PEFT's tensor names, the
+        layers and shapes it has), served as its next version with the config it was loaded
+        with."""
+        base = self._adapter_base(param)
+        current = self.adapters.get(name)
+        if current is None:
+            raise NotFound(
+                f"name: no adapter '{name}' is served; load it from its folder first "
+                "(POST /v1/adapters), which gives its config",
+                param="name",
+            )
+        tensors = await asyncio.to_thread(read_tensors, file, param)
+        return await self._serve_adapter(base, name, current.config, tensors, "upload", param)
+
+    def _adapter_base(self, param: str) -> ServedModel:
         base = self.get("policy")
         if not base.backend.capabilities.adapters:
             raise Unsupported(
@@ -246,20 +274,35 @@ class ModelRegistry:
                 "here (the transformers backend does)",
                 param=param,
             )
-        if self.canonical(name) is not None:
-            raise Conflict(
-                f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
-            )
+        return base
+
+    async def _serve_adapter(
+        self,
+        base: ServedModel,
+        name: str,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        source: str,
+        param: str,
+    ) -> LoraAdapter:
         async with self._adapter_lock:
             previous = self.adapters.get(name)
-            version = previous.version + 1 if previous is not None else 1
-            adapter = await base.backend.load_adapter(path, name=name, version=version, param=param)
+            version = previous.version + 1 if previous is not None else 0
+            adapter = await base.backend.build_adapter(
+                config, tensors, name=name, version=version, source=source, param=param
+            )
+            if source == "upload" and previous is not None and not adapter.same_layout(previous):
+                raise invalid(
+                    param,
+                    f"the tensors adapt other layers, or have other shapes, than adapter "
+                    f"'{name}' (version {previous.version}); load a folder to change its layout",
+                )
             self.adapters[name] = adapter
         logger.info(
-            "adapter %s v%d loaded from %s (rank %d, %d layers)",
+            "adapter %s v%d served from %s (rank %d, %d layers)",
             name,
             version,
-            path,
+            source,
             adapter.rank,
             len(adapter.modules),
         )

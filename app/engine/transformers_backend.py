@@ -20,7 +20,7 @@ from app.engine.lora import LoraAdapter, LoraHooks
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
-from app.weights.lora_layout import read_adapter
+from app.weights.lora_layout import adapter_from
 from app.weights.staging import adopt
 from app.weights.transfer_engine import InProcessTransfer, WeightTransfer
 
@@ -129,9 +129,25 @@ class TransformersBackend(Backend):
         )
         return result
 
-    async def load_adapter(self, path: Path, *, name: str, version: int, param: str) -> LoraAdapter:
+    async def build_adapter(
+        self,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        *,
+        name: str,
+        version: int,
+        source: str,
+        param: str,
+    ) -> LoraAdapter:
         adapter = await asyncio.to_thread(
-            read_adapter, path, self.model, name=name, version=version, param=param
+            adapter_from,
+            config,
+            tensors,
+            self.model,
+            name=name,
+            version=version,
+            source=source,
+            param=param,
         )
         # Hooks are added on the model thread, between model calls, never during one.
         await self._run(self._install, adapter)

@@ -57,6 +57,10 @@ class WeightsControl(Protocol):
         """Serve the LoRA adapter in folder `path` as `name` (a served name: its next
         version); refused naming `param` when it does not fit the policy."""
 
+    async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
+        """New tensors of served adapter `name`, streamed as one safetensors file: its next
+        version, to new requests (those in flight keep theirs)."""
+
     async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
         """Stop serving adapter `name` to new requests; requests in flight finish with it."""
 

@@ -72,6 +72,10 @@ class LocalWeights:
             name, Path(path), param=param, name_param=name_param
         )
 
+    async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
+        async with self.files.received(chunks) as path:
+            return await self.registry.push_adapter(name, path, param="body")
+
     async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
         return self.registry.unload_adapter(name, param=param)
 

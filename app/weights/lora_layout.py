@@ -40,15 +40,9 @@ _MUST_BE_OFF = (
 )
 
 
-def read_adapter(
-    path: Path,
-    model: torch.nn.Module,
-    *,
-    name: str,
-    version: int,
-    param: str = "path",
-) -> LoraAdapter:
-    """The adapter in folder `path`, its tensors in the model's dtype on its device."""
+def read_folder(path: Path, param: str = "path") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config and the tensors of the adapter in folder `path` (blocking: call in a
+    thread)."""
     config_file, weights_file = path / CONFIG, path / WEIGHTS
     if not path.is_dir():
         raise NotFound(f"{param}: no adapter folder at {path}", param=param)
@@ -65,13 +59,15 @@ def read_adapter(
         raise invalid(param, f"{config_file} is not JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise invalid(param, f"{config_file} holds no JSON object")
+    return config, read_tensors(weights_file, param)
+
+
+def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file (blocking: call in a thread)."""
     try:
-        tensors = load_file(weights_file)
+        return load_file(file)
     except Exception as exc:
-        raise invalid(param, f"{weights_file} is not a safetensors file: {exc}") from exc
-    return adapter_from(
-        config, tensors, model, name=name, version=version, source=str(path), param=param
-    )
+        raise invalid(param, f"{file.name} is not a safetensors file: {exc}") from exc
 
 
 def adapter_from(
@@ -144,6 +140,7 @@ def adapter_from(
         name=name,
         version=version,
         source=source,
+        config=config,
         rank=max(m.a.shape[0] for m in modules.values()),
         modules=modules,
     )

@@ -5,6 +5,7 @@ of rlserve, vLLM and SGLang load, list and unload them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,8 +15,9 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from rlserve_client import AsyncClient, NotFoundError
+from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 from app.config import Settings
@@ -100,12 +102,12 @@ async def test_an_adapters_log_probs_are_those_of_peft(client, adapters, hf_mode
     for name in ("qv", "mlp"):
         folder, peft_model = adapters[name]
         info = await load(client, name, folder)
-        assert info["version"] == 1 and info["base"] == "policy"
+        assert info["version"] == 0 and info["base"] == "policy"
         assert info["num_parameters"] == sum(
             p.numel() for n, p in peft_model.named_parameters() if "lora_" in n
         )
         body = await scores(client, name, SEQUENCES)  # mixed lengths: padded together
-        assert body["model"] == name and body["policy_version"] == 1
+        assert body["model"] == name and body["policy_version"] == 0
         for sequence, output in zip(SEQUENCES, body["outputs"], strict=True):
             got = output["log_probs"]["full"]
             assert close(got, forward_log_probs(peft_model, sequence))
@@ -163,7 +165,7 @@ async def test_every_generation_route_takes_an_adapters_name(client, adapters):
     response = await client.post("/v1/generate", json={**body, "ignore_eos": True})
     assert response.status_code == 200, response.text
     answer = response.json()
-    assert answer["model"] == "mlp" and answer["policy_version"] == 1
+    assert answer["model"] == "mlp" and answer["policy_version"] == 0
     tokens = answer["outputs"][0][0]["tokens"]["response"]
     assert_greedy(peft_model, PROMPT, tokens)
     base = await client.post("/v1/generate", json={**body, "model": "policy", "ignore_eos": True})
@@ -239,22 +241,22 @@ async def test_loading_a_name_again_serves_its_next_version(client, adapters):
     folder, _ = adapters["qv"]
     await load(client, "versioned", folder)
     second = await load(client, "versioned", adapters["qv-next"][0])
-    assert second["version"] == 2
+    assert second["version"] == 1
     body = await scores(client, "versioned", SEQUENCES[:1])
-    assert body["policy_version"] == 2
+    assert body["policy_version"] == 1
     expected = forward_log_probs(adapters["qv-next"][1], SEQUENCES[0])
     assert close(body["outputs"][0]["log_probs"]["full"], expected)
 
     listed = (await client.get("/v1/adapters")).json()["adapters"]
     assert [(a["name"], a["version"]) for a in listed if a["name"] == "versioned"] == [
-        ("versioned", 2)
+        ("versioned", 1)
     ]
     cards = (await client.get("/v1/models")).json()["data"]
     card = next(c for c in cards if c["id"] == "versioned")
     assert card["parent"] == "policy" and card["root"] == str(adapters["qv-next"][0])
 
     gone = await client.delete("/v1/adapters/versioned")
-    assert gone.status_code == 200 and gone.json()["version"] == 2
+    assert gone.status_code == 200 and gone.json()["version"] == 1
     after = await client.post("/v1/logprobs", json={"model": "versioned", "tokens": SEQUENCES})
     assert after.status_code == 422 and after.json()["error"]["param"] == "model"
     again = await client.delete("/v1/adapters/versioned")
@@ -271,7 +273,7 @@ async def test_vllms_and_sglangs_adapter_routes(client, adapters):
     assert twice.status_code == 400 and twice.json()["error"]["param"] == "lora_name"
     inplace = await client.post("/v1/load_lora_adapter", json={**body, "load_inplace": True})
     assert inplace.status_code == 200, inplace.text
-    assert client.app.state.registry.adapters["from-vllm"].version == 2
+    assert client.app.state.registry.adapters["from-vllm"].version == 1
     unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "from-vllm"})
     assert unloaded.text == "Success: LoRA adapter 'from-vllm' removed successfully."
     missing = await client.post("/v1/unload_lora_adapter", json={"lora_name": "from-vllm"})
@@ -338,7 +340,7 @@ async def test_the_client_loads_lists_and_unloads_adapters(client, adapters):
     async with AsyncClient(base_url="http://rlserve", transport=transport) as api:
         name = "team/run@3"  # ART's names: model@step
         loaded = await api.load_adapter(name=name, path=adapters["qv"][0])
-        assert (loaded.name, loaded.version, loaded.rank) == (name, 1, 4)
+        assert (loaded.name, loaded.version, loaded.rank) == (name, 0, 4)
         assert name in [a.name for a in (await api.adapters()).adapters]
         assert name in [card.id for card in (await api.models()).models]
         scored = await api.logprobs(model=name, tokens=SEQUENCES[:1])
@@ -347,3 +349,42 @@ async def test_the_client_loads_lists_and_unloads_adapters(client, adapters):
         assert (await api.unload_adapter(name=name)).name == name
         with pytest.raises(NotFoundError):
             await api.unload_adapter(name=name)
+
+
+async def test_a_push_of_new_tensors_is_the_next_version_without_a_pause(client, adapters):
+    """A trainer's step: only the adapter's tensors (PEFT's state dict), no folder."""
+    registry = client.app.state.registry
+    await load(client, "pushed", adapters["qv"][0])
+    trained = adapters["qv-next"][1]
+    payload = save(get_peft_model_state_dict(trained))
+    response = await client.put("/v1/adapters/pushed", content=payload)
+    assert response.status_code == 200, response.text
+    assert (response.json()["version"], response.json()["source"]) == (1, "upload")
+    body = await scores(client, "pushed", SEQUENCES[:2])
+    assert body["policy_version"] == 1
+    for sequence, output in zip(SEQUENCES[:2], body["outputs"], strict=True):
+        assert close(output["log_probs"]["full"], forward_log_probs(trained, sequence))
+    assert registry.policy_version == 0  # the policy itself did not change
+
+    # a row that started on version 1 finishes on it while version 2 arrives
+    slow = client.post(
+        "/v1/generate",
+        json={"model": "pushed", "tokens": [PROMPT], "max_new_tokens": 500, "ignore_eos": True},
+    )
+    started = asyncio.ensure_future(slow)
+    while registry.gate.state().in_flight_generations == 0:
+        await asyncio.sleep(0.001)
+    third = await client.put("/v1/adapters/pushed", content=payload)
+    assert third.json()["version"] == 2
+    assert not started.done()  # the push did not wait for the generation, nor pause it
+    generated = (await started).json()
+    assert generated["policy_version"] == 1
+    spans = generated["outputs"][0][0]["policy_versions"]
+    assert spans == [{"version": 1, "start": 0, "end": 500}]
+
+    other_layout = save(get_peft_model_state_dict(adapters["mlp"][1]))
+    refused = await client.put("/v1/adapters/pushed", content=other_layout)
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "body"
+    unknown = await client.put("/v1/adapters/never-loaded", content=payload)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "name"
+    assert registry.adapters["pushed"].version == 2

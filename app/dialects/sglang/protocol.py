@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from app.adapters.protocol import AdapterName
 from app.common.protocol import (
     ONLY_UNSET,
     POSITIVE,
@@ -335,14 +336,14 @@ class DiskUpdated(Success):
 class LoadLoRAAdapter(DialectModel):
     """SGLang's /load_lora_adapter body."""
 
-    lora_name: str = Field(min_length=1, max_length=128)
+    lora_name: AdapterName
     lora_path: str = Field(min_length=1, description="A PEFT adapter folder the server can read.")
     pinned: bool = Field(default=False, description="No effect: every adapter stays resident.")
     lora_id: str | None = Field(default=None, description="No effect: names identify adapters.")
 
 
 class UnloadLoRAAdapter(DialectModel):
-    lora_name: str = Field(min_length=1, max_length=128)
+    lora_name: AdapterName
     lora_id: str | None = Field(default=None, description="No effect: names identify adapters.")
 
 

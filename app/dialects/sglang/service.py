@@ -210,7 +210,7 @@ def _adapters(
     for all prompts, or one per prompt, as SGLang takes it)."""
     names = lora_path if isinstance(lora_path, list) else [lora_path] * count
     if len(names) != count:
-        raise invalid("lora_path", f"{len(names)} adapters for {count} prompts")
+        raise invalid("lora_path", f"has {len(names)} entries for {count} prompts (one each)")
     field = "lora_path" if not isinstance(lora_path, list) else "lora_path[{}]"
     return [
         "policy" if name is None else _adapter(generation, name, field.format(i))
@@ -221,7 +221,7 @@ def _adapters(
 def _adapter(generation: GenerationService, name: str, field: str) -> str:
     if name not in generation.registry.adapters:
         loaded = sorted(generation.registry.adapters)
-        raise invalid(field, f"the LoRA adapter '{name}' is not loaded (loaded: {loaded})")
+        raise invalid(field, f"the LoRA adapter '{name}' is not served (have {loaded})")
     return name
 
 

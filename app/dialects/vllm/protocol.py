@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from app.adapters.protocol import AdapterName
 from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
     ONLY_UNSET,
@@ -522,7 +523,7 @@ class DerenderCompletionRequest(DialectModel):
 class LoadLoRAAdapter(DialectModel):
     """vLLM's /v1/load_lora_adapter body."""
 
-    lora_name: str = Field(min_length=1, max_length=128)
+    lora_name: AdapterName
     lora_path: str = Field(min_length=1, description="A PEFT adapter folder the server can read.")
     load_inplace: bool = Field(
         default=False,
@@ -534,5 +535,5 @@ class LoadLoRAAdapter(DialectModel):
 
 
 class UnloadLoRAAdapter(DialectModel):
-    lora_name: str = Field(min_length=1, max_length=128)
+    lora_name: AdapterName
     lora_int_id: int | None = Field(default=None, description="No effect, as in vLLM.")

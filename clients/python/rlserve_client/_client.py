@@ -71,6 +71,7 @@ class _Methods:
     upload_weights = _Route(routes.upload_weights)
     restore_weights = _Route(routes.restore_weights)
     load_adapter = _Route(routes.load_adapter)
+    push_adapter = _Route(routes.push_adapter)
     adapters = _Route(routes.adapters)
     unload_adapter = _Route(routes.unload_adapter)
     pause = _Route(routes.pause)

@@ -116,12 +116,15 @@ def kl(
     coeff: float | None = None,
     rewards: Any = None,
     reward_placement: str | None = None,
+    model: str = "policy",
     tensors: bool = False,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.KLResult]:
-    """Per-token KL(policy || reference), optionally shaping `rewards`. `tensors=True`: the
+    """Per-token KL(policy || reference), optionally shaping `rewards`. `model`: the policy or
+    one of its LoRA adapters (then against its base with the adapter off). `tensors=True`: the
     reply's arrays come as torch tensors (binary on the wire)."""
     body = _given(
+        model=model,
         messages=messages,
         text=text,
         tokens=tokens,
@@ -217,15 +220,34 @@ def load_adapter(
     )
 
 
+def push_adapter(
+    *, name: str, payload: bytes | Path, timeout: Timeout = NOT_GIVEN
+) -> Call[types.Adapter]:
+    """A training step's adapter: its tensors as one safetensors file (bytes or a path), with
+    PEFT's names, e.g. `safetensors.torch.save(peft.get_peft_model_state_dict(model))`. The
+    server serves them as the adapter's next version at once, without pausing; the adapter
+    must be loaded (`load_adapter`) first, which gives its config. Admin key."""
+    return Call(
+        "PUT",
+        _adapter_path(name),
+        types.Adapter,
+        content=payload,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
 def adapters(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapters]:
     return Call("GET", "/v1/adapters", types.Adapters, timeout=timeout)
 
 
 def unload_adapter(*, name: str, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapter]:
     """New requests can no longer name it; those in flight finish with it. Admin key."""
-    return Call(
-        "DELETE", f"/v1/adapters/{quote(name, safe='/@:+')}", types.Adapter, timeout=timeout
-    )
+    return Call("DELETE", _adapter_path(name), types.Adapter, timeout=timeout)
+
+
+def _adapter_path(name: str) -> str:
+    return f"/v1/adapters/{quote(name, safe='/@:+')}"
 
 
 def upload_weights(

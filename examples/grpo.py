@@ -14,9 +14,15 @@ the server in 'keep' mode so replies in flight finish under the new weights.
 
     ./scripts/serve.sh &     # SmolLM2-135M-Instruct
     .venv/bin/python examples/grpo.py --steps 40 [--max-staleness 1] [--restore]
+    .venv/bin/python examples/grpo.py --steps 40 --lora      # train a LoRA adapter instead
 
 The trained weights stay on the server (every later request samples them) unless `--restore`
 puts back the weights it started with when the run ends (`POST /v1/weights/restore`).
+
+With `--lora` the trainer trains a LoRA adapter of the policy (PEFT, every linear layer): the
+server serves it by name (`POST /v1/adapters`), samples the rollouts with it, and each step
+pushes the adapter's tensors alone (`PUT /v1/adapters/{name}`: megabytes, no pause). The
+policy itself is left as it was; the adapter is unloaded when the run ends.
 
 The same loop without a server is `bench/learning.py --loop local`.
 """
@@ -25,16 +31,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from rlserve_client import Client
 from rlserve_client.async_collector import AsyncCollector
 from rlserve_client.offpolicy import decoupled_ppo_loss
 from rlserve_client.types import Trajectory
+from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 
@@ -56,7 +65,10 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4, help="GRPO groups per step")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--lr", type=float, default=None, help="default: 3e-5, 2e-4 with --lora")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (PEFT)")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-name", default="grpo-lora", help="the adapter's name on the server")
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument(
         "--max-staleness",
@@ -82,7 +94,10 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every reply runs max_new_tokens, past end-of-sequence (timing at equal work)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.lr is None:
+        args.lr = 2e-4 if args.lora else 3e-5
+    return args
 
 
 def response_log_probs(model: torch.nn.Module, rollouts: list[Rollout]) -> list[torch.Tensor]:
@@ -93,6 +108,8 @@ def response_log_probs(model: torch.nn.Module, rollouts: list[Rollout]) -> list[
     attention = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, : len(row)], attention[i, : len(row)] = torch.tensor(row), 1
+    if hasattr(model, "get_base_model"):  # a PEFT model: the transformers model it adapts
+        model = model.get_base_model()
     hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
     # position t predicts the token at t + 1
     at = [
@@ -164,15 +181,55 @@ def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
     return out
 
 
+class FullWeights:
+    """Pushes every weight of the model over the collective transfer."""
+
+    def __init__(self, client: Client) -> None:
+        self.transfer = client.weight_transfer().open()
+        self.model = "policy"
+
+    def push(self, model: torch.nn.Module) -> int:
+        return self.transfer.send(model).policy_version
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+class Adapter:
+    """A LoRA adapter of the policy: served by name from its first save, then pushed as its
+    tensors alone each step (`client.push_adapter`)."""
+
+    def __init__(self, client: Client, model: torch.nn.Module, name: str) -> None:
+        self.client, self.model = client, name
+        with tempfile.TemporaryDirectory() as folder:  # the server reads it on this host
+            model.save_pretrained(folder)
+            client.load_adapter(name=name, path=folder)
+
+    def push(self, model: torch.nn.Module) -> int:
+        payload = save(get_peft_model_state_dict(model))
+        return self.client.push_adapter(name=self.model, payload=payload).version
+
+    def close(self) -> None:
+        self.client.unload_adapter(name=self.model)
+
+
 def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]]:
     """The loop: take a batch of groups, learn, push the weights; one record per step."""
     torch.manual_seed(args.seed)
     # The served folder, when the server runs on this host (else pass a copy of the policy).
     source = next(m.source for m in client.models().models if m.name == "policy")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.lora:
+        config = LoraConfig(
+            r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear"
+        )
+        model = get_peft_model(model, config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
+    sync = Adapter(client, model, args.lora_name) if args.lora else FullWeights(client)
     env = {"dataset": "addition", "reward": "number", "repeats": args.group_size, "max_turns": 1}
     generation = {
+        "model": sync.model,
         "max_new_tokens": args.max_new_tokens,
         "temperature": 1.0,
         "ignore_eos": args.fixed_length,
@@ -185,29 +242,32 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
         max_staleness=args.max_staleness,
         seed=args.seed * 100_003,  # batch j: seed + j, new prompts every step
     )
-    with client.weight_transfer() as sync, collector:
-        for batch in collector.batches(args.steps):
-            started = time.perf_counter()
-            rollouts = rollouts_of(batch.trajectories)
-            stats = grpo_step(model, optimizer, rollouts, args.clip, args.weight_cap)
-            trained = time.perf_counter()
-            updated = sync.send(model)
-            staleness = batch.staleness()
-            yield {
-                "step": batch.index,
-                "reward": sum(r.reward for r in rollouts) / len(rollouts),
-                **stats,
-                "policy_version": updated.policy_version,
-                "response_tokens": sum(len(r.response) for r in rollouts),
-                "samples": len(rollouts),
-                "staleness_mean": sum(staleness) / len(staleness),
-                "dropped": batch.dropped,
-                "regenerated": batch.regenerated,
-                "wait_s": batch.wait_s,
-                "train_s": trained - started,
-                "push_s": time.perf_counter() - trained,
-                "step_s": time.perf_counter() - started + batch.wait_s,
-            }
+    try:
+        with collector:
+            for batch in collector.batches(args.steps):
+                started = time.perf_counter()
+                rollouts = rollouts_of(batch.trajectories)
+                stats = grpo_step(model, optimizer, rollouts, args.clip, args.weight_cap)
+                trained = time.perf_counter()
+                version = sync.push(model)
+                staleness = batch.staleness()
+                yield {
+                    "step": batch.index,
+                    "reward": sum(r.reward for r in rollouts) / len(rollouts),
+                    **stats,
+                    "policy_version": version,
+                    "response_tokens": sum(len(r.response) for r in rollouts),
+                    "samples": len(rollouts),
+                    "staleness_mean": sum(staleness) / len(staleness),
+                    "dropped": batch.dropped,
+                    "regenerated": batch.regenerated,
+                    "wait_s": batch.wait_s,
+                    "train_s": trained - started,
+                    "push_s": time.perf_counter() - trained,
+                    "step_s": time.perf_counter() - started + batch.wait_s,
+                }
+    finally:
+        sync.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -215,9 +275,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     with Client(base_url=args.url, timeout=600) as client:
         client.ready()
         if (version := client.weights_version().policy_version) != 0:
+            replaced = (
+                "an adapter of those" if args.lora else "those (its first push replaces them)"
+            )
             print(
                 f"note: the server serves policy version {version}, not the weights it started "
-                "with; this run trains from those (its first push replaces them)",
+                f"with; this run trains {replaced}",
                 flush=True,
             )
         for record in train(client, args):
@@ -230,7 +293,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.log:
                 with args.log.open("a") as sink:
                     sink.write(json.dumps(record) + "\n")
-        if args.restore:
+        if args.lora:
+            print(f"unloaded the adapter {args.lora_name}; the policy is as it was")
+        elif args.restore:
             restored = client.restore_weights()
             print(f"restored the starting weights as policy version {restored.policy_version}")
         else:

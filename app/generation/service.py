@@ -204,13 +204,19 @@ class GenerationService(ModelServing):
         return ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
 
     async def sample_tokens(
-        self, prompts: list[list[int]], config: SamplingConfig, *, seed: int | None = None
+        self,
+        prompts: list[list[int]],
+        config: SamplingConfig,
+        *,
+        seed: int | None = None,
+        model: str = "policy",
     ) -> Sampled:
-        """One policy generation per token prompt (env observations), checked as `tokens`."""
-        preparer = self.registry.get("policy").preparer
+        """One generation of the policy (or of `model`, one of its adapters) per token prompt
+        (env observations), checked as `tokens`."""
+        preparer = self.registry.get(model).preparer
         prepared = preparer.prompts(None, None, prompts, "tokens")
         preparer.check(prepared, "tokens", max_new_tokens=config.max_new_tokens)
-        return await self.sample("policy", prepared, config, seed=seed)
+        return await self.sample(model, prepared, config, seed=seed)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         max_new_tokens = self.max_new_tokens(

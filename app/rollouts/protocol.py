@@ -17,6 +17,7 @@ from app.common.protocol import (
     Message,
     RepetitionPenalty,
     Seed,
+    ServedName,
     Temperature,
     TextFields,
     TokenFields,
@@ -38,6 +39,10 @@ from app.generation.protocol import StopList
 class RolloutGeneration(WireModel):
     """Sampling parameters of every turn (the generate route's names and rules)."""
 
+    model: ServedName = Field(
+        default="policy",
+        description="Sample with the policy, or with one of its LoRA adapters (by name).",
+    )
     max_new_tokens: int | None = Field(default=None, gt=0)
     temperature: Temperature = None
     top_p: TopP = 1.0

@@ -44,6 +44,12 @@ class RolloutService:
             config = (await self.envs.get(request.env_id or "", owner)).config
         limit = self.max_rollout_turns
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
+        registry = self.envs.registry
+        if registry.not_ready_reason() is None and not registry.serves(request.generation.model):
+            served = sorted([*registry.models, *registry.aliases, *registry.adapters])
+            raise invalid(
+                "generation.model", f"'{request.generation.model}' is not served (have {served})"
+            )
         num_rounds = request.num_episodes // config.batch_size
         rounds = iter(range(num_rounds))  # shared: each session takes the next round it can
         results: dict[int, list[Trajectory]] = {}
@@ -60,7 +66,7 @@ class RolloutService:
         return RolloutResponse(
             trajectories=trajectories,
             num_dialog_turns=sum(len(t.steps) for t in trajectories),
-            policy_version=self.envs.registry.policy_version,
+            policy_version=registry.version_of(registry.get(request.generation.model)),
             pad_token_id=self.envs.registry.get("policy").preparer.pad_token_id,
         )
 
@@ -94,7 +100,7 @@ class RolloutService:
         sampling = generation.to_sampling_config(
             self.generation.max_new_tokens(generation.max_new_tokens, "generation.max_new_tokens")
         )
-        session = _PolicySession(self, env_id, owner, sampling)
+        session = _PolicySession(self, env_id, owner, sampling, generation.model)
         played = await play_round(session, generation.seed, index)
         preparer = self.envs.registry.get("policy").preparer
         texts = iter(await preparer.off_loop(_responses, preparer, played.turns))
@@ -111,19 +117,27 @@ class _PolicySession:
     """A round's calls (`rlserve_client.rounds.Session`) on this server's services."""
 
     def __init__(
-        self, service: RolloutService, env_id: str, owner: str, sampling: SamplingConfig
+        self,
+        service: RolloutService,
+        env_id: str,
+        owner: str,
+        sampling: SamplingConfig,
+        model: str,
     ) -> None:
         self.service = service
         self.env_id = env_id
         self.owner = owner
         self.sampling = sampling
+        self.model = model
 
     async def reset(self) -> list[Observation]:
         return await self.service.envs.reset(self.env_id, self.owner)
 
     async def generate(self, observations: list[Observation], seed: int | None) -> list[Made]:
         prompts = [o.prompt_tokens for o in observations]
-        sampled = await self.service.generation.sample_tokens(prompts, self.sampling, seed=seed)
+        sampled = await self.service.generation.sample_tokens(
+            prompts, self.sampling, seed=seed, model=self.model
+        )
         return [Versioned(g, sampled.version) for g in sampled.generations]
 
     async def step(self, actions: list[Made | None]) -> list[RowOutcome]:

@@ -48,3 +48,35 @@ def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
         assert 0.0 <= record["reward"] <= 1.0
         assert record["behaviour_drift"] < 1e-3  # the ratio starts at 1 (measured: 3e-5)
     assert done.stdout.splitlines()[1].startswith("step   1  reward ")
+
+
+def test_grpo_example_trains_a_lora_adapter_and_leaves_the_policy_as_it_was(tmp_path):
+    """--lora: the rollouts sample with the adapter, whose pushes are its versions 1 and 2;
+    the sampled log-probs equal the trainer's PEFT forward of the same adapter (a nonzero one
+    from the second step on); the policy is untouched, the adapter unloaded at the end."""
+    env = {
+        "RLSERVE_MODELS__MODEL": DEFAULT_MODEL,
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+    }
+    log = tmp_path / "steps.jsonl"
+    probe = {"prompt_text": ["What is 7 + 5?"], "response_text": [" 12"]}
+    with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:
+        before = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
+        command = [
+            *[sys.executable, str(EXAMPLE), "--url", server.url, "--steps", "2", "--lora"],
+            *["--prompts", "2", "--group-size", "4", "--log", str(log)],
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        after = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
+        adapters = httpx.get(f"{server.url}/v1/adapters", timeout=60).json()["adapters"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "unloaded the adapter grpo-lora; the policy is as it was"
+    assert after == before and adapters == []
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["policy_version"] for r in records] == [1, 2]
+    for record in records:
+        assert 0.0 <= record["reward"] <= 1.0
+        assert record["behaviour_drift"] < 1e-3
+        assert record["grad_norm"] > 0.0

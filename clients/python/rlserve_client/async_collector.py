@@ -156,8 +156,7 @@ class AsyncCollector:
         self._fill(index)
         started = time.perf_counter()
         result = self._futures.pop(index).result()
-        version = self.client.weights_version().policy_version
-        batch = self._checked(index, result.trajectories, version)
+        batch = self._checked(index, result.trajectories, self._version())
         batch.wait_s = time.perf_counter() - started
         self._next += 1
         self._record(batch)
@@ -172,6 +171,16 @@ class AsyncCollector:
                 j = self._started
                 self._futures[j] = self._pool.submit(self._rollouts, j, 0, self.num_episodes)
                 self._started += 1
+
+    def _version(self) -> int:
+        """The version the server samples now: the policy's, or that of the LoRA adapter
+        `generation` names as its `model`."""
+        model = self.generation.get("model", "policy")
+        if model != "policy":
+            for adapter in self.client.adapters().adapters:
+                if adapter.name == model:
+                    return adapter.version
+        return self.client.weights_version().policy_version
 
     def _rollouts(self, index: int, attempt: int, episodes: int) -> RolloutResult:
         seed = self.seed + index if attempt == 0 else turn_seed(self.seed, index, attempt)
@@ -198,7 +207,7 @@ class AsyncCollector:
                 )
             regenerated += len(stale)
             again = self._rollouts(index, attempt, len(stale)).trajectories
-            version = self.client.weights_version().policy_version
+            version = self._version()
             more, stale = self._split(again, version)
             fresh.extend(more)
         return Batch(index, fresh, version, 0.0, dropped=dropped, regenerated=regenerated)

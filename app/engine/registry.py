@@ -77,6 +77,9 @@ class ModelRegistry:
         self.adapters: dict[str, LoraAdapter] = {}
         """LoRA adapters on the policy by name, each the version new requests get."""
         self._adapter_lock = asyncio.Lock()
+        self._adapter_versions: dict[str, int] = {}
+        """Each adapter name's last version, kept across an unload: a name unloaded and
+        loaded again (verl's way of refreshing one) goes on counting, never back to 0."""
         self.gate = ServingGate(lambda: {name: m.backend for name, m in self.models.items()})
 
     @property
@@ -241,8 +244,8 @@ class ModelRegistry:
         self, name: str, path: Path, *, param: str, name_param: str = "name"
     ) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` on the policy as `name`: a new name at
-        version 0, a served one as its next version (rows in flight keep the version they
-        started with)."""
+        version 0, a name served before as its next version (rows in flight keep the version
+        they started with)."""
         base = self._adapter_base(param)
         if self.canonical(name) is not None:
             raise Conflict(
@@ -287,7 +290,8 @@ class ModelRegistry:
     ) -> LoraAdapter:
         async with self._adapter_lock:
             previous = self.adapters.get(name)
-            version = previous.version + 1 if previous is not None else 0
+            last = self._adapter_versions.get(name)
+            version = last + 1 if last is not None else 0
             adapter = await base.backend.build_adapter(
                 config, tensors, name=name, version=version, source=source, param=param
             )
@@ -298,6 +302,7 @@ class ModelRegistry:
                     f"'{name}' (version {previous.version}); load a folder to change its layout",
                 )
             self.adapters[name] = adapter
+            self._adapter_versions[name] = version
         logger.info(
             "adapter %s v%d served from %s (rank %d, %d layers)",
             name,

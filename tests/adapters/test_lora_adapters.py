@@ -294,6 +294,12 @@ async def test_vllms_and_sglangs_adapter_routes(client, adapters):
     assert again.status_code == 409 and again.json()["error"]["param"] == "lora_name"
     out = await client.post("/unload_lora_adapter", json={"lora_name": "from-sglang"})
     assert out.status_code == 200 and "from-sglang" not in out.json()["loaded_adapters"]
+    # verl refreshes an adapter by unloading and loading it again: its versions go on
+    reloaded = await client.post(
+        "/load_lora_adapter", json={"lora_name": "from-sglang", "lora_path": folder}
+    )
+    assert reloaded.status_code == 200
+    assert client.app.state.registry.adapters["from-sglang"].version == 1
     tensors = await client.post("/load_lora_adapter_from_tensors", json={})
     assert tensors.status_code == 422
 

@@ -112,6 +112,54 @@ def test_update_policy_weights_pushes_and_the_collector_counts_the_servers_versi
     assert updater.transfer == transfer
 
 
+def test_the_updater_pushes_a_lora_adapter_and_the_collector_counts_its_versions(client, tmp_path):
+    """adapter=: the trainer's PEFT adapter alone goes to the server (no pause), each push its
+    next version; RemotePolicy samples with it and the collector counts its versions, while
+    the policy itself stays at its version."""
+    from peft import LoraConfig, get_peft_model
+    from rlserve_client.policy import RemotePolicy
+    from rlserve_client.torchrl_weights import RLServeWeightUpdater
+    from torchrl.collectors.llm import LLMCollector
+    from transformers import AutoTokenizer
+
+    client.restore_weights()  # the trainer's base is the served folder's weights
+    policy_version = client.weights_version().policy_version
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(trainer_model(client), config)
+    model.save_pretrained(tmp_path)
+    assert client.load_adapter(name="torchrl-lora", path=tmp_path).version == 0
+    tokenizer = AutoTokenizer.from_pretrained(policy_source(client))
+    updater = RLServeWeightUpdater(client, model=model, adapter="torchrl-lora")
+    policy = RemotePolicy(client, model="torchrl-lora", generate_kwargs={"max_new_tokens": 3})
+    collector = LLMCollector(
+        chat_env(tokenizer),
+        policy=policy,
+        dialog_turns_per_batch=2,
+        weight_updater=updater,
+        track_policy_version=True,
+    )
+    probe = [5, 17, 42, 99, 100, 7, 3]
+    try:
+        for k in range(2):
+            generator = torch.Generator().manual_seed(k)
+            with torch.no_grad():  # a stand-in for a step: the adapter's weights move
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+            collector.update_policy_weights_()
+            assert updater.last.version == k + 1 == collector.policy_version
+            (sample,) = client.logprobs(model="torchrl-lora", tokens=[probe]).outputs
+            served = [0.0, *sample.log_probs.full[1:]]
+            assert_close(served, forward_log_probs(model, probe), 1e-4)
+            assert served != served_log_probs(client, probe)  # the adapter, not the policy
+        data = next(iter(collector))
+        assert (data["policy_version"] == 2).all()
+        assert client.weights_version().policy_version == policy_version
+    finally:
+        collector.shutdown()
+        client.unload_adapter(name="torchrl-lora")
+
+
 def test_grpo_loss_reads_remote_policy_output_as_torchrls_wrappers(client):
     """A generation's log_probs.full is NaN over the prompt (TorchRL's vLLMWrapper layout: no
     invented 0.0), the response's log-probs after it; GRPOLoss then weighs exactly the

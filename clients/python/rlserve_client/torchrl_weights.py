@@ -15,6 +15,10 @@ new weights, their tokens tagged with the version). After an update the collecto
 version is the server's (`RemotePolicy` samples carry the server's versions, so the two
 agree).
 
+With `adapter="name"` it pushes a LoRA adapter instead: the trainer's PEFT model's adapter
+tensors alone (`Client.push_adapter`, no pause), each push the adapter's next version, and the
+collector counts the adapter's versions (sample with `RemotePolicy(client, model="name")`).
+
 TorchRL 0.14 marks `WeightUpdaterBase` as deprecated in favour of weight-sync schemes, but its
 `LLMCollector` takes only `weight_updater=`; this class implements that."""
 
@@ -31,7 +35,7 @@ from torchrl.collectors import WeightUpdaterBase
 
 from rlserve_client._client import Client
 from rlserve_client._exceptions import RLServeError
-from rlserve_client.types import WeightsUpdated
+from rlserve_client.types import Adapter, WeightsUpdated
 from rlserve_client.weight_transfer import WeightSync
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,9 @@ with warnings.catch_warnings():  # the subclassing warning: see the module docst
         """Pushes weights to the served `target` model ("policy"). `model`: the trainer's
         module, pushed when `update_policy_weights_()` is called without weights.
         `transfer`: "collective" (fall back to upload when the group cannot be joined),
-        or "upload". `transfer_options`: `Client.weight_transfer` options."""
+        or "upload". `transfer_options`: `Client.weight_transfer` options. `adapter`: push
+        the LoRA adapter of that name instead (loaded on the server with `load_adapter`):
+        `model` is then a PEFT model, and only its adapter's tensors travel."""
 
         def __init__(
             self,
@@ -53,6 +59,7 @@ with warnings.catch_warnings():  # the subclassing warning: see the module docst
             target: str = "policy",
             transfer: str = "collective",
             pause: str = "keep",
+            adapter: str | None = None,
             **transfer_options: Any,
         ) -> None:
             if transfer not in ("collective", "upload"):
@@ -63,7 +70,8 @@ with warnings.catch_warnings():  # the subclassing warning: see the module docst
             self.transfer = transfer
             self.pause = pause
             self.transfer_options = transfer_options
-            self.last: WeightsUpdated | None = None
+            self.adapter = adapter
+            self.last: WeightsUpdated | Adapter | None = None
             self._sync: WeightSync | None = None
 
         # -- TorchRL's interface ---------------------------------------------------------
@@ -79,6 +87,10 @@ with warnings.catch_warnings():  # the subclassing warning: see the module docst
             """A state dict of HF parameter names from a module, a mapping or a TensorDict."""
             if weights is None:
                 weights = self._get_server_weights()
+            if self.adapter is not None and isinstance(weights, torch.nn.Module):
+                from peft import get_peft_model_state_dict
+
+                return dict(get_peft_model_state_dict(weights))
             if isinstance(weights, torch.nn.Module) and not hasattr(weights, "in_keys"):
                 return dict(weights.state_dict())
             if hasattr(weights, "flatten_keys"):  # a TensorDict of the module's parameters
@@ -91,16 +103,22 @@ with warnings.catch_warnings():  # the subclassing warning: see the module docst
         def _sync_weights_with_worker(
             self, *, worker_id: Any = None, server_weights: Any = None
         ) -> None:
-            self.last = self.push(self._maybe_map_weights(server_weights))
-            self._align_versions(self.last.policy_version)
+            last = self.last = self.push(self._maybe_map_weights(server_weights))
+            self._align_versions(last.version if isinstance(last, Adapter) else last.policy_version)
 
         def all_worker_ids(self) -> None:
             return None  # one server, one call
 
         # -- pushing ---------------------------------------------------------------------
 
-        def push(self, weights: Mapping[str, torch.Tensor]) -> WeightsUpdated:
-            """One update of the served weights; the server's answer (its new version)."""
+        def push(self, weights: Mapping[str, torch.Tensor]) -> WeightsUpdated | Adapter:
+            """One update of the served weights (or adapter); the server's answer (its new
+            version)."""
+            if self.adapter is not None:
+                from safetensors.torch import save
+
+                payload = save({k: v.detach().contiguous() for k, v in weights.items()})
+                return self.client.push_adapter(name=self.adapter, payload=payload)
             if self.transfer == "collective":
                 sync = self._collective()
                 if sync is not None:

@@ -33,6 +33,7 @@ import argparse
 import json
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,9 @@ from rlserve_client.offpolicy import decoupled_ppo_loss
 from rlserve_client.types import Trajectory
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
+
+# PEFT 0.21 reads an attribute transformers 5 deprecates: its warning says nothing to act on.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
 
 
 @dataclass

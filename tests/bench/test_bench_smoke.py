@@ -34,6 +34,15 @@ def test_batching_benchmark_quick(tmp_path):
     assert "| /v1/generate | 8 |" in (tmp_path / "batching-quick.md").read_text()
 
 
+def test_adapters_benchmark_quick(tmp_path):
+    """Throughput with 1 and 4 adapters resident against the policy alone, and load times."""
+    report = run_quick("adapters", tmp_path)
+    for key in ("base_alone", "1_adapters", "4_adapters", "base_beside_4_resident"):
+        assert report[key]["score_tok_s"] > 0 and report[key]["generate_tok_s"] > 0
+    assert report["4_adapters"]["score_tok_s_vs_base"] > 0
+    assert 0 < report["load_ms"]["median"] <= report["load_ms"]["max"]
+
+
 def test_batch_invariance_benchmark_quick(tmp_path):
     """The script checks that invariant mode's gaps are 0.0; here, that it measured both modes
     in both dtypes."""

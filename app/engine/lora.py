@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,49 @@ class LoraAdapter:
         return sum(m.a.numel() + m.b.numel() for m in self.modules.values())
 
 
+STACKED_MAX_TOKENS = 4
+"""A forward of at most this many tokens per row (a decoding step) with rows of several
+adapters adds them all at once (`_Stacked`); a longer one (a prefill, a scoring pass), adapter
+by adapter, as PEFT's mixed batches do."""
+
+
+class _Stacked:
+    """The adapters of a mixed batch side by side, per layer: A of every adapter stacked
+    [R, in], B [out, R], and per row its own adapter's block of the R ranks, scaled (zero
+    elsewhere). A decoding step then adds every row's term with two matrix products per
+    layer, however many adapters its rows use (instead of two per adapter); a row of the
+    base gets exactly zero. Built once per layer for a batch's assignment and kept while the
+    same rows decode."""
+
+    def __init__(self, adapters: tuple[LoraAdapter | None, ...], device: torch.device) -> None:
+        self.adapters = adapters
+        self.device = device
+        self.distinct = list(dict.fromkeys(a for a in adapters if a is not None))
+        self._layers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+
+    def layer(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if name not in self._layers:
+            self._layers[name] = self._stack(name)
+        return self._layers[name]
+
+    def _stack(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        blocks = {a: a.modules[name] for a in self.distinct if name in a.modules}
+        if not blocks:
+            return None
+        a = torch.cat([m.a for m in blocks.values()])
+        b = torch.cat([m.b for m in blocks.values()], dim=1)
+        spans, start = {}, 0
+        for adapter, lora in blocks.items():
+            spans[adapter] = (start, start + lora.a.shape[0], lora.scaling)
+            start += lora.a.shape[0]
+        weights = torch.zeros(len(self.adapters), start, dtype=a.dtype)
+        for row, chosen in enumerate(self.adapters):
+            if chosen in spans:
+                begin, end, scaling = spans[chosen]
+                weights[row, begin:end] = scaling
+        return a, b, weights.to(self.device)
+
+
 class LoraHooks:
     """The hooks on a model's adapted layers, and which adapter each row of the current forward
     uses (`rows`). Forwards run on the model's one worker thread; the assignment is that
@@ -60,6 +104,9 @@ class LoraHooks:
         self.model = model
         self._hooked: set[str] = set()
         self._local = threading.local()
+        # the last two mixed assignments' stacked adapters (a generation's decoding steps
+        # reuse theirs; bounded, since each holds a copy of its adapters' matrices)
+        self._stacked: OrderedDict[tuple[LoraAdapter | None, ...], _Stacked] = OrderedDict()
 
     def install(self, adapter: LoraAdapter) -> None:
         """Hook the layers `adapter` adapts (once per layer; hooks stay: an adapter may be
@@ -85,7 +132,14 @@ class LoraHooks:
             (adapter, None if len(rows) == len(adapters) else torch.tensor(rows, device=device))
             for adapter, rows in groups.values()
         ]
-        self._local.plan = (len(adapters), plan)
+        stacked = None
+        if plan[0][1] is not None:  # rows of several adapters, or of adapters and the base
+            key = tuple(adapters)
+            stacked = self._stacked.pop(key, None) or _Stacked(key, device)
+            self._stacked[key] = stacked
+            while len(self._stacked) > 2:
+                self._stacked.popitem(last=False)
+        self._local.plan = (len(adapters), plan, stacked)
         try:
             yield
         finally:
@@ -96,13 +150,20 @@ class LoraHooks:
             current = getattr(self._local, "plan", None)
             if current is None:
                 return None
-            batch, plan = current
+            batch, plan, stacked = current
             x = args[0]
             if x.shape[0] != batch:
                 raise RuntimeError(
                     f"LoRA on {name}: its input has {x.shape[0]} rows, not the batch's {batch} "
                     "(this architecture does not keep rows apart there)"
                 )
+            if stacked is not None and x.dim() == 3 and x.shape[1] <= STACKED_MAX_TOKENS:
+                layer = stacked.layer(name)
+                if layer is None:
+                    return None
+                a, b, weights = layer
+                delta = F.linear(F.linear(x.to(a.dtype), a) * weights[:, None, :], b)
+                return output + delta.to(output.dtype)
             for adapter, rows in plan:
                 lora = adapter.modules.get(name)
                 if lora is None:

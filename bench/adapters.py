@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import random
 import tempfile
@@ -26,12 +27,11 @@ from typing import Any
 
 import httpx
 import torch
-from common import bench_arguments
+from common import bench_arguments, in_process
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from app.config import DEFAULT_MODEL, Settings
-from app.main import create_app
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -43,25 +43,20 @@ async def served(model: str, output: Path) -> AsyncIterator[httpx.AsyncClient]:
         storage={"data_dir": output / ".data" / "adapters"},
         limits={"max_items_per_request": 64},
     )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        await app.state.loading
-        assert app.state.registry.status == "ready", app.state.registry.error
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://b", timeout=600) as c:
-            yield c
+    async with in_process(settings) as client:
+        yield client
 
 
 def save_adapters(source: str, count: int, rank: int, into: Path) -> list[Path]:
     """`count` random adapters of the policy (PEFT, rank `rank` on every linear layer)."""
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights="gaussian"
+    )
     folders = []
     for k in range(count):
-        base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         torch.manual_seed(k)
-        config = LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights="gaussian"
-        )
-        get_peft_model(base, config).save_pretrained(into / f"a{k}")
+        get_peft_model(copy.deepcopy(base), config).save_pretrained(into / f"a{k}")
         folders.append(into / f"a{k}")
     return folders
 

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import bench_arguments
+from common import bench_arguments, in_process
 
 from app.config import DEFAULT_MODEL, Settings
-from app.main import create_app
 
 
 @asynccontextmanager
@@ -39,13 +38,8 @@ async def served(model: str, dtype: str, output: Path) -> AsyncIterator[httpx.As
         storage={"data_dir": output / ".data" / f"invariance-{dtype}"},
         limits={"max_items_per_request": 64},
     )
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        await app.state.loading
-        assert app.state.registry.status == "ready", app.state.registry.error
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://b", timeout=600) as c:
-            yield c
+    async with in_process(settings) as client:
+        yield client
 
 
 async def scores(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ __all__ = [
     "bench_model",
     "drive",
     "free_port",
+    "in_process",
     "ray_serve_env",
     "reward_plot",
     "running_process",
@@ -41,6 +44,21 @@ __all__ = [
     "vllm_serve_command",
     "wait_for_replicas",
 ]
+
+
+@contextlib.asynccontextmanager
+async def in_process(settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app on `settings` in this process, models loaded, behind an ASGI client (no HTTP
+    socket: the figures are the model calls', not the network's)."""
+    from app.main import create_app
+
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await app.state.loading
+        assert app.state.registry.status == "ready", app.state.registry.error
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://b", timeout=600) as c:
+            yield c
 
 
 def standard_error(values: list[float]) -> float:

@@ -110,17 +110,13 @@ class ReplicatedWeights:
     async def load_adapter(
         self, name: str, path: str, param: str, name_param: str = "name"
     ) -> LoraAdapter:
-        raise Unsupported(
-            f"{param}: LoRA adapters are served by a single server for now, not across the "
-            "replicas of a deployment",
-            param=param,
-        )
+        raise _no_adapters(param)
 
     async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
-        return await self.load_adapter(name, "", "body")
+        raise _no_adapters("body")
 
     async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
-        return await self.load_adapter(name, "", param)
+        raise _no_adapters(param)
 
     # -- checkpoint updates ----------------------------------------------------------------
 
@@ -325,3 +321,11 @@ class ReplicatedWeights:
     async def transfer_close(self, model: str) -> TransferState:
         states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)
         return combined(model, states)
+
+
+def _no_adapters(param: str) -> Unsupported:
+    return Unsupported(
+        f"{param}: LoRA adapters are served by a single server for now, not across the "
+        "replicas of a deployment",
+        param=param,
+    )

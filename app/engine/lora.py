@@ -54,22 +54,33 @@ class LoraAdapter:
 
 STACKED_MAX_TOKENS = 4
 """A forward of at most this many tokens per row (a decoding step) with rows of several
-adapters adds them all at once (`_Stacked`); a longer one (a prefill, a scoring pass), adapter
-by adapter, as PEFT's mixed batches do."""
+adapters adds them all at once (`_Assignment.layer`); a longer one (a prefill, a scoring
+pass), adapter by adapter, as PEFT's mixed batches do."""
 
 
-class _Stacked:
-    """The adapters of a mixed batch side by side, per layer: A of every adapter stacked
-    [R, in], B [out, R], and per row its own adapter's block of the R ranks, scaled (zero
-    elsewhere). A decoding step then adds every row's term with two matrix products per
-    layer, however many adapters its rows use (instead of two per adapter); a row of the
-    base gets exactly zero. Built once per layer for a batch's assignment and kept while the
-    same rows decode."""
+class _Assignment:
+    """Which adapter each row of a batch uses: the rows of each adapter (`plan`, for a pass
+    adapter by adapter; None for an adapter on every row), and for a mixed batch its adapters
+    side by side per layer (`layer`): A of every adapter stacked [R, in], B [out, R], and per
+    row its own adapter's block of the R ranks, scaled (zero elsewhere). A decoding step then
+    adds every row's term with two matrix products per layer, however many adapters its rows
+    use (instead of two per adapter); a row of the base gets exactly zero. Built once for a
+    batch and kept while the same rows decode."""
 
     def __init__(self, adapters: tuple[LoraAdapter | None, ...], device: torch.device) -> None:
         self.adapters = adapters
         self.device = device
-        self.distinct = list(dict.fromkeys(a for a in adapters if a is not None))
+        groups: dict[LoraAdapter, list[int]] = {}
+        for row, adapter in enumerate(adapters):
+            if adapter is not None:
+                groups.setdefault(adapter, []).append(row)
+        everyone = len(groups) == 1 and len(next(iter(groups.values()))) == len(adapters)
+        self.plan = [
+            (adapter, None if everyone else torch.tensor(rows, device=device))
+            for adapter, rows in groups.items()
+        ]
+        self.mixed = not everyone
+        """Rows of several adapters, or of adapters and the base."""
         self._layers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
 
     def layer(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -78,7 +89,7 @@ class _Stacked:
         return self._layers[name]
 
     def _stack(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        blocks = {a: a.modules[name] for a in self.distinct if name in a.modules}
+        blocks = {a: a.modules[name] for a, _ in self.plan if name in a.modules}
         if not blocks:
             return None
         a = torch.cat([m.a for m in blocks.values()])
@@ -104,9 +115,9 @@ class LoraHooks:
         self.model = model
         self._hooked: set[str] = set()
         self._local = threading.local()
-        # the last two mixed assignments' stacked adapters (a generation's decoding steps
-        # reuse theirs; bounded, since each holds a copy of its adapters' matrices)
-        self._stacked: OrderedDict[tuple[LoraAdapter | None, ...], _Stacked] = OrderedDict()
+        # the last two batches' assignments (a generation's decoding steps reuse theirs;
+        # bounded, since a mixed one holds a copy of its adapters' matrices once stacked)
+        self._assignments: OrderedDict[tuple[LoraAdapter | None, ...], _Assignment] = OrderedDict()
 
     def install(self, adapter: LoraAdapter) -> None:
         """Hook the layers `adapter` adapts (once per layer; hooks stay: an adapter may be
@@ -120,26 +131,17 @@ class LoraHooks:
     @contextlib.contextmanager
     def rows(self, adapters: Sequence[LoraAdapter | None]) -> Iterator[None]:
         """Forwards in this block run row i with `adapters[i]` (None: the base model)."""
-        groups: dict[int, tuple[LoraAdapter, list[int]]] = {}
-        for row, adapter in enumerate(adapters):
-            if adapter is not None:
-                groups.setdefault(id(adapter), (adapter, []))[1].append(row)
-        if not groups:
+        if all(adapter is None for adapter in adapters):
             yield
             return
-        device = next(self.model.parameters()).device
-        plan = [
-            (adapter, None if len(rows) == len(adapters) else torch.tensor(rows, device=device))
-            for adapter, rows in groups.values()
-        ]
-        stacked = None
-        if plan[0][1] is not None:  # rows of several adapters, or of adapters and the base
-            key = tuple(adapters)
-            stacked = self._stacked.pop(key, None) or _Stacked(key, device)
-            self._stacked[key] = stacked
-            while len(self._stacked) > 2:
-                self._stacked.popitem(last=False)
-        self._local.plan = (len(adapters), plan, stacked)
+        key = tuple(adapters)
+        assignment = self._assignments.pop(key, None)
+        if assignment is None:
+            assignment = _Assignment(key, next(self.model.parameters()).device)
+        self._assignments[key] = assignment
+        while len(self._assignments) > 2:
+            self._assignments.popitem(last=False)
+        self._local.plan = assignment
         try:
             yield
         finally:
@@ -147,24 +149,23 @@ class LoraHooks:
 
     def _hook(self, name: str) -> Any:
         def add_adapters(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            current = getattr(self._local, "plan", None)
-            if current is None:
+            assignment: _Assignment | None = getattr(self._local, "plan", None)
+            if assignment is None:
                 return None
-            batch, plan, stacked = current
             x = args[0]
-            if x.shape[0] != batch:
+            if x.shape[0] != len(assignment.adapters):
                 raise RuntimeError(
-                    f"LoRA on {name}: its input has {x.shape[0]} rows, not the batch's {batch} "
-                    "(this architecture does not keep rows apart there)"
+                    f"LoRA on {name}: its input has {x.shape[0]} rows, not the batch's "
+                    f"{len(assignment.adapters)} (this architecture does not keep rows apart there)"
                 )
-            if stacked is not None and x.dim() == 3 and x.shape[1] <= STACKED_MAX_TOKENS:
-                layer = stacked.layer(name)
+            if assignment.mixed and x.dim() == 3 and x.shape[1] <= STACKED_MAX_TOKENS:
+                layer = assignment.layer(name)
                 if layer is None:
                     return None
                 a, b, weights = layer
                 delta = F.linear(F.linear(x.to(a.dtype), a) * weights[:, None, :], b)
                 return output + delta.to(output.dtype)
-            for adapter, rows in plan:
+            for adapter, rows in assignment.plan:
                 lora = adapter.modules.get(name)
                 if lora is None:
                     continue

@@ -215,8 +215,9 @@ class ModelRegistry:
         """Whether `name` is a served model, an alias or a LoRA adapter."""
         return self.canonical(name) is not None or name in self.adapters
 
-    def get(self, name: str) -> ServedModel:
-        """The served model, alias or LoRA adapter `name` (an adapter: its current version)."""
+    def get(self, name: str, param: str = "model") -> ServedModel:
+        """The served model, alias or LoRA adapter `name` (an adapter: its current version);
+        an unknown name is refused naming `param`."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         canonical = self.canonical(name)
@@ -226,7 +227,7 @@ class ModelRegistry:
         if adapter is not None:
             return AdaptedModel(self.models["policy"], adapter)
         served = sorted([*self.models, *self.aliases, *self.adapters])
-        raise invalid("model", f"'{name}' is not served (have {served})")
+        raise invalid(param, f"'{name}' is not served (have {served})")
 
     def version_of(self, served: ServedModel) -> int:
         """The version `served` answers with: an adapter's own, or its model's weights'."""
@@ -267,7 +268,9 @@ class ModelRegistry:
                 param="name",
             )
         tensors = await asyncio.to_thread(read_tensors, file, param)
-        return await self._serve_adapter(base, name, current.config, tensors, "upload", param)
+        return await self._serve_adapter(
+            base, name, current.config, tensors, "upload", param, layout_of=current
+        )
 
     def _adapter_base(self, param: str) -> ServedModel:
         base = self.get("policy")
@@ -287,19 +290,21 @@ class ModelRegistry:
         tensors: dict[str, torch.Tensor],
         source: str,
         param: str,
+        *,
+        layout_of: LoraAdapter | None = None,
     ) -> LoraAdapter:
+        """`name`'s next version; with `layout_of`, refused unless it has that one's layout."""
         async with self._adapter_lock:
-            previous = self.adapters.get(name)
             last = self._adapter_versions.get(name)
             version = last + 1 if last is not None else 0
             adapter = await base.backend.build_adapter(
                 config, tensors, name=name, version=version, source=source, param=param
             )
-            if source == "upload" and previous is not None and not adapter.same_layout(previous):
+            if layout_of is not None and not adapter.same_layout(layout_of):
                 raise invalid(
                     param,
                     f"the tensors adapt other layers, or have other shapes, than adapter "
-                    f"'{name}' (version {previous.version}); load a folder to change its layout",
+                    f"'{name}' (version {layout_of.version}); load a folder to change its layout",
                 )
             self.adapters[name] = adapter
             self._adapter_versions[name] = version

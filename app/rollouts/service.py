@@ -45,11 +45,8 @@ class RolloutService:
         limit = self.max_rollout_turns
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
         registry = self.envs.registry
-        if registry.not_ready_reason() is None and not registry.serves(request.generation.model):
-            served = sorted([*registry.models, *registry.aliases, *registry.adapters])
-            raise invalid(
-                "generation.model", f"'{request.generation.model}' is not served (have {served})"
-            )
+        if registry.not_ready_reason() is None:  # (a model still loading is answered later)
+            registry.get(request.generation.model, param="generation.model")
         num_rounds = request.num_episodes // config.batch_size
         rounds = iter(range(num_rounds))  # shared: each session takes the next round it can
         results: dict[int, list[Trajectory]] = {}

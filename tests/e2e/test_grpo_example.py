@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +22,19 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo.py"
 
 
-def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
+@dataclass
+class Run:
+    """One run of the example against a fresh server on the default model."""
+
+    done: subprocess.CompletedProcess[str]
+    before: Any  # /v1/logprobs of a probe, before the run
+    after: Any  # and after it
+    adapters: list[Any]  # what GET /v1/adapters lists after it
+    records: list[dict[str, Any]]  # the example's --log
+
+
+def run_example(tmp_path: Path, *flags: str) -> Run:
+    """Two steps of 2 groups of 4 replies, with `flags`."""
     env = {
         "RLSERVE_MODELS__MODEL": DEFAULT_MODEL,
         "RLSERVE_STORAGE__DATA_DIR": str(tmp_path),
@@ -32,16 +46,23 @@ def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
     with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:
         before = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
         command = [
-            *[sys.executable, str(EXAMPLE), "--url", server.url, "--steps", "2"],
-            *["--prompts", "2", "--group-size", "4", "--log", str(log), "--restore"],
+            *[sys.executable, str(EXAMPLE), "--url", server.url, "--steps", "2", *flags],
+            *["--prompts", "2", "--group-size", "4", "--log", str(log)],
         ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         after = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
+        adapters = httpx.get(f"{server.url}/v1/adapters", timeout=60).json()["adapters"]
     assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return Run(done, before, after, adapters, records)
+
+
+def test_grpo_example_takes_steps_and_pushes_weights(tmp_path):
+    run = run_example(tmp_path, "--restore")
+    done, before, after, records = run.done, run.before, run.after, run.records
     assert done.stdout.splitlines()[-1] == "restored the starting weights as policy version 3"
     assert (before["policy_version"], after["policy_version"]) == (0, 3)
     assert after["outputs"] == before["outputs"]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert [r["policy_version"] for r in records] == [1, 2]
     for record in records:
@@ -54,27 +75,10 @@ def test_grpo_example_trains_a_lora_adapter_and_leaves_the_policy_as_it_was(tmp_
     """--lora: the rollouts sample with the adapter, whose pushes are its versions 1 and 2;
     the sampled log-probs equal the trainer's PEFT forward of the same adapter (a nonzero one
     from the second step on); the policy is untouched, the adapter unloaded at the end."""
-    env = {
-        "RLSERVE_MODELS__MODEL": DEFAULT_MODEL,
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp_path),
-        "RLSERVE_MODELS__BACKEND": "transformers",
-        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
-    }
-    log = tmp_path / "steps.jsonl"
-    probe = {"prompt_text": ["What is 7 + 5?"], "response_text": [" 12"]}
-    with running_server(env=env, log=tmp_path / "server.log", ready_timeout=300) as server:
-        before = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
-        command = [
-            *[sys.executable, str(EXAMPLE), "--url", server.url, "--steps", "2", "--lora"],
-            *["--prompts", "2", "--group-size", "4", "--log", str(log)],
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        after = httpx.post(f"{server.url}/v1/logprobs", json=probe, timeout=60).json()
-        adapters = httpx.get(f"{server.url}/v1/adapters", timeout=60).json()["adapters"]
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = run_example(tmp_path, "--lora")
+    done, records = run.done, run.records
     assert done.stdout.splitlines()[-1] == "unloaded the adapter grpo-lora; the policy is as it was"
-    assert after == before and adapters == []
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert run.after == run.before and run.adapters == []
     assert [r["policy_version"] for r in records] == [1, 2]
     for record in records:
         assert 0.0 <= record["reward"] <= 1.0

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.common.caller import Caller
 from app.config import Settings
 from app.datasets.service import DatasetService
 from app.dialects.sglang.service import SGLangWeights
@@ -31,6 +32,14 @@ async def _owner(request: Request) -> str:
     """Who is calling: the middleware's id for the request's API key ("" without keys)."""
     owner: str = getattr(request.state, "owner", "")
     return owner
+
+
+async def _caller(request: Request) -> Caller:
+    """The request's owner, and whether it may change what other keys own (an admin key, or
+    any caller of a server without keys)."""
+    owner: str = getattr(request.state, "owner", "")
+    admin: bool = getattr(request.state, "admin", True)
+    return Caller(owner, admin)
 
 
 async def _probe(request: Request) -> EngineProbe:
@@ -99,6 +108,7 @@ async def _trajectories(request: Request) -> TrajectoryService:
 
 
 OwnerDep = Annotated[str, Depends(_owner)]
+CallerDep = Annotated[Caller, Depends(_caller)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 ProbeDep = Annotated[EngineProbe, Depends(_probe)]
 RegistryDep = Annotated[ModelRegistry, Depends(_registry)]

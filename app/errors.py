@@ -16,6 +16,7 @@ from app.batching import BackendCallError, QueueFullError
 from app.common.failures import (
     Conflict,
     Failure,
+    Forbidden,
     InvalidInput,
     Malformed,
     NotFound,
@@ -74,6 +75,7 @@ FAILURES: dict[type[Failure], ErrorKind] = {
     Unsupported: ErrorKind(422, "unsupported_error"),
     Malformed: ErrorKind(400, "invalid_request_error"),
     NotFound: ErrorKind(404, "not_found_error"),
+    Forbidden: ErrorKind(403, "permission_error"),
     Superseded: ErrorKind(409, "conflict_error", {"Retry-After": "0"}),
     Conflict: ErrorKind(409, "conflict_error"),
     TooLarge: ErrorKind(413, "request_too_large"),
@@ -113,6 +115,12 @@ WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     404: {"model": ErrorResponse, "description": "No checkpoint at the path"},
     409: {"model": ErrorResponse, "description": "The checkpoint changed while it was read"},
     504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
+}
+
+ADAPTER_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **WEIGHTS_ERROR_RESPONSES,
+    404: {"model": ErrorResponse, "description": "No such adapter, or no folder at the path"},
+    409: {"model": ErrorResponse, "description": "Already paused with another mode"},
 }
 
 PAUSE_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {

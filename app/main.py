@@ -295,7 +295,9 @@ def openapi_with_auth(app: FastAPI) -> dict[str, Any]:
         for route in app.state.routes:
             level = policy_of(route).access
             for method in getattr(route, "methods", ()):
-                operation = schema["paths"].get(route.path, {}).get(method.lower())
+                # (path_format: the path as the spec writes it, `{name}` for `{name:path}`)
+                path = getattr(route, "path_format", getattr(route, "path", ""))
+                operation = schema["paths"].get(path, {}).get(method.lower())
                 if operation is not None:
                     declare_access(operation, level)
         app.openapi_schema = _exact_bounds(schema)
@@ -329,9 +331,13 @@ def declare_access(operation: dict[str, Any], level: Access) -> None:
         operation["security"] = []
     if level is Access.PUBLIC:
         responses.pop("401", None)
-    if level is Access.ADMIN:
+    refusal = {
+        Access.ADMIN: "Needs an admin key (when RLSERVE_AUTH__ADMIN_API_KEYS is set)",
+        Access.OWNER: "Another key's: only its owner's key or an admin key may change it",
+    }.get(level)
+    if refusal is not None:
         responses["403"] = {
-            "description": "Needs an admin key (when RLSERVE_AUTH__ADMIN_API_KEYS is set)",
+            "description": refusal,
             "content": {
                 "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
             },

@@ -20,7 +20,7 @@ The trained weights stay on the server (every later request samples them) unless
 puts back the weights it started with when the run ends (`POST /v1/weights/restore`).
 
 With `--lora` the trainer trains a LoRA adapter of the policy (PEFT, every linear layer): the
-server serves it by name (`POST /v1/adapters`), samples the rollouts with it, and each step
+server serves it by name from its first push, samples the rollouts with it, and each step
 pushes the adapter's tensors alone (`PUT /v1/adapters/{name}`: megabytes, no pause). The
 policy itself is left as it was; the adapter is unloaded when the run ends.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,12 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, get_peft_model
 from rlserve_client import Client
 from rlserve_client.async_collector import AsyncCollector
+from rlserve_client.lora import adapter_file
 from rlserve_client.offpolicy import decoupled_ppo_loss
 from rlserve_client.types import Trajectory
-from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 # PEFT 0.21 reads an attribute transformers 5 deprecates: its warning says nothing to act on.
@@ -200,18 +199,15 @@ class FullWeights:
 
 
 class Adapter:
-    """A LoRA adapter of the policy: served by name from its first save, then pushed as its
-    tensors alone each step (`client.push_adapter`)."""
+    """A LoRA adapter of the policy, pushed as its tensors alone each step, with its config
+    (`adapter_file`): the first push serves it by name, as version 0."""
 
     def __init__(self, client: Client, model: torch.nn.Module, name: str) -> None:
         self.client, self.model = client, name
-        with tempfile.TemporaryDirectory() as folder:  # the server reads it on this host
-            model.save_pretrained(folder)
-            client.load_adapter(name=name, path=folder)
+        self.push(model)
 
     def push(self, model: torch.nn.Module) -> int:
-        payload = save(get_peft_model_state_dict(model))
-        return self.client.push_adapter(name=self.model, payload=payload).version
+        return self.client.push_adapter(name=self.model, payload=adapter_file(model)).version
 
     def close(self) -> None:
         self.client.unload_adapter(name=self.model)

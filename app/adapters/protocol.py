@@ -7,7 +7,9 @@ from typing import Annotated
 from pydantic import Field
 
 from app.common.protocol import WireModel
+from app.engine.adapter_gate import AdapterGateState
 from app.engine.lora import LoraAdapter
+from app.weights.protocol import PauseMode
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
 AdapterName = Annotated[
@@ -31,6 +33,19 @@ class LoadAdapterRequest(WireModel):
     )
 
 
+ADAPTER_PAUSE_DOC = (
+    "How the adapter's requests already inside meet the pause: 'wait' lets them finish; "
+    "'abort' ends their generations at the next token (they return what they produced, "
+    "finish_reason 'abort'); 'keep' returns at once and lets them go on with the version they "
+    "started with. New requests naming the adapter wait in every mode; scoring always "
+    "finishes. The policy and other adapters serve on."
+)
+
+
+class PauseAdapterRequest(WireModel):
+    mode: PauseMode = Field(default="wait", description=ADAPTER_PAUSE_DOC)
+
+
 class AdapterInfo(WireModel):
     name: str
     version: int = Field(
@@ -38,13 +53,20 @@ class AdapterInfo(WireModel):
         "load or push under the name."
     )
     base: str = Field(description="The served model the adapter is applied to.")
-    source: str = Field(description="The folder it was read from.")
+    source: str = Field(description="The folder it was read from, or 'upload'.")
     rank: int = Field(description="Its largest LoRA rank.")
     num_layers: int = Field(description="How many linear layers it adapts.")
     num_parameters: int
+    paused: PauseMode | None = Field(
+        default=None, description="The mode it is paused with (null while it serves)."
+    )
+    in_flight: int = Field(default=0, description="Its requests inside now.")
+    waiting: int = Field(default=0, description="Its requests held back by its pause.")
 
     @classmethod
-    def of(cls, adapter: LoraAdapter) -> AdapterInfo:
+    def of(cls, adapter: LoraAdapter, state: AdapterGateState | None = None) -> AdapterInfo:
+        """`state`: its pause state (None: unloaded, or not asked)."""
+        gate = state or AdapterGateState(None, 0, 0)
         return cls(
             name=adapter.name,
             version=adapter.version,
@@ -53,6 +75,9 @@ class AdapterInfo(WireModel):
             rank=adapter.rank,
             num_layers=len(adapter.modules),
             num_parameters=adapter.num_parameters,
+            paused=gate.paused,
+            in_flight=gate.in_flight,
+            waiting=gate.waiting,
         )
 
 

@@ -1,4 +1,9 @@
-"""rlserve's LoRA adapter routes: load (or reload, as the next version), list and unload."""
+"""rlserve's LoRA adapter routes: load (or reload, as the next version), push, pause, resume,
+list and unload.
+
+Each adapter belongs to the key that first served it: with API keys set, only that key or an
+admin key may push to it, pause it, resume it or unload it. Loading from a server path needs
+an admin key (it reads the server's disk); a first upload serves a new adapter with any key."""
 
 from __future__ import annotations
 
@@ -6,12 +11,18 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 
-from app.adapters.protocol import NAME_PATTERN, AdapterInfo, AdapterList, LoadAdapterRequest
-from app.deps import RegistryDep, WeightsDep
-from app.errors import WEIGHTS_ERROR_RESPONSES
+from app.adapters.protocol import (
+    NAME_PATTERN,
+    AdapterInfo,
+    AdapterList,
+    LoadAdapterRequest,
+    PauseAdapterRequest,
+)
+from app.deps import CallerDep, RegistryDep, WeightsDep
+from app.errors import ADAPTER_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
 
-router = APIRouter(tags=["adapters"], responses=WEIGHTS_ERROR_RESPONSES)
+router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
 AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=NAME_PATTERN)]
 
 
@@ -21,20 +32,23 @@ AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=NAME_PAT
     summary="Load a LoRA adapter",
     openapi_extra=access(Access.ADMIN),
 )
-async def load_adapter(request: LoadAdapterRequest, weights: WeightsDep) -> AdapterInfo:
+async def load_adapter(
+    request: LoadAdapterRequest, weights: WeightsDep, registry: RegistryDep, caller: CallerDep
+) -> AdapterInfo:
     """Serve a LoRA adapter of the policy under `name`: every model route then takes `name`
     as its `model`, and its rows batch with the policy's and other adapters'. Loading a served
     name again serves the new tensors as its next version to new requests, while requests in
     flight finish on theirs: no pause."""
-    return AdapterInfo.of(await weights.load_adapter(request.name, request.path, "path"))
+    adapter = await weights.load_adapter(request.name, request.path, "path", caller=caller)
+    return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
 
 @router.put(
     "/v1/adapters/{name:path}",
     response_model=AdapterInfo,
-    summary="Push an adapter's new tensors",
+    summary="Push an adapter's tensors",
     openapi_extra={
-        **access(Access.ADMIN, Body.STREAMED),
+        **access(Access.OWNER, Body.STREAMED),
         "requestBody": {
             "required": True,
             "content": {
@@ -43,26 +57,63 @@ async def load_adapter(request: LoadAdapterRequest, weights: WeightsDep) -> Adap
         },
     },
 )
-async def push_adapter(name: AdapterPath, request: Request, weights: WeightsDep) -> AdapterInfo:
+async def push_adapter(
+    name: AdapterPath,
+    request: Request,
+    weights: WeightsDep,
+    registry: RegistryDep,
+    caller: CallerDep,
+) -> AdapterInfo:
     """A trainer's step: the adapter's tensors as one safetensors file (PEFT's names, as
-    `get_peft_model_state_dict` gives them; the layers and shapes it was loaded with), served as
-    its next version to new requests while requests in flight finish on theirs: no pause. The
-    config stays the one it was loaded with."""
-    return AdapterInfo.of(await weights.push_adapter(name, request.stream()))
+    `get_peft_model_state_dict` gives them), served as its next version to new requests while
+    requests in flight finish on theirs: no pause. The file's metadata may carry the adapter's
+    config under `adapter_config` (the text of PEFT's adapter_config.json): a name not served
+    yet needs it, and is then served at version 0, owned by the pushing key. A served adapter
+    keeps its layers and shapes; without that metadata, its config too."""
+    adapter = await weights.push_adapter(name, request.stream(), caller=caller)
+    return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
+
+
+@router.post(
+    "/v1/adapters/{name:path}/pause",
+    response_model=AdapterInfo,
+    summary="Pause one adapter",
+    openapi_extra=access(Access.OWNER),
+)
+async def pause_adapter(
+    name: AdapterPath, request: PauseAdapterRequest, weights: WeightsDep, caller: CallerDep
+) -> AdapterInfo:
+    """Hold back new requests naming the adapter until its resume; returns once its requests
+    inside met `mode`. The policy and other adapters serve on, and a global pause
+    (`/v1/pause`) is separate from this one."""
+    return AdapterInfo.of(*await weights.pause_adapter(name, request.mode, caller=caller))
+
+
+@router.post(
+    "/v1/adapters/{name:path}/resume",
+    response_model=AdapterInfo,
+    summary="Resume one adapter",
+    openapi_extra=access(Access.OWNER),
+)
+async def resume_adapter(name: AdapterPath, weights: WeightsDep, caller: CallerDep) -> AdapterInfo:
+    return AdapterInfo.of(*await weights.resume_adapter(name, caller=caller))
 
 
 @router.get("/v1/adapters", response_model=AdapterList, summary="Served adapters")
 async def list_adapters(registry: RegistryDep) -> AdapterList:
     adapters = sorted(registry.adapters.values(), key=lambda a: a.name)
-    return AdapterList(adapters=[AdapterInfo.of(a) for a in adapters])
+    return AdapterList(
+        adapters=[AdapterInfo.of(a, registry.adapter_state(a.name)) for a in adapters]
+    )
 
 
 @router.delete(
     "/v1/adapters/{name:path}",
     response_model=AdapterInfo,
     summary="Unload a LoRA adapter",
-    openapi_extra=access(Access.ADMIN),
+    openapi_extra=access(Access.OWNER),
 )
-async def unload_adapter(name: AdapterPath, weights: WeightsDep) -> AdapterInfo:
-    """New requests can no longer name it; requests in flight finish with it."""
-    return AdapterInfo.of(await weights.unload_adapter(name, "name"))
+async def unload_adapter(name: AdapterPath, weights: WeightsDep, caller: CallerDep) -> AdapterInfo:
+    """New requests can no longer name it (those waiting on its pause are refused); requests
+    in flight finish with it."""
+    return AdapterInfo.of(await weights.unload_adapter(name, "name", caller=caller))

@@ -30,6 +30,10 @@ class NotFound(Failure):
     """The named thing does not exist, or belongs to another API key."""
 
 
+class Forbidden(Failure):
+    """The named thing is another API key's to change (a trainer's LoRA adapter)."""
+
+
 class Conflict(Failure):
     """The request does not fit the current state (episode done, not reset yet)."""
 

@@ -23,10 +23,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
+from app.common.caller import Caller
 from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed, Unsupported
 from app.deploy.answers import cause, combined, of_kind, serving
 from app.deploy.ledger import Ledger
 from app.deploy.replica import Commit, Committed, Ranks, Refusal, ReplicaEndpoint, Stage
+from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.lora import LoraAdapter
 from app.weights.local import LocalWeights
@@ -108,15 +110,27 @@ class ReplicatedWeights:
     # -- adapters ---------------------------------------------------------------------------
 
     async def load_adapter(
-        self, name: str, path: str, param: str, name_param: str = "name"
+        self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
     ) -> LoraAdapter:
         raise _no_adapters(param)
 
-    async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
+    async def push_adapter(
+        self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
+    ) -> LoraAdapter:
         raise _no_adapters("body")
 
-    async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
+    async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
         raise _no_adapters(param)
+
+    async def pause_adapter(
+        self, name: str, mode: PauseMode, *, caller: Caller
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        raise _no_adapters("name")
+
+    async def resume_adapter(
+        self, name: str, *, caller: Caller
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        raise _no_adapters("name")
 
     # -- checkpoint updates ----------------------------------------------------------------
 

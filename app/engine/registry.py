@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -12,15 +13,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from app.batching import BatchingConfig
-from app.common.failures import Conflict, NotFound, NotReady, Unsupported, invalid
+from app.common.caller import NOBODY_IN_PARTICULAR, Caller
+from app.common.failures import Conflict, Forbidden, NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config import ModelSettings, VllmSettings
+from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_model, resolve_source
 from app.engine.lora import LoraAdapter
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
-from app.weights.lora_layout import read_folder, read_tensors
+from app.weights.lora_layout import CONFIG, CONFIG_METADATA, read_folder, read_upload
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +79,8 @@ class ModelRegistry:
         self.pair: ModelPair | None = None
         self.adapters: dict[str, LoraAdapter] = {}
         """LoRA adapters on the policy by name, each the version new requests get."""
+        self.adapter_gates: dict[str, AdapterGate] = {}
+        """Each served adapter's own pause and owner."""
         self._adapter_lock = asyncio.Lock()
         self._adapter_versions: dict[str, int] = {}
         """Each adapter name's last version, kept across an unload: a name unloaded and
@@ -91,17 +96,28 @@ class ModelRegistry:
         return self.versions["policy"]
 
     @contextlib.asynccontextmanager
-    async def reading(self) -> AsyncIterator[int]:
-        """Scoring work: never spans a weight update. Yields the policy version it runs on."""
-        async with self.gate.admitted("score") as version:
+    async def reading(self, served: ServedModel | None = None) -> AsyncIterator[int]:
+        """Scoring work (with `served`, when it is an adapter, admitted by the adapter's gate
+        too): never spans a weight update. Yields the policy version it runs on."""
+        async with self._adapter_admitted(served, None), self.gate.admitted("score") as version:
             yield version
 
     @contextlib.asynccontextmanager
-    async def generating(self) -> AsyncIterator[int]:
+    async def generating(
+        self, served: ServedModel | None = None, stop: threading.Event | None = None
+    ) -> AsyncIterator[int]:
         """Generation work: may be frozen across an update (its tokens carry their versions).
-        Yields the policy version it starts on."""
-        async with self.gate.admitted("generate") as version:
-            yield version
+        With `served`, when it is an adapter, admitted by the adapter's gate too, whose abort
+        pause sets `stop`. Yields the policy version it starts on."""
+        async with self._adapter_admitted(served, stop), self.gate.admitted("generate") as v:
+            yield v
+
+    def _adapter_admitted(
+        self, served: ServedModel | None, stop: threading.Event | None
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        if isinstance(served, AdaptedModel):
+            return served.gate.admitted(stop)
+        return contextlib.nullcontext()
 
     async def unless_aborted(self, work: Awaitable[R]) -> R | None:
         """What a generation scores after its tokens, or None if an abort pause cut it short
@@ -171,21 +187,21 @@ class ModelRegistry:
         self.models[served.name] = served
         return served
 
-    def get_pair(self, model: str = "policy") -> ModelPair | AdapterPair:
+    def get_pair(self, model: str = "policy", param: str = "model") -> ModelPair | AdapterPair:
         """The policy (or `model`, one of its LoRA adapters) and its reference, for KL. An
         adapter's reference is its base with the adapter off, unless a reference model of
-        its own is configured (`ref_model`)."""
-        served = self.get(model)
+        its own is configured (`ref_model`). An unfit `model` is refused naming `param`."""
+        served = self.get(model, param)
         if isinstance(served, AdaptedModel):
             separate = self.model_settings.ref_model and "reference" in self.models
             return AdapterPair(served, self.models["reference"] if separate else served.base)
         if served.name != "policy":
-            raise invalid("model", f"'{model}' is not the policy or one of its adapters")
+            raise invalid(param, f"'{model}' is not the policy or one of its adapters")
         if self.pair is None:
             raise Unsupported(
-                "model: no reference model is served "
+                f"{param}: no reference model is served "
                 "(start with RLSERVE_MODELS__LOAD_REFERENCE=true)",
-                param="model",
+                param=param,
             )
         return self.pair
 
@@ -225,7 +241,7 @@ class ModelRegistry:
             return self.models[canonical]
         adapter = self.adapters.get(name)
         if adapter is not None:
-            return AdaptedModel(self.models["policy"], adapter)
+            return AdaptedModel(self.models["policy"], adapter, self.adapter_gates[name])
         served = sorted([*self.models, *self.aliases, *self.adapters])
         raise invalid(param, f"'{name}' is not served (have {served})")
 
@@ -242,34 +258,57 @@ class ModelRegistry:
         return served.adapter.version if isinstance(served, AdaptedModel) else policy_version
 
     async def load_adapter(
-        self, name: str, path: Path, *, param: str, name_param: str = "name"
+        self,
+        name: str,
+        path: Path,
+        *,
+        param: str,
+        name_param: str = "name",
+        caller: Caller = NOBODY_IN_PARTICULAR,
     ) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` on the policy as `name`: a new name at
-        version 0, a name served before as its next version (rows in flight keep the version
-        they started with)."""
+        version 0 (owned by `caller`), a name served before as its next version (rows in
+        flight keep the version they started with; only its owner or an admin may)."""
         base = self._adapter_base(param)
         if self.canonical(name) is not None:
             raise Conflict(
                 f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
             )
+        self._check_owner(name, caller, name_param)
         config, tensors = await asyncio.to_thread(read_folder, path, param)
-        return await self._serve_adapter(base, name, config, tensors, str(path), param)
+        return await self._serve_adapter(
+            base, name, config, tensors, str(path), param, caller=caller, name_param=name_param
+        )
 
-    async def push_adapter(self, name: str, file: Path, *, param: str) -> LoraAdapter:
-        """New tensors for served adapter `name` (a safetensors file, PEFT's tensor names, the
-        layers and shapes it has), served as its next version with the config it was loaded
-        with."""
+    async def push_adapter(
+        self, name: str, file: Path, *, param: str, caller: Caller = NOBODY_IN_PARTICULAR
+    ) -> LoraAdapter:
+        """New tensors for adapter `name` (a safetensors file, PEFT's tensor names), served as
+        its next version: with the layers and shapes it has, and its config unless the file's
+        metadata gives one (`CONFIG_METADATA`). A name not served needs that config, and is
+        then served at version 0, owned by `caller`."""
         base = self._adapter_base(param)
+        if self.canonical(name) is not None:
+            raise Conflict(f"name: '{name}' names a served model, not an adapter", param="name")
+        self._check_owner(name, caller, "name")
+        config, tensors = await asyncio.to_thread(read_upload, file, param)
         current = self.adapters.get(name)
-        if current is None:
+        if current is None and config is None:
             raise NotFound(
-                f"name: no adapter '{name}' is served; load it from its folder first "
-                "(POST /v1/adapters), which gives its config",
+                f"name: no adapter '{name}' is served; a first upload carries its config in "
+                f"the file's metadata (key '{CONFIG_METADATA}': the text of {CONFIG}), or load "
+                "it from its folder (POST /v1/adapters)",
                 param="name",
             )
-        tensors = await asyncio.to_thread(read_tensors, file, param)
         return await self._serve_adapter(
-            base, name, current.config, tensors, "upload", param, layout_of=current
+            base,
+            name,
+            config if config is not None else current.config,  # type: ignore[union-attr]
+            tensors,
+            "upload",
+            param,
+            caller=caller,
+            layout_of=current,
         )
 
     def _adapter_base(self, param: str) -> ServedModel:
@@ -282,6 +321,15 @@ class ModelRegistry:
             )
         return base
 
+    def _check_owner(self, name: str, caller: Caller, param: str) -> None:
+        gate = self.adapter_gates.get(name)
+        if gate is not None and not caller.may_change(gate.owner):
+            raise Forbidden(
+                f"{param}: adapter '{name}' belongs to another API key (only its owner, or an "
+                "admin key, may change it)",
+                param=param,
+            )
+
     async def _serve_adapter(
         self,
         base: ServedModel,
@@ -291,10 +339,15 @@ class ModelRegistry:
         source: str,
         param: str,
         *,
+        caller: Caller,
+        name_param: str = "name",
         layout_of: LoraAdapter | None = None,
     ) -> LoraAdapter:
         """`name`'s next version; with `layout_of`, refused unless it has that one's layout."""
         async with self._adapter_lock:
+            self._check_owner(name, caller, name_param)  # (again: it may have changed hands)
+            if layout_of is not None:  # the latest version (another push may have come first)
+                layout_of = self.adapters.get(name)
             last = self._adapter_versions.get(name)
             version = last + 1 if last is not None else 0
             adapter = await base.backend.build_adapter(
@@ -308,6 +361,8 @@ class ModelRegistry:
                 )
             self.adapters[name] = adapter
             self._adapter_versions[name] = version
+            if name not in self.adapter_gates:
+                self.adapter_gates[name] = AdapterGate(name, caller.owner)
         logger.info(
             "adapter %s v%d served from %s (rank %d, %d layers)",
             name,
@@ -318,18 +373,55 @@ class ModelRegistry:
         )
         return adapter
 
-    def unload_adapter(self, name: str, *, param: str) -> LoraAdapter:
-        """Stop serving adapter `name` to new requests (rows in flight finish with it)."""
+    def _gate_of(self, name: str, caller: Caller, param: str) -> AdapterGate:
+        """Served adapter `name`'s gate, when `caller` may change it."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
-        adapter = self.adapters.pop(name, None)
-        if adapter is None:
+        gate = self.adapter_gates.get(name)
+        if gate is None:
             raise NotFound(
                 f"{param}: no adapter '{name}' is served (have {sorted(self.adapters)})",
                 param=param,
             )
+        self._check_owner(name, caller, param)
+        return gate
+
+    def unload_adapter(
+        self, name: str, *, param: str, caller: Caller = NOBODY_IN_PARTICULAR
+    ) -> LoraAdapter:
+        """Stop serving adapter `name` to new requests (rows in flight finish with it; requests
+        waiting on its pause are refused)."""
+        gate = self._gate_of(name, caller, param)
+        adapter = self.adapters.pop(name)
+        del self.adapter_gates[name]
+        gate.close()
         logger.info("adapter %s unloaded", name)
         return adapter
+
+    async def pause_adapter(
+        self, name: str, mode: PauseMode, *, caller: Caller = NOBODY_IN_PARTICULAR
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        """Pause adapter `name` alone (`app.engine.adapter_gate`); its version now, and its
+        state once paused."""
+        gate = self._gate_of(name, caller, "name")
+        adapter = self.adapters[name]
+        state = await gate.pause(mode)
+        logger.info("adapter %s paused (%s)", name, mode)
+        return adapter, state
+
+    async def resume_adapter(
+        self, name: str, *, caller: Caller = NOBODY_IN_PARTICULAR
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        gate = self._gate_of(name, caller, "name")
+        adapter = self.adapters[name]
+        state = await gate.resume()
+        logger.info("adapter %s resumed", name)
+        return adapter, state
+
+    def adapter_state(self, name: str) -> AdapterGateState | None:
+        """Served adapter `name`'s pause state (None once unloaded)."""
+        gate = self.adapter_gates.get(name)
+        return None if gate is None else gate.state()
 
     def origin(self, name: str) -> Origin:
         """Where the served model `name` (or an alias) started from."""

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
+from app.engine.adapter_gate import AdapterGate
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.lora import LoraAdapter
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
@@ -173,11 +174,13 @@ class AdaptedModel(ServedModel):
     """A LoRA adapter served as a model of its own: the rows it is asked for go to its base's
     batchers, named for the adapter, so they batch with the base's rows and other adapters'."""
 
-    def __init__(self, base: ServedModel, adapter: LoraAdapter) -> None:
+    def __init__(self, base: ServedModel, adapter: LoraAdapter, gate: AdapterGate) -> None:
         # (No batchers of its own: every call goes through the base's.)
         self.name = adapter.name
         self.base = base
         self.adapter = adapter
+        self.gate = gate
+        """Admits the adapter's requests (its own pause: `ModelRegistry.generating`)."""
         self.backend = base.backend
         self.preparer = base.preparer
         self.invariant = base.invariant

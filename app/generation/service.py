@@ -88,7 +88,7 @@ class GenerationService(ModelServing):
             for j in range(n)
         ]
         try:
-            async with self.registry.generating() as admitted:
+            async with self.registry.generating(served, abandoned) as admitted:
                 version = self.registry.answered(served, admitted)
                 if started is not None and not started.done():
                     started.set_result(version)

@@ -33,7 +33,7 @@ class KLService(ModelServing):
                         "(tokens.full)",
                     )
         sequences = [item.ids for item in prepared]
-        async with self.registry.reading() as version:
+        async with self.registry.reading(pair.policy) as version:
             if given is None:
                 policy, reference = map(list, zip(*await pair.score(sequences), strict=True))
             else:

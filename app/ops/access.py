@@ -25,6 +25,9 @@ class Access(StrEnum):
     """Any API key (the default for every route)."""
     ADMIN = "admin"
     """An admin key when RLSERVE_AUTH__ADMIN_API_KEYS is set, else any key."""
+    OWNER = "owner"
+    """Any key, to a thing that key owns (a LoRA adapter): the route checks the owner, and
+    lets an admin key change every owner's (`app.common.caller.Caller`)."""
 
 
 class Body(StrEnum):

@@ -33,7 +33,9 @@ def owner_of(key: bytes) -> str:
 
 class AuthMiddleware:
     """Bearer keys, judged on the policy the matched route declares (`app.ops.access`): 401
-    without a valid key, 403 for a non-admin key on an admin route. Sets the request's owner."""
+    without a valid key, 403 for a non-admin key on an admin route. Sets the request's owner,
+    and whether its key is an admin key (one that may change what other keys own: without
+    admin keys, no key may)."""
 
     def __init__(self, app: ASGIApp, settings: AuthSettings) -> None:
         self.app = app
@@ -64,7 +66,9 @@ class AuthMiddleware:
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        if level is Access.ADMIN and self.admin_keys and not matches(key, self.admin_keys):
+        admin = matches(key, self.admin_keys)
+        if level is Access.ADMIN and self.admin_keys and not admin:
             return APIError(403, "this route needs an admin key", type="permission_error")
         scope["state"]["owner"] = owner_of(key)
+        scope["state"]["admin"] = admin
         return None

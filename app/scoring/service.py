@@ -38,7 +38,7 @@ class ScoringService(ModelServing):
         specs = [replace(asks, start=max(1, start)) for _, start in spans]
         detailed = asks.extras
         alone = self.alone(request.batch_invariant, served)
-        async with self.registry.reading() as version:
+        async with self.registry.reading(served) as version:
             if detailed:
                 scores = await served.score_detailed(
                     [(item.ids, spec) for item, spec in zip(prepared, specs, strict=True)],

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from app.common.caller import Caller
+from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.lora import LoraAdapter
 from app.weights.protocol import (
@@ -52,17 +54,30 @@ class WeightsControl(Protocol):
         """Apply a checkpoint streamed as `chunks`, whole or not at all."""
 
     async def load_adapter(
-        self, name: str, path: str, param: str, name_param: str = "name"
+        self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
     ) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` as `name` (a served name: its next
-        version); refused naming `param` when it does not fit the policy."""
+        version, if `caller` may change it); refused naming `param` when it does not fit the
+        policy."""
 
-    async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
-        """New tensors of served adapter `name`, streamed as one safetensors file: its next
-        version, to new requests (those in flight keep theirs)."""
+    async def push_adapter(
+        self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
+    ) -> LoraAdapter:
+        """New tensors of adapter `name`, streamed as one safetensors file: its next version
+        (or its first, owned by `caller`, when the file's metadata carries its config), to new
+        requests (those in flight keep theirs)."""
 
-    async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
+    async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
         """Stop serving adapter `name` to new requests; requests in flight finish with it."""
+
+    async def pause_adapter(
+        self, name: str, mode: PauseMode, *, caller: Caller
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        """Pause adapter `name` alone; the policy and other adapters serve on."""
+
+    async def resume_adapter(
+        self, name: str, *, caller: Caller
+    ) -> tuple[LoraAdapter, AdapterGateState]: ...
 
     async def transfer_state(self, model: str) -> TransferState: ...
 

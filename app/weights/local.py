@@ -7,7 +7,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from app.common.caller import Caller
 from app.config import WeightSettings
+from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.lora import LoraAdapter
 from app.engine.registry import ModelRegistry
@@ -66,18 +68,30 @@ class LocalWeights:
         return await self.files.upload(chunks, model, options)
 
     async def load_adapter(
-        self, name: str, path: str, param: str, name_param: str = "name"
+        self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
     ) -> LoraAdapter:
         return await self.registry.load_adapter(
-            name, Path(path), param=param, name_param=name_param
+            name, Path(path), param=param, name_param=name_param, caller=caller
         )
 
-    async def push_adapter(self, name: str, chunks: AsyncIterator[bytes]) -> LoraAdapter:
+    async def push_adapter(
+        self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
+    ) -> LoraAdapter:
         async with self.files.received(chunks) as path:
-            return await self.registry.push_adapter(name, path, param="body")
+            return await self.registry.push_adapter(name, path, param="body", caller=caller)
 
-    async def unload_adapter(self, name: str, param: str) -> LoraAdapter:
-        return self.registry.unload_adapter(name, param=param)
+    async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
+        return self.registry.unload_adapter(name, param=param, caller=caller)
+
+    async def pause_adapter(
+        self, name: str, mode: PauseMode, *, caller: Caller
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        return await self.registry.pause_adapter(name, mode, caller=caller)
+
+    async def resume_adapter(
+        self, name: str, *, caller: Caller
+    ) -> tuple[LoraAdapter, AdapterGateState]:
+        return await self.registry.resume_adapter(name, caller=caller)
 
     async def transfer_state(self, model: str) -> TransferState:
         return await self.transfers.state(model)

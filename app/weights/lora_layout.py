@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from app.common.failures import NotFound, Unsupported, invalid
@@ -20,6 +21,9 @@ from app.engine.lora import LoraAdapter, LoraModule
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+CONFIG_METADATA = "adapter_config"
+"""An uploaded adapter file's metadata key for its config (the text of adapter_config.json):
+what lets an upload serve a new adapter, with no folder on the server."""
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -60,6 +64,23 @@ def read_folder(path: Path, param: str = "path") -> tuple[dict[str, Any], dict[s
     if not isinstance(config, dict):
         raise invalid(param, f"{config_file} holds no JSON object")
     return config, read_tensors(weights_file, param)
+
+
+def read_upload(file: Path, param: str) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """The config in an uploaded file's metadata (`CONFIG_METADATA`; None without one) and its
+    tensors (blocking: call in a thread)."""
+    tensors = read_tensors(file, param)
+    with safe_open(file, "pt") as opened:
+        text = (opened.metadata() or {}).get(CONFIG_METADATA)
+    if text is None:
+        return None, tensors
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise invalid(param, f"the metadata's {CONFIG_METADATA} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise invalid(param, f"the metadata's {CONFIG_METADATA} holds no JSON object")
+    return config, tensors
 
 
 def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:

@@ -9,7 +9,14 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Response
 
 from app.common.failures import Conflict
-from app.deps import GenerationDep, ProbeDep, RegistryDep, SGLangWeightsDep, WeightsDep
+from app.deps import (
+    CallerDep,
+    GenerationDep,
+    ProbeDep,
+    RegistryDep,
+    SGLangWeightsDep,
+    WeightsDep,
+)
 from app.dialects import common
 from app.dialects.sglang import service
 from app.dialects.sglang.protocol import (
@@ -289,7 +296,7 @@ async def update_weights_from_disk(body: UpdateWeightsFromDisk, weights: Weights
     openapi_extra=ADMIN,
 )
 async def load_lora_adapter(
-    request: LoadLoRAAdapter, weights: WeightsDep, registry: RegistryDep
+    request: LoadLoRAAdapter, weights: WeightsDep, registry: RegistryDep, caller: CallerDep
 ) -> LoRAUpdated:
     """POST /v1/adapters in SGLang's words; /generate then takes the name as `lora_path`. A
     loaded name is refused, as SGLang refuses it (unload it first, or use POST /v1/adapters
@@ -300,7 +307,9 @@ async def load_lora_adapter(
             f"lora_name: Failed to load LoRA adapter {name} because it is already loaded",
             param="lora_name",
         )
-    await weights.load_adapter(name, request.lora_path, "lora_path", name_param="lora_name")
+    await weights.load_adapter(
+        name, request.lora_path, "lora_path", name_param="lora_name", caller=caller
+    )
     return _adapters(registry)
 
 
@@ -312,9 +321,9 @@ async def load_lora_adapter(
     openapi_extra=ADMIN,
 )
 async def unload_lora_adapter(
-    request: UnloadLoRAAdapter, weights: WeightsDep, registry: RegistryDep
+    request: UnloadLoRAAdapter, weights: WeightsDep, registry: RegistryDep, caller: CallerDep
 ) -> LoRAUpdated:
-    await weights.unload_adapter(request.lora_name, "lora_name")
+    await weights.unload_adapter(request.lora_name, "lora_name", caller=caller)
     return _adapters(registry)
 
 

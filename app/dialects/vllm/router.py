@@ -10,7 +10,15 @@ from fastapi import APIRouter, Body, Query
 from fastapi.responses import PlainTextResponse
 
 from app.common.failures import invalid
-from app.deps import GenerationDep, OpenAIDep, OwnerDep, RegistryDep, SettingsDep, WeightsDep
+from app.deps import (
+    CallerDep,
+    GenerationDep,
+    OpenAIDep,
+    OwnerDep,
+    RegistryDep,
+    SettingsDep,
+    WeightsDep,
+)
 from app.dialects import common
 from app.dialects.vllm import render, service
 from app.dialects.vllm.protocol import (
@@ -283,7 +291,7 @@ LORA_RESPONSES = {
     openapi_extra=ADMIN,
 )
 async def load_lora_adapter(
-    request: LoadLoRAAdapter, weights: WeightsDep, registry: RegistryDep
+    request: LoadLoRAAdapter, weights: WeightsDep, registry: RegistryDep, caller: CallerDep
 ) -> PlainTextResponse:
     """POST /v1/adapters in vLLM's words (its runtime LoRA updating): with `load_inplace`, a
     loaded name's new tensors become its next version. Answered in vLLM's plain text."""
@@ -294,7 +302,9 @@ async def load_lora_adapter(
             f"The lora adapter '{name}' has already been loaded. If you want to load the "
             "adapter in place, set 'load_inplace' to True.",
         )
-    await weights.load_adapter(name, request.lora_path, "lora_path", name_param="lora_name")
+    await weights.load_adapter(
+        name, request.lora_path, "lora_path", name_param="lora_name", caller=caller
+    )
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -305,9 +315,11 @@ async def load_lora_adapter(
     summary="Unload a LoRA adapter (vLLM)",
     openapi_extra=ADMIN,
 )
-async def unload_lora_adapter(request: UnloadLoRAAdapter, weights: WeightsDep) -> PlainTextResponse:
+async def unload_lora_adapter(
+    request: UnloadLoRAAdapter, weights: WeightsDep, caller: CallerDep
+) -> PlainTextResponse:
     """DELETE /v1/adapters/{name} in vLLM's words (404 for a name not loaded)."""
-    await weights.unload_adapter(request.lora_name, "lora_name")
+    await weights.unload_adapter(request.lora_name, "lora_name", caller=caller)
     return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 

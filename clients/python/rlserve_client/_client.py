@@ -73,6 +73,8 @@ class _Methods:
     load_adapter = _Route(routes.load_adapter)
     push_adapter = _Route(routes.push_adapter)
     adapters = _Route(routes.adapters)
+    pause_adapter = _Route(routes.pause_adapter)
+    resume_adapter = _Route(routes.resume_adapter)
     unload_adapter = _Route(routes.unload_adapter)
     pause = _Route(routes.pause)
     resume = _Route(routes.resume)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 from rlserve_client import types
@@ -224,9 +224,10 @@ def push_adapter(
     *, name: str, payload: bytes | Path, timeout: Timeout = NOT_GIVEN
 ) -> Call[types.Adapter]:
     """A training step's adapter: its tensors as one safetensors file (bytes or a path), with
-    PEFT's names, e.g. `safetensors.torch.save(peft.get_peft_model_state_dict(model))`. The
-    server serves them as the adapter's next version at once, without pausing; the adapter
-    must be loaded (`load_adapter`) first, which gives its config. Admin key."""
+    PEFT's names; `rlserve_client.lora.adapter_file(peft_model)` makes one, with the adapter's
+    config in its metadata. The server serves them as the adapter's next version at once,
+    without pausing. A file with its config serves a new name (owned by this client's key);
+    without one, the adapter must be served already. Its owner's key or an admin key."""
     return Call(
         "PUT",
         _adapter_path(name),
@@ -241,8 +242,28 @@ def adapters(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapters]:
     return Call("GET", "/v1/adapters", types.Adapters, timeout=timeout)
 
 
+def pause_adapter(
+    *,
+    name: str,
+    mode: Literal["wait", "abort", "keep"] = "wait",
+    timeout: Timeout = NOT_GIVEN,
+) -> Call[types.Adapter]:
+    """Hold back new requests naming adapter `name` until `resume_adapter`; returns once its
+    requests inside met `mode` ('wait': finished; 'abort': generations ended at their next
+    token; 'keep': at once, they go on with their version). The policy and other adapters
+    serve on. Its owner's key or an admin key."""
+    return Call(
+        "POST", _adapter_path(name) + "/pause", types.Adapter, json={"mode": mode}, timeout=timeout
+    )
+
+
+def resume_adapter(*, name: str, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapter]:
+    return Call("POST", _adapter_path(name) + "/resume", types.Adapter, timeout=timeout)
+
+
 def unload_adapter(*, name: str, timeout: Timeout = NOT_GIVEN) -> Call[types.Adapter]:
-    """New requests can no longer name it; those in flight finish with it. Admin key."""
+    """New requests can no longer name it; those in flight finish with it. Its owner's key or
+    an admin key."""
     return Call("DELETE", _adapter_path(name), types.Adapter, timeout=timeout)
 
 

@@ -35,6 +35,7 @@ from torchrl.collectors import WeightUpdaterBase
 
 from rlserve_client._client import Client
 from rlserve_client._exceptions import RLServeError
+from rlserve_client.lora import adapter_file
 from rlserve_client.types import Adapter, WeightsUpdated
 from rlserve_client.weight_transfer import WeightSync
 
@@ -115,9 +116,9 @@ with warnings.catch_warnings():  # the subclassing warning: see the module docst
             """One update of the served weights (or adapter); the server's answer (its new
             version)."""
             if self.adapter is not None:
-                from safetensors.torch import save
-
-                payload = save({k: v.detach().contiguous() for k, v in weights.items()})
+                # with the PEFT model's config: the first push serves the adapter
+                config = getattr(self.model, "peft_config", {}).get("default")
+                payload = adapter_file(weights, config)
                 return self.client.push_adapter(name=self.adapter, payload=payload)
             if self.transfer == "collective":
                 sync = self._collective()

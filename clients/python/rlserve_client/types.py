@@ -279,6 +279,9 @@ class Adapter(Result):
     rank: int
     num_layers: int
     num_parameters: int
+    paused: Literal["wait", "abort", "keep"] | None = None
+    in_flight: int = 0
+    waiting: int = 0
 
 
 class Adapters(Result):

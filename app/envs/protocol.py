@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field, model_validator
 from app.common.protocol import (
     Message,
     Seed,
+    ServedName,
     TokenId,
     WireModel,
     field_error,
@@ -30,6 +31,12 @@ EnvKind = Literal["chat", "text", "tokens"]
 class KLPenalty(WireModel):
     coeff: float = Field(default=0.1, ge=0, le=1e6)
     estimator: Estimator = "k1"
+    model: ServedName | None = Field(
+        default=None,
+        description="Whose KL to its reference is penalised: the policy, or one of its LoRA "
+        "adapters (against its base with the adapter off). Default: the model that samples the "
+        "episodes in /v1/rollouts (`generation.model`), else the policy.",
+    )
 
 
 NOT_CHAT = {"not": {"const": "chat"}}

@@ -52,6 +52,9 @@ class EnvService:
             )
         if config.dataset is not None:
             await self._problems(config, owner, missing=invalid)
+        kl_model = config.kl.model if config.kl is not None else None
+        if kl_model is not None and self.registry.not_ready_reason() is None:
+            self.registry.get_pair(kl_model, param="kl.model")  # (else at the first step)
         return await self.sessions.create(config, owner)
 
     async def get(self, env_id: str, owner: str) -> SessionView:
@@ -93,15 +96,21 @@ class EnvService:
         owner: str,
         actions: list[Act | None],
         idempotency_key: str | None = None,
+        *,
+        sampler: str | None = None,
     ) -> StepResult:
         """Apply one action per running row, all or nothing. A step sent again with the
-        idempotency key of the last applied step is answered as it was, not applied twice."""
+        idempotency key of the last applied step is answered as it was, not applied twice.
+        `sampler`: the model that sampled the actions, when known (the KL penalty's default
+        model)."""
         preparer = self._preparer()
         async with self.sessions.opened(env_id, owner) as session:
             answered = session.replayed(idempotency_key, actions)
             if answered is not None:
                 return await self.engine.replay(session.config, session.state, answered, preparer)
-            result = await self._step(env_id, session.config, session.state, actions, preparer)
+            result = await self._step(
+                env_id, session.config, session.state, actions, preparer, sampler
+            )
             if idempotency_key is None:
                 session.forget_step()
             else:  # kept without observations: the rows hold them (the session's size halves)
@@ -115,6 +124,7 @@ class EnvService:
         state: EpisodeState,
         actions: list[Act | None],
         preparer: InputPreparer,
+        sampler: str | None,
     ) -> StepResult:
         if config.kl is None and not runs_tools(config):
             version = self.registry.policy_version
@@ -122,19 +132,21 @@ class EnvService:
                 env_id, version, config, state, actions, preparer
             )
         turns = await self.engine.act(env_id, config, state, actions, preparer)
-        version = await self._penalise_kl(config, [t for t in turns if t is not None])
+        version = await self._penalise_kl(config, [t for t in turns if t is not None], sampler)
         return await self.engine.finish(env_id, version, config, state, turns, preparer)
 
-    async def _penalise_kl(self, config: EnvSpec, turns: list[Turn]) -> int:
+    async def _penalise_kl(self, config: EnvSpec, turns: list[Turn], sampler: str | None) -> int:
         """Score every action in one batched call under a read lease (tools ran before it, so
         they never hold up a weight update). Equal to `/v1/kl` with prompt_tokens and
-        response_tokens on the same ids."""
+        response_tokens on the same ids, for the KL's model (an adapter: against its base)."""
         if config.kl is None or not turns:
             return self.registry.policy_version
-        async with self.registry.reading() as version:
-            scored = await self.registry.get_pair().score([t.action.full for t in turns])
+        adapter = sampler if sampler in self.registry.adapters else None
+        pair = self.registry.get_pair(config.kl.model or adapter or "policy", param="kl.model")
+        async with self.registry.reading(pair.policy) as version:
+            scored = await pair.score([t.action.full for t in turns])
         penalise_kl(config.kl, turns, scored)
-        return version
+        return self.registry.answered(pair.policy, version)
 
     def _preparer(self) -> InputPreparer:
         preparer: InputPreparer = self.registry.get("policy").preparer

@@ -13,6 +13,9 @@ from app.kl.estimators import Estimator
 class KLSpec:
     coeff: float
     estimator: Estimator
+    model: str | None = None
+    """The policy or LoRA adapter whose KL is penalised; None: the adapter that samples the
+    episodes where the server knows it (/v1/rollouts), else the policy."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class RolloutService:
         registry = self.envs.registry
         if registry.not_ready_reason() is None:  # (a model still loading is answered later)
             registry.get(request.generation.model, param="generation.model")
+            if config.kl is not None and config.kl.model is not None:
+                where = "env.kl.model" if request.env is not None else "env_id"
+                registry.get_pair(config.kl.model, param=where)
         num_rounds = request.num_episodes // config.batch_size
         rounds = iter(range(num_rounds))  # shared: each session takes the next round it can
         results: dict[int, list[Trajectory]] = {}
@@ -139,7 +142,8 @@ class _PolicySession:
 
     async def step(self, actions: list[Made | None]) -> list[RowOutcome]:
         acts = [None if a is None else Act(tokens=a.value.token_ids) for a in actions]
-        return (await self.service.envs.step(self.env_id, self.owner, acts)).outputs
+        stepped = await self.service.envs.step(self.env_id, self.owner, acts, sampler=self.model)
+        return stepped.outputs
 
 
 def _check(config: EnvSpec, num_episodes: int, max_turns: int, *, given_env: bool) -> None:

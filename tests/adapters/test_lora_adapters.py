@@ -394,3 +394,34 @@ async def test_a_push_of_new_tensors_is_the_next_version_without_a_pause(client,
     unknown = await client.put("/v1/adapters/never-loaded", content=payload)
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "name"
     assert registry.adapters["pushed"].version == 2
+
+
+async def test_an_adapters_rollouts_penalise_its_kl_against_its_base(client, adapters, hf_model):
+    """Episodes sampled by an adapter, with a KL penalty: the penalty is the adapter's KL to
+    its base (the adapter off), over the action's tokens, unless the env names its model."""
+    await load(client, "sampler", adapters["qv"][0])
+    env = {"kind": "tokens", "dataset": "arithmetic", "max_turns": 1, "kl": {"coeff": 0.5}}
+    generation = {"model": "sampler", "max_new_tokens": 5, "seed": 3}
+    body = {"env": env, "num_episodes": 2, "generation": generation}
+    answer = await client.post("/v1/rollouts", json=body)
+    assert answer.status_code == 200, answer.text
+    for trajectory in answer.json()["trajectories"]:
+        (step,) = trajectory["steps"]
+        full, prompt = step["tokens"]["full"], step["tokens"]["prompt"]
+        policy = forward_log_probs(adapters["qv"][1], full)[len(prompt) :]
+        base = forward_log_probs(hf_model, full)[len(prompt) :]
+        expected = sum(p - q for p, q in zip(policy, base, strict=True))
+        assert abs(expected) > 1e-3  # the adapter changes the model: the check can fail
+        assert step["info"]["reward"]["kl"] == pytest.approx(expected, abs=1e-4)
+
+    # the env may name the model whose KL counts: here the policy itself (KL 0 to itself
+    # only when no reference differs: the tiny server's reference is the policy's copy)
+    named = {**env, "kl": {"coeff": 0.5, "model": "policy"}}
+    answer = await client.post("/v1/rollouts", json={**body, "env": named})
+    kls = [t["steps"][0]["info"]["reward"]["kl"] for t in answer.json()["trajectories"]]
+    assert kls == [0.0, 0.0]
+    unknown = {**env, "kl": {"coeff": 0.5, "model": "no-such-adapter"}}
+    refused = await client.post("/v1/rollouts", json={**body, "env": unknown})
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "env.kl.model"
+    session = await client.post("/v1/envs", json=unknown)
+    assert session.status_code == 422 and session.json()["error"]["param"] == "kl.model"

@@ -155,6 +155,9 @@ class Batcher(Generic[Item, Result]):
             task = asyncio.create_task(self._call(batch))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
+            # (else this frame holds the last batch's items, and what they name, such as an
+            # adapter version, until the next batch comes)
+            del batch, task
 
     async def _wait_for_batch(self) -> None:
         while not self._queue:

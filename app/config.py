@@ -158,6 +158,15 @@ class VllmSettings(Group):
     enforce_eager: bool = Field(
         default=False, description="vLLM runs eagerly: no CUDA graphs, no torch.compile."
     )
+    max_loras: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA adapters one batch may mix (vLLM's max_loras). 0: vLLM's LoRA layers "
+        "are off and the engine serves no adapters (they cost every request, adapter or not).",
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = Field(
+        default=16, description="The largest adapter rank served (with max_loras)."
+    )
     processed_log_probs: bool = Field(
         default=False,
         description="vLLM samples with logprobs_mode processed_logprobs, so generations "

@@ -20,5 +20,5 @@ class Caller:
         return self.admin or self.owner == owner
 
 
-NOBODY_IN_PARTICULAR = Caller()
-"""The caller of a server without keys, and of in-process use: it may change everything."""
+UNKEYED = Caller()
+"""The caller of a server without keys (and of in-process use): it may change everything."""

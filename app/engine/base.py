@@ -40,7 +40,7 @@ class Capabilities:
     """A call with one row computes it as every other such call does, bitwise: the engine
     batches nothing across calls (batch-invariant mode runs each row in a call of its own)."""
     adapters: bool = False
-    """Serves LoRA adapters (`Backend.load_adapter`), rows of several in one call."""
+    """Serves LoRA adapters (`Backend.build_adapter`), rows of several in one call."""
 
 
 class Backend(ABC):

@@ -171,6 +171,14 @@ async def load_backend(
             options["kv_cache_memory_bytes"] = vllm.kv_cache_memory_bytes
         if vllm.enable_prefix_caching is not None:
             options["enable_prefix_caching"] = vllm.enable_prefix_caching
+        if vllm.max_loras and name == "policy":  # (adapters are the policy's alone)
+            options |= {
+                "enable_lora": True,
+                "max_loras": vllm.max_loras,
+                "max_lora_rank": vllm.max_lora_rank,
+                # adapters (and versions) kept loaded beside the batch's, least recent out
+                "max_cpu_loras": max(4 * vllm.max_loras, 32),
+            }
         return await VLLMBackend.start(
             source,
             name=name,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from app.batching import BatchingConfig
-from app.common.caller import NOBODY_IN_PARTICULAR, Caller
+from app.common.caller import UNKEYED, Caller
 from app.common.failures import Conflict, Forbidden, NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config import ModelSettings, VllmSettings
@@ -264,7 +264,7 @@ class ModelRegistry:
         *,
         param: str,
         name_param: str = "name",
-        caller: Caller = NOBODY_IN_PARTICULAR,
+        caller: Caller = UNKEYED,
     ) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` on the policy as `name`: a new name at
         version 0 (owned by `caller`), a name served before as its next version (rows in
@@ -281,7 +281,7 @@ class ModelRegistry:
         )
 
     async def push_adapter(
-        self, name: str, file: Path, *, param: str, caller: Caller = NOBODY_IN_PARTICULAR
+        self, name: str, file: Path, *, param: str, caller: Caller = UNKEYED
     ) -> LoraAdapter:
         """New tensors for adapter `name` (a safetensors file, PEFT's tensor names), served as
         its next version: with the layers and shapes it has, and its config unless the file's
@@ -316,7 +316,8 @@ class ModelRegistry:
         if not base.backend.capabilities.adapters:
             raise Unsupported(
                 f"{param}: the {base.backend.info.backend} backend serves no LoRA adapters "
-                "here (the transformers backend does)",
+                "here (the transformers backend does; a vLLM engine does when started with "
+                "RLSERVE_VLLM__MAX_LORAS)",
                 param=param,
             )
         return base
@@ -386,9 +387,7 @@ class ModelRegistry:
         self._check_owner(name, caller, param)
         return gate
 
-    def unload_adapter(
-        self, name: str, *, param: str, caller: Caller = NOBODY_IN_PARTICULAR
-    ) -> LoraAdapter:
+    def unload_adapter(self, name: str, *, param: str, caller: Caller = UNKEYED) -> LoraAdapter:
         """Stop serving adapter `name` to new requests (rows in flight finish with it; requests
         waiting on its pause are refused)."""
         gate = self._gate_of(name, caller, param)
@@ -399,7 +398,7 @@ class ModelRegistry:
         return adapter
 
     async def pause_adapter(
-        self, name: str, mode: PauseMode, *, caller: Caller = NOBODY_IN_PARTICULAR
+        self, name: str, mode: PauseMode, *, caller: Caller = UNKEYED
     ) -> tuple[LoraAdapter, AdapterGateState]:
         """Pause adapter `name` alone (`app.engine.adapter_gate`); its version now, and its
         state once paused."""
@@ -410,7 +409,7 @@ class ModelRegistry:
         return adapter, state
 
     async def resume_adapter(
-        self, name: str, *, caller: Caller = NOBODY_IN_PARTICULAR
+        self, name: str, *, caller: Caller = UNKEYED
     ) -> tuple[LoraAdapter, AdapterGateState]:
         gate = self._gate_of(name, caller, "name")
         adapter = self.adapters[name]

@@ -7,19 +7,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import itertools
+import json
 import logging
 import shutil
+import tempfile
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from app.common.failures import Conflict, InvalidInput, Unsupported
+from app.common.failures import Conflict, InvalidInput, Unsupported, invalid
 from app.engine.abandon import unless_abandoned, unless_set
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import assemble, position_scores
+from app.engine.lora import LoraAdapter
 from app.engine.types import (
     GenerateItem,
     Generation,
@@ -31,6 +36,7 @@ from app.engine.types import (
     VersionSpan,
 )
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
+from app.weights.lora_layout import CONFIG, WEIGHTS, parse_adapter
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer, rendezvous_listening
 
@@ -56,6 +62,8 @@ class VLLMBackend(Backend):
         weights: WeightFiles | None = None,
         *,
         processed_log_probs: bool = False,
+        lora_rank: int | None = None,
+        adapter_dir: Path | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -73,7 +81,17 @@ class VLLMBackend(Backend):
             prompt_scores=True,
             processed_log_probs=processed_log_probs,
             streamed_log_probs="processed" if processed_log_probs else "raw",
+            adapters=lora_rank is not None,
         )
+        self.lora_rank = lora_rank
+        """The largest adapter rank the engine's LoRA layers take; None: LoRA off."""
+        self._adapter_dir = adapter_dir or Path(tempfile.mkdtemp(prefix="rlserve-adapters-"))
+        self._loras: weakref.WeakKeyDictionary[LoraAdapter, Any] = weakref.WeakKeyDictionary()
+        """Each served adapter version's vLLM LoRARequest, while anything holds the version."""
+        self._lora_ids = itertools.count(1)
+        self._released: list[int] = []
+        """LoRA ids of versions no longer held (appended by their finalizers, from any thread):
+        removed from the engine at the next adapter's load."""
 
     @classmethod
     async def start(
@@ -127,7 +145,16 @@ class VLLMBackend(Backend):
                 builtin=builtin,
             )
             weights = WeightFiles.of_source(source, state_dir) if state_dir else None
-            backend = cls(engine, tokenizer, info, weights, processed_log_probs=processed_log_probs)
+            lora_rank = options["max_lora_rank"] if options.get("enable_lora") else None
+            backend = cls(
+                engine,
+                tokenizer,
+                info,
+                weights,
+                processed_log_probs=processed_log_probs,
+                lora_rank=lora_rank,
+                adapter_dir=state_dir / "adapters" if state_dir else None,
+            )
             hf_config = model_config.hf_config
             backend.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
             await engine.update_weight_version("0")
@@ -138,16 +165,24 @@ class VLLMBackend(Backend):
         return backend
 
     async def _final(
-        self, prompt: Sequence[int], params: Any, sink: TokenSink | None = None
+        self,
+        prompt: Sequence[int],
+        params: Any,
+        sink: TokenSink | None = None,
+        adapter: LoraAdapter | None = None,
     ) -> Any:
-        """The request's last output; with a `sink` (and cumulative outputs), each new token
-        is told as it arrives."""
+        """The request's last output (with `adapter`'s LoRA on the model); with a `sink` (and
+        cumulative outputs), each new token is told as it arrives."""
         from vllm.inputs import TokensPrompt
 
         final = None
         sent = 0
         request = TokensPrompt(prompt_token_ids=list(prompt))
-        async for output in self.engine.generate(request, params, request_id=uuid.uuid4().hex):
+        lora = None if adapter is None else self._loras[adapter]
+        outputs = self.engine.generate(
+            request, params, request_id=uuid.uuid4().hex, lora_request=lora
+        )
+        async for output in outputs:
             final = output
             if sink is not None:
                 completion = output.outputs[0]
@@ -178,6 +213,57 @@ class VLLMBackend(Backend):
         await self.engine.update_weight_version(str(version))
         await self.engine.reset_prefix_cache(reset_running_requests=True)
 
+    # -- LoRA adapters (vLLM's LoRA layers, with RLSERVE_VLLM__MAX_LORAS) --------------------
+
+    async def build_adapter(
+        self,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        *,
+        name: str,
+        version: int,
+        source: str,
+        param: str,
+    ) -> LoraAdapter:
+        """One version of an adapter as vLLM loads LoRA: a PEFT folder of its own (vLLM checks
+        it against the model as it loads it, here, before any request names it) and a LoRA id
+        of its own, so requests in flight keep the version they started with. The folder and
+        the id go when nothing holds the version any more."""
+        from vllm.lora.request import LoRARequest
+
+        if self.lora_rank is None:
+            raise Unsupported(
+                f"{param}: this vLLM engine serves no LoRA adapters; start it with "
+                "RLSERVE_VLLM__MAX_LORAS (how many adapters one batch may mix)",
+                param=param,
+            )
+        adapter = parse_adapter(
+            config, tensors, None, name=name, version=version, source=source, param=param
+        )
+        if adapter.rank > self.lora_rank:
+            raise Unsupported(
+                f"{param}: the adapter's rank {adapter.rank} is above this engine's largest, "
+                f"RLSERVE_VLLM__MAX_LORA_RANK={self.lora_rank}",
+                param=param,
+            )
+        for released in self._released[:]:
+            self._released.remove(released)
+            await self.engine.remove_lora(released)
+        lora_id = next(self._lora_ids)
+        folder = self._adapter_dir / str(lora_id)
+        await asyncio.to_thread(_write_peft_folder, folder, config, tensors)
+        request = LoRARequest(
+            lora_name=f"{name}@{version}", lora_int_id=lora_id, lora_path=str(folder)
+        )
+        try:
+            await self.engine.add_lora(request)
+        except Exception as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise invalid(param, f"vLLM did not load the adapter: {exc}") from exc
+        self._loras[adapter] = request
+        weakref.finalize(adapter, _release, self._released, lora_id, folder)
+        return adapter
+
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
             self._transfer = VLLMTransfer(self.engine, self.transferred)
@@ -186,7 +272,9 @@ class VLLMBackend(Backend):
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         return list(await asyncio.gather(*(self._score_one(seq) for seq in sequences)))
 
-    async def _score_one(self, sequence: Sequence[int]) -> list[float]:
+    async def _score_one(
+        self, sequence: Sequence[int], adapter: LoraAdapter | None = None
+    ) -> list[float]:
         from vllm import SamplingParams
 
         if len(sequence) == 1:
@@ -198,7 +286,7 @@ class VLLMBackend(Backend):
             detokenize=False,
             output_kind=_final_only(),
         )
-        final = await self._final(sequence, params)
+        final = await self._final(sequence, params, adapter=adapter)
         return [0.0, *_prompt_grid(final.prompt_logprobs, len(sequence), 0).own]
 
     def full_distribution_limit(self) -> int | None:
@@ -214,7 +302,7 @@ class VLLMBackend(Backend):
         from vllm import SamplingParams
 
         if len(sequence) == 1 or not spec.extras:
-            return Scores(log_probs=torch.tensor(await self._score_one(sequence)))
+            return Scores(log_probs=torch.tensor(await self._score_one(sequence, spec.adapter)))
         # vLLM ranks the sequence's own tokens itself: ranks alone need no full distribution.
         full = not spec.ranked_top_k
         params = SamplingParams(
@@ -224,7 +312,7 @@ class VLLMBackend(Backend):
             detokenize=False,
             output_kind=_final_only(),
         )
-        flat = (await self._final(sequence, params)).prompt_logprobs
+        flat = (await self._final(sequence, params, adapter=spec.adapter)).prompt_logprobs
         if not full:
             return _prompt_scores(flat, len(sequence), spec)
         # log-probs of the whole vocabulary: logits up to a constant per position
@@ -247,7 +335,7 @@ class VLLMBackend(Backend):
             streaming=item.sink is not None,
             prompt_top=None if asks is None else asks.top_logprobs,
         )
-        work = self._final(item.prompt_ids, params, item.sink)
+        work = self._final(item.prompt_ids, params, item.sink, item.adapter)
         final = await unless_abandoned(work, item.abandoned)
         if final is None:  # the requester is gone; vLLM aborted the request
             return Generation([], [], None, "abort")
@@ -272,7 +360,8 @@ class VLLMBackend(Backend):
             raw = None
             if not self._aborting.is_set():
                 sequence = [*item.prompt_ids, *tokens]
-                score = unless_abandoned(self._score_one(sequence), item.abandoned)
+                scored = self._score_one(sequence, item.adapter)
+                score = unless_abandoned(scored, item.abandoned)
                 raw = await unless_set(score, self._aborting)
             if raw is None:
                 return Generation([], [], None, "abort")
@@ -427,6 +516,24 @@ class VLLMTransfer(WeightTransfer):
     async def close(self) -> None:
         await self.abort()
         await self.engine.shutdown_weight_transfer_engine()
+
+
+def _write_peft_folder(
+    folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> None:
+    """An adapter in PEFT's layout, as vLLM reads one (blocking: call in a thread)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / CONFIG).write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS))
+
+
+def _release(released: list[int], lora_id: int, folder: Path) -> None:
+    """A version nothing holds any more (a finalizer, on any thread): its folder goes now, its
+    LoRA id at the engine's next adapter load."""
+    released.append(lora_id)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def platform_options() -> dict[str, Any]:

@@ -9,7 +9,9 @@
   worker before the model loads). It follows vLLM's protocol (init → start → update → finish)
   over the same collective the transformers backend uses (gloo on CPU, NCCL on GPUs), but
   stages what it receives and loads it only at finish: vLLM's own engines load each bucket as
-  it arrives, so a trainer lost mid-transfer would leave a half-updated model."""
+  it arrives, so a trainer lost mid-transfer would leave a half-updated model.
+- `mask_tokens_without_lora`: a fix to vLLM's CPU LoRA (imported here, so in every worker
+  before the model runs)."""
 
 from __future__ import annotations
 
@@ -172,6 +174,37 @@ def _unfused(model: Any, names: set[str]) -> str | None:
     return None
 
 
+def mask_tokens_without_lora() -> None:
+    """vLLM's CPU LoRA ops (0.32) pick each token's adapter by its slot index, and a token of
+    no adapter has index -1, which in PyTorch's indexing picks the last slot's adapter: rows of
+    the policy batched with rows of an adapter got an adapter's term added. vLLM's GPU kernels
+    skip such tokens. Patched so their first LoRA product is zero, and with it their whole
+    LoRA term (every later product is of that zero)."""
+    try:
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:
+        return
+    original = lora_ops.bgmv_shrink
+    if getattr(original, "masks_tokens_without_lora", False):
+        return
+
+    def bgmv_shrink(
+        inputs: torch.Tensor,
+        lora_b_weights: torch.Tensor,
+        output_tensor: torch.Tensor,
+        lora_indices_tensor: torch.Tensor,
+        scaling: float = 1.0,
+    ) -> None:
+        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
+        without = lora_indices_tensor < 0
+        output_tensor[: without.shape[0]][without] = 0
+
+    bgmv_shrink.masks_tokens_without_lora = True  # type: ignore[attr-defined]
+    lora_ops.bgmv_shrink = bgmv_shrink  # what sgmv_shrink (prefill) calls
+    punica_cpu.bgmv_shrink = bgmv_shrink  # (decode)
+
+
 def register() -> None:
     """Register the engine in vLLM's registry (once per process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -186,3 +219,4 @@ except ImportError:  # no vLLM here: the transformers backend needs none of this
     StagedTransferEngine = None
 else:
     register()
+    mask_tokens_without_lora()

@@ -103,6 +103,41 @@ def adapter_from(
 ) -> LoraAdapter:
     """An adapter from PEFT's config and tensors (names as PEFT saves them), checked against
     `model`: every adapted layer a linear layer of its decoder, A and B of matching shapes."""
+    parameter = next(model.parameters())
+    # On a half-precision model the adapter stays in float32, as PEFT keeps it by default.
+    half = parameter.dtype in (torch.bfloat16, torch.float16)
+    shapes = {
+        module: (layer.in_features, layer.out_features)
+        for module, layer in _decoder_linears(model).items()
+    }
+    return parse_adapter(
+        config,
+        tensors,
+        shapes,
+        device=parameter.device,
+        dtype=torch.float32 if half else parameter.dtype,
+        name=name,
+        version=version,
+        source=source,
+        param=param,
+    )
+
+
+def parse_adapter(
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, int]] | None,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    name: str,
+    version: int,
+    source: str,
+    param: str,
+) -> LoraAdapter:
+    """An adapter from PEFT's config and tensors, checked against `shapes` (each linear layer
+    of the decoder: in and out features), or, without them, left for the engine that loads it
+    to check against its model (its layers' names as PEFT's, the output head refused here)."""
     _check_config(config, param)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -116,20 +151,14 @@ def adapter_from(
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
         raise invalid(param, "the adapter holds no LoRA tensors")
-    linear = _decoder_linears(model)
-    parameter = next(model.parameters())
-    device = parameter.device
-    # On a half-precision model the adapter stays in float32, as PEFT keeps it by default.
-    half = parameter.dtype in (torch.bfloat16, torch.float16)
-    dtype = torch.float32 if half else parameter.dtype
     r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora", False))
     modules: dict[str, LoraModule] = {}
     for module, pair in sorted(pairs.items()):
-        layer = linear.get(module)
-        if layer is None:
+        layer = None if shapes is None else shapes.get(module)
+        if (shapes is not None and layer is None) or module.rsplit(".", 1)[-1] == "lm_head":
             raise Unsupported(
                 f"{param}: the adapter adapts {module}, which is not a linear layer of the "
                 "served model's decoder (LoRA on the output head or embeddings is not served)",
@@ -139,22 +168,23 @@ def adapter_from(
             raise invalid(param, f"{module} has lora_{set('AB') - set(pair)} missing")
         a, b = pair["A"], pair["B"]
         rank = _pattern(rank_pattern, module, r)
-        if a.shape != (a.shape[0], layer.in_features) or b.shape != (
-            layer.out_features,
-            a.shape[0],
-        ):
+        fits = a.dim() == 2 and b.dim() == 2 and b.shape[1] == a.shape[0]
+        if layer is not None:
+            fits = fits and a.shape[1] == layer[0] and b.shape[0] == layer[1]
+        if not fits:
+            layer_text = "" if layer is None else f" {layer[0]}->{layer[1]}"
             raise invalid(
                 param,
-                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a "
-                f"{layer.in_features}->{layer.out_features} layer",
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a"
+                f"{layer_text} linear layer",
             )
         if a.shape[0] != rank:
             raise invalid(param, f"{module}: rank {a.shape[0]}, but its config says {rank}")
         scale = _pattern(alpha_pattern, module, alpha)
         scaling = scale / math.sqrt(rank) if rslora else scale / rank
         modules[module] = LoraModule(
-            a=a.to(device=device, dtype=dtype).contiguous(),
-            b=b.to(device=device, dtype=dtype).contiguous(),
+            a=a.to(device=device, dtype=dtype or a.dtype).contiguous(),
+            b=b.to(device=device, dtype=dtype or b.dtype).contiguous(),
             scaling=scaling,
         )
     return LoraAdapter(

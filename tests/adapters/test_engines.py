@@ -1,8 +1,46 @@
-"""Which engines serve LoRA adapters: the vLLM backend refuses them by name (vLLM's CPU build
-is not wired to rlserve's adapters yet), rather than serving the policy under an adapter's
-name."""
+"""Which engines serve LoRA adapters. The transformers backend always does; a vLLM engine does
+with vLLM's LoRA layers on (RLSERVE_VLLM__MAX_LORAS), and otherwise refuses adapters by name
+rather than serving the policy under an adapter's name. On vLLM, what it serves for an adapter
+equals PEFT's own forward of the same adapter (an independent implementation), rows of
+several adapters and of the policy run side by side, and a full-weight update of the policy
+keeps its adapters on the new weights."""
 
 from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+from rlserve_client.lora import adapter_file
+from transformers import AutoModelForCausalLM
+
+from app.config import Settings
+from app.engine.loader import builtin_model_dir
+from app.main import create_app
+from tests.conftest import (
+    assert_close,
+    backend_settings,
+    forward_log_probs,
+    started,
+    vllm_installed,
+)
+
+SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2], [17, 30, 41, 52, 63, 74, 85, 96]]
+PROMPT = [3, 14, 15, 92, 65]
+VLLM = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 
 
 async def test_an_engine_without_adapters_refuses_them_by_name(client, backend_name, tmp_path):
@@ -10,8 +48,116 @@ async def test_an_engine_without_adapters_refuses_them_by_name(client, backend_n
     error = response.json()["error"]
     if backend_name == "vllm":
         assert response.status_code == 422 and error["param"] == "path"
-        assert "serves no LoRA adapters" in error["message"]
+        assert "RLSERVE_VLLM__MAX_LORAS" in error["message"]
     else:  # the transformers backend reads the folder (an empty one here)
         assert response.status_code == 404 and "adapter_config.json" in error["message"]
     models = await client.post("/v1/logprobs", json={"model": "a", "tokens": [[1, 2, 3]]})
     assert models.status_code == 422 and models.json()["error"]["param"] == "model"
+
+
+def peft_on(base_dir: Path, seed: int, **options: Any) -> PeftModel:
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    return get_peft_model(base, LoraConfig(**options, init_lora_weights=False)).eval()
+
+
+ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+MLP = {
+    "r": 8,
+    "lora_alpha": 8,
+    "target_modules": ["gate_proj", "up_proj", "down_proj"],
+    "rank_pattern": {"down_proj": 4},
+    "use_rslora": True,
+}
+
+
+@pytest.fixture(scope="module")
+async def lora_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    configured = backend_settings(settings, "vllm").replace(
+        vllm={"max_loras": 2, "max_lora_rank": 8},
+        models={"load_reference": False},
+        storage={"data_dir": settings.storage.data_dir / "vllm-lora"},
+    )
+    app: FastAPI = create_app(configured)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=300) as c:
+            c.app = app  # type: ignore[attr-defined]
+            yield c
+
+
+async def log_probs(client: httpx.AsyncClient, model: str) -> list[list[float]]:
+    response = await client.post("/v1/logprobs", json={"model": model, "tokens": SEQUENCES})
+    assert response.status_code == 200, response.text
+    return [output["log_probs"]["full"] for output in response.json()["outputs"]]
+
+
+def assert_peft(served: list[list[float]], model: torch.nn.Module) -> None:
+    for sequence, values in zip(SEQUENCES, served, strict=True):
+        assert_close(values, forward_log_probs(model, sequence), 1e-4)
+
+
+@VLLM
+@pytest.mark.vllm
+async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, model_dir, settings):
+    client = lora_client
+    attention, mlp = peft_on(model_dir, 1, **ATTENTION), peft_on(model_dir, 2, **MLP)
+    for name, model in (("attention", attention), ("mlp", mlp)):
+        pushed = await client.put(f"/v1/adapters/{name}", content=adapter_file(model))
+        assert pushed.status_code == 200, pushed.text
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # rows of two adapters and of the policy, all at once
+    served = await asyncio.gather(*(log_probs(client, m) for m in ("attention", "mlp", "policy")))
+    assert_peft(served[0], attention)
+    assert_peft(served[1], mlp)
+    assert_peft(served[2], base)
+
+    # greedy generation with an adapter: PEFT's own greedy continuation
+    body = {"model": "attention", "tokens": [PROMPT], "max_new_tokens": 6}
+    body |= {"temperature": 0, "ignore_eos": True}
+    answer = (await client.post("/v1/generate", json=body)).json()["outputs"][0][0]
+    with torch.inference_mode():
+        expected = attention.generate(
+            torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+        )[0, len(PROMPT) :].tolist()
+    assert answer["tokens"]["response"] == expected
+
+    # KL against the base with the adapter off, though no reference model is loaded
+    kl = await client.post(
+        "/v1/kl", json={"model": "attention", "tokens": SEQUENCES, "assistant_only": False}
+    )
+    assert kl.status_code == 200, kl.text
+    for sequence, output in zip(SEQUENCES, kl.json()["outputs"], strict=True):
+        p, q = forward_log_probs(attention, sequence), forward_log_probs(base, sequence)
+        assert_close(output["kl"][1:], [a - b for a, b in zip(p, q, strict=True)][1:], 2e-4)
+
+    # a push of new tensors is the next version; the version it replaced goes with its last
+    # holder (its folder removed, its LoRA id dropped from the engine at the next load)
+    backend = client.app.state.registry.get("policy").backend  # type: ignore[attr-defined]
+    folders = sorted((backend._adapter_dir).iterdir())
+    assert len(folders) == 2
+    trained = peft_on(model_dir, 3, **ATTENTION)
+    pushed = await client.put("/v1/adapters/attention", content=adapter_file(trained))
+    assert pushed.json()["version"] == 1
+    assert_peft(await log_probs(client, "attention"), trained)
+    gc.collect()
+    assert folders[0] not in list(backend._adapter_dir.iterdir())
+
+    # too large a rank is refused naming the setting
+    big = {**ATTENTION, "r": 16}
+    refused = await client.put(
+        "/v1/adapters/big", content=adapter_file(peft_on(model_dir, 4, **big))
+    )
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "body"
+    assert "RLSERVE_VLLM__MAX_LORA_RANK" in refused.json()["error"]["message"]
+
+    # a full-weight update of the policy: the adapters now adapt the new weights
+    other_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
+    loaded = await client.post("/v1/weights/load", json={"path": str(other_dir)})
+    assert loaded.status_code == 200, loaded.text
+    other = peft_on(other_dir, 2, **MLP)
+    set_peft_model_state_dict(other, get_peft_model_state_dict(mlp))  # same adapter, new base
+    assert_peft(await log_probs(client, "mlp"), other)
+    new_base = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
+    assert_peft(await log_probs(client, "policy"), new_base)

@@ -1,11 +1,16 @@
 """LoRA adapters: scoring and generation throughput with 1, 4 and 16 adapters resident, their
 requests spread over the adapters (so batches mix them), against the policy alone; the
 policy's own throughput with 16 adapters resident (what idle hooks cost); and how long loading
-an adapter takes (serving never pauses for it). Transformers backend, in this process (the
-ASGI app, no HTTP socket): the figures are the model calls'.
+an adapter takes (serving never pauses for it). In this process (the ASGI app, no HTTP
+socket): the figures are the model calls'.
 
     .venv/bin/python bench/adapters.py            # SmolLM2-135M-Instruct, rank 16, every layer
     .venv/bin/python bench/adapters.py --quick    # smoke run on the tiny model
+    .venv-vllm/bin/python bench/adapters.py --backend vllm    # vLLM's LoRA layers
+
+On vLLM the engine serves adapters with its LoRA layers on (RLSERVE_VLLM__MAX_LORAS, as many
+as the most resident here); `base_alone` is an engine with them off, and
+`base_with_lora_layers` the policy alone on the engine with them on (what they cost).
 
 Scoring: 32 sequences of 8 to 160 tokens, as 8 concurrent requests of 4. Generation: 16
 concurrent requests of one prompt each, 48 new tokens past end-of-sequence.
@@ -37,11 +42,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 @asynccontextmanager
-async def served(model: str, output: Path) -> AsyncIterator[httpx.AsyncClient]:
+async def served(
+    model: str, output: Path, backend: str = "transformers", max_loras: int = 0
+) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(
-        models={"model": model, "load_reference": False, "backend": "transformers"},
+        models={"model": model, "load_reference": False, "backend": backend},
         storage={"data_dir": output / ".data" / "adapters"},
         limits={"max_items_per_request": 64},
+        vllm={"kv_cache_memory_bytes": 1 << 30, "max_loras": max_loras, "max_lora_rank": 16},
     )
     async with in_process(settings) as client:
         yield client
@@ -115,13 +123,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [s[:24] for s in work[:16]]
     new, reps = (8, 1) if args.quick else (48, 2)
     counts = [1, 4] if args.quick else [1, 4, 16]
-    report: dict[str, Any] = {"model": args.model, "rank": args.rank, "targets": TARGETS}
-    async with served(args.model, args.output) as client:
+    report: dict[str, Any] = {
+        "model": args.model,
+        "backend": args.backend,
+        "rank": args.rank,
+        "targets": TARGETS,
+    }
+    vllm = args.backend == "vllm"
+    if vllm:  # the policy on an engine without LoRA layers
+        async with served(args.model, args.output, "vllm") as client:
+            report["base_alone"] = await throughput(client, ["policy"], work, prompts, new, reps)
+            print("base alone", report["base_alone"], flush=True)
+    async with served(args.model, args.output, args.backend, max(counts) if vllm else 0) as client:
         source = (await client.get("/v1/models")).json()["data"][0]["source"]
         with tempfile.TemporaryDirectory() as tmp:
             folders = save_adapters(source, max(counts), args.rank, Path(tmp))
-            report["base_alone"] = await throughput(client, ["policy"], work, prompts, new, reps)
-            print("base alone", report["base_alone"], flush=True)
+            alone = await throughput(client, ["policy"], work, prompts, new, reps)
+            report["base_with_lora_layers" if vllm else "base_alone"] = alone
+            print("base, on this engine", alone, flush=True)
             loads = []
             for k, folder in enumerate(folders):
                 start = time.perf_counter()
@@ -142,7 +161,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max": round(max(loads) * 1000, 1),
     }
     for key, figures in list(report.items()):
-        if key.endswith("adapters") or key.startswith("base_beside"):
+        if key.endswith("adapters") or key.startswith(("base_beside", "base_with")):
             for name in ("score_tok_s", "generate_tok_s"):
                 share = figures[name] / report["base_alone"][name]
                 figures[f"{name}_vs_base"] = round(share, 3)
@@ -153,12 +172,14 @@ def main() -> None:
     parser = bench_arguments(__doc__)
     parser.add_argument("--model", default=None, help="default: SmolLM2 (tiny with --quick)")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     args = parser.parse_args()
     args.model = args.model or ("builtin:tiny" if args.quick else DEFAULT_MODEL)
     report = asyncio.run(run(args))
     print(json.dumps(report, indent=1))
     args.output.mkdir(parents=True, exist_ok=True)
-    name = "adapters-quick.json" if args.quick else "adapters.json"
+    name = "adapters" + ("-vllm" if args.backend == "vllm" else "")
+    name += "-quick.json" if args.quick else ".json"
     (args.output / name).write_text(json.dumps(report, indent=2) + "\n")
 
 

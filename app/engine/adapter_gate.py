@@ -62,8 +62,8 @@ class AdapterGate:
         if self.unloaded:
             raise invalid(
                 "model",
-                f"'{self.name}' is not served: the adapter was unloaded while this request "
-                "waited for its resume",
+                f"'{self.name}' is not served: the adapter was unloaded before this request "
+                "began (while it waited for the adapter's resume, or just before)",
             )
         place = object()
         self._in_flight[place] = stop

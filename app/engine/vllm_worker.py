@@ -10,8 +10,8 @@
   over the same collective the transformers backend uses (gloo on CPU, NCCL on GPUs), but
   stages what it receives and loads it only at finish: vLLM's own engines load each bucket as
   it arrives, so a trainer lost mid-transfer would leave a half-updated model.
-- `mask_tokens_without_lora`: a fix to vLLM's CPU LoRA (imported here, so in every worker
-  before the model runs)."""
+- `fix_lora_ops`: two fixes to vLLM's LoRA (applied when this module is imported, so in
+  every worker before the model runs)."""
 
 from __future__ import annotations
 
@@ -174,12 +174,18 @@ def _unfused(model: Any, names: set[str]) -> str | None:
     return None
 
 
-def mask_tokens_without_lora() -> None:
-    """vLLM's CPU LoRA ops (0.32) pick each token's adapter by its slot index, and a token of
-    no adapter has index -1, which in PyTorch's indexing picks the last slot's adapter: rows of
-    the policy batched with rows of an adapter got an adapter's term added. vLLM's GPU kernels
-    skip such tokens. Patched so their first LoRA product is zero, and with it their whole
-    LoRA term (every later product is of that zero)."""
+def fix_lora_ops() -> None:
+    """Two fixes to vLLM's LoRA (0.32), which rlserve's adapter tests found:
+
+    - Its CPU ops pick each token's adapter by its slot index, and a token of no adapter has
+      index -1, which in PyTorch's indexing picks the last slot's adapter: rows of the policy
+      batched with rows of an adapter got an adapter's term added (vLLM's GPU kernels skip
+      such tokens). Patched so their first LoRA product is zero, and with it their whole LoRA
+      term (every later product is of that zero).
+    - Its LoRA on the output head maps rows by the sampled rows, so prompt log-probs (the
+      scoring pass) with LoRA on fail on a size mismatch (vLLM issues #16668, #29955). rlserve
+      serves no adapter of the output head (`app.weights.lora_layout` refuses one), so that
+      term is always zero: it is skipped, on every platform."""
     try:
         from vllm.lora.ops.torch_ops import lora_ops
         from vllm.lora.punica_wrapper import punica_cpu
@@ -204,6 +210,16 @@ def mask_tokens_without_lora() -> None:
     lora_ops.bgmv_shrink = bgmv_shrink  # what sgmv_shrink (prefill) calls
     punica_cpu.bgmv_shrink = bgmv_shrink  # (decode)
 
+    def no_output_head_lora(self: Any, y: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return y  # the logits as they are (updated in place or returned, by platform)
+
+    punica_cpu.PunicaWrapperCPU.add_lora_logits = no_output_head_lora
+    try:
+        from vllm.lora.punica_wrapper import punica_gpu
+    except ImportError:  # (no GPU kernels in this build)
+        return
+    punica_gpu.PunicaWrapperGPU.add_lora_logits = no_output_head_lora
+
 
 def register() -> None:
     """Register the engine in vLLM's registry (once per process)."""
@@ -219,4 +235,4 @@ except ImportError:  # no vLLM here: the transformers backend needs none of this
     StagedTransferEngine = None
 else:
     register()
-    mask_tokens_without_lora()
+    fix_lora_ops()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,26 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, model_dir
     assert_peft(served[0], attention)
     assert_peft(served[1], mlp)
     assert_peft(served[2], base)
+
+    # more prompt tokens at once than one engine step takes (vLLM splits their prefill):
+    # each row still gets its own adapter, or none
+    rng = random.Random(0)
+    long = [[rng.randrange(3, 250) for _ in range(rng.randrange(8, 300))] for _ in range(24)]
+    names = ["attention", "mlp", "policy"]
+    answers = await asyncio.gather(
+        *(
+            client.post(
+                "/v1/logprobs", json={"model": names[k % 3], "tokens": long[4 * k : 4 * k + 4]}
+            )
+            for k in range(6)
+        )
+    )
+    references = {"attention": attention, "mlp": mlp, "policy": base}
+    for k, answer in enumerate(answers):
+        assert answer.status_code == 200, answer.text
+        for sequence, output in zip(long[4 * k : 4 * k + 4], answer.json()["outputs"], strict=True):
+            expected = forward_log_probs(references[names[k % 3]], sequence)
+            assert_close(output["log_probs"]["full"], expected, 1e-4)
 
     # greedy generation with an adapter: PEFT's own greedy continuation
     body = {"model": "attention", "tokens": [PROMPT], "max_new_tokens": 6}

@@ -43,6 +43,17 @@ def test_adapters_benchmark_quick(tmp_path):
     assert 0 < report["load_ms"]["median"] <= report["load_ms"]["max"]
 
 
+def test_adapters_tenants_benchmark_quick(tmp_path):
+    """Two trainers, each with its own key and adapter, trained at once through one server:
+    each took its step, pushed its adapter (version 0 first, one push a step) and the server's
+    memory was read."""
+    report = run_quick("adapters_tenants", tmp_path)
+    assert report["alone"]["adapter_versions"] == [1]
+    assert [run["adapter_versions"] for run in report["together"]] == [[1], [1]]
+    assert all(ratio > 0 for ratio in report["steps_per_s_together_over_alone"])
+    assert 0 < report["server_rss_loaded_mib"] <= report["server_rss_peak_all_trainers_mib"]
+
+
 def test_batch_invariance_benchmark_quick(tmp_path):
     """The script checks that invariant mode's gaps are 0.0; here, that it measured both modes
     in both dtypes."""

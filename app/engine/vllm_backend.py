@@ -85,7 +85,13 @@ class VLLMBackend(Backend):
         )
         self.lora_rank = lora_rank
         """The largest adapter rank the engine's LoRA layers take; None: LoRA off."""
-        self._adapter_dir = adapter_dir or Path(tempfile.mkdtemp(prefix="rlserve-adapters-"))
+        self._adapter_dir = Path()
+        """One PEFT folder per adapter version, as vLLM loads LoRA (cleared at start: ids
+        count from 1 again)."""
+        if lora_rank is not None:
+            self._adapter_dir = adapter_dir or Path(tempfile.mkdtemp(prefix="rlserve-adapters-"))
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir.mkdir(parents=True)
         self._loras: weakref.WeakKeyDictionary[LoraAdapter, Any] = weakref.WeakKeyDictionary()
         """Each served adapter version's vLLM LoRARequest, while anything holds the version."""
         self._lora_ids = itertools.count(1)

@@ -3,7 +3,7 @@ with vLLM's LoRA layers on (RLSERVE_VLLM__MAX_LORAS), and otherwise refuses adap
 rather than serving the policy under an adapter's name. On vLLM, what it serves for an adapter
 equals PEFT's own forward of the same adapter (an independent implementation), rows of
 several adapters and of the policy run side by side, and a full-weight update of the policy
-keeps its adapters on the new weights."""
+keeps its adapters on the new weights (on a random model of SmolLM2's architecture)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from peft import (
     set_peft_model_state_dict,
 )
 from rlserve_client.lora import adapter_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from app.config import Settings
-from app.engine.loader import builtin_model_dir
+from app.engine.builtin_model import HEAD_DIM
 from app.main import create_app
 from tests.conftest import (
     assert_close,
@@ -72,11 +72,46 @@ MLP = {
 }
 
 
+def llama_dir(into: Path, tokenizer_dir: Path, seed: int) -> Path:
+    """A random-weights model of SmolLM2's architecture (Llama), the built-in model's size:
+    vLLM gives Llama, unlike Qwen2, LoRA on the output head, whose scoring path
+    `app.engine.vllm_worker.fix_lora_ops` fixes."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=4 * HEAD_DIM,
+        intermediate_size=16 * HEAD_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.2,  # peaked distributions, as the built-in model's
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).eval().save_pretrained(into)
+    tokenizer.save_pretrained(into)
+    return into
+
+
 @pytest.fixture(scope="module")
-async def lora_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+def llama(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two Llama models of the same shapes (the second for a full-weight update)."""
+    root = tmp_path_factory.mktemp("llama")
+    return llama_dir(root / "a", model_dir, 0), llama_dir(root / "b", model_dir, 1)
+
+
+@pytest.fixture(scope="module")
+async def lora_client(
+    settings: Settings, llama: tuple[Path, Path]
+) -> AsyncIterator[httpx.AsyncClient]:
     configured = backend_settings(settings, "vllm").replace(
         vllm={"max_loras": 2, "max_lora_rank": 8},
-        models={"load_reference": False},
+        models={"model": str(llama[0]), "load_reference": False},
         storage={"data_dir": settings.storage.data_dir / "vllm-lora"},
     )
     app: FastAPI = create_app(configured)
@@ -101,8 +136,9 @@ def assert_peft(served: list[list[float]], model: torch.nn.Module) -> None:
 
 @VLLM
 @pytest.mark.vllm
-async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, model_dir, settings):
+async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     client = lora_client
+    model_dir, other_dir = llama
     attention, mlp = peft_on(model_dir, 1, **ATTENTION), peft_on(model_dir, 2, **MLP)
     for name, model in (("attention", attention), ("mlp", mlp)):
         pushed = await client.put(f"/v1/adapters/{name}", content=adapter_file(model))
@@ -174,7 +210,6 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, model_dir
     assert "RLSERVE_VLLM__MAX_LORA_RANK" in refused.json()["error"]["message"]
 
     # a full-weight update of the policy: the adapters now adapt the new weights
-    other_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
     loaded = await client.post("/v1/weights/load", json={"path": str(other_dir)})
     assert loaded.status_code == 200, loaded.text
     other = peft_on(other_dir, 2, **MLP)

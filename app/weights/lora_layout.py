@@ -88,7 +88,7 @@ def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(file)
     except Exception as exc:
-        raise invalid(param, f"{file.name} is not a safetensors file: {exc}") from exc
+        raise invalid(param, f"{file.name} is not a valid safetensors file: {exc}") from exc
 
 
 def adapter_from(

@@ -19,11 +19,18 @@ from app.adapters.protocol import (
     PauseAdapterRequest,
 )
 from app.deps import CallerDep, RegistryDep, WeightsDep
-from app.errors import ADAPTER_ERROR_RESPONSES
+from app.errors import ADAPTER_ERROR_RESPONSES, APIError
 from app.ops.access import Access, Body, access
 
 router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
 AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+_ACTIONS = ("/pause", "/resume")
+
+
+def _adapter_route(name: str) -> None:
+    """`{name:path}` also matches `NAME/pause` and `NAME/resume`, which only POST serves."""
+    if name.endswith(_ACTIONS):
+        raise APIError(405, "this method is not allowed here: pause and resume take POST")
 
 
 @router.post(
@@ -70,6 +77,7 @@ async def push_adapter(
     config under `adapter_config` (the text of PEFT's adapter_config.json): a name not served
     yet needs it, and is then served at version 0, owned by the pushing key. A served adapter
     keeps its layers and shapes; without that metadata, its config too."""
+    _adapter_route(name)
     adapter = await weights.push_adapter(name, request.stream(), caller=caller)
     return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
@@ -116,4 +124,5 @@ async def list_adapters(registry: RegistryDep) -> AdapterList:
 async def unload_adapter(name: AdapterPath, weights: WeightsDep, caller: CallerDep) -> AdapterInfo:
     """New requests can no longer name it (those waiting on its pause are refused); requests
     in flight finish with it."""
+    _adapter_route(name)
     return AdapterInfo.of(await weights.unload_adapter(name, "name", caller=caller))

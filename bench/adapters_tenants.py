@@ -22,45 +22,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, bench_arguments, running_server
+from common import ROOT, PeakRSS, bench_arguments, rss_bytes, running_server
 
 from app.config import DEFAULT_MODEL
 
 EXAMPLE = ROOT / "examples" / "grpo.py"
-
-
-class PeakMemory:
-    """The largest resident set of a process while `with` runs (sampled every 0.2 s)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, resident_bytes(self.pid))
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> PeakMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def resident_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def run_trainers(
@@ -126,11 +96,11 @@ def main() -> None:
         }
         with running_server(env=env, log=logs / "server.log", ready_timeout=300) as server:
             pid = server.process.pid
-            loaded = resident_bytes(pid)
+            loaded = rss_bytes(pid)
             started = time.perf_counter()
-            with PeakMemory(pid) as one:
+            with PeakRSS(pid, every_s=0.2) as one:
                 alone = run_trainers(server.url, keys[:1], alone_steps, flags, logs, "alone")
-            with PeakMemory(pid) as many:
+            with PeakRSS(pid, every_s=0.2) as many:
                 together = run_trainers(server.url, keys, steps, flags, logs, "together")
             seconds = time.perf_counter() - started
     alone_rate = summary(alone[0])["steps_per_s"]

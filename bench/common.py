@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import statistics
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ from tests.e2e.server import (  # noqa: E402
 __all__ = [
     "ROOT",
     "Figures",
+    "PeakRSS",
     "bench_arguments",
     "bench_model",
     "drive",
@@ -37,6 +39,7 @@ __all__ = [
     "in_process",
     "ray_serve_env",
     "reward_plot",
+    "rss_bytes",
     "running_process",
     "running_server",
     "standard_error",
@@ -44,6 +47,36 @@ __all__ = [
     "vllm_serve_command",
     "wait_for_replicas",
 ]
+
+
+def rss_bytes(pid: int) -> int:
+    """Process `pid`'s resident set now."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakRSS:
+    """The largest resident set of process `pid` while `with` runs, sampled every `every_s`."""
+
+    def __init__(self, pid: int, every_s: float) -> None:
+        self.pid, self.every_s, self.peak = pid, every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes(self.pid))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @contextlib.asynccontextmanager

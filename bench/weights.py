@@ -14,31 +14,12 @@ import asyncio
 import itertools
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from common import bench_arguments, bench_model, running_server
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRSS(threading.Thread):
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.peak, self.running = pid, 0, True
-
-    def run(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, rss_bytes(self.pid))
-            time.sleep(0.005)
+from common import PeakRSS, bench_arguments, bench_model, rss_bytes, running_server
 
 
 async def scoring_stream(url: str, stop: asyncio.Event) -> list[tuple[float, float, int]]:
@@ -114,11 +95,8 @@ async def measure_under_scoring(url: str, update: Any, payload: Path, pid: int) 
     # in, which must not be charged to the upload.
     await asyncio.sleep(1.0)
     baseline = rss_bytes(pid)
-    sampler = PeakRSS(pid)
-    sampler.start()
-    start, end, result = await update(url, payload)
-    sampler.running = False
-    sampler.join()
+    with PeakRSS(pid, every_s=0.005) as sampler:
+        start, end, result = await update(url, payload)
     await asyncio.sleep(1.0)
     stop.set()
     calls = await stream

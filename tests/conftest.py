@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -63,6 +64,19 @@ def reference_log_probs(hf_model: torch.nn.Module) -> Callable[[list[int]], list
 async def started(app: FastAPI) -> None:
     await app.state.loading
     assert app.state.registry.status == "ready", app.state.registry.error
+
+
+@contextlib.asynccontextmanager
+async def served_app(settings: Settings, timeout: float = 60) -> AsyncIterator[httpx.AsyncClient]:
+    """The app on `settings`, its models loaded, behind an ASGI client (the app as `.app`)."""
+    app: FastAPI = create_app(settings)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        base_url = "http://t"
+        async with httpx.AsyncClient(transport=transport, base_url=base_url, timeout=timeout) as c:
+            c.app = app  # type: ignore[attr-defined]
+            yield c
 
 
 def vllm_installed() -> bool:

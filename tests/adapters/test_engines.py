@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fastapi import FastAPI
 from peft import (
     LoraConfig,
     PeftModel,
@@ -30,12 +29,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from app.config import Settings
 from app.engine.builtin_model import HEAD_DIM
-from app.main import create_app
 from tests.conftest import (
     assert_close,
     backend_settings,
     forward_log_probs,
-    started,
+    served_app,
     vllm_installed,
 )
 
@@ -114,13 +112,8 @@ async def lora_client(
         models={"model": str(llama[0]), "load_reference": False},
         storage={"data_dir": settings.storage.data_dir / "vllm-lora"},
     )
-    app: FastAPI = create_app(configured)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=300) as c:
-            c.app = app  # type: ignore[attr-defined]
-            yield c
+    async with served_app(configured, timeout=300) as c:
+        yield c
 
 
 async def log_probs(client: httpx.AsyncClient, model: str) -> list[list[float]]:

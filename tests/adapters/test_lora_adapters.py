@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fastapi import FastAPI
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from rlserve_client import AsyncClient, NotFoundError
 from safetensors.torch import save
@@ -22,8 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from app.config import Settings
 from app.engine.types import GenerateItem, SamplingConfig, ScoreSpec
-from app.main import create_app
-from tests.conftest import forward_log_probs, started
+from tests.conftest import forward_log_probs, served_app
 
 SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2], [17, 30, 41, 52, 63, 74, 85, 96, 107]]
 PROMPT = [3, 14, 15, 92, 65]
@@ -70,13 +68,8 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 @pytest.fixture(scope="module")
 async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     config = settings.replace(storage={"data_dir": settings.storage.data_dir / "adapters"})
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            c.app = app  # type: ignore[attr-defined]
-            yield c
+    async with served_app(config) as c:
+        yield c
 
 
 async def load(client: httpx.AsyncClient, name: str, path: Path) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fastapi import FastAPI
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from rlserve_client import AsyncClient, PermissionDeniedError
 from rlserve_client.lora import adapter_file
@@ -22,8 +21,7 @@ from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 from app.config import Settings
-from app.main import create_app
-from tests.conftest import forward_log_probs, started
+from tests.conftest import forward_log_probs, served_app
 
 TRAINER_A, TRAINER_B, ADMIN = "trainer-a-key", "trainer-b-key", "admin-key"
 SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2]]
@@ -66,13 +64,8 @@ async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
         storage={"data_dir": settings.storage.data_dir / "tenants"},
         auth={"api_keys": [TRAINER_A, TRAINER_B], "admin_api_keys": [ADMIN]},
     )
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            c.app = app  # type: ignore[attr-defined]
-            yield c
+    async with served_app(config) as c:
+        yield c
 
 
 def api(client: httpx.AsyncClient, key: str) -> AsyncClient:
@@ -239,20 +232,16 @@ async def test_without_admin_keys_each_key_changes_its_own_adapters_alone(settin
         storage={"data_dir": settings.storage.data_dir / "tenants-no-admin"},
         auth={"api_keys": [TRAINER_A, TRAINER_B]},
     )
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            payload = adapter_file(trained["a"])
-            mine = await client.put("/v1/adapters/mine", content=payload, headers=bearer(TRAINER_A))
-            assert mine.status_code == 200, mine.text
-            theirs = await client.delete("/v1/adapters/mine", headers=bearer(TRAINER_B))
-            assert theirs.status_code == 403
-            # vLLM's unload route takes any key here (no admin keys), ownership still holds
-            vllm = await client.post(
-                "/v1/unload_lora_adapter", json={"lora_name": "mine"}, headers=bearer(TRAINER_B)
-            )
-            assert vllm.status_code == 403 and vllm.json()["error"]["param"] == "lora_name"
-            gone = await client.delete("/v1/adapters/mine", headers=bearer(TRAINER_A))
-            assert gone.status_code == 200
+    async with served_app(config) as client:
+        payload = adapter_file(trained["a"])
+        mine = await client.put("/v1/adapters/mine", content=payload, headers=bearer(TRAINER_A))
+        assert mine.status_code == 200, mine.text
+        theirs = await client.delete("/v1/adapters/mine", headers=bearer(TRAINER_B))
+        assert theirs.status_code == 403
+        # vLLM's unload route takes any key here (no admin keys), ownership still holds
+        vllm = await client.post(
+            "/v1/unload_lora_adapter", json={"lora_name": "mine"}, headers=bearer(TRAINER_B)
+        )
+        assert vllm.status_code == 403 and vllm.json()["error"]["param"] == "lora_name"
+        gone = await client.delete("/v1/adapters/mine", headers=bearer(TRAINER_A))
+        assert gone.status_code == 200

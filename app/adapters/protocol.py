@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import Field
 
-from app.common.protocol import WireModel
+from app.common.protocol import AdapterName, WireModel
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.lora import LoraAdapter
 from app.weights.protocol import PauseMode
-
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
-AdapterName = Annotated[
-    str,
-    Field(
-        min_length=1,
-        max_length=128,
-        pattern=NAME_PATTERN,
-        description="The adapter's name: what requests put in `model` to use it.",
-    ),
-]
 
 
 class LoadAdapterRequest(WireModel):

@@ -10,27 +10,38 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
+from starlette.convertors import Convertor, register_url_convertor
 
 from app.adapters.protocol import (
-    NAME_PATTERN,
     AdapterInfo,
     AdapterList,
     LoadAdapterRequest,
     PauseAdapterRequest,
 )
+from app.common.protocol import ADAPTER_NAME_PATTERN
 from app.deps import CallerDep, RegistryDep, WeightsDep
-from app.errors import ADAPTER_ERROR_RESPONSES, APIError
+from app.errors import ADAPTER_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
 
 router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
-AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=NAME_PATTERN)]
-_ACTIONS = ("/pause", "/resume")
+AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN)]
 
 
-def _adapter_route(name: str) -> None:
-    """`{name:path}` also matches `NAME/pause` and `NAME/resume`, which only POST serves."""
-    if name.endswith(_ACTIONS):
-        raise APIError(405, "this method is not allowed here: pause and resume take POST")
+class _AdapterNameConvertor(Convertor[str]):
+    """An adapter's name in a path: it may hold '/', but a path ending in /pause or /resume
+    belongs to those routes, so a PUT or DELETE there is a 405 naming POST, not a push to or
+    an unload of an adapter named 'NAME/pause'."""
+
+    regex = r"(?!.*/(?:pause|resume)$).+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("adapter", _AdapterNameConvertor())
 
 
 @router.post(
@@ -51,7 +62,7 @@ async def load_adapter(
 
 
 @router.put(
-    "/v1/adapters/{name:path}",
+    "/v1/adapters/{name:adapter}",
     response_model=AdapterInfo,
     summary="Push an adapter's tensors",
     openapi_extra={
@@ -77,7 +88,6 @@ async def push_adapter(
     config under `adapter_config` (the text of PEFT's adapter_config.json): a name not served
     yet needs it, and is then served at version 0, owned by the pushing key. A served adapter
     keeps its layers and shapes; without that metadata, its config too."""
-    _adapter_route(name)
     adapter = await weights.push_adapter(name, request.stream(), caller=caller)
     return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
@@ -116,7 +126,7 @@ async def list_adapters(registry: RegistryDep) -> AdapterList:
 
 
 @router.delete(
-    "/v1/adapters/{name:path}",
+    "/v1/adapters/{name:adapter}",
     response_model=AdapterInfo,
     summary="Unload a LoRA adapter",
     openapi_extra=access(Access.OWNER),
@@ -124,5 +134,4 @@ async def list_adapters(registry: RegistryDep) -> AdapterList:
 async def unload_adapter(name: AdapterPath, weights: WeightsDep, caller: CallerDep) -> AdapterInfo:
     """New requests can no longer name it (those waiting on its pause are refused); requests
     in flight finish with it."""
-    _adapter_route(name)
     return AdapterInfo.of(await weights.unload_adapter(name, "name", caller=caller))

@@ -25,6 +25,16 @@ ServedName = Annotated[
         "name of a served LoRA adapter (`POST /v1/adapters`).",
     ),
 ]
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
+AdapterName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=128,
+        pattern=ADAPTER_NAME_PATTERN,
+        description="The adapter's name: what requests put in `model` to use it.",
+    ),
+]
 TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]

@@ -315,6 +315,8 @@ async def test_an_undeclared_method_is_a_405_listing_every_method_of_the_path(cl
         ("PATCH", "/v1/envs/env-1", "DELETE, GET"),
         ("DELETE", "/v1/generate", "POST"),
         ("TRACE", "/health", "GET"),
+        ("PUT", "/v1/adapters/someone/pause", "POST"),
+        ("DELETE", "/v1/adapters/someone/resume", "POST"),
     ):
         response = await client.request(method, path)
         assert response.status_code == 405, (method, path)

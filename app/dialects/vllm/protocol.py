@@ -8,11 +8,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from app.adapters.protocol import AdapterName
 from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
     ONLY_UNSET,
     TOKEN_ID_KEYS,
+    AdapterName,
     DialectModel,
     RepetitionPenalty,
     Seed,

@@ -45,6 +45,7 @@ from app.weights.protocol import (
     WeightsVersion,
 )
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
+from app.weights.transfer import AdapterPush
 
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -288,8 +289,10 @@ class ReplicatedWeights:
             raise cause(failed).failure(f"{len(failed)} of {len(joined)} replicas could not join")
         return combined(request.model, joined)
 
-    async def transfer_start(self, model: str) -> TransferState:
+    async def transfer_start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
         """A start that fails on one replica is aborted on all."""
+        if adapter is not None:
+            raise _no_adapters("adapter")
         states = await self.replicas.each(ReplicaEndpoint.transfer_start, model)
         if any(isinstance(s, Refusal) for s in states):
             await self.replicas.each(ReplicaEndpoint.transfer_abort, model)

@@ -287,27 +287,56 @@ class ModelRegistry:
         its next version: with the layers and shapes it has, and its config unless the file's
         metadata gives one (`CONFIG_METADATA`). A name not served needs that config, and is
         then served at version 0, owned by `caller`."""
-        base = self._adapter_base(param)
-        if self.canonical(name) is not None:
-            raise Conflict(f"name: '{name}' names a served model, not an adapter", param="name")
-        self._check_owner(name, caller, "name")
+        first = (
+            f"a first upload carries its config in the file's metadata (key "
+            f"'{CONFIG_METADATA}': the text of {CONFIG}), or load it from its folder "
+            "(POST /v1/adapters)"
+        )
+        self.check_adapter_push(name, caller, name_param="name", param=param)
         config, tensors = await asyncio.to_thread(read_upload, file, param)
+        return await self.push_adapter_tensors(
+            name, tensors, config, source="upload", param=param, caller=caller, first=first
+        )
+
+    def check_adapter_push(self, name: str, caller: Caller, *, name_param: str, param: str) -> None:
+        """Before the tensors of a push arrive: the policy serves adapters, `name` names no
+        model, and `caller` may change it (refusals name `name_param`, or `param`)."""
+        self._adapter_base(param)
+        if self.canonical(name) is not None:
+            raise Conflict(
+                f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
+            )
+        self._check_owner(name, caller, name_param)
+
+    async def push_adapter_tensors(
+        self,
+        name: str,
+        tensors: dict[str, torch.Tensor],
+        config: dict[str, Any] | None,
+        *,
+        source: str,
+        param: str,
+        caller: Caller,
+        first: str,
+        name_param: str = "name",
+    ) -> LoraAdapter:
+        """`tensors` (PEFT's names) as adapter `name`'s next version (`push_adapter`); `first`
+        says how a push serves a new adapter, when this one cannot."""
+        self.check_adapter_push(name, caller, name_param=name_param, param=param)
         current = self.adapters.get(name)
         if current is None and config is None:
             raise NotFound(
-                f"name: no adapter '{name}' is served; a first upload carries its config in "
-                f"the file's metadata (key '{CONFIG_METADATA}': the text of {CONFIG}), or load "
-                "it from its folder (POST /v1/adapters)",
-                param="name",
+                f"{name_param}: no adapter '{name}' is served; {first}", param=name_param
             )
         return await self._serve_adapter(
-            base,
+            self._adapter_base(param),
             name,
             config if config is not None else current.config,  # type: ignore[union-attr]
             tensors,
-            "upload",
+            source,
             param,
             caller=caller,
+            name_param=name_param,
             layout_of=current,
         )
 

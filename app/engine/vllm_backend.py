@@ -470,6 +470,7 @@ class VLLMTransfer(WeightTransfer):
         self.transferred = transferred
         """The backend's record of the tensors transfers set (committed updates add theirs)."""
         self._announced: set[str] = set()
+        self._adapter = False
 
     async def init(self, setup: TransferSetup) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -478,9 +479,9 @@ class VLLMTransfer(WeightTransfer):
         info = dataclasses.asdict(setup)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
-    async def start(self) -> None:
+    async def start(self, *, adapter: bool = False) -> None:
         await self.engine.collective_rpc("rlserve_transfer_abort")
-        self._announced = set()
+        self._announced, self._adapter = set(), adapter
         await self.engine.start_weight_update()
 
     async def update(self, plan: TransferPlan) -> None:
@@ -494,7 +495,9 @@ class VLLMTransfer(WeightTransfer):
         """Poll the workers (a call that waited would stall the engine's loop)."""
         async with asyncio.timeout(timeout_s):
             while True:
-                states = await self.engine.collective_rpc("rlserve_transfer_status")
+                states = await self.engine.collective_rpc(
+                    "rlserve_transfer_status", args=(not self._adapter,)
+                )
                 problems = [s for s in states if s is not None]
                 if not problems:
                     return

@@ -46,12 +46,14 @@ class WeightLoaderExtension:
         runner: Any = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=_tensors(sources), is_checkpoint_format=True)
 
-    def rlserve_transfer_status(self) -> str | None:
-        """None once every announced tensor arrived; "pending" before; else the error."""
+    def rlserve_transfer_status(self, of_model: bool = True) -> str | None:
+        """None once every announced tensor arrived; "pending" before; else the error.
+        `of_model`: they are the model's (else an adapter's, which the model's fused
+        parameters do not constrain)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, StagedTransferEngine):
             return "this worker has no rlserve weight-transfer engine"
-        return engine.status()
+        return engine.status(of_model)
 
     def rlserve_transfer_checkpoint(self) -> bytes | None:
         """The staged tensors as one safetensors file, from the first worker only."""
@@ -116,13 +118,13 @@ def _engine_class() -> type:
         def receive_weights(self, update_info: Any) -> None:
             raise NotImplementedError("weights arrive through update_weights")
 
-        def status(self) -> str | None:
+        def status(self, of_model: bool = True) -> str | None:
             if self.reception is None:
                 return "no weight update in progress"
             if (status := self.reception.status()) is not None:
                 return status
             names = set(self.reception.result(0))
-            if (missing := _unfused(self.model, names)) is not None:
+            if of_model and (missing := _unfused(self.model, names)) is not None:
                 return f"InvalidInput: weights: {missing}"
             return None
 

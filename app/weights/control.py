@@ -24,6 +24,7 @@ from app.weights.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
+from app.weights.transfer import AdapterPush
 
 
 class WeightsControl(Protocol):
@@ -84,7 +85,8 @@ class WeightsControl(Protocol):
     async def transfer_init(self, request: TransferInit) -> TransferState:
         """Join the trainer's group."""
 
-    async def transfer_start(self, model: str) -> TransferState: ...
+    async def transfer_start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+        """Begin an update of `model`'s weights, or of a LoRA adapter of the policy."""
 
     async def transfer_update(self, request: TransferUpdate) -> TransferState:
         """Check announced tensors and start receiving them."""

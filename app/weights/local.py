@@ -26,7 +26,7 @@ from app.weights.protocol import (
     WeightsVersion,
 )
 from app.weights.service import WeightsService
-from app.weights.transfer import TransferService
+from app.weights.transfer import AdapterPush, TransferService
 
 
 class LocalWeights:
@@ -99,8 +99,8 @@ class LocalWeights:
     async def transfer_init(self, request: TransferInit) -> TransferState:
         return await self.transfers.init(request)
 
-    async def transfer_start(self, model: str) -> TransferState:
-        return await self.transfers.start(model)
+    async def transfer_start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+        return await self.transfers.start(model, adapter)
 
     async def transfer_update(self, request: TransferUpdate) -> TransferState:
         return await self.transfers.update(request)

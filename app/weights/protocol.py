@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
-from app.common.protocol import ModelName, WireModel
+from app.common.protocol import AdapterName, ModelName, WireModel
 
 PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES_DOC = (
@@ -52,6 +52,12 @@ class WeightsUpdated(WireModel):
     num_bytes: int
     seconds: float = Field(description="Time the update held generation and scoring paused.")
     total_seconds: float = Field(description="Time the whole update took.")
+    adapter: str | None = Field(
+        default=None,
+        description="The LoRA adapter the update pushed (then `adapter_version` "
+        "is its new version, and the model's versions are as they were).",
+    )
+    adapter_version: int | None = None
 
 
 class PauseRequest(WireModel):
@@ -118,6 +124,26 @@ class TransferInit(TransferTarget):
         description="How updates that name no `buckets` are cut: announced: one tensor per "
         "bucket; vllm: as vLLM's packed transfer cuts them (tensors until a bucket passes "
         "bucket_bytes).",
+    )
+
+
+class AdapterPushTarget(WireModel):
+    name: AdapterName
+    config: dict[str, Any] | None = Field(
+        default=None,
+        description="The adapter's PEFT config (adapter_config.json's content): needed for a "
+        "name not served yet (then served as a new adapter, owned by the caller); for a served "
+        "one, its new config (default: the one it has).",
+    )
+
+
+class TransferStart(TransferTarget):
+    adapter: AdapterPushTarget | None = Field(
+        default=None,
+        description="Push the tensors of this LoRA adapter of the policy instead of the "
+        "model's weights (PEFT's names, as `get_peft_model_state_dict` gives them): at finish "
+        "they become the adapter's next version, which new requests get while those in flight "
+        "keep theirs (no pause). `model` is then the policy.",
     )
 
 

@@ -4,7 +4,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from app.common.protocol import ModelName
-from app.deps import RegistryDep, WeightsDep
+from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.engine.gate import GateState
 from app.errors import (
     ERROR_RESPONSES,
@@ -22,6 +22,7 @@ from app.weights.protocol import (
     ServingState,
     TransferFinish,
     TransferInit,
+    TransferStart,
     TransferState,
     TransferTarget,
     TransferUpdate,
@@ -29,6 +30,7 @@ from app.weights.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
+from app.weights.transfer import AdapterPush
 
 router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
 transfer_router = APIRouter(
@@ -98,6 +100,8 @@ async def upload_weights(
 
 # -- collective transfer (vLLM's protocol: init -> start -> update -> finish) ---------------
 
+_NO_ADAPTER = "The update's adapter is not served (a first push gives its config)"
+
 
 @transfer_router.get(
     "", response_model=TransferState, summary="Transfer state", openapi_extra=ADMIN
@@ -131,10 +135,20 @@ async def transfer_init(request: TransferInit, weights: WeightsDep) -> TransferS
 
 
 @transfer_router.post(
-    "/start", response_model=TransferState, summary="Begin an update", openapi_extra=ADMIN
+    "/start",
+    response_model=TransferState,
+    summary="Begin an update",
+    openapi_extra=ADMIN,
+    responses={404: {"model": ErrorResponse, "description": _NO_ADAPTER}},
 )
-async def transfer_start(request: TransferTarget, weights: WeightsDep) -> TransferState:
-    return await weights.transfer_start(request.model)
+async def transfer_start(
+    request: TransferStart, weights: WeightsDep, caller: CallerDep
+) -> TransferState:
+    """Begin an update of the model's weights, or (`adapter`) of a LoRA adapter's tensors,
+    which finish serves as its next version."""
+    pushed = request.adapter
+    adapter = AdapterPush(pushed.name, pushed.config, caller) if pushed is not None else None
+    return await weights.transfer_start(request.model, adapter)
 
 
 @transfer_router.post(
@@ -147,7 +161,11 @@ async def transfer_update(request: TransferUpdate, weights: WeightsDep) -> Trans
 
 
 @transfer_router.post(
-    "/finish", response_model=WeightsUpdated, summary="Commit the update", openapi_extra=ADMIN
+    "/finish",
+    response_model=WeightsUpdated,
+    summary="Commit the update",
+    openapi_extra=ADMIN,
+    responses={404: {"model": ErrorResponse, "description": _NO_ADAPTER}},
 )
 async def transfer_finish(request: TransferFinish, weights: WeightsDep) -> WeightsUpdated:
     """Wait until every announced tensor arrived (504 after `timeout_s`; 502 if the trainer

@@ -5,7 +5,11 @@ idle --init--> joined --start--> updating --update*--> --finish--> joined (commi
 Any failure of the trainer's side (gone, too slow, a bad tensor) drops the staged update; a
 lost peer also closes the group (idle), since a collective cannot recover from it. Calls on
 one model are serialized; the data of an update arrives in the background while serving goes
-on, and only the commit pauses serving."""
+on, and only the commit pauses serving.
+
+An update may instead carry a LoRA adapter of the policy (`AdapterPush`, named at start): the
+policy's group brings its tensors, and finish serves them as the adapter's next version
+(nothing pauses: requests in flight keep the version they started with)."""
 
 from __future__ import annotations
 
@@ -15,15 +19,21 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import safetensors.torch
+
+from app.common.caller import Caller
 from app.common.failures import (
     Conflict,
     Failure,
     InvalidInput,
+    NotFound,
     PeerAbsent,
     PeerFailed,
     TimedOut,
     Unsupported,
+    invalid,
 )
 from app.engine.registry import ModelRegistry
 from app.weights.checkpoint import check_layout
@@ -42,6 +52,19 @@ from app.weights.transport import Transport
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class AdapterPush:
+    """An update that carries LoRA adapter `name`'s tensors, not the model's weights."""
+
+    name: str
+    config: dict[str, Any] | None
+    """PEFT's config: needed for an adapter not served yet (else its own is kept)."""
+    caller: Caller
+
+
+_FIRST_PUSH = "a first push over the transfer gives its config at start (adapter.config)"
+
+
 @dataclass
 class _Link:
     """One model's transfer state."""
@@ -54,6 +77,8 @@ class _Link:
     last_error: str | None = None
     session: int = 0
     """Counts updates, so a watcher only acts on the update it watches."""
+    adapter: AdapterPush | None = None
+    """What the open update pushes, when it is an adapter."""
 
 
 class TransferService:
@@ -151,13 +176,31 @@ class TransferService:
             )
         return request.transport
 
-    async def start(self, model: str) -> TransferState:
+    async def start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+        """Begin an update of `model`'s weights, or of `adapter` (a LoRA adapter of the
+        policy, refused here when it cannot be pushed: before any tensor travels)."""
+        if adapter is not None:
+            self._check_adapter(model, adapter)
         async with self._link(model) as (link, engine):
             self._joined(link)
-            await engine.start()
+            await engine.start(adapter=adapter is not None)
             link.updating, link.announced, link.started_at = True, [], time.perf_counter()
             link.session += 1
+            link.adapter = adapter
         return await self.state(model)
+
+    def _check_adapter(self, model: str, adapter: AdapterPush) -> None:
+        if model != "policy":
+            raise invalid("adapter", f"adapters adapt the policy; the update names '{model}'")
+        registry = self.registry
+        registry.check_adapter_push(
+            adapter.name, adapter.caller, name_param="adapter.name", param="adapter"
+        )
+        if adapter.config is None and adapter.name not in registry.adapters:
+            raise NotFound(
+                f"adapter.config: no adapter '{adapter.name}' is served; {_FIRST_PUSH}",
+                param="adapter.config",
+            )
 
     async def update(self, request: TransferUpdate) -> TransferState:
         async with self._link(request.model) as (link, engine):
@@ -171,7 +214,7 @@ class TransferService:
                 request.names, request.dtype_names, request.shapes, buckets, setup.bucket_bytes
             )
             expected = self.registry.get(request.model).backend.weight_layout()
-            if expected is not None:
+            if expected is not None and link.adapter is None:  # (an adapter's: at finish)
                 check_layout(plan.layout(), expected)
             await engine.update(plan)
             link.announced.append(plan)
@@ -198,12 +241,57 @@ class TransferService:
         same two steps as `received` and `commit`, with every other replica between them.)"""
         async with self._link(request.model) as (link, engine):
             try:
+                if link.adapter is not None and request.version is not None:
+                    raise invalid(
+                        "version", "an adapter's versions are counted by the server: leave it out"
+                    )
                 self.registry.gate.next_version(request.model, request.version)
             except BaseException as exc:
                 await self._drop(link, engine, exc)
                 raise
             await self._receive_all(link, engine)
+            if link.adapter is not None:
+                return await self._serve_adapter(link, engine, link.adapter)
             return await self._commit(link, engine, request)
+
+    async def _serve_adapter(
+        self, link: _Link, engine: WeightTransfer, adapter: AdapterPush
+    ) -> WeightsUpdated:
+        """What was received, as `adapter`'s next version (the model is left as it is)."""
+        try:
+            data = await engine.checkpoint()
+            tensors = await asyncio.to_thread(safetensors.torch.load, data)
+            served = await self.registry.push_adapter_tensors(
+                adapter.name,
+                tensors,
+                adapter.config,
+                source="transfer",
+                param="names",
+                name_param="adapter.name",
+                caller=adapter.caller,
+                first=_FIRST_PUSH,
+            )
+        except BaseException as exc:
+            await self._drop(link, engine, exc)
+            raise
+        await engine.abort()  # (drops the staged tensors: the adapter holds its own)
+        link.updating, link.adapter = False, None
+        plans, link.announced = link.announced, []
+        versions = self.registry.versions
+        logger.info(
+            "received adapter '%s' version %d over the transfer", served.name, served.version
+        )
+        return WeightsUpdated(
+            model="policy",
+            policy_version=versions["policy"],
+            reference_version=versions["reference"],
+            num_tensors=sum(len(p.tensors) for p in plans),
+            num_bytes=sum(p.nbytes for p in plans),
+            seconds=0.0,
+            total_seconds=time.perf_counter() - link.started_at,
+            adapter=served.name,
+            adapter_version=served.version,
+        )
 
     async def received(self, model: str) -> int:
         """A replica's first phase of finish: every announced tensor arrived and passed its
@@ -269,13 +357,13 @@ class TransferService:
     async def abort(self, model: str) -> TransferState:
         async with self._link(model) as (link, engine):
             await engine.abort()
-            link.updating, link.announced = False, []
+            link.updating, link.announced, link.adapter = False, [], None
         return await self.state(model)
 
     async def close(self, model: str) -> TransferState:
         async with self._link(model) as (link, engine):
             await engine.close()
-            link.setup, link.updating, link.announced = None, False, []
+            link.setup, link.updating, link.announced, link.adapter = None, False, [], None
         return await self.state(model)
 
     async def aclose(self) -> None:
@@ -287,7 +375,7 @@ class TransferService:
 
     async def _drop(self, link: _Link, engine: WeightTransfer, exc: BaseException) -> None:
         """A failed finish: nothing was applied. A lost or stuck peer also ends the group."""
-        link.updating, link.announced = False, []
+        link.updating, link.announced, link.adapter = False, [], None
         link.last_error = f"{type(exc).__name__}: {exc}"
         await engine.abort()
         if isinstance(exc, PeerFailed | TimedOut):

@@ -92,7 +92,9 @@ class WeightTransfer(ABC):
     async def init(self, setup: TransferSetup) -> None: ...
 
     @abstractmethod
-    async def start(self) -> None: ...
+    async def start(self, *, adapter: bool = False) -> None:
+        """Begin an update; `adapter`: its tensors are a LoRA adapter's (checked when it is
+        served), not the model's."""
 
     @abstractmethod
     async def update(self, plan: TransferPlan) -> None:
@@ -139,7 +141,7 @@ class InProcessTransfer(WeightTransfer):
         await rendezvous_listening(setup.address, setup.port, setup.timeout_s)
         self._group = await asyncio.to_thread(TransferGroup, setup.rendezvous(0), self.device)
 
-    async def start(self) -> None:
+    async def start(self, *, adapter: bool = False) -> None:
         group = self._joined()
         await self.abort()
         self._reception = Reception(group.receive, self.device)

@@ -24,6 +24,7 @@ from peft import (
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
+from rlserve_client import Client
 from rlserve_client.lora import adapter_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -36,6 +37,7 @@ from tests.conftest import (
     served_app,
     vllm_installed,
 )
+from tests.weights.conftest import LoopTransport
 
 SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2], [17, 30, 41, 52, 63, 74, 85, 96]]
 PROMPT = [3, 14, 15, 92, 65]
@@ -210,3 +212,32 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     assert_peft(await log_probs(client, "mlp"), other)
     new_base = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
     assert_peft(await log_probs(client, "policy"), new_base)
+
+
+@VLLM
+@pytest.mark.vllm
+async def test_vllm_serves_an_adapter_pushed_over_the_transfer(lora_client, llama):
+    """Over gloo, into the workers' staging: an adapter of q_proj and v_proj but not k_proj
+    (which vLLM fuses with them in the model, and an update of the model must send
+    together) is served as PEFT computes it, and the policy stays as it was."""
+    client = lora_client
+    model_dir = llama[0]
+    loaded = await client.post("/v1/weights/load", json={"path": str(model_dir)})
+    assert loaded.status_code == 200, loaded.text
+    await client.delete("/v1/adapters/mlp")  # (room in the engine's LoRA slots, if served)
+    policy = await log_probs(client, "policy")
+    adapter = peft_on(model_dir, 5, **ATTENTION)
+    api = Client(
+        base_url="http://rlserve",
+        transport=LoopTransport(client.app, asyncio.get_running_loop()),  # type: ignore[attr-defined]
+        max_retries=0,
+    )
+
+    def push() -> Any:
+        with api.weight_transfer(timeout_s=120) as sync:
+            return sync.send_adapter(adapter, "over-gloo")
+
+    pushed = await asyncio.to_thread(push)
+    assert (pushed.adapter, pushed.adapter_version) == ("over-gloo", 0)
+    assert_peft(await log_probs(client, "over-gloo"), adapter)
+    assert await log_probs(client, "policy") == policy

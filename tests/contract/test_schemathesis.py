@@ -98,6 +98,7 @@ STATED_RULES: list[tuple[str, str]] = [
     (r"NCCL needs the model on a GPU", "the transport depends on the server's device"),
     (r"leaves no room for the server's", "the server's own ranks are counted at run time"),
     (r"under the server's import directory", "the files are the server's"),
+    (r"adapters adapt the policy", "an update that carries an adapter is the policy's"),
     (r"unknown dataset", "the datasets are the server's (GET /v1/datasets)"),
     (
         r"is not a valid safetensors file|not a application/x-safetensors body|has no rows"

@@ -21,18 +21,9 @@ def adapter_file(
     config both) or a mapping of PEFT's tensor names to tensors. `config`: a PEFT config or its
     dict (default: the model's own; a mapping of tensors alone then travels without one, which
     the server takes only for an adapter it serves already)."""
-    import torch
     from safetensors.torch import save
 
-    if isinstance(adapter, torch.nn.Module):
-        from peft import get_peft_model_state_dict
-
-        tensors = dict(get_peft_model_state_dict(adapter, adapter_name=adapter_name))
-        if config is None:
-            configs: Mapping[str, Any] = getattr(adapter, "peft_config", {})
-            config = configs.get(adapter_name)
-    else:
-        tensors = dict(adapter)
+    tensors, config = adapter_parts(adapter, config, adapter_name=adapter_name)
     metadata = {"format": "pt"}
     if config is not None:
         metadata[CONFIG_METADATA] = config_text(config)
@@ -41,6 +32,33 @@ def adapter_file(
         {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
         metadata=metadata,
     )
+
+
+def adapter_parts(
+    adapter: Any,
+    config: Mapping[str, Any] | Any | None = None,
+    *,
+    adapter_name: str = "default",
+) -> tuple[dict[str, Any], Any | None]:
+    """`adapter`'s tensors under PEFT's names and its config (`config`, else a PEFT model's
+    own, else None), as `adapter_file` takes them."""
+    import torch
+
+    if not isinstance(adapter, torch.nn.Module):
+        return dict(adapter), config
+    from peft import get_peft_model_state_dict
+
+    tensors = dict(get_peft_model_state_dict(adapter, adapter_name=adapter_name))
+    if config is None:
+        configs: Mapping[str, Any] = getattr(adapter, "peft_config", {})
+        config = configs.get(adapter_name)
+    return tensors, config
+
+
+def config_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """A PEFT config (or its dict) as adapter_config.json's object."""
+    result: dict[str, Any] = json.loads(config_text(config))
+    return result
 
 
 def config_text(config: Mapping[str, Any] | Any) -> str:

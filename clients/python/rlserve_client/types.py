@@ -305,6 +305,9 @@ class WeightsUpdated(WeightsVersion):
     seconds: float = 0.0
     """How long serving was paused for the swap."""
     total_seconds: float = 0.0
+    adapter: str | None = None
+    """The LoRA adapter the update pushed (`WeightSync.send_adapter`), and its new version."""
+    adapter_version: int | None = None
 
 
 class ServingState(Result):

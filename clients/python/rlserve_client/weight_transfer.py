@@ -4,6 +4,8 @@
         for step in training:
             ...
             sync.send(model)            # an nn.Module or a state dict
+            # or, for a LoRA adapter of the policy (a PEFT model): its next version
+            sync.send_adapter(peft_model, "my-adapter")
 
 The trainer is rank 0 of a bare torch process group (gloo, or NCCL for tensors on a GPU; the
 default group is never touched) that the server's model workers join. Each `send` runs the
@@ -132,14 +134,44 @@ class WeightSync:
         """Push every tensor of `weights` (a module's state dict, or a mapping of HF names to
         tensors: any subset of the model). `version`: the version to publish (above the
         current one); `pause`: how in-flight generations meet the swap (keep, wait, abort)."""
+        return self._send(_named_tensors(weights), {}, version=version, pause=pause)
+
+    def send_adapter(
+        self,
+        adapter: Any,
+        name: str,
+        *,
+        config: Mapping[str, Any] | Any | None = None,
+        adapter_name: str = "default",
+    ) -> WeightsUpdated:
+        """Push a LoRA adapter of the policy over the group: a PEFT model (its adapter
+        `adapter_name`) or a mapping of PEFT's tensor names to tensors. The server serves it as
+        adapter `name`'s next version without pausing (the answer's `adapter_version`); a name
+        it does not serve yet needs the config (a PEFT model's own, or `config`), and is then
+        owned by this client's key."""
+        from rlserve_client.lora import adapter_parts, config_dict
+
+        tensors, config = adapter_parts(adapter, config, adapter_name=adapter_name)
+        target: dict[str, Any] = {"name": name}
+        if config is not None:
+            target["config"] = config_dict(config)
+        return self._send(_named_tensors(tensors), {"adapter": target})
+
+    def _send(
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        start: dict[str, Any],
+        *,
+        version: int | None = None,
+        pause: str = "keep",
+    ) -> WeightsUpdated:
         if self._group is None:
             raise RuntimeError(
                 "the transfer group is not open (use `with client.weight_transfer()`)"
             )
-        tensors = _named_tensors(weights)
         device = _device(self._transport())
         buckets = list(_buckets(tensors, self.options.bucket_bytes, self.options.pack_below_bytes))
-        self._step("start", {})
+        self._step("start", start)
         try:
             self._step("update", announcement(tensors, buckets))
             self._broadcast(buckets, device)

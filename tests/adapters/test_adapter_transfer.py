@@ -1,0 +1,156 @@
+"""A LoRA adapter pushed over the collective transfer (gloo on this CPU): the policy's group
+carries the adapter's tensors, and finish serves them as the adapter's next version, which
+scores as PEFT's own forward of the same adapter (an independent implementation), while the
+policy's weights and version stay as they were. Every refusal names its field and changes
+nothing. (vLLM's side: tests/adapters/test_engines.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from rlserve_client import (
+    Client,
+    ConflictError,
+    NotFoundError,
+    UnprocessableEntityError,
+)
+from transformers import AutoModelForCausalLM
+
+from app.config import Settings
+from tests.conftest import forward_log_probs, served_app
+from tests.weights.conftest import LoopTransport
+
+SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2]]
+ATTENTION = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+def peft_model(model_dir: Path, seed: int, **options: Any) -> PeftModel:
+    """A PEFT adapter with random (non-zero) A and B, as a trained one would have."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    return get_peft_model(base, LoraConfig(**options, init_lora_weights=False)).eval()
+
+
+@pytest.fixture(scope="module")
+async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    config = settings.replace(storage={"data_dir": settings.storage.data_dir / "adapter-transfer"})
+    async with served_app(config, timeout=120) as c:
+        yield c
+
+
+def trainer(client: httpx.AsyncClient) -> Client:
+    """The synchronous client a trainer thread uses (the app answers on the test's loop)."""
+    transport = LoopTransport(client.app, asyncio.get_running_loop())  # type: ignore[attr-defined]
+    return Client(base_url="http://rlserve", transport=transport, max_retries=0)
+
+
+async def log_probs(client: httpx.AsyncClient, model: str) -> list[list[float]]:
+    response = await client.post("/v1/logprobs", json={"model": model, "tokens": SEQUENCES})
+    assert response.status_code == 200, response.text
+    return [output["log_probs"]["full"] for output in response.json()["outputs"]]
+
+
+def assert_peft(served: list[list[float]], model: torch.nn.Module) -> None:
+    for sequence, values in zip(SEQUENCES, served, strict=True):
+        expected = forward_log_probs(model, sequence)
+        assert max(abs(a - b) for a, b in zip(values[1:], expected[1:], strict=True)) < 1e-4
+
+
+async def test_an_adapter_pushed_over_the_transfer_is_served_as_peft_computes_it(client, model_dir):
+    first, second = peft_model(model_dir, 1, **ATTENTION), peft_model(model_dir, 2, **ATTENTION)
+    policy_before = await log_probs(client, "policy")
+    versions_before = (await client.get("/v1/weights/version")).json()
+    api = trainer(client)
+
+    def push_twice() -> tuple[Any, Any]:
+        with api.weight_transfer() as sync:
+            # a first push serves a new adapter: the PEFT model brings its config
+            return sync.send_adapter(first, "over-gloo"), sync.send_adapter(
+                dict(get_peft_model_state_dict(second)), "over-gloo"
+            )
+
+    pushed, again = await asyncio.to_thread(push_twice)
+    tensors = get_peft_model_state_dict(first)
+    assert (pushed.adapter, pushed.adapter_version) == ("over-gloo", 0)
+    assert pushed.num_tensors == len(tensors)
+    assert pushed.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert (again.adapter, again.adapter_version) == ("over-gloo", 1)
+    # the policy is as it was: its version and its weights
+    assert pushed.policy_version == again.policy_version == versions_before["policy_version"]
+    assert (await client.get("/v1/weights/version")).json() == versions_before
+    assert await log_probs(client, "policy") == policy_before
+    assert_peft(await log_probs(client, "over-gloo"), second)
+    listed = (await client.get("/v1/adapters")).json()["adapters"]
+    assert [(a["name"], a["version"]) for a in listed if a["name"] == "over-gloo"] == [
+        ("over-gloo", 1)
+    ]
+    # the adapter pushed by upload is served the same
+    upload = await client.put("/v1/adapters/by-upload", content=_file(second))
+    assert upload.status_code == 200, upload.text
+    assert await log_probs(client, "by-upload") == await log_probs(client, "over-gloo")
+
+
+def _file(model: PeftModel) -> bytes:
+    from rlserve_client.lora import adapter_file
+
+    return adapter_file(model)
+
+
+async def test_refused_adapter_pushes_name_their_field_and_change_nothing(client, model_dir):
+    served = peft_model(model_dir, 3, **ATTENTION)
+    wider = peft_model(model_dir, 4, **{**ATTENTION, "r": 8})
+    api = trainer(client)
+
+    def pushes() -> list[tuple[type[Exception], str | None]]:
+        refused: list[tuple[type[Exception], str | None]] = []
+        with api.weight_transfer() as sync:
+            sync.send_adapter(served, "kept")
+            for adapter, name, start in (
+                # a name not served, without a config
+                (dict(get_peft_model_state_dict(served)), "unknown", None),
+                # the policy's name is no adapter's
+                (served, "policy", None),
+                # other shapes than the served adapter's
+                (wider, "kept", None),
+            ):
+                try:
+                    sync.send_adapter(adapter, name, config=start)
+                except (NotFoundError, ConflictError, UnprocessableEntityError) as exc:
+                    refused.append((type(exc), exc.param))
+            # a version is the server's to count for an adapter
+            sync._step("start", {"adapter": {"name": "kept"}})
+            try:
+                api.transfer_finish(version=99)
+            except UnprocessableEntityError as exc:
+                refused.append((type(exc), exc.param))
+            try:  # an adapter is the policy's
+                api.transfer_step(
+                    step="start", body={"model": "reference", "adapter": {"name": "x"}}
+                )
+            except UnprocessableEntityError as exc:
+                refused.append((type(exc), exc.param))
+            # the group is still joined, and takes a good push after all of that
+            last = sync.send_adapter(served, "kept")
+        assert last.adapter_version == 1
+        return refused
+
+    before = await log_probs(client, "policy")
+    refused = await asyncio.to_thread(pushes)
+    assert refused == [
+        (NotFoundError, "adapter.config"),
+        (ConflictError, "adapter.name"),
+        (UnprocessableEntityError, "names"),
+        (UnprocessableEntityError, "version"),
+        (UnprocessableEntityError, "adapter"),
+    ]
+    assert await log_probs(client, "policy") == before
+    assert_peft(await log_probs(client, "kept"), served)
+    adapters = {a["name"]: a for a in (await client.get("/v1/adapters")).json()["adapters"]}
+    assert "unknown" not in adapters and adapters["kept"]["version"] == 1

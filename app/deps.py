@@ -20,7 +20,7 @@ from app.ops.metrics import Metrics
 from app.rollouts.service import RolloutService
 from app.scoring.service import ScoringService
 from app.trajectories.service import TrajectoryService
-from app.weights.control import WeightsControl
+from app.updates.control import WeightsControl
 
 
 async def _settings(request: Request) -> Settings:

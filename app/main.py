@@ -56,9 +56,9 @@ from app.scoring.service import ScoringService
 from app.trajectories.router import router as trajectories_router
 from app.trajectories.service import TrajectoryService
 from app.trajectories.store import SQLiteTrajectoryStore, TrajectoryStore
-from app.weights.local import LocalWeights
-from app.weights.router import router as weights_router
-from app.weights.router import serving_router, transfer_router
+from app.updates.local import LocalWeights
+from app.updates.router import router as weights_router
+from app.updates.router import serving_router, transfer_router
 
 logger = logging.getLogger(__name__)
 

@@ -136,7 +136,32 @@ def test_the_cycle_finder_finds_a_type_checking_cycle_and_ignores_function_impor
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.name)
 def test_no_module_imports_itself_in_a_circle(package: Path) -> None:
     graph = import_graph(package)
-    assert f"{package.name}.tensor_wire" in graph or "app.weights.service" in graph
+    assert f"{package.name}.tensor_wire" in graph or "app.updates.service" in graph
     found = cycles(graph)
     report = "\n".join(" -> ".join(loop_through(graph, group)) for group in found)
     assert not found, f"import cycles among {package.name} modules:\n{report}"
+
+
+# The layers of the weight code, lowest first: the weights core (checkpoint layouts, adapters,
+# staging, the transfer engine and its transports) imports no engine; the engines import no
+# update control; the update control (`app.updates`) drives both.
+LAYERS = [
+    ("app.weights", ("app.engine", "app.updates", "app.deploy", "app.dialects")),
+    ("app.engine", ("app.updates", "app.deploy", "app.dialects", "app.adapters")),
+]
+
+
+@pytest.mark.parametrize(("lower", "upper"), LAYERS, ids=[lower for lower, _ in LAYERS])
+def test_the_weights_core_and_the_engines_import_nothing_above_them(
+    lower: str, upper: tuple[str, ...]
+) -> None:
+    graph = import_graph(ROOT / "app")
+    assert f"{lower}.staging" in graph or f"{lower}.registry" in graph
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if name == lower or name.startswith(f"{lower}.")
+        for target in targets
+        if target.startswith(upper)
+    )
+    assert not upward, f"{lower} imports modules above it:\n" + "\n".join(upward)

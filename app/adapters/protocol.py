@@ -6,8 +6,8 @@ from pydantic import Field
 
 from app.common.protocol import AdapterName, WireModel
 from app.engine.adapter_gate import AdapterGateState
-from app.engine.lora import LoraAdapter
-from app.weights.protocol import PauseMode
+from app.updates.protocol import PauseMode
+from app.weights.lora import LoraAdapter
 
 
 class LoadAdapterRequest(WireModel):

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from app.deploy.replica import Refusal
 from app.engine.gate import GateState
-from app.weights.protocol import TransferState
+from app.updates.protocol import TransferState
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from app.weights.protocol import PauseMode
+from app.updates.protocol import PauseMode
 from app.weights.shipment import Chunk, Held, Shipment, ShippedFile, ship_bytes
 
 

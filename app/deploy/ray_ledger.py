@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from app.deploy.ledger import LedgerState, LocalLedger
-from app.weights.protocol import PauseMode
+from app.updates.protocol import PauseMode
 from app.weights.shipment import Shipment
 
 PREFIX = "rlserve-ledger"

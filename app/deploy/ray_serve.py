@@ -32,7 +32,7 @@ from app.deploy.ray_replicas import RayReplicas
 from app.deploy.replica import ReplicaEndpoint
 from app.deploy.replicated import ReplicatedWeights
 from app.main import create_app
-from app.weights.local import LocalWeights
+from app.updates.local import LocalWeights
 
 DEPLOYMENT = "rlserve"
 _SHAPE = (

@@ -1,6 +1,6 @@
 """One replica's side of the steps `app.deploy.replicated` takes over every replica: each is a
 method of `ReplicaEndpoint` taking and answering typed, picklable values, and running this
-replica's own local step (`app.weights.local.LocalWeights`). A failure is answered as a
+replica's own local step (`app.updates.local.LocalWeights`). A failure is answered as a
 `Refusal`, so it crosses process boundaries with its kind, message and field intact."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, ParamSpec, TypeVar
 from app.common import failures
 from app.common.failures import Conflict, Failure, PeerFailed
 from app.engine.gate import GateState
-from app.weights.local import LocalWeights
-from app.weights.protocol import (
+from app.updates.local import LocalWeights
+from app.updates.protocol import (
     PauseMode,
     TransferFinish,
     TransferInit,

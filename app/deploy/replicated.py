@@ -30,9 +30,8 @@ from app.deploy.ledger import Ledger
 from app.deploy.replica import Commit, Committed, Ranks, Refusal, ReplicaEndpoint, Stage
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
-from app.engine.lora import LoraAdapter
-from app.weights.local import LocalWeights
-from app.weights.protocol import (
+from app.updates.local import LocalWeights
+from app.updates.protocol import (
     LoadWeightsRequest,
     PauseMode,
     RestoreWeightsRequest,
@@ -44,8 +43,9 @@ from app.weights.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
+from app.updates.transfer import AdapterPush
+from app.weights.lora import LoraAdapter
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
-from app.weights.transfer import AdapterPush
 
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -73,7 +73,7 @@ class Replicas(Protocol):
 
 
 class ReplicatedWeights:
-    """`app.weights.control.WeightsControl` over every replica, `local` being this one's."""
+    """`app.updates.control.WeightsControl` over every replica, `local` being this one's."""
 
     def __init__(
         self, local: LocalWeights, replicas: Replicas, wait_s: float, chunk_bytes: int = CHUNK_BYTES

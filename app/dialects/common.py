@@ -12,7 +12,7 @@ from app.common.inputs import Prepared
 from app.engine.registry import ModelRegistry
 from app.engine.types import SamplingConfig, ScoreSpec
 from app.generation.service import GenerationService, Sampled
-from app.weights.control import WeightsControl
+from app.updates.control import WeightsControl
 
 
 @dataclass(frozen=True)

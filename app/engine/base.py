@@ -14,7 +14,7 @@ from app.weights.checkpoint import Layout
 if TYPE_CHECKING:
     import torch
 
-    from app.engine.lora import LoraAdapter
+    from app.weights.lora import LoraAdapter
     from app.weights.transfer_engine import WeightTransfer
 
 

@@ -14,9 +14,10 @@ import torch
 
 from app.engine.distribution import assemble, position_scores
 from app.engine.freeze import ModelThreadControl
-from app.engine.lora import LoraAdapter, LoraHooks
+from app.engine.lora import LoraHooks
 from app.engine.sampling import RowSampler
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
+from app.weights.lora import LoraAdapter
 
 
 def _padded(

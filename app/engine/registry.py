@@ -21,8 +21,8 @@ from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_model, resolve_source
-from app.engine.lora import LoraAdapter
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
+from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import CONFIG, CONFIG_METADATA, read_folder, read_upload
 
 if TYPE_CHECKING:

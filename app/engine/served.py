@@ -13,8 +13,8 @@ from app.batching import BackendCallError, Batcher, BatchingConfig
 from app.common.inputs import InputPreparer
 from app.engine.adapter_gate import AdapterGate
 from app.engine.base import Backend, Capabilities, ScoreItem
-from app.engine.lora import LoraAdapter
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
+from app.weights.lora import LoraAdapter
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")

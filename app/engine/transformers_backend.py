@@ -16,10 +16,11 @@ import torch
 from app.engine import hf_decode
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.freeze import ModelThreadControl
-from app.engine.lora import LoraAdapter, LoraHooks
+from app.engine.lora import LoraHooks
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import adapter_from
 from app.weights.staging import adopt
 from app.weights.transfer_engine import InProcessTransfer, WeightTransfer

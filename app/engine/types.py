@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from app.engine.lora import LoraAdapter
+    from app.weights.lora import LoraAdapter
 
 FinishReason = Literal["stop", "length", "abort"]
 

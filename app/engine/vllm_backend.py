@@ -24,7 +24,6 @@ from app.common.failures import Conflict, InvalidInput, Unsupported, invalid
 from app.engine.abandon import unless_abandoned, unless_set
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import assemble, position_scores
-from app.engine.lora import LoraAdapter
 from app.engine.types import (
     GenerateItem,
     Generation,
@@ -36,6 +35,7 @@ from app.engine.types import (
     VersionSpan,
 )
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
+from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import CONFIG, WEIGHTS, parse_adapter
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer, rendezvous_listening

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from app.common.failures import NotFound, Unsupported, invalid
-from app.engine.lora import LoraAdapter, LoraModule
+from app.weights.lora import LoraAdapter, LoraModule
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

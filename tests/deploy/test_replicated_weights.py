@@ -17,22 +17,24 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from app.common.failures import Conflict, InvalidInput, PeerFailed, TimedOut
+from app.common.caller import UNKEYED
+from app.common.failures import Conflict, InvalidInput, PeerFailed, TimedOut, Unsupported
 from app.config import Settings
 from app.deploy.ledger import LocalLedger
 from app.deploy.replica import Refusal, ReplicaEndpoint
 from app.deploy.replicated import ReplicatedWeights
 from app.engine.base import Capabilities
 from app.engine.registry import ModelRegistry
-from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
-from app.weights.local import LocalWeights
-from app.weights.protocol import (
+from app.updates.local import LocalWeights
+from app.updates.protocol import (
     LoadWeightsRequest,
     TransferFinish,
     TransferInit,
     TransferUpdate,
     UpdateOptions,
 )
+from app.updates.transfer import AdapterPush
+from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
 from app.weights.shipment import Held
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer
@@ -73,7 +75,7 @@ class FakeTransfer(WeightTransfer):
     async def init(self, setup: TransferSetup) -> None:
         self.trainer.group[self.replica] = self
 
-    async def start(self) -> None:
+    async def start(self, *, adapter: bool = False) -> None:
         self.arrived, self.staged = asyncio.Event(), {}
 
     async def update(self, plan: TransferPlan) -> None:
@@ -380,6 +382,22 @@ async def test_a_collective_transfer_reaches_every_replica(cluster: Cluster) -> 
     cluster.assert_serving(sent)
     split = await control.transfer_state("policy")
     assert split.state == "idle" and "1 idle, 2 joined" in (split.last_error or "")
+
+
+async def test_adapters_are_refused_across_replicas_naming_the_field(cluster: Cluster) -> None:
+    """Adapters are served by a single server for now: every adapter call is a refusal that
+    names its field, over the transfer too, and leaves every replica as it was."""
+    control = cluster.controls[0]
+    await control.transfer_init(init())
+    pushed = AdapterPush("a", {"r": 4, "lora_alpha": 8, "target_modules": ["proj"]}, UNKEYED)
+    with pytest.raises(Unsupported) as refused:
+        await control.transfer_start("policy", pushed)
+    assert refused.value.param == "adapter"
+    with pytest.raises(Unsupported) as refused:
+        await control.load_adapter("a", "/nowhere", "path", caller=UNKEYED)
+    assert refused.value.param == "path"
+    assert (await control.transfer_state("policy")).state == "joined"
+    assert cluster.versions() == [0, 0, 0]
 
 
 async def test_a_replica_that_never_receives_the_update_drops_it_everywhere(

@@ -198,7 +198,7 @@ async def test_a_replica_finishes_in_two_phases_and_hands_over_what_it_received(
     version chosen for all replicas."""
     from safetensors.torch import load
 
-    from app.weights.protocol import TransferFinish
+    from app.updates.protocol import TransferFinish
 
     transfers = served.app.state.weights.transfers
     before, current = await served.scores(SEQUENCES), await version(served)

@@ -49,7 +49,7 @@ from app.errors import (
     WEIGHTS_ERROR_RESPONSES,
 )
 from app.ops.access import Access, access
-from app.weights.protocol import LoadWeightsRequest, TransferInit
+from app.updates.protocol import LoadWeightsRequest, TransferInit
 
 router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)

@@ -30,8 +30,8 @@ from app.engine.registry import ModelRegistry
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.openai_compat.streaming import final_text
-from app.weights.control import WeightsControl
-from app.weights.protocol import TransferFinish, TransferUpdate, WeightsUpdated
+from app.updates.control import WeightsControl
+from app.updates.protocol import TransferFinish, TransferUpdate, WeightsUpdated
 
 Session = Literal["explicit", "paused"]
 

@@ -59,7 +59,7 @@ from app.openai_compat.protocol import (
 )
 from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
-from app.weights.protocol import (
+from app.updates.protocol import (
     LoadWeightsRequest,
     TransferFinish,
     TransferInit,

@@ -1,6 +1,6 @@
 """The weight controls the routes use: pause and resume serving, load or upload a checkpoint,
 restore the weights a model started with, and the collective transfer's steps. One server
-implements them alone (`app.weights.local.LocalWeights`); a replica of several implements
+implements them alone (`app.updates.local.LocalWeights`); a replica of several implements
 them over every replica as one (`app.deploy.replicated.ReplicatedWeights`)."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from typing import Protocol
 from app.common.caller import Caller
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
-from app.engine.lora import LoraAdapter
-from app.weights.protocol import (
+from app.updates.protocol import (
     LoadWeightsRequest,
     PauseMode,
     RestoreWeightsRequest,
@@ -24,7 +23,8 @@ from app.weights.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
-from app.weights.transfer import AdapterPush
+from app.updates.transfer import AdapterPush
+from app.weights.lora import LoraAdapter
 
 
 class WeightsControl(Protocol):

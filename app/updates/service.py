@@ -18,6 +18,9 @@ from typing import Any, TypeVar
 from app.common.failures import Conflict, Malformed, TimedOut, TooLarge
 from app.config import WeightSettings
 from app.engine.registry import ModelRegistry
+from app.updates.origin import origin_checkpoint
+from app.updates.outcome import updated
+from app.updates.protocol import LoadWeightsRequest, UpdateOptions, WeightsUpdated
 from app.weights.checkpoint import (
     check_finite,
     check_layout,
@@ -25,9 +28,6 @@ from app.weights.checkpoint import (
     read_layout,
     snapshot,
 )
-from app.weights.origin import origin_checkpoint
-from app.weights.outcome import updated
-from app.weights.protocol import LoadWeightsRequest, UpdateOptions, WeightsUpdated
 from app.weights.shipment import CHUNK_BYTES, Put, Shipment, ship
 
 T = TypeVar("T")

@@ -36,15 +36,15 @@ from app.common.failures import (
     invalid,
 )
 from app.engine.registry import ModelRegistry
-from app.weights.checkpoint import check_layout
-from app.weights.outcome import updated
-from app.weights.protocol import (
+from app.updates.outcome import updated
+from app.updates.protocol import (
     TransferFinish,
     TransferInit,
     TransferState,
     TransferUpdate,
     WeightsUpdated,
 )
+from app.weights.checkpoint import check_layout
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer
 from app.weights.transport import Transport

@@ -1,5 +1,5 @@
 """The weight controls of one server: its serving gate, its checkpoint updates
-(`app.weights.service`) and its collective transfers (`app.weights.transfer`)."""
+(`app.updates.service`) and its collective transfers (`app.updates.transfer`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from app.common.caller import Caller
 from app.config import WeightSettings
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
-from app.engine.lora import LoraAdapter
 from app.engine.registry import ModelRegistry
-from app.weights.protocol import (
+from app.updates.protocol import (
     LoadWeightsRequest,
     PauseMode,
     RestoreWeightsRequest,
@@ -25,12 +24,13 @@ from app.weights.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
-from app.weights.service import WeightsService
-from app.weights.transfer import AdapterPush, TransferService
+from app.updates.service import WeightsService
+from app.updates.transfer import AdapterPush, TransferService
+from app.weights.lora import LoraAdapter
 
 
 class LocalWeights:
-    """`app.weights.control.WeightsControl` on this server alone."""
+    """`app.updates.control.WeightsControl` on this server alone."""
 
     def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
         self.registry = registry

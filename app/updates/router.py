@@ -14,7 +14,7 @@ from app.errors import (
     ErrorResponse,
 )
 from app.ops.access import Access, Body, access
-from app.weights.protocol import (
+from app.updates.protocol import (
     LoadWeightsRequest,
     PauseMode,
     PauseRequest,
@@ -30,7 +30,7 @@ from app.weights.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
-from app.weights.transfer import AdapterPush
+from app.updates.transfer import AdapterPush
 
 router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
 transfer_router = APIRouter(

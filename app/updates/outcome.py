@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Mapping
 
-from app.weights.protocol import WeightsUpdated
+from app.updates.protocol import WeightsUpdated
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from app.updates.protocol import PauseMode
+from app.updates.session import UpdateSession
 from app.weights.shipment import Chunk, Held, Shipment, ShippedFile, ship_bytes
 
 
@@ -49,6 +50,11 @@ class Ledger(Protocol):
 
     async def state(self) -> LedgerState: ...
 
+    async def session(self) -> UpdateSession:
+        """The dialect update session open over the deployment (`app.updates.session`)."""
+
+    async def record_session(self, session: UpdateSession) -> None: ...
+
     async def tidy(self) -> int:
         """Remove what earlier deployments of this application left; how many."""
 
@@ -62,6 +68,7 @@ class LocalLedger:
         self.latest: dict[str, Recorded] = {}
         self.leases: dict[str, tuple[str, float]] = {}  # model: (update id, expiry)
         self.paused: PauseMode | None = None
+        self.update_session = UpdateSession()
 
     async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         now = time.monotonic()
@@ -106,6 +113,12 @@ class LocalLedger:
 
     async def state(self) -> LedgerState:
         return LedgerState(dict(self.latest), self.paused)
+
+    async def session(self) -> UpdateSession:
+        return self.update_session
+
+    async def record_session(self, session: UpdateSession) -> None:
+        self.update_session = session
 
     async def tidy(self) -> int:
         return 0

@@ -15,6 +15,7 @@ import ray
 
 from app.deploy.ledger import LedgerState, LocalLedger
 from app.updates.protocol import PauseMode
+from app.updates.session import UpdateSession
 from app.weights.shipment import Shipment
 
 PREFIX = "rlserve-ledger"
@@ -57,6 +58,12 @@ class WeightLedger:
     async def state(self) -> LedgerState:
         return await self.book.state()
 
+    async def session(self) -> UpdateSession:
+        return await self.book.session()
+
+    async def record_session(self, session: UpdateSession) -> None:
+        await self.book.record_session(session)
+
 
 class RayLedger:
     """`app.deploy.ledger.Ledger` over this deployment generation's actor (created by the
@@ -88,6 +95,13 @@ class RayLedger:
     async def state(self) -> LedgerState:
         state: LedgerState = await self._actor().state.remote()
         return state
+
+    async def session(self) -> UpdateSession:
+        session: UpdateSession = await self._actor().session.remote()
+        return session
+
+    async def record_session(self, session: UpdateSession) -> None:
+        await self._actor().record_session.remote(session)
 
     async def tidy(self) -> int:
         return await asyncio.to_thread(self._remove_earlier)

@@ -43,6 +43,7 @@ from app.updates.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
+from app.updates.session import UpdateSession
 from app.updates.transfer import AdapterPush
 from app.weights.lora import LoraAdapter
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
@@ -338,6 +339,13 @@ class ReplicatedWeights:
     async def transfer_close(self, model: str) -> TransferState:
         states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)
         return combined(model, states)
+
+    async def session(self) -> UpdateSession:
+        """The ledger's record: whichever replica the trainer's next call reaches reads it."""
+        return await self.replicas.ledger.session()
+
+    async def record_session(self, session: UpdateSession) -> None:
+        await self.replicas.ledger.record_session(session)
 
 
 def _no_adapters(param: str) -> Unsupported:

@@ -47,7 +47,7 @@ for path, endpoint, summary in (
     openapi_extra=ADMIN,
 )
 async def set_meta(body: UpdateWeightsFromDistributed, session: SGLangWeightsDep) -> Success:
-    session.announce(body)
+    await session.announce(body)
     return Success(message="Weight meta set")
 
 

@@ -23,6 +23,7 @@ from app.updates.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
+from app.updates.session import UpdateSession
 from app.updates.transfer import AdapterPush
 from app.weights.lora import LoraAdapter
 
@@ -97,3 +98,9 @@ class WeightsControl(Protocol):
     async def transfer_abort(self, model: str) -> TransferState: ...
 
     async def transfer_close(self, model: str) -> TransferState: ...
+
+    async def session(self) -> UpdateSession:
+        """The update session a dialect's trainer has open (`app.updates.session`): the same
+        record on every replica of a deployment."""
+
+    async def record_session(self, session: UpdateSession) -> None: ...

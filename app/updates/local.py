@@ -25,6 +25,7 @@ from app.updates.protocol import (
     WeightsVersion,
 )
 from app.updates.service import WeightsService
+from app.updates.session import UpdateSession
 from app.updates.transfer import AdapterPush, TransferService
 from app.weights.lora import LoraAdapter
 
@@ -36,6 +37,7 @@ class LocalWeights:
         self.registry = registry
         self.files = WeightsService(registry, settings, data_dir)
         self.transfers = TransferService(registry)
+        self._session = UpdateSession()
 
     async def open(self) -> None:
         await asyncio.to_thread(self.files.clean_uploads)
@@ -113,3 +115,9 @@ class LocalWeights:
 
     async def transfer_close(self, model: str) -> TransferState:
         return await self.transfers.close(model)
+
+    async def session(self) -> UpdateSession:
+        return self._session
+
+    async def record_session(self, session: UpdateSession) -> None:
+        self._session = session

@@ -23,6 +23,8 @@ from app.config import Settings
 from app.deploy.ledger import LocalLedger
 from app.deploy.replica import Refusal, ReplicaEndpoint
 from app.deploy.replicated import ReplicatedWeights
+from app.dialects.sglang.protocol import UpdateWeightsFromDistributed
+from app.dialects.sglang.service import SGLangWeights
 from app.engine.base import Capabilities
 from app.engine.registry import ModelRegistry
 from app.updates.local import LocalWeights
@@ -382,6 +384,49 @@ async def test_a_collective_transfer_reaches_every_replica(cluster: Cluster) -> 
     cluster.assert_serving(sent)
     split = await control.transfer_state("policy")
     assert split.state == "idle" and "1 idle, 2 joined" in (split.last_error or "")
+
+
+def bucket(version: str | None = None) -> UpdateWeightsFromDistributed:
+    return UpdateWeightsFromDistributed(
+        names=list(BASE),
+        dtypes=["float32"] * len(BASE),
+        shapes=[list(t.shape) for t in BASE.values()],
+        weight_version=version,
+    )
+
+
+async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Cluster) -> None:
+    """SGLang's begin, its bucket and its end each reach another replica, as a deployment's
+    router may send them: one update, committed once at the end, on every replica. AReaL's
+    meta, sent to one replica, names the tensors another one receives."""
+    dialects = [
+        SGLangWeights(replica.weights.registry, control)
+        for replica, control in zip(cluster.replicas, cluster.controls, strict=True)
+    ]
+    await cluster.controls[0].transfer_init(init())
+    await dialects[0].begin()
+    assert await dialects[1].update(bucket("7")) is None
+    sent = scaled(3.0)
+    cluster.trainer.send(sent)
+    assert cluster.versions() == [0, 0, 0]
+    with pytest.raises(Conflict, match="already open"):
+        await dialects[1].begin()
+    updated = await dialects[2].end()
+    assert updated.policy_version == 7 and cluster.versions() == [7, 7, 7]
+    cluster.assert_serving(sent)
+    with pytest.raises(Conflict, match="no weight-update session is open"):
+        await dialects[0].end()
+
+    await dialects[0].announce(bucket())
+    receiving = asyncio.create_task(dialects[2].update_announced())
+    while (await cluster.controls[1].transfer_state("policy")).state != "updating":
+        await asyncio.sleep(0.01)
+    again = scaled(5.0)
+    cluster.trainer.send(again)
+    assert (await receiving).policy_version == 8 and cluster.versions() == [8, 8, 8]
+    cluster.assert_serving(again)
+    with pytest.raises(Conflict, match="no tensors were announced"):
+        await dialects[1].update_announced()
 
 
 async def test_adapters_are_refused_across_replicas_naming_the_field(cluster: Cluster) -> None:

@@ -13,7 +13,8 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from app.common.constraints import sampling_constraints
 from app.common.failures import Conflict, invalid
@@ -32,84 +33,109 @@ from app.generation.service import GenerationService, Sampled
 from app.openai_compat.streaming import final_text
 from app.updates.control import WeightsControl
 from app.updates.protocol import TransferFinish, TransferUpdate, WeightsUpdated
-
-Session = Literal["explicit", "paused"]
+from app.updates.session import Bucket, UpdateSession
 
 
 class SGLangWeights:
-    """The update session of this server's SGLang-speaking trainer."""
+    """SGLang's weight-update flow over `WeightsControl`. Its session lives in the control
+    (`app.updates.session`), not here: on a deployment of several replicas, a begin, its
+    buckets and its end may each reach another replica."""
 
     def __init__(self, registry: ModelRegistry, weights: WeightsControl) -> None:
         self.registry = registry
         self.weights = weights
-        self.session: Session | None = None
-        self.version: int | None = None
-        self.announced: UpdateWeightsFromDistributed | None = None
         self._lock = asyncio.Lock()
 
     async def begin(self) -> None:
         async with self._lock:
-            if self.session == "explicit":
+            session = await self.weights.session()
+            if session.kind == "explicit":
                 raise Conflict("a weight-update session is already open; end it first")
-            if self.session is None:
+            if session.kind is None:
                 await self.weights.transfer_start("policy")
-            self.session, self.version = "explicit", None
+            await self.weights.record_session(UpdateSession("explicit"))
 
     async def end(self) -> WeightsUpdated:
         async with self._lock:
-            if self.session != "explicit":
+            session = await self.weights.session()
+            if session.kind != "explicit":
                 raise Conflict("no weight-update session is open; begin one first")
-            return await self._commit()
+            return await self._commit(session)
 
     async def continue_generation(self) -> None:
         async with self._lock:
-            if self.session == "paused":
-                await self._commit()
+            session = await self.weights.session()
+            if session.kind == "paused":
+                await self._commit(session)
             await self.weights.resume()
 
     async def update(self, request: UpdateWeightsFromDistributed) -> WeightsUpdated | None:
         """Stage one bucket; commit it too when no session holds it (then the new state)."""
-        if len(request.dtypes) != len(request.names):
-            raise invalid("dtypes", f"{len(request.dtypes)} entries for {len(request.names)} names")
-        version = version_number(request.weight_version, "weight_version")
-        buckets = [len(request.names)] if request.load_format == "flattened_bucket" else None
+        return await self.receive(_bucket(request))
+
+    async def receive(self, bucket: Bucket) -> WeightsUpdated | None:
+        buckets = [len(bucket.names)] if bucket.flattened else None
         announce = TransferUpdate(
-            names=request.names, dtype_names=request.dtypes, shapes=request.shapes, buckets=buckets
+            names=list(bucket.names),
+            dtype_names=list(bucket.dtypes),
+            shapes=[list(shape) for shape in bucket.shapes],
+            buckets=buckets,
         )
         async with self._lock:
-            if request.abort_all_requests and not self.registry.gate.state().paused:
+            if bucket.abort_all and not self.registry.gate.state().paused:
                 await abort_all(self.registry, self.weights)
-            if self.session is None and self.registry.gate.state().paused:
+            session = await self.weights.session()
+            if session.kind is None and self.registry.gate.state().paused:
                 await self.weights.transfer_start("policy")
-                self.session, self.version = "paused", None
-            if self.session is not None:
+                session = UpdateSession("paused")
+                await self.weights.record_session(session)
+            if session.kind is not None:
                 await self.weights.transfer_update(announce)
-                self.version = version if version is not None else self.version
+                if bucket.version is not None:
+                    await self.weights.record_session(replace(session, version=bucket.version))
                 return None
             await self.weights.transfer_start("policy")
             await self.weights.transfer_update(announce)
-            return await self.weights.transfer_finish(TransferFinish(version=version))
+            return await self.weights.transfer_finish(TransferFinish(version=bucket.version))
 
-    def announce(self, request: UpdateWeightsFromDistributed) -> None:
+    async def announce(self, request: UpdateWeightsFromDistributed) -> None:
         """Remember the tensors of the next `update_announced` (AReaL's vLLM server takes
         them in a call of their own, before the one that receives them)."""
-        self.announced = request
+        bucket = _bucket(request)
+        async with self._lock:
+            session = await self.weights.session()
+            await self.weights.record_session(replace(session, announced=bucket))
 
     async def update_announced(self) -> WeightsUpdated | None:
         """`update` with the tensors `announce` named (409 when none were)."""
-        request, self.announced = self.announced, None
-        if request is None:
-            raise Conflict("no tensors were announced; set the update's meta first")
-        return await self.update(request)
+        async with self._lock:
+            session = await self.weights.session()
+            if session.announced is None:
+                raise Conflict("no tensors were announced; set the update's meta first")
+            await self.weights.record_session(replace(session, announced=None))
+        return await self.receive(session.announced)
 
-    async def _commit(self) -> WeightsUpdated:
-        version, self.session, self.version = self.version, None, None
-        return await self.weights.transfer_finish(TransferFinish(version=version))
+    async def _commit(self, session: UpdateSession) -> WeightsUpdated:
+        await self.weights.record_session(replace(session, kind=None, version=None))
+        return await self.weights.transfer_finish(TransferFinish(version=session.version))
 
     async def reset(self) -> None:
         """The group was closed: an open session has nothing left to commit."""
         async with self._lock:
-            self.session = self.version = None
+            await self.weights.record_session(UpdateSession())
+
+
+def _bucket(request: UpdateWeightsFromDistributed) -> Bucket:
+    if len(request.dtypes) != len(request.names):
+        raise invalid("dtypes", f"{len(request.dtypes)} entries for {len(request.names)} names")
+    return Bucket(
+        names=tuple(request.names),
+        dtypes=tuple(request.dtypes),
+        shapes=tuple(tuple(shape) for shape in request.shapes),
+        flattened=request.load_format == "flattened_bucket",
+        version=version_number(request.weight_version, "weight_version"),
+        abort_all=request.abort_all_requests,
+    )
 
 
 async def generate(

@@ -1,6 +1,7 @@
 """Weight sync to one server and to 2 replicas on Ray Serve: a path load and a collective
 transfer (gloo) of the whole policy, each a few times; sessions of the replicas in a
-redis-server; transformers backend, this CPU.
+redis-server; transformers backend, this CPU. On the one server also a LoRA adapter's push
+(rank 16 on every linear layer), by upload and over the transfer, each a new version of it.
 
     python bench/weight_sync.py          # 512-wide 6-layer built-in model
     python bench/weight_sync.py --quick  # smoke run
@@ -65,6 +66,45 @@ def updates(url: str, model_dir: Path, repeats: int) -> dict[str, Any]:
     return out
 
 
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def adapter_pushes(url: str, model_dir: Path, repeats: int) -> dict[str, Any]:
+    """A trainer's push of its adapter each step: by upload (`client.push_adapter`, the file
+    made from the PEFT model each time) and over the transfer (`sync.send_adapter`)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from rlserve_client import Client
+    from rlserve_client.lora import adapter_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False)
+    adapter = get_peft_model(base, config)
+    tensors = get_peft_model_state_dict(adapter)
+    out: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    with Client(base_url=url, max_retries=0, timeout=600) as client:
+        timed: dict[str, list[tuple[float, int]]] = {"upload": [], "transfer": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pushed = client.push_adapter(name="bench", payload=adapter_file(adapter))
+            timed["upload"].append((time.perf_counter() - start, pushed.version))
+        with client.weight_transfer(master_address="127.0.0.1", timeout_s=300) as sync:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                sent = sync.send_adapter(adapter, "bench")
+                took = time.perf_counter() - start
+                timed["transfer"].append((took, sent.adapter_version or 0))
+    for kind, runs in timed.items():
+        out[kind] = {
+            "runs": len(runs),
+            "median_ms": round(statistics.median(r[0] for r in runs) * 1000, 1),
+            "versions": [r[1] for r in runs],
+        }
+    return out
+
+
 def main() -> None:
     parser = bench_arguments(__doc__)
     args = parser.parse_args()
@@ -79,6 +119,8 @@ def main() -> None:
     ) as plain:
         results["plain"] = updates(plain.url, model_dir, repeats)
         print("plain", results["plain"], flush=True)
+        results["plain_adapter"] = adapter_pushes(plain.url, model_dir, repeats)
+        print("plain, an adapter", results["plain_adapter"], flush=True)
     with running_redis(args.output / ".data") as redis_url:
         port = free_port()
         command = [sys.executable, "-m", "app.cli", "serve", "--replicas", "2"]

@@ -12,13 +12,17 @@ if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then extras
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_VLLM:-0}" = "1" ]; then extras+=(vllm); fi
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TRAINERS:-0}" = "1" ]; then extras+=(trainers); fi
 # Their venvs build in the background, side by side with each other and the checks below
-# (one pip uses one core), and are waited for before the tests start.
+# (one pip uses one core); each suite waits for its own venv only, so the main suite starts
+# as soon as the checks pass (the slowest venv takes minutes longer).
 setups=$(mktemp -d)
 # (On exit: a build still running is stopped. `set -e` holds in the trap too, hence || true.)
 trap 'jobs -p | xargs -r kill 2>/dev/null || true; rm -rf "$setups"' EXIT
 for name in "${extras[@]}"; do
-  "./scripts/setup-$name.sh" > "$setups/$name.log" 2>&1 &
-  echo $! > "$setups/$name.pid"
+  (
+    status=0
+    "./scripts/setup-$name.sh" > "$setups/$name.log" 2>&1 || status=$?
+    echo "$status" > "$setups/$name.rc"
+  ) &
 done
 # The Docker smoke test (tests/docker/test_smoke.py) needs an engine and Compose v2: CI
 # installs them from Debian (the test skips, saying why, where they are missing).
@@ -41,14 +45,6 @@ if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_DOCKER:-0}" = "1" ]; then
 fi
 ./scripts/lint.sh
 ./scripts/check-docker.sh
-for name in "${extras[@]}"; do
-  if ! wait "$(cat "$setups/$name.pid")"; then
-    echo "setting up the $name venv failed:" >&2
-    cat "$setups/$name.log" >&2
-    exit 1
-  fi
-  cat "$setups/$name.log"
-done
 # The extra suites run one after another beside the main one: the main suite keeps about
 # three quarters of one core busy (much of it waits on servers it started), so the second core
 # takes them. Their output follows the main suite's; every suite runs whatever the others do.
@@ -70,6 +66,13 @@ if [ "${#extras[@]}" -gt 0 ]; then
     fi
     for name in "${extras[@]}"; do
       echo "=== $name suite ==="
+      while [ ! -f "$setups/$name.rc" ]; do sleep 5; done
+      cat "$setups/$name.log"
+      if [ "$(cat "$setups/$name.rc")" != 0 ]; then
+        echo "setting up the $name venv failed"
+        status=1
+        continue
+      fi
       "./scripts/test-$name.sh" || status=1
     done
     exit "$status"

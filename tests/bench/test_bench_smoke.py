@@ -111,6 +111,12 @@ def test_weight_sync_benchmark_quick(tmp_path):
             figures = report["results"][setup][kind]
             assert figures["runs"] == 2 and figures["median_s"] > 0
             assert figures["versions"] == sorted(set(figures["versions"]))  # one per update
+    adapter = report["results"]["plain_adapter"]
+    assert adapter["upload"]["versions"] == [0, 1] and adapter["transfer"]["versions"] == [2, 3]
+    assert (
+        adapter["transfer"]["median_ms"] > 0
+        and 0 < adapter["bytes"] < report["results"]["plain"]["bytes"]
+    )
 
 
 def test_datasets_benchmark_quick(tmp_path):

@@ -320,9 +320,9 @@ class ModelRegistry:
         first: str,
         name_param: str = "name",
     ) -> LoraAdapter:
-        """`tensors` (PEFT's names) as adapter `name`'s next version (`push_adapter`); `first`
-        says how a push serves a new adapter, when this one cannot."""
-        self.check_adapter_push(name, caller, name_param=name_param, param=param)
+        """`tensors` (PEFT's names) as adapter `name`'s next version (`push_adapter`), once
+        `check_adapter_push` passed (the owner is checked again as it is served); `first` says
+        how a push serves a new adapter, when this one cannot."""
         current = self.adapters.get(name)
         if current is None and config is None:
             raise NotFound(

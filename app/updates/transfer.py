@@ -277,20 +277,15 @@ class TransferService:
         await engine.abort()  # (drops the staged tensors: the adapter holds its own)
         link.updating, link.adapter = False, None
         plans, link.announced = link.announced, []
-        versions = self.registry.versions
-        logger.info(
-            "received adapter '%s' version %d over the transfer", served.name, served.version
-        )
-        return WeightsUpdated(
-            model="policy",
-            policy_version=versions["policy"],
-            reference_version=versions["reference"],
-            num_tensors=sum(len(p.tensors) for p in plans),
-            num_bytes=sum(p.nbytes for p in plans),
-            seconds=0.0,
-            total_seconds=time.perf_counter() - link.started_at,
-            adapter=served.name,
-            adapter_version=served.version,
+        return updated(
+            self.registry.versions,
+            "policy",
+            self.registry.versions["policy"],
+            sum(len(p.tensors) for p in plans),
+            sum(p.nbytes for p in plans),
+            0.0,
+            link.started_at,
+            adapter=served,
         )
 
     async def received(self, model: str) -> int:

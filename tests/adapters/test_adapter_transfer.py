@@ -8,34 +8,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict
 from rlserve_client import (
     Client,
     ConflictError,
     NotFoundError,
     UnprocessableEntityError,
 )
-from transformers import AutoModelForCausalLM
 
 from app.config import Settings
+from tests.adapters.models import peft_model
 from tests.conftest import forward_log_probs, served_app
-from tests.weights.conftest import LoopTransport
+from tests.weights.conftest import loop_client
 
 SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2]]
 ATTENTION = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-
-
-def peft_model(model_dir: Path, seed: int, **options: Any) -> PeftModel:
-    """A PEFT adapter with random (non-zero) A and B, as a trained one would have."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    torch.manual_seed(seed)
-    return get_peft_model(base, LoraConfig(**options, init_lora_weights=False)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +39,7 @@ async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
 
 def trainer(client: httpx.AsyncClient) -> Client:
     """The synchronous client a trainer thread uses (the app answers on the test's loop)."""
-    transport = LoopTransport(client.app, asyncio.get_running_loop())  # type: ignore[attr-defined]
-    return Client(base_url="http://rlserve", transport=transport, max_retries=0)
+    return loop_client(client.app, asyncio.get_running_loop())  # type: ignore[attr-defined]
 
 
 async def log_probs(client: httpx.AsyncClient, model: str) -> list[list[float]]:

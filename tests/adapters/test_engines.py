@@ -18,18 +18,15 @@ import httpx
 import pytest
 import torch
 from peft import (
-    LoraConfig,
-    PeftModel,
-    get_peft_model,
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
-from rlserve_client import Client
 from rlserve_client.lora import adapter_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from app.config import Settings
 from app.engine.builtin_model import HEAD_DIM
+from tests.adapters.models import peft_model
 from tests.conftest import (
     assert_close,
     backend_settings,
@@ -37,7 +34,7 @@ from tests.conftest import (
     served_app,
     vllm_installed,
 )
-from tests.weights.conftest import LoopTransport
+from tests.weights.conftest import loop_client
 
 SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2], [17, 30, 41, 52, 63, 74, 85, 96]]
 PROMPT = [3, 14, 15, 92, 65]
@@ -54,12 +51,6 @@ async def test_an_engine_without_adapters_refuses_them_by_name(client, backend_n
         assert response.status_code == 404 and "adapter_config.json" in error["message"]
     models = await client.post("/v1/logprobs", json={"model": "a", "tokens": [[1, 2, 3]]})
     assert models.status_code == 422 and models.json()["error"]["param"] == "model"
-
-
-def peft_on(base_dir: Path, seed: int, **options: Any) -> PeftModel:
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    torch.manual_seed(seed)
-    return get_peft_model(base, LoraConfig(**options, init_lora_weights=False)).eval()
 
 
 ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}
@@ -134,7 +125,7 @@ def assert_peft(served: list[list[float]], model: torch.nn.Module) -> None:
 async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     client = lora_client
     model_dir, other_dir = llama
-    attention, mlp = peft_on(model_dir, 1, **ATTENTION), peft_on(model_dir, 2, **MLP)
+    attention, mlp = peft_model(model_dir, 1, **ATTENTION), peft_model(model_dir, 2, **MLP)
     for name, model in (("attention", attention), ("mlp", mlp)):
         pushed = await client.put(f"/v1/adapters/{name}", content=adapter_file(model))
         assert pushed.status_code == 200, pushed.text
@@ -189,7 +180,7 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     backend = client.app.state.registry.get("policy").backend  # type: ignore[attr-defined]
     folders = sorted((backend._adapter_dir).iterdir())
     assert len(folders) == 2
-    trained = peft_on(model_dir, 3, **ATTENTION)
+    trained = peft_model(model_dir, 3, **ATTENTION)
     pushed = await client.put("/v1/adapters/attention", content=adapter_file(trained))
     assert pushed.json()["version"] == 1
     assert_peft(await log_probs(client, "attention"), trained)
@@ -199,7 +190,7 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     # too large a rank is refused naming the setting
     big = {**ATTENTION, "r": 16}
     refused = await client.put(
-        "/v1/adapters/big", content=adapter_file(peft_on(model_dir, 4, **big))
+        "/v1/adapters/big", content=adapter_file(peft_model(model_dir, 4, **big))
     )
     assert refused.status_code == 422 and refused.json()["error"]["param"] == "body"
     assert "RLSERVE_VLLM__MAX_LORA_RANK" in refused.json()["error"]["message"]
@@ -207,7 +198,7 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     # a full-weight update of the policy: the adapters now adapt the new weights
     loaded = await client.post("/v1/weights/load", json={"path": str(other_dir)})
     assert loaded.status_code == 200, loaded.text
-    other = peft_on(other_dir, 2, **MLP)
+    other = peft_model(other_dir, 2, **MLP)
     set_peft_model_state_dict(other, get_peft_model_state_dict(mlp))  # same adapter, new base
     assert_peft(await log_probs(client, "mlp"), other)
     new_base = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
@@ -226,12 +217,8 @@ async def test_vllm_serves_an_adapter_pushed_over_the_transfer(lora_client, llam
     assert loaded.status_code == 200, loaded.text
     await client.delete("/v1/adapters/mlp")  # (room in the engine's LoRA slots, if served)
     policy = await log_probs(client, "policy")
-    adapter = peft_on(model_dir, 5, **ATTENTION)
-    api = Client(
-        base_url="http://rlserve",
-        transport=LoopTransport(client.app, asyncio.get_running_loop()),  # type: ignore[attr-defined]
-        max_retries=0,
-    )
+    adapter = peft_model(model_dir, 5, **ATTENTION)
+    api = loop_client(client.app, asyncio.get_running_loop())  # type: ignore[attr-defined]
 
     def push() -> Any:
         with api.weight_transfer(timeout_s=120) as sync:

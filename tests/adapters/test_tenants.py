@@ -13,14 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict
 from rlserve_client import AsyncClient, PermissionDeniedError
 from rlserve_client.lora import adapter_file
 from safetensors.torch import save
-from transformers import AutoModelForCausalLM
 
 from app.config import Settings
+from tests.adapters.models import peft_model
 from tests.conftest import forward_log_probs, served_app
 
 TRAINER_A, TRAINER_B, ADMIN = "trainer-a-key", "trainer-b-key", "admin-key"
@@ -30,13 +29,6 @@ PROMPT = [3, 14, 15, 92, 65]
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def peft_model(model_dir: Path, seed: int, **options: Any) -> PeftModel:
-    """A PEFT adapter with random (non-zero) A and B, as a trained one would have."""
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    torch.manual_seed(seed)
-    return get_peft_model(base, LoraConfig(**options, init_lora_weights=False)).eval()
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,12 @@ class LoopTransport(httpx.BaseTransport):
         return asyncio.run_coroutine_threadsafe(send(), self.loop).result()
 
 
+def loop_client(app: FastAPI, loop: asyncio.AbstractEventLoop) -> Client:
+    """The synchronous client trainer code uses, from another thread, for the app answering
+    on `loop` (run the trainer with asyncio.to_thread)."""
+    return Client(base_url="http://rlserve", transport=LoopTransport(app, loop), max_retries=0)
+
+
 @dataclass
 class Served:
     app: FastAPI
@@ -47,9 +53,7 @@ class Served:
 
     def trainer_client(self) -> Client:
         """For trainer code, run with asyncio.to_thread (the app answers on the test loop)."""
-        return Client(
-            base_url="http://rlserve", transport=LoopTransport(self.app, self.loop), max_retries=0
-        )
+        return loop_client(self.app, self.loop)
 
     async def scores(self, sequences: list[list[int]], model: str = "policy") -> list[list[float]]:
         body = await self.http.post("/v1/logprobs", json={"tokens": sequences, "model": model})

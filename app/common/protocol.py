@@ -199,6 +199,8 @@ Temperature = Annotated[
 ]
 TopP = Annotated[float, Field(default=1.0, ge=0, le=1)]
 TopK = Annotated[int | None, Field(default=None, gt=0, le=1 << 30)]
+RoutedExperts = list[list[list[Annotated[int, Field(ge=0)]]]]
+"""A sequence's routed experts: per token, per hidden layer, the top-k expert ids."""
 RepetitionPenalty = Annotated[float, Field(default=1.0, ge=0.01, le=100)]
 MAX_SEED = (1 << 63) - 1024
 """Seeds fit in 63 bits; the bound is one a double holds exactly (FastAPI's schema models keep

@@ -13,6 +13,7 @@ from app.weights.checkpoint import Layout
 
 if TYPE_CHECKING:
     import torch
+    from rlserve_client.moe import Routing
 
     from app.weights.lora import LoraAdapter
     from app.weights.transfer_engine import WeightTransfer
@@ -41,6 +42,9 @@ class Capabilities:
     batches nothing across calls (batch-invariant mode runs each row in a call of its own)."""
     adapters: bool = False
     """Serves LoRA adapters (`Backend.build_adapter`), rows of several in one call."""
+    routed_experts: bool = False
+    """A mixture-of-experts model whose routing it records (`SamplingConfig.
+    return_routed_experts`) and replays (`ScoreSpec.routed_experts`): `Backend.routing`."""
 
 
 class Backend(ABC):
@@ -49,6 +53,9 @@ class Backend(ABC):
     info: ModelInfo
     tokenizer: Any
     capabilities: Capabilities = Capabilities()
+    routing: Routing | None = None
+    """A mixture-of-experts model's routers (their layers, top-k and experts), when the engine
+    records and replays them (`Capabilities.routed_experts`)."""
 
     @abstractmethod
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:

@@ -1,5 +1,6 @@
-"""The tiny built-in model (`builtin:tiny`): a random-weights Qwen2 LM with a byte-level ChatML
-tokenizer, for fast tests.
+"""The tiny built-in models: a random-weights Qwen2 LM (`builtin:tiny`) and a random-weights
+Qwen3-MoE LM (`builtin:tiny-moe`, for routed experts), each with a byte-level ChatML tokenizer,
+for fast tests.
 
 It is built offline and deterministically from a seed, so tests and newcomers never need a hub.
 """
@@ -7,6 +8,7 @@ It is built offline and deterministically from a seed, so tests and newcomers ne
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 # Every assistant turn sits inside {% generation %} tags, so that
 # `return_assistant_tokens_mask=True` marks the assistant content and its end-of-turn token.
@@ -46,6 +48,8 @@ DEMO_MARKER = "rlserve_builtin.json"
 BUILDER_VERSION = 5
 # vLLM's CPU attention supports head sizes from 32 up.
 HEAD_DIM = 32
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
 
 
 def build_tokenizer():  # type: ignore[no-untyped-def]
@@ -94,18 +98,34 @@ def build_model(
     num_layers: int = 2,
     seed: int = 0,
     tie_embeddings: bool = False,
+    moe: bool = False,
 ) -> Path:
-    """Write the built-in model and tokenizer to `directory` with `save_pretrained`."""
+    """Write the built-in model and tokenizer to `directory` with `save_pretrained`. With `moe`,
+    a Qwen3-MoE model: MOE_EXPERTS experts, MOE_TOP_K per token, and layer 1 dense (as
+    `mlp_only_layers` makes some layers of real MoE models)."""
     import json
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size must be a multiple of {HEAD_DIM}, got {hidden_size}")
     tokenizer = build_tokenizer()
     num_heads = hidden_size // HEAD_DIM
-    config = Qwen2Config(
+    config_class: Any = Qwen2Config
+    model_class: Any = Qwen2ForCausalLM
+    extra: dict[str, Any] = {}
+    if moe:
+        config_class, model_class = Qwen3MoeConfig, Qwen3MoeForCausalLM
+        extra = {
+            "head_dim": HEAD_DIM,
+            "num_experts": MOE_EXPERTS,
+            "num_experts_per_tok": MOE_TOP_K,
+            "moe_intermediate_size": hidden_size,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1] if num_layers > 2 else [],
+        }
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 4,
@@ -121,11 +141,12 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **extra,
     )
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).eval()
+        model = model_class(config).eval()
     finally:
         torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -140,6 +161,7 @@ def build_model(
         "num_layers": num_layers,
         "seed": seed,
         "tie_embeddings": tie_embeddings,
+        "moe": moe,
     }
     (directory / DEMO_MARKER).write_text(json.dumps(marker))
     return directory

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from app.engine.lora import LoraHooks
 from app.engine.sampling import RowSampler
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 from app.weights.lora import LoraAdapter
+
+if TYPE_CHECKING:
+    from rlserve_client.moe import Recorded, Routing
 
 
 def _padded(
@@ -56,6 +59,31 @@ def _adapted(
     return lora.rows(adapters)
 
 
+def _replayed(
+    routing: Routing | None, specs: Sequence[ScoreSpec], width: int
+) -> contextlib.AbstractContextManager[None]:
+    """Forwards in this block (over the rows of `specs`, right-padded to `width`) route as the
+    specs' `routed_experts` say, each row from position 0; the routers choose elsewhere."""
+    given = [spec.routed_experts for spec in specs]
+    if all(g is None for g in given):
+        return contextlib.nullcontext()
+    if routing is None:
+        raise ValueError("a row gives routed experts, but this model has no MoE routers")
+    from rlserve_client.moe import as_batch
+
+    empty = torch.empty((0, routing.num_layers, routing.top_k), dtype=torch.long)
+    rows = [empty if g is None else g for g in given]
+    experts = as_batch(rows, (len(specs), width))
+    return routing.replaying(experts.reshape(-1, routing.num_layers, routing.top_k))
+
+
+def _recording(routing: Routing | None, items: Sequence[GenerateItem]) -> Any:
+    """A recording of the forwards in this block, when a row asks for its routed experts."""
+    if routing is None or not any(it.config.return_routed_experts for it in items):
+        return contextlib.nullcontext(None)
+    return routing.recording()
+
+
 @torch.inference_mode()
 def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:
     items = [(seq, ScoreSpec()) for seq in sequences]
@@ -68,14 +96,20 @@ def score_detailed(
     items: Sequence[tuple[Sequence[int], ScoreSpec]],
     pad_id: int,
     lora: LoraHooks | None = None,
+    routing: Routing | None = None,
 ) -> list[Scores]:
     """One forward through the model's trunk for the batch, then its output head over each
     row's positions in chunks of `LOGIT_CHUNK_ELEMENTS`, answering each row's spec. Rows that
     ask for log-probs alone share their chunks (`_plain_scores`). A row whose spec names a
-    LoRA adapter runs with it (`lora`: the model's hooks)."""
+    LoRA adapter runs with it (`lora`: the model's hooks); a row whose spec gives routed
+    experts routes as they say (`routing`: the model's MoE routers)."""
     device = model.device
     ids, mask = _padded([seq for seq, _ in items], pad_id, device, left=False)
-    with _adapted(lora, [spec.adapter for _, spec in items]):
+    specs = [spec for _, spec in items]
+    with (
+        _adapted(lora, [spec.adapter for spec in specs]),
+        _replayed(routing, specs, ids.shape[1]),
+    ):
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
     head = model.get_output_embeddings()
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
@@ -190,10 +224,27 @@ def generate(
     decode: Callable[[list[int]], str],
     control: ModelThreadControl | None = None,
     lora: LoraHooks | None = None,
+    routing: Routing | None = None,
 ) -> list[Generation]:
     """Decode `items` together. With a `control`, the loop parks at its checkpoints while the
     model is frozen, ends every row on an abort, and labels each token with its version. A row
-    that names a LoRA adapter runs with it (`lora`: the model's hooks)."""
+    that names a LoRA adapter runs with it (`lora`: the model's hooks). A row whose config asks
+    gets the experts its tokens were routed to (`routing`: the model's MoE routers)."""
+    with _recording(routing, items) as recorded:
+        routes = _Routes(recorded)
+        return _decode(model, items, pad_id, eos_ids, decode, control, lora, routes)
+
+
+def _decode(
+    model: Any,
+    items: Sequence[GenerateItem],
+    pad_id: int,
+    eos_ids: frozenset[int],
+    decode: Callable[[list[int]], str],
+    control: ModelThreadControl | None,
+    lora: LoraHooks | None,
+    routes: _Routes,
+) -> list[Generation]:
     control = control or ModelThreadControl()
     device = model.device
     configs = [item.config for item in items]
@@ -215,6 +266,7 @@ def generate(
             logits_to_keep=0 if want_prompt else 1,
         )
     cache, prefill_logits = _returned_cache(out), out.logits
+    routes.prefilled(len(firsts), expand)
     if expand is not None:
         cache.reorder_cache(expand)
         prefill_logits = prefill_logits.index_select(0, expand)
@@ -273,9 +325,50 @@ def generate(
                     use_cache=True,
                     logits_to_keep=1,
                 )
+        routes.stepped(len(items), ids.shape[1] if version != previous else None)
         cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
-    return [_result(rows, i, prompt_lps) for i in range(len(items))]
+    return [_result(rows, i, prompt_lps, routes) for i in range(len(items))]
+
+
+class _Routes:
+    """The routing a generation's forwards recorded (nothing without a recording): the
+    prefill's, `[rows, prompt width, layers, top_k]`, and one `[rows, layers, top_k]` per
+    token fed after it."""
+
+    def __init__(self, recorded: Recorded | None) -> None:
+        self.recorded = recorded
+        self.prompt: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def prefilled(self, num_rows: int, expand: torch.Tensor | None) -> None:
+        if self.recorded is None:
+            return
+        taken = self.recorded.take()
+        prompt = taken.view(num_rows, -1, *taken.shape[1:])
+        self.prompt = prompt if expand is None else prompt.index_select(0, expand.cpu())
+
+    def stepped(self, num_rows: int, rebuilt_from: int | None) -> None:
+        """After a decoding forward; `rebuilt_from`: the prompt width, when the forward fed
+        every token again (a weight change rebuilt the cache: its routing replaces all)."""
+        if self.recorded is None:
+            return
+        taken = self.recorded.take()
+        if rebuilt_from is None:
+            self.steps.append(taken)
+            return
+        every = taken.view(num_rows, -1, *taken.shape[1:])
+        self.prompt = every[:, :rebuilt_from]
+        self.steps = list(every[:, rebuilt_from:].unbind(1))
+
+    def of(self, row: int, num_prompt: int, num_generated: int) -> torch.Tensor | None:
+        """Row `row`'s routing: its prompt's and its fed tokens' (all but the last)."""
+        if self.prompt is None:
+            return None
+        width = self.prompt.shape[1]
+        parts = [self.prompt[row, width - num_prompt :]]
+        parts += [step[row : row + 1] for step in self.steps[: max(num_generated - 1, 0)]]
+        return torch.cat(parts)[: num_prompt + num_generated - 1].clone()
 
 
 def _cache_argument(model: Any) -> str:
@@ -350,7 +443,7 @@ def _stop_hit(
     return next((s for s in stops if s in text), None)
 
 
-def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None) -> Generation:
+def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None, routes: _Routes) -> Generation:
     item = rows.items[i]
     prompt = None
     if prompt_lps is not None and item.config.return_prompt_log_probs:
@@ -365,4 +458,9 @@ def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None) -> Generation:
         stop_reason=rows.stop_reason[i],
         prompt_log_probs=prompt,
         versions=version_spans(rows.versions[i]),
+        routed_experts=(
+            routes.of(i, len(item.prompt_ids), len(rows.tokens[i]))
+            if item.config.return_routed_experts
+            else None
+        ),
     )

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 TINY = "tiny"
+TINY_MOE = "tiny-moe"
 
 
 def builtin_model_dir(models: ModelSettings) -> Path:
@@ -38,6 +39,25 @@ def builtin_model_dir(models: ModelSettings) -> Path:
             hidden_size=models.builtin_hidden_size,
             num_layers=models.builtin_num_layers,
             seed=models.builtin_seed,
+        ),
+    )
+
+
+def builtin_moe_dir(models: ModelSettings) -> Path:
+    """The tiny random-weights mixture-of-experts model (`builtin:tiny-moe`): Qwen3-MoE with
+    three layers (the middle one dense), built once into the cache directory."""
+    size, seed = models.builtin_hidden_size, models.builtin_seed
+    name = f"builtin-v{BUILDER_VERSION}-qwen3moe-h{size}-l3-s{seed}"
+    return _cached(
+        models.cache_dir,
+        name,
+        DEMO_MARKER,
+        lambda staging: build_model(
+            staging,
+            hidden_size=size,
+            num_layers=3,
+            seed=seed,
+            moe=True,
         ),
     )
 
@@ -72,6 +92,7 @@ def _cached(cache_dir: Path, name: str, marker: str, build: Callable[[Path], Pat
 BUILTIN_MODELS: dict[str, Callable[[ModelSettings], Path]] = {
     smollm2.NAME: smollm2_dir,
     TINY: builtin_model_dir,
+    TINY_MOE: builtin_moe_dir,
 }
 
 

@@ -7,11 +7,13 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from rlserve_client.moe import Routing, is_moe
 
 from app.engine import hf_decode
 from app.engine.base import Backend, Capabilities, ScoreItem
@@ -51,6 +53,10 @@ class TransformersBackend(Backend):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{info.name}")
         self._transfer: InProcessTransfer | None = None
         self.lora: LoraHooks | None = None  # hooks on the adapted layers, once an adapter loads
+        self.routing: Routing | None = Routing(model) if is_moe(model) else None
+        """Hooks on a mixture-of-experts model's routers: routed experts recorded and replayed."""
+        if self.routing is not None:
+            self.capabilities = replace(self.capabilities, routed_experts=True)
 
     @classmethod
     def load(
@@ -110,7 +116,14 @@ class TransformersBackend(Backend):
     async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
         size = len(items) * max((len(seq) for seq, _ in items), default=0)
         result: list[Scores] = await self._run(
-            _released, size, hf_decode.score_detailed, self.model, items, self.pad_id, self.lora
+            _released,
+            size,
+            hf_decode.score_detailed,
+            self.model,
+            items,
+            self.pad_id,
+            self.lora,
+            self.routing,
         )
         return result
 
@@ -127,6 +140,7 @@ class TransformersBackend(Backend):
             decode=self.tokenizer.decode,
             control=self.control,
             lora=self.lora,
+            routing=self.routing,
         )
         return result
 

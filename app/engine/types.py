@@ -28,6 +28,9 @@ class SamplingConfig:
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
     return_prompt_log_probs: bool = False
+    return_routed_experts: bool = False
+    """Record the experts each MoE layer routed the row's tokens to (`Generation.
+    routed_experts`)."""
     min_tokens: int = 0
     """End-of-sequence and `stop_token_ids` are masked, and stops not checked, until this many
     tokens are generated."""
@@ -74,6 +77,7 @@ class SamplingConfig:
         repetition_penalty: float = 1.0,
         ignore_eos: bool = False,
         return_prompt_log_probs: bool = False,
+        return_routed_experts: bool = False,
         **constraints: Any,
     ) -> SamplingConfig:
         """The request rule, in one place: greedy rows score at temperature 1 without top-k
@@ -91,6 +95,7 @@ class SamplingConfig:
             stop_sequences=tuple(stops or ()),
             ignore_eos=ignore_eos,
             return_prompt_log_probs=return_prompt_log_probs,
+            return_routed_experts=return_routed_experts,
             **constraints,
         )
 
@@ -151,6 +156,9 @@ class Generation:
     """Which weights produced which tokens; None when the engine does not say."""
     prompt_scores: Scores | None = None
     """The prompt scored for the item's `prompt_asks` (None when not asked, or aborted)."""
+    routed_experts: torch.Tensor | None = None
+    """`[len(prompt) + len(token_ids) - 1, num_layers, top_k]` int64: the experts each MoE layer
+    routed each fed token to (`rlserve_client.moe`'s layout), when the config asked."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,9 @@ class ScoreSpec:
     start: int = 1
     adapter: LoraAdapter | None = None
     """Score with this LoRA adapter on the model (None: the model itself)."""
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
+    """Replay this routing (`[positions, num_layers, top_k]` int64 from position 0, -1 where
+    the router chooses) instead of the MoE routers' own choices."""
 
     @property
     def processed(self) -> bool:

@@ -10,6 +10,7 @@ from app.common.protocol import (
     VERSIONS_DESCRIPTION,
     InputFields,
     RepetitionPenalty,
+    RoutedExperts,
     Sample,
     Seed,
     ServedName,
@@ -70,6 +71,12 @@ class GenerateRequest(InputFields):
     entropy: bool = Field(
         default=False, description="At every generated token, the raw distribution's entropy."
     )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: also return routed_experts, the experts each "
+        "layer's router chose for every token the model was fed (to replay them in the "
+        "trainer's forward, or in /v1/logprobs). transformers backend only.",
+    )
     batch_invariant: bool | None = Field(
         default=None,
         description="Each row generated in a model call of its own, so its tokens and "
@@ -111,6 +118,7 @@ class GenerateRequest(InputFields):
             repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos,
             return_prompt_log_probs=self.return_prompt_log_probs,
+            return_routed_experts=self.return_routed_experts,
         )
 
 
@@ -127,6 +135,13 @@ class GeneratedSample(Sample):
     )
     policy_versions: list[VersionSpan] | None = Field(
         default=None, description=VERSIONS_DESCRIPTION
+    )
+    routed_experts: RoutedExperts | None = Field(
+        default=None,
+        description="When asked (return_routed_experts): per token of tokens.full but the "
+        "last, which the model was never fed, the experts each layer's router chose for it "
+        "[num_hidden_layers][num_experts_per_tok], highest weight first; a dense layer's are "
+        "0. Replay them with /v1/logprobs' routed_experts or rlserve_client.moe.",
     )
 
 

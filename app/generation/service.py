@@ -12,6 +12,7 @@ from rlserve_client.sequences import SequenceSplit
 from app.common.failures import TooLarge, invalid
 from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import HistoryFields, TextFields, wire_spans
+from app.common.routed_experts import routing_of
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
 from app.common.service import ModelServing
 from app.engine.base import Backend, ScoreItem
@@ -227,6 +228,8 @@ class GenerationService(ModelServing):
             request, request.model, max_new_tokens=max_new_tokens, per_item=request.num_samples
         )
         config = request.to_sampling_config(max_new_tokens)
+        if config.return_routed_experts:
+            routing_of(inputs.served.backend, request.model, "return_routed_experts")
         asks = self._asks(request, inputs.items, max_new_tokens, inputs.served.backend)
         sampled = await self.sample(
             request.model,
@@ -252,7 +255,11 @@ def _finished(
 ) -> list[ScoreItem]:
     """Each finished sequence with `asks` over its response."""
     return [
-        ([*item.prompt_ids, *g.token_ids], replace(asks, start=len(item.prompt_ids)))
+        (
+            [*item.prompt_ids, *g.token_ids],
+            # the routing the row was sampled with, where it was recorded
+            replace(asks, start=len(item.prompt_ids), routed_experts=g.routed_experts),
+        )
         for item, g in zip(items, generations, strict=True)
     ]
 
@@ -327,4 +334,7 @@ def generated_sample(
         # (/v1/generate takes stop strings only: a stop id is a dialect's)
         stop_reason=generation.stop_reason if isinstance(generation.stop_reason, str) else None,
         policy_versions=wire_spans(generation.versions),
+        routed_experts=(
+            None if generation.routed_experts is None else generation.routed_experts.tolist()
+        ),
     )

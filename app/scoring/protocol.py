@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from app.common.protocol import Sample, ServedName, SplitInputFields, TopK, WireModel
+from app.common.protocol import (
+    RoutedExperts,
+    Sample,
+    ServedName,
+    SplitInputFields,
+    TopK,
+    WireModel,
+)
 
 Span = Literal["response", "full"]
 
@@ -46,6 +53,15 @@ class LogProbsRequest(SplitInputFields):
         default=None,
         description="Candidate ids: their raw log-probs at every position of the span "
         "(fixed-vocabulary scoring; the server's cap: max_candidate_ids).",
+    )
+    routed_experts: list[RoutedExperts | None] | None = Field(
+        default=None,
+        description="Mixture-of-experts models: per input, the routing to replay (what "
+        "generation returned as routed_experts: per token from the first, "
+        "[num_hidden_layers][num_experts_per_tok] expert ids; a sequence of T tokens takes "
+        "T - 1 or T of them), so each MoE layer uses these experts, weighted by its router's "
+        "probabilities for them, instead of choosing its own; null: the router chooses. "
+        "transformers backend only.",
     )
     reference_log_probs: list[list[float]] | None = Field(
         default=None,

@@ -7,11 +7,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from app.common.failures import TooLarge, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import WireModel
+from app.common.routed_experts import replay_rows, routing_of
 from app.common.samples import scored_sample
 from app.common.service import ModelServing
+from app.engine.base import Backend
 from app.engine.types import ScoreSpec
 from app.scoring.extras import extras, mismatch
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse, ScoredSample, Span
@@ -35,11 +39,15 @@ class ScoringService(ModelServing):
         _check_reference(request, prepared, spans)
         asks = _asks(request)
         _check_full_distribution(asks, prepared, served.backend.full_distribution_limit())
-        specs = [replace(asks, start=max(1, start)) for _, start in spans]
+        replay = _replay(request, served.backend, [len(item.ids) for item in prepared])
+        specs = [
+            replace(asks, start=max(1, start), routed_experts=routed)
+            for (_, start), routed in zip(spans, replay, strict=True)
+        ]
         detailed = asks.extras
         alone = self.alone(request.batch_invariant, served)
         async with self.registry.reading(served) as version:
-            if detailed:
+            if detailed or any(r is not None for r in replay):
                 scores = await served.score_detailed(
                     [(item.ids, spec) for item, spec in zip(prepared, specs, strict=True)],
                     alone=alone,
@@ -94,6 +102,16 @@ class ScoringService(ModelServing):
                     raise invalid(
                         f"token_ids[{j}]", f"{token} is outside the vocabulary [0, {vocab_size})"
                     )
+
+
+def _replay(
+    request: LogProbsRequest, backend: Backend, lengths: list[int]
+) -> list[torch.Tensor | None]:
+    """Per input, the routing the request gives to replay (None: the routers choose)."""
+    if request.routed_experts is None:
+        return [None] * len(lengths)
+    routing = routing_of(backend, request.model, "routed_experts")
+    return replay_rows(routing, request.routed_experts, lengths, "routed_experts")
 
 
 def _plain(value: Any) -> Any:

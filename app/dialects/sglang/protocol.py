@@ -145,7 +145,16 @@ class GenerateRequest(DialectModel):
     image_data: list[Any] | None = Field(
         default=None, description="Only empty.", json_schema_extra={"maxItems": 0}
     )
-    return_routed_experts: Literal[False] = Field(default=False, description="Only false.")
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Mixture-of-experts models (transformers backend): meta_info."
+        "routed_experts, the experts each layer routed every fed token to, as SGLang gives "
+        "them (base64 of int32 [tokens, num_hidden_layers, num_experts_per_tok], prompt and "
+        "output tokens but the last).",
+    )
+    routed_experts_start_len: int = Field(
+        default=0, ge=0, description="Leave out the routing of the first this many prompt tokens."
+    )
     return_hidden_states: Literal[False] = Field(default=False, description="Only false.")
     lora_path: str | list[str | None] | None = Field(
         default=None,
@@ -195,6 +204,7 @@ class MetaInfo(DialectModel):
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs_length: int | None = None
     output_top_logprobs: list[list[list[Any]] | None] | None = None
+    routed_experts: str | None = None
 
 
 class GenerateOutput(DialectModel):

@@ -10,15 +10,19 @@ visible follows the flow the trainer drives:
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from app.common.constraints import sampling_constraints
 from app.common.failures import Conflict, invalid
 from app.common.protocol import warn_ignored
+from app.common.routed_experts import routing_of
 from app.dialects.common import Prompts, abort_all, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
@@ -215,8 +219,11 @@ async def _sample(
         repetition_penalty=p.repetition_penalty,
         ignore_eos=p.ignore_eos,
         return_prompt_log_probs=request.return_logprob and request.logprob_start_len >= 0,
+        return_routed_experts=request.return_routed_experts,
         **constraints,
     )
+    if request.return_routed_experts:
+        routing_of(served.backend, model, "return_routed_experts")
     k = request.top_logprobs_num
     if k > generation.limits.max_top_logprobs:
         raise invalid(
@@ -313,6 +320,13 @@ def _output(
                 [[v, t, named(t)] for t, v in zip(row_ids, row_values, strict=True)]
                 for row_ids, row_values in zip(ids, values_k, strict=True)
             ]
+    if g.routed_experts is not None:
+        start = request.routed_experts_start_len
+        if start > len(prompt_ids):
+            raise invalid(
+                "routed_experts_start_len", f"is past the prompt's {len(prompt_ids)} tokens"
+            )
+        meta["routed_experts"] = _routed(g.routed_experts, start)
     return GenerateOutput(
         text=text,
         output_ids=g.token_ids,
@@ -331,6 +345,14 @@ def _output(
         ),
         prompt_token_ids=prompt_ids if request.return_prompt_token_ids else None,
     )
+
+
+def _routed(experts: torch.Tensor, start: int) -> str:
+    """Routed experts as SGLang's meta_info gives them: base64 of the int32 array's bytes
+    (little-endian, no shape: [tokens, num_hidden_layers, num_experts_per_tok]), from prompt
+    token `start` on."""
+    raw = experts[start:].to(torch.int32).numpy().astype("<i4").tobytes()
+    return base64.b64encode(raw).decode("ascii")
 
 
 def _finish(g: Generation, p: SamplingParams) -> dict[str, Any]:

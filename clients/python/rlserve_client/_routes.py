@@ -30,7 +30,8 @@ def generate(
 ) -> Call[types.GenerateResult]:
     """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
     top_k, repetition_penalty, seed, stop, return_prompt_log_probs, top_logprobs (k most
-    likely tokens at every generated step), entropy, ...
+    likely tokens at every generated step), entropy, return_routed_experts (mixture-of-experts
+    models: each sample's `routed_experts`, for `rlserve_client.moe.replay_experts`), ...
     `tensors=True`: the reply travels as binary and its arrays are torch tensors (for
     building TensorDicts); tensors given as inputs always travel as binary.
     `sticky`: an episode's id, so that its turns reach one replica of several (its prefix
@@ -66,6 +67,7 @@ def logprobs(
     mismatch_threshold: float | None = None,
     span: str | None = None,
     batch_invariant: bool | None = None,
+    routed_experts: Any = None,
     tensors: bool = False,
     timeout: Timeout = NOT_GIVEN,
 ) -> Call[types.LogProbsResult]:
@@ -75,7 +77,8 @@ def logprobs(
     `top_p` (`processed`), the log-probs of candidate `token_ids`; and a `mismatch` report
     against `reference_log_probs` (one list per input, over the span). `batch_invariant`:
     each sequence scored alone, bitwise the same whatever else the server is sent (None: the
-    server's setting). `tensors=True`: the
+    server's setting). `routed_experts`: per input, the routing a mixture-of-experts model
+    replays (a sample's `routed_experts` from generation, or None). `tensors=True`: the
     reply travels as binary and its arrays are torch tensors (NaN / -1 where JSON has null,
     -inf for a token top-k/top-p removed); tensors given as inputs always travel as binary."""
     body = _given(
@@ -97,6 +100,7 @@ def logprobs(
         mismatch_threshold=mismatch_threshold,
         span=span,
         batch_invariant=batch_invariant,
+        routed_experts=routed_experts,
     )
     return tensor_call("/v1/logprobs", types.LogProbsResult, body, tensors=tensors, timeout=timeout)
 

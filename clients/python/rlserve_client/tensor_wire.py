@@ -10,7 +10,8 @@ The format (media type MEDIA_TYPE):
   narrowed to `[start:stop]`.
 - A column is two tensors: `name`, its rows concatenated along dim 0, and `name.offsets`
   (int64, one more than the rows): row i is `name[offsets[i]:offsets[i+1]]`. A row is 1-D
-  (per token) or 2-D (per token, k values: top-k tables, candidate ids).
+  (per token), 2-D (per token, k values: top-k tables, candidate ids) or 3-D integers (per
+  token, a table: routed experts).
 - Integers take the narrowest of uint8, int16, int32 and int64 that holds the column; floats
   are float32 (what the server computes in). A JSON null is NaN in a float column and -1 in an
   integer one; a removed token's log-prob (null in JSON) is -inf where the server scores
@@ -159,7 +160,19 @@ def _as_rows(values: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
         width = len(first)
         if all(v is None or len(v) == width for v in values):
             return _array(values, width)
+    if isinstance(first, list | tuple) and first and isinstance(first[0], list | tuple):
+        return _cube(values)
     return None
+
+
+def _cube(values: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """A list of equal-shaped integer tables (routed experts: per token, layers x top-k) as one
+    3-D array; None for anything else."""
+    try:
+        array = np.array(values)
+    except ValueError:  # ragged
+        return None
+    return array if array.ndim == 3 and array.dtype.kind in "iu" else None
 
 
 def _is_number(value: Any) -> bool:

@@ -92,6 +92,9 @@ class Sample(Result):
     top_logprobs: TopLogProbs | None = None
     """Scored: one row per token of the span; generated: one per response token (asked for)."""
     entropy: list[float | None] | None = None
+    routed_experts: Any = None
+    """Generated, when asked (mixture-of-experts models): per token of `tokens.full` but the
+    last, `[num_layers][top_k]` expert ids (a tensor with `tensors=True`)."""
 
     def token_versions(self) -> list[int] | None:
         """The policy version of each response token (None when the server did not say)."""

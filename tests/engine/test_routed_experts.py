@@ -1,0 +1,227 @@
+"""Routed experts on a mixture-of-experts model (`builtin:tiny-moe`, a random Qwen3-MoE with a
+dense middle layer): generation returns the routing a plain transformers forward takes,
+scoring replays given routing, and the client replays it in a trainer's own forward. The
+independent side: the router's own top-k from `output_router_logits`, and an MoE block that
+routes as told, written here (not rlserve_client.moe)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from rlserve_client import tensor_wire
+from rlserve_client.moe import replay_experts
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from app.config import Settings
+from app.engine.loader import builtin_moe_dir
+from tests.conftest import served_app
+
+MOE_LAYERS = (0, 2)  # layer 1 is dense
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
+
+
+@pytest.fixture(scope="module")
+def moe_settings(settings: Settings) -> Settings:
+    return settings.replace(models={"model": "builtin:tiny-moe"})
+
+
+@pytest.fixture(scope="module")
+async def moe(moe_settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    async with served_app(moe_settings) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def hf_moe(moe_settings: Settings) -> torch.nn.Module:
+    path: Path = builtin_moe_dir(moe_settings.models)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+async def generated(moe: httpx.AsyncClient) -> list[dict[str, Any]]:
+    body = {
+        "tokens": PROMPTS,
+        "max_new_tokens": 10,
+        "n": 2,
+        "seed": 3,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+    }
+    reply = await moe.post("/v1/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    return [sample for group in reply.json()["outputs"] for sample in group]
+
+
+@torch.inference_mode()
+def router_choices(model: torch.nn.Module, ids: list[int]) -> dict[int, torch.Tensor]:
+    """Per MoE layer, the router's own top-k experts for each token of a plain forward."""
+    out = model(torch.tensor([ids]), output_router_logits=True)
+    probs = [logits.float().softmax(-1) for logits in out.router_logits]
+    return {layer: p.topk(2, dim=-1).indices for layer, p in zip(MOE_LAYERS, probs, strict=True)}
+
+
+@contextlib.contextmanager
+def routed_as(experts: torch.Tensor) -> Iterator[None]:
+    """Every Qwen3-MoE block routes token t (of a batch of one) to experts[t, layer] (past
+    them, to its own choice) with weights renormalised from its router's softmax, as Qwen3-MoE
+    weighs its own choices."""
+    original = Qwen3MoeSparseMoeBlock.forward
+    layer_of: dict[int, int] = {}
+
+    def forward(self: Qwen3MoeSparseMoeBlock, hidden: torch.Tensor) -> torch.Tensor:
+        layer = layer_of.setdefault(id(self), MOE_LAYERS[len(layer_of)])
+        flat = hidden.view(-1, hidden.shape[-1])
+        logits = torch.nn.functional.linear(flat, self.gate.weight)
+        probs = logits.float().softmax(-1)
+        chosen = probs.topk(2, dim=-1).indices  # the last token's own (no routing is given)
+        chosen[: len(experts)] = experts[: len(chosen), layer]
+        weights = probs.gather(-1, chosen)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
+        return self.experts(flat, chosen, weights).view_as(hidden)
+
+    Qwen3MoeSparseMoeBlock.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Qwen3MoeSparseMoeBlock.forward = original  # type: ignore[method-assign]
+
+
+def shifted(routed: list[Any]) -> torch.Tensor:
+    """Another routing: each MoE layer's experts moved to the next ids."""
+    experts = torch.tensor(routed)
+    for layer in MOE_LAYERS:
+        experts[:, layer] = (experts[:, layer] + 1) % 8
+    return experts
+
+
+async def test_generation_returns_the_routing_of_every_fed_token(
+    generated: list[dict[str, Any]], hf_moe: torch.nn.Module
+) -> None:
+    for sample in generated:
+        full = sample["tokens"]["full"]
+        routed = torch.tensor(sample["routed_experts"])
+        assert routed.shape == (len(full) - 1, 3, 2)  # every token but the last, 3 layers, top 2
+        assert not routed[:, 1].any()  # the dense layer
+        own = router_choices(hf_moe, full)
+        for layer in MOE_LAYERS:
+            assert torch.equal(routed[:, layer], own[layer][:-1]), layer
+
+
+async def test_scoring_replays_the_routing_it_is_given(
+    moe: httpx.AsyncClient, generated: list[dict[str, Any]], hf_moe: torch.nn.Module
+) -> None:
+    sample = generated[0]
+    full = sample["tokens"]["full"]
+    other = shifted(sample["routed_experts"])
+    body = {"tokens": [full, full], "routed_experts": [sample["routed_experts"], other.tolist()]}
+    reply = await moe.post("/v1/logprobs", json=body)
+    assert reply.status_code == 200, reply.text
+    replayed, moved = (o["log_probs"]["full"] for o in reply.json()["outputs"])
+    num_prompt = len(sample["tokens"]["prompt"])
+    sampled = sample["log_probs"]["response"]
+    assert max(abs(a - b) for a, b in zip(replayed[num_prompt:], sampled, strict=True)) < 1e-5
+    with torch.inference_mode(), routed_as(other):
+        logits = hf_moe(torch.tensor([full])).logits[0, :-1].log_softmax(-1)
+    expected = logits.gather(-1, torch.tensor(full[1:])[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(moved[1:]), expected, atol=1e-5)
+    assert (torch.tensor(moved[1:]) - torch.tensor(replayed[1:])).abs().max() > 0.1
+
+
+async def test_the_client_replays_a_sampled_routing_in_a_trainers_forward(
+    generated: list[dict[str, Any]], hf_moe: torch.nn.Module
+) -> None:
+    """A left-padded batch of two samples of different lengths, routed as they were sampled
+    (rows given as rlserve returns them, T - 1 each), in a plain transformers forward."""
+    rows = [generated[0], generated[2]]
+    fulls = [s["tokens"]["full"] for s in rows]
+    width = max(len(f) for f in fulls)
+    ids = torch.zeros((2, width), dtype=torch.long)
+    mask = torch.zeros((2, width), dtype=torch.long)
+    for i, full in enumerate(fulls):
+        ids[i, width - len(full) :] = torch.tensor(full)
+        mask[i, width - len(full) :] = 1
+    with torch.inference_mode(), replay_experts(hf_moe, [s["routed_experts"] for s in rows]):
+        logits = hf_moe(input_ids=ids, attention_mask=mask).logits.log_softmax(-1)
+    for i, sample in enumerate(rows):
+        response = sample["tokens"]["response"]
+        at = torch.arange(width - len(response) - 1, width - 1)
+        got = logits[i, at].gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        sampled = torch.tensor(sample["log_probs"]["response"])
+        assert torch.allclose(got, sampled, atol=1e-5)
+
+
+async def test_routed_experts_travel_as_tensors(moe: httpx.AsyncClient) -> None:
+    body = {"tokens": PROMPTS, "max_new_tokens": 4, "seed": 1, "return_routed_experts": True}
+    as_json = (await moe.post("/v1/generate", json=body)).json()
+    binary = await moe.post("/v1/generate", json=body, headers={"accept": tensor_wire.MEDIA_TYPE})
+    decoded = tensor_wire.decode(binary.content)
+    for group_json, group in zip(as_json["outputs"], decoded["outputs"], strict=True):
+        routed = group[0]["routed_experts"]
+        assert isinstance(routed, torch.Tensor) and routed.dim() == 3
+        assert routed.tolist() == group_json[0]["routed_experts"]
+
+
+@pytest.mark.parametrize(
+    ("routed", "param", "says"),
+    [
+        ([[[0, 1], [0, 0], [9, 1]]] * 2, "routed_experts[0]", "expert id 9 is outside [0, 8)"),
+        ([[[0, 1], [0, 0]]] * 2, "routed_experts[0]", "each token needs 3 layers x 2 experts"),
+        ([[[0, 1], [0, 0], [1, 2]]] * 5, "routed_experts[0]", "5 tokens' routing for a"),
+    ],
+)
+async def test_routing_that_does_not_fit_the_model_is_refused_by_name(
+    moe: httpx.AsyncClient, routed: list[Any], param: str, says: str
+) -> None:
+    reply = await moe.post("/v1/logprobs", json={"tokens": [[1, 2, 3]], "routed_experts": [routed]})
+    assert reply.status_code == 422
+    error = reply.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+async def test_a_dense_model_refuses_routed_experts_by_name(client: httpx.AsyncClient) -> None:
+    generate = await client.post(
+        "/v1/generate",
+        json={"tokens": [[1, 2]], "max_new_tokens": 2, "return_routed_experts": True},
+    )
+    score = await client.post(
+        "/v1/logprobs", json={"tokens": [[1, 2]], "routed_experts": [[[[0, 1]]]]}
+    )
+    for reply, param in ((generate, "return_routed_experts"), (score, "routed_experts")):
+        assert reply.status_code == 422, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param, error
+        assert "not a mixture-of-experts model" in error["message"] or "backend" in error["message"]
+
+
+async def test_sglang_generate_returns_routed_experts_as_sglang_encodes_them(
+    moe: httpx.AsyncClient, hf_moe: torch.nn.Module
+) -> None:
+    """SGLang's meta_info.routed_experts: base64 of int32 bytes, no shape (slime and AReaL
+    reshape them to [tokens, layers, top_k]), from routed_experts_start_len on."""
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        "return_routed_experts": True,
+        "routed_experts_start_len": 2,
+    }
+    reply = await moe.post("/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype="<i4")
+    full = PROMPTS[0] + out["output_ids"]
+    routed = torch.from_numpy(raw.copy()).long().reshape(len(full) - 1 - 2, 3, 2)
+    own = router_choices(hf_moe, full)
+    for layer in MOE_LAYERS:
+        assert torch.equal(routed[:, layer], own[layer][2:-1])
+    past = await moe.post("/generate", json={**body, "routed_experts_start_len": 8})
+    assert past.status_code == 422
+    assert past.json()["error"]["param"] == "routed_experts_start_len"

@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         "models.ref_model": args.ref_model,
         "models.served_model_name": args.served_model_name,
         "models.reasoning_parser": args.reasoning_parser,
+        "models.return_routed_experts": args.enable_return_routed_experts or None,
         "models.backend": args.backend,
         "models.dtype": args.dtype,
         "models.device": args.device,
@@ -180,6 +181,12 @@ def parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         choices=list(get_args(ReasoningParser)),
         help="split chat replies' <think>...</think> into reasoning, as vLLM's flag",
+    )
+    serve.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="a mixture-of-experts policy's routing in every /inference/v1/generate choice, "
+        "as vLLM's flag",
     )
     serve.add_argument(
         "--replicas",

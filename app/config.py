@@ -81,6 +81,12 @@ class ModelSettings(Group):
         description="vLLM's and SGLang's --reasoning-parser: chat replies carry the "
         "<think>...</think> part as reasoning (and reasoning_content), apart from content.",
     )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="vLLM's --enable-return-routed-experts: on a mixture-of-experts policy, "
+        "every /inference/v1/generate choice carries routed_experts (base64 of a .npy array, "
+        "as vLLM encodes it). rlserve's own routes and SGLang's ask per request.",
+    )
     backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto", description="'auto': vLLM when it is installed and a GPU is present."
     )

@@ -48,8 +48,6 @@ DEMO_MARKER = "rlserve_builtin.json"
 BUILDER_VERSION = 5
 # vLLM's CPU attention supports head sizes from 32 up.
 HEAD_DIM = 32
-MOE_EXPERTS = 8
-MOE_TOP_K = 2
 
 
 def build_tokenizer():  # type: ignore[no-untyped-def]
@@ -99,10 +97,12 @@ def build_model(
     seed: int = 0,
     tie_embeddings: bool = False,
     moe: bool = False,
+    num_experts: int = 8,
+    top_k: int = 2,
 ) -> Path:
     """Write the built-in model and tokenizer to `directory` with `save_pretrained`. With `moe`,
-    a Qwen3-MoE model: MOE_EXPERTS experts, MOE_TOP_K per token, and layer 1 dense (as
-    `mlp_only_layers` makes some layers of real MoE models)."""
+    a Qwen3-MoE model: `num_experts` experts, `top_k` per token, and with more than two layers
+    layer 1 dense (as `mlp_only_layers` makes some layers of real MoE models)."""
     import json
 
     import torch
@@ -119,8 +119,8 @@ def build_model(
         config_class, model_class = Qwen3MoeConfig, Qwen3MoeForCausalLM
         extra = {
             "head_dim": HEAD_DIM,
-            "num_experts": MOE_EXPERTS,
-            "num_experts_per_tok": MOE_TOP_K,
+            "num_experts": num_experts,
+            "num_experts_per_tok": top_k,
             "moe_intermediate_size": hidden_size,
             "norm_topk_prob": True,
             "mlp_only_layers": [1] if num_layers > 2 else [],
@@ -162,6 +162,7 @@ def build_model(
         "seed": seed,
         "tie_embeddings": tie_embeddings,
         "moe": moe,
+        **({"num_experts": num_experts, "top_k": top_k} if moe else {}),
     }
     (directory / DEMO_MARKER).write_text(json.dumps(marker))
     return directory

@@ -15,12 +15,13 @@ import torch
 from app.engine.distribution import assemble, position_scores
 from app.engine.freeze import ModelThreadControl
 from app.engine.lora import LoraHooks
+from app.engine.moe import RoutedRows, recording, replayed
 from app.engine.sampling import RowSampler
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 from app.weights.lora import LoraAdapter
 
 if TYPE_CHECKING:
-    from rlserve_client.moe import Recorded, Routing
+    from rlserve_client.moe import Routing
 
 
 def _padded(
@@ -59,31 +60,6 @@ def _adapted(
     return lora.rows(adapters)
 
 
-def _replayed(
-    routing: Routing | None, specs: Sequence[ScoreSpec], width: int
-) -> contextlib.AbstractContextManager[None]:
-    """Forwards in this block (over the rows of `specs`, right-padded to `width`) route as the
-    specs' `routed_experts` say, each row from position 0; the routers choose elsewhere."""
-    given = [spec.routed_experts for spec in specs]
-    if all(g is None for g in given):
-        return contextlib.nullcontext()
-    if routing is None:
-        raise ValueError("a row gives routed experts, but this model has no MoE routers")
-    from rlserve_client.moe import as_batch
-
-    empty = torch.empty((0, routing.num_layers, routing.top_k), dtype=torch.long)
-    rows = [empty if g is None else g for g in given]
-    experts = as_batch(rows, (len(specs), width))
-    return routing.replaying(experts.reshape(-1, routing.num_layers, routing.top_k))
-
-
-def _recording(routing: Routing | None, items: Sequence[GenerateItem]) -> Any:
-    """A recording of the forwards in this block, when a row asks for its routed experts."""
-    if routing is None or not any(it.config.return_routed_experts for it in items):
-        return contextlib.nullcontext(None)
-    return routing.recording()
-
-
 @torch.inference_mode()
 def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:
     items = [(seq, ScoreSpec()) for seq in sequences]
@@ -108,7 +84,7 @@ def score_detailed(
     specs = [spec for _, spec in items]
     with (
         _adapted(lora, [spec.adapter for spec in specs]),
-        _replayed(routing, specs, ids.shape[1]),
+        replayed(routing, specs, ids.shape[1]),
     ):
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
     head = model.get_output_embeddings()
@@ -230,8 +206,8 @@ def generate(
     model is frozen, ends every row on an abort, and labels each token with its version. A row
     that names a LoRA adapter runs with it (`lora`: the model's hooks). A row whose config asks
     gets the experts its tokens were routed to (`routing`: the model's MoE routers)."""
-    with _recording(routing, items) as recorded:
-        routes = _Routes(recorded)
+    with recording(routing, items) as recorded:
+        routes = RoutedRows(recorded)
         return _decode(model, items, pad_id, eos_ids, decode, control, lora, routes)
 
 
@@ -243,7 +219,7 @@ def _decode(
     decode: Callable[[list[int]], str],
     control: ModelThreadControl | None,
     lora: LoraHooks | None,
-    routes: _Routes,
+    routes: RoutedRows,
 ) -> list[Generation]:
     control = control or ModelThreadControl()
     device = model.device
@@ -331,46 +307,6 @@ def _decode(
     return [_result(rows, i, prompt_lps, routes) for i in range(len(items))]
 
 
-class _Routes:
-    """The routing a generation's forwards recorded (nothing without a recording): the
-    prefill's, `[rows, prompt width, layers, top_k]`, and one `[rows, layers, top_k]` per
-    token fed after it."""
-
-    def __init__(self, recorded: Recorded | None) -> None:
-        self.recorded = recorded
-        self.prompt: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def prefilled(self, num_rows: int, expand: torch.Tensor | None) -> None:
-        if self.recorded is None:
-            return
-        taken = self.recorded.take()
-        prompt = taken.view(num_rows, -1, *taken.shape[1:])
-        self.prompt = prompt if expand is None else prompt.index_select(0, expand.cpu())
-
-    def stepped(self, num_rows: int, rebuilt_from: int | None) -> None:
-        """After a decoding forward; `rebuilt_from`: the prompt width, when the forward fed
-        every token again (a weight change rebuilt the cache: its routing replaces all)."""
-        if self.recorded is None:
-            return
-        taken = self.recorded.take()
-        if rebuilt_from is None:
-            self.steps.append(taken)
-            return
-        every = taken.view(num_rows, -1, *taken.shape[1:])
-        self.prompt = every[:, :rebuilt_from]
-        self.steps = list(every[:, rebuilt_from:].unbind(1))
-
-    def of(self, row: int, num_prompt: int, num_generated: int) -> torch.Tensor | None:
-        """Row `row`'s routing: its prompt's and its fed tokens' (all but the last)."""
-        if self.prompt is None:
-            return None
-        width = self.prompt.shape[1]
-        parts = [self.prompt[row, width - num_prompt :]]
-        parts += [step[row : row + 1] for step in self.steps[: max(num_generated - 1, 0)]]
-        return torch.cat(parts)[: num_prompt + num_generated - 1].clone()
-
-
 def _cache_argument(model: Any) -> str:
     """The forward's name for the key/value cache: transformers 5.24 renamed `past_key_values`
     (the old name still works there, with a deprecation warning) to `cache`."""
@@ -443,7 +379,7 @@ def _stop_hit(
     return next((s for s in stops if s in text), None)
 
 
-def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None, routes: _Routes) -> Generation:
+def _result(rows: _Rows, i: int, prompt_lps: torch.Tensor | None, routes: RoutedRows) -> Generation:
     item = rows.items[i]
     prompt = None
     if prompt_lps is not None and item.config.return_prompt_log_probs:

@@ -162,13 +162,23 @@ class GenerationService(ModelServing):
         if not rows:
             return
         before = self.registry.version_of(served)
-        work = served.score(
-            [items[k].prompt_ids + tuple(generations[k].token_ids) for k in rows], alone=True
+        # A row whose routing was recorded is scored with it replayed: its log-probs are then
+        # those of the experts its routed_experts name.
+        work = served.score_detailed(
+            [
+                (
+                    items[k].prompt_ids + tuple(generations[k].token_ids),
+                    ScoreSpec(routed_experts=generations[k].routed_experts),
+                )
+                for k in rows
+            ],
+            alone=True,
         )
         scored = await self.registry.unless_aborted(work)
         if scored is None or self.registry.version_of(served) != before:
             return
-        for k, full in zip(rows, scored, strict=True):
+        for k, scores in zip(rows, scored, strict=True):
+            full = scores.log_probs.tolist()
             generation = generations[k]
             spans = generation.versions
             if spans is not None and (len(spans) != 1 or spans[0].version != before):

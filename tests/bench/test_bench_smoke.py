@@ -54,6 +54,17 @@ def test_adapters_tenants_benchmark_quick(tmp_path):
     assert 0 < report["server_rss_loaded_mib"] <= report["server_rss_peak_all_trainers_mib"]
 
 
+def test_moe_routing_benchmark_quick(tmp_path):
+    """Both dtypes measured; in float32 the server's replay of the sampled routing scores the
+    sampled tokens within float32's floor."""
+    report = run_quick("moe_routing", tmp_path)["tiny-moe"]
+    for dtype in ("float32", "bfloat16"):
+        figures = report[dtype]
+        assert figures["tokens_fed"] > 0
+        assert 0 <= figures["tokens_routed_differently_share"] <= 1
+    assert report["float32"]["server_logprobs_with_replay_gap"]["max"] < 1e-4
+
+
 def test_batch_invariance_benchmark_quick(tmp_path):
     """The script checks that invariant mode's gaps are 0.0; here, that it measured both modes
     in both dtypes."""

@@ -99,6 +99,11 @@ STATED_RULES: list[tuple[str, str]] = [
     (r"leaves no room for the server's", "the server's own ranks are counted at run time"),
     (r"under the server's import directory", "the files are the server's"),
     (r"adapters adapt the policy", "an update that carries an adapter is the policy's"),
+    (
+        r"not a mixture-of-experts model|does not record or replay routing|expert id -?\d+ is "
+        r"outside|each token needs \d+ layers|tokens' routing for a sequence of \d+",
+        "the model's architecture (its layers, experts and top-k) is the server's",
+    ),
     (r"unknown dataset", "the datasets are the server's (GET /v1/datasets)"),
     (
         r"is not a valid safetensors file|not a application/x-safetensors body|has no rows"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,65 @@ async def test_sglang_generate_returns_routed_experts_as_sglang_encodes_them(
     past = await moe.post("/generate", json={**body, "routed_experts_start_len": 8})
     assert past.status_code == 422
     assert past.json()["error"]["param"] == "routed_experts_start_len"
+
+
+async def test_batch_invariant_sampled_log_probs_are_those_of_the_replayed_routing(
+    moe: httpx.AsyncClient,
+) -> None:
+    """In batch-invariant mode, a row's sampled log-probs are /v1/logprobs' of its tokens with
+    its routed experts replayed, bitwise."""
+    body = {
+        "tokens": PROMPTS,
+        "max_new_tokens": 8,
+        "seed": 5,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+        "batch_invariant": True,
+    }
+    reply = await moe.post("/v1/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    samples = [group[0] for group in reply.json()["outputs"]]
+    score = {
+        "tokens": [s["tokens"]["full"] for s in samples],
+        "routed_experts": [s["routed_experts"] for s in samples],
+        "batch_invariant": True,
+    }
+    scored = (await moe.post("/v1/logprobs", json=score)).json()["outputs"]
+    for sample, output in zip(samples, scored, strict=True):
+        num_prompt = len(sample["tokens"]["prompt"])
+        assert output["log_probs"]["full"][num_prompt:] == sample["log_probs"]["response"]
+
+
+async def test_vllm_generate_carries_routed_experts_as_vllm_encodes_them(
+    moe_settings: Settings, hf_moe: torch.nn.Module
+) -> None:
+    """With --enable-return-routed-experts, each /inference/v1/generate choice carries its
+    routing as vLLM's: base64 of a .npy file (uint8 ids for up to 256 experts), from
+    routed_experts_prompt_start on."""
+    configured = moe_settings.replace(models={"return_routed_experts": True})
+    params = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    async with served_app(configured) as server:
+        reply = await server.post(
+            "/inference/v1/generate",
+            json={
+                "token_ids": PROMPTS[1],
+                "sampling_params": {**params, "routed_experts_prompt_start": 1},
+            },
+        )
+        past = await server.post(
+            "/inference/v1/generate",
+            json={
+                "token_ids": PROMPTS[1],
+                "sampling_params": {**params, "routed_experts_prompt_start": 9},
+            },
+        )
+    assert reply.status_code == 200, reply.text
+    (choice,) = reply.json()["choices"]
+    array = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+    full = PROMPTS[1] + choice["token_ids"]
+    assert array.dtype == np.uint8 and array.shape == (len(full) - 2, 3, 2)
+    own = router_choices(hf_moe, full)
+    for layer in MOE_LAYERS:
+        assert torch.equal(torch.from_numpy(array[:, layer]).long(), own[layer][1:-1])
+    assert past.status_code in (400, 422), past.text
+    assert past.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"

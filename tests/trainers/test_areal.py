@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import assert_close, forward_log_probs
-from tests.e2e.server import free_port
+from tests.e2e.server import free_port, running_server
 from tests.e2e.trainer import grpo_step, learn, policy_server
 
 pytestmark = pytest.mark.trainers
@@ -170,3 +170,39 @@ def test_an_areal_grpo_loop_ends_serving_the_trainers_weights(server, engine, gr
     sequences = [[5, 6, 7, 8, 9], [40, 41, 42]]
     for seq, got in zip(sequences, served_log_probs(server.url, sequences), strict=True):
         assert_close(got, forward_log_probs(model, seq), 1e-4)
+
+
+def test_areal_reads_the_routed_experts_of_a_moe_policy(tmp_path_factory):
+    """AReaL's engine with return_routed_experts, on a mixture-of-experts policy: its own parser
+    reads SGLang's meta_info.routed_experts ([prompt + output - 1, layers * top_k]); they are
+    the experts a plain forward routes the tokens to, and /v1/logprobs replaying them gives
+    AReaL's log-probs back."""
+    tmp = tmp_path_factory.mktemp("areal-moe")
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_MODELS__MODEL": "builtin:tiny-moe",
+    }
+    with running_server(env=env, log=tmp / "server.log") as server:
+        config = InferenceEngineConfig(
+            backend="sglang:d1", request_timeout=120, setup_timeout=120, return_routed_experts=True
+        )
+        engine = remote.RemoteSGLangEngine(config)
+        engine.initialize(addr=server.url.removeprefix("http://"))
+        try:
+            prompt = [5, 6, 7, 8, 9]
+            reply = generate(engine, prompt, max_new_tokens=6, greedy=False, temperature=1.0)
+        finally:
+            engine.destroy()
+        full = prompt + reply.output_tokens
+        routed = torch.from_numpy(reply.routed_experts.copy()).long().view(len(full) - 1, 3, 2)
+        body = {"tokens": [full], "routed_experts": [routed.tolist()]}
+        scored = httpx.post(f"{server.url}/v1/logprobs", json=body, timeout=60).json()
+        model = served_model(server.url)
+    with torch.inference_mode():
+        out = model(torch.tensor([full]), output_router_logits=True)
+    for layer, logits in zip((0, 2), out.router_logits, strict=True):  # layer 1 is dense
+        own = logits.float().softmax(-1).topk(2, dim=-1).indices[:-1]
+        assert torch.equal(routed[:, layer], own)
+    replayed = scored["outputs"][0]["log_probs"]["full"][len(prompt) :]
+    assert_close(reply.output_logprobs, replayed, 1e-5)

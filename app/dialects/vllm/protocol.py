@@ -180,7 +180,6 @@ IGNORED = {
     "output_text_buffer_length": 0,
     "extra_args": None,
     "skip_reading_prefix_cache": None,
-    "routed_experts_prompt_start": 0,
     "trace_decode_token_ids": None,
 }
 """vLLM's sampling fields that change nothing rlserve returns, with their defaults: accepted,
@@ -282,7 +281,12 @@ class SamplingParams(DialectModel):
     skip_reading_prefix_cache: bool | None = Field(
         default=None, description="Accepted and ignored."
     )
-    routed_experts_prompt_start: int = Field(default=0, description="Accepted and ignored.")
+    routed_experts_prompt_start: int = Field(
+        default=0,
+        ge=0,
+        description="With --enable-return-routed-experts: leave out the routing of the first "
+        "this many prompt tokens.",
+    )
     trace_decode_token_ids: list[int] | None = Field(
         default=None, description="Accepted and ignored."
     )
@@ -449,6 +453,13 @@ class GenerateChoice(DialectModel):
     token_ids: list[int]
     logprobs: GenerateLogProbs | TextLogProbs | None = None
     weight_versions: list[WeightVersionSpan] | None = None
+    routed_experts: str | None = Field(
+        default=None,
+        description="With --enable-return-routed-experts, on a mixture-of-experts policy: "
+        "base64 of a .npy array [tokens, num_hidden_layers, num_experts_per_tok] (uint8, "
+        "uint16 past 256 experts), every prompt and output token but the last, from "
+        "routed_experts_prompt_start on.",
+    )
 
 
 class Usage(DialectModel):

@@ -263,11 +263,12 @@ async def weight_info(weights: WeightsDep) -> WeightInfo:
     summary="Generate from tokens (vLLM)",
 )
 async def inference_generate(
-    request: InferenceGenerateRequest, generation: GenerationDep
+    request: InferenceGenerateRequest, generation: GenerationDep, settings: SettingsDep
 ) -> InferenceGenerateResponse:
     """vLLM's token-in, token-out generation: the same tokens and log-probs as /v1/generate
     for the same seed."""
-    return await service.generate(generation, request)
+    routed = settings.models.return_routed_experts
+    return await service.generate(generation, request, routed_experts=routed)
 
 
 # vLLM answers these as it answers the OpenAI routes they belong to: an invalid request is a 400.

@@ -185,8 +185,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
-        help="a mixture-of-experts policy's routing in every /inference/v1/generate choice, "
-        "as vLLM's flag",
+        help="a mixture-of-experts policy's routing in every choice of vLLM's generate and "
+        "the OpenAI routes, as vLLM's flag",
     )
     serve.add_argument(
         "--replicas",

@@ -84,8 +84,9 @@ class ModelSettings(Group):
     return_routed_experts: bool = Field(
         default=False,
         description="vLLM's --enable-return-routed-experts: on a mixture-of-experts policy, "
-        "every /inference/v1/generate choice carries routed_experts (base64 of a .npy array, "
-        "as vLLM encodes it). rlserve's own routes and SGLang's ask per request.",
+        "every choice of /inference/v1/generate, /v1/completions and /v1/chat/completions "
+        "carries routed_experts (base64 of a .npy array, as vLLM encodes it). rlserve's own "
+        "routes and SGLang's ask per request.",
     )
     backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto", description="'auto': vLLM when it is installed and a GPU is present."

@@ -142,7 +142,12 @@ def build_services(
     )
     app.state.trajectories = trajectories
     app.state.openai = OpenAIService(
-        registry, generation, trajectories, limits, settings.models.reasoning_parser
+        registry,
+        generation,
+        trajectories,
+        limits,
+        settings.models.reasoning_parser,
+        routed_experts=settings.models.return_routed_experts,
     )
     app.state.weights = LocalWeights(registry, settings.weights, settings.storage.data_dir)
     if replicas is not None:  # one of several replicas: updates reach them all

@@ -3,9 +3,12 @@ routing checked against the model's routers (`rlserve_client.moe` holds the layo
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from app.common.failures import Unsupported, invalid
@@ -73,3 +76,25 @@ def replay_rows(
             raise invalid(name, str(error).removeprefix(f"{name}: ")) from None
         rows.append(tensor)
     return rows
+
+
+def check_prompt_start(start: int, prompt_lengths: Sequence[int], param: str) -> None:
+    """vLLM's and SGLang's start of the returned routing: within every prompt."""
+    shortest = min(prompt_lengths, default=0)
+    if start > shortest:
+        raise invalid(param, f"is past the prompt's {shortest} tokens")
+
+
+def npy_base64(experts: torch.Tensor, routing: Routing) -> str:
+    """Routed experts as vLLM encodes them: a .npy file (its header holds dtype and shape),
+    base64; uint8 ids for models of up to 256 experts, uint16 past them."""
+    values = experts.numpy().astype(np.uint8 if routing.num_experts <= 256 else np.uint16)
+    buffer = io.BytesIO()
+    np.save(buffer, values, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def int32_base64(experts: torch.Tensor) -> str:
+    """Routed experts as SGLang encodes them: base64 of the int32 array's bytes (little-endian,
+    no shape)."""
+    return base64.b64encode(experts.numpy().astype("<i4").tobytes()).decode("ascii")

@@ -130,6 +130,12 @@ class SamplingFields(DialectModel):
         description="Extension (vLLM's): only false; beam search is not offered.",
         json_schema_extra={"const": False},
     )
+    routed_experts_prompt_start: int = Field(
+        default=0,
+        ge=0,
+        description="Extension (vLLM's), with --enable-return-routed-experts: leave out the "
+        "routing of the first this many prompt tokens.",
+    )
     trajectory_id: TRAJECTORY_ID | None = None
 
     @model_validator(mode="after")
@@ -361,6 +367,13 @@ class ChoiceExtensions(DialectModel):
     token_ids: list[int] | None = Field(default=None, description="Extension (return_token_ids).")
     policy_versions: list[VersionSpan] | None = Field(
         default=None, description="Extension (return_token_ids): which weights sampled which."
+    )
+    routed_experts: str | None = Field(
+        default=None,
+        description="Extension (vLLM's), with --enable-return-routed-experts on a "
+        "mixture-of-experts policy: base64 of a .npy array [tokens, num_hidden_layers, "
+        "num_experts_per_tok], every prompt and output token but the last (a stream's last "
+        "chunk carries it).",
     )
 
 

@@ -12,13 +12,14 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from app.common.constraints import sampling_constraints
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
+from app.common.routed_experts import check_prompt_start, npy_base64
 from app.common.service import ModelServing
 from app.config import LimitSettings, ReasoningParser
 from app.engine.registry import ModelRegistry
@@ -107,10 +108,15 @@ class OpenAIService(ModelServing):
         trajectories: TrajectoryService,
         limits: LimitSettings,
         reasoning_parser: ReasoningParser | None = None,
+        *,
+        routed_experts: bool = False,
     ) -> None:
+        """`routed_experts`: vLLM's --enable-return-routed-experts (each choice of a
+        mixture-of-experts policy carries its routing)."""
         super().__init__(registry, limits)
         self.generation = generation
         self.reasoning_parser = reasoning_parser
+        self.routed_experts = routed_experts
         self.trajectories = trajectories
         self._texts: dict[str, TokenTexts] = {}
 
@@ -249,6 +255,13 @@ class OpenAIService(ModelServing):
             ignore_eos=request.ignore_eos,
             **constraints,
         )
+        if self.routed_experts and served.backend.routing is not None:
+            check_prompt_start(
+                request.routed_experts_prompt_start,
+                [len(p.ids) for p in prompts],
+                "routed_experts_prompt_start",
+            )
+            config = replace(config, return_routed_experts=True)
         prompt_logprobs = getattr(request, "prompt_logprobs", None)
         if prompt_logprobs is not None and prompt_logprobs > self.limits.max_top_logprobs:
             raise invalid(
@@ -740,9 +753,14 @@ def _decoder(job: Job) -> Any:
 
 
 def _choice_extensions(job: Job, g: Generation) -> dict[str, Any]:
-    if not job.request.return_token_ids:
-        return {}
-    return {"token_ids": g.token_ids, "policy_versions": wire_spans(g.versions)}
+    extensions: dict[str, Any] = {}
+    routing = job.served.backend.routing
+    if g.routed_experts is not None and routing is not None:
+        start = job.request.routed_experts_prompt_start
+        extensions["routed_experts"] = npy_base64(g.routed_experts[start:], routing)
+    if job.request.return_token_ids:
+        extensions |= {"token_ids": g.token_ids, "policy_versions": wire_spans(g.versions)}
+    return extensions
 
 
 def _usage(job: Job, generations: list[Generation]) -> Usage:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,9 @@ async def test_vllm_generate_carries_routed_experts_as_vllm_encodes_them(
                 "sampling_params": {**params, "routed_experts_prompt_start": 9},
             },
         )
+        completion = {"prompt": PROMPTS[1], "return_token_ids": True, **params}
+        plain = await server.post("/v1/completions", json=completion)
+        streamed = await server.post("/v1/completions", json={**completion, "stream": True})
     assert reply.status_code == 200, reply.text
     (choice,) = reply.json()["choices"]
     array = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
@@ -286,5 +290,16 @@ async def test_vllm_generate_carries_routed_experts_as_vllm_encodes_them(
     own = router_choices(hf_moe, full)
     for layer in MOE_LAYERS:
         assert torch.equal(torch.from_numpy(array[:, layer]).long(), own[layer][1:-1])
+    # the OpenAI routes' choices carry it too (a stream's last chunk), from the prompt's start
+    (choice,) = plain.json()["choices"]
+    assert choice["token_ids"] == full[len(PROMPTS[1]) :]
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
+    carried = [
+        c["choices"][0]["routed_experts"] for c in chunks if c["choices"][0].get("routed_experts")
+    ]
+    assert carried == [choice["routed_experts"]]
+    array = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+    for layer in MOE_LAYERS:
+        assert torch.equal(torch.from_numpy(array[:, layer]).long(), own[layer][:-1])
     assert past.status_code in (400, 422), past.text
     assert past.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"

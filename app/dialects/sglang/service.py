@@ -10,19 +10,16 @@ visible follows the flow the trainer drives:
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from app.common.constraints import sampling_constraints
 from app.common.failures import Conflict, invalid
 from app.common.protocol import warn_ignored
-from app.common.routed_experts import routing_of
+from app.common.routed_experts import check_prompt_start, int32_base64, routing_of
 from app.dialects.common import Prompts, abort_all, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
@@ -322,11 +319,8 @@ def _output(
             ]
     if g.routed_experts is not None:
         start = request.routed_experts_start_len
-        if start > len(prompt_ids):
-            raise invalid(
-                "routed_experts_start_len", f"is past the prompt's {len(prompt_ids)} tokens"
-            )
-        meta["routed_experts"] = _routed(g.routed_experts, start)
+        check_prompt_start(start, [len(prompt_ids)], "routed_experts_start_len")
+        meta["routed_experts"] = int32_base64(g.routed_experts[start:])
     return GenerateOutput(
         text=text,
         output_ids=g.token_ids,
@@ -345,14 +339,6 @@ def _output(
         ),
         prompt_token_ids=prompt_ids if request.return_prompt_token_ids else None,
     )
-
-
-def _routed(experts: torch.Tensor, start: int) -> str:
-    """Routed experts as SGLang's meta_info gives them: base64 of the int32 array's bytes
-    (little-endian, no shape: [tokens, num_hidden_layers, num_experts_per_tok]), from prompt
-    token `start` on."""
-    raw = experts[start:].to(torch.int32).numpy().astype("<i4").tobytes()
-    return base64.b64encode(raw).decode("ascii")
 
 
 def _finish(g: Generation, p: SamplingParams) -> dict[str, Any]:

@@ -3,20 +3,16 @@ generation service (the same tokens and log-probs as /v1/generate for the same s
 
 from __future__ import annotations
 
-import base64
-import io
 import math
 import time
 import uuid
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-import torch
-
 from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none, warn_ignored
+from app.common.routed_experts import check_prompt_start, npy_base64
 from app.dialects.common import Prompts, policy_side, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
@@ -93,15 +89,11 @@ async def generate(
     warn_ignored("/inference/v1/generate", request.ignored())
     params = request.sampling_params
     config = config_of(generation, params)
-    routed = routed_experts and generation.served(model).backend.routing is not None
-    if routed:
-        config = replace(config, return_routed_experts=True)
+    routing_of_policy = generation.served(model).backend.routing if routed_experts else None
     start = params.routed_experts_prompt_start
-    if routed and start > len(request.token_ids):
-        raise invalid(
-            FIELD + "routed_experts_prompt_start",
-            f"is past the prompt's {len(request.token_ids)} tokens",
-        )
+    if routing_of_policy is not None:
+        config = replace(config, return_routed_experts=True)
+        check_prompt_start(start, [len(request.token_ids)], FIELD + "routed_experts_prompt_start")
     k = top_k_asked(generation, params.logprobs, FIELD + "logprobs")
     prompt_k = top_k_asked(generation, params.prompt_logprobs, FIELD + "prompt_logprobs")
     token_ids = request.token_ids
@@ -131,9 +123,8 @@ async def generate(
             choice.text = (
                 text if params.include_stop_str_in_output else final_text(text, params.stops)
             )
-        if g.routed_experts is not None:
-            num_experts = generation.served(model).backend.routing.num_experts  # type: ignore[union-attr]
-            choice.routed_experts = _npy_base64(g.routed_experts[start:], num_experts)
+        if g.routed_experts is not None and routing_of_policy is not None:
+            choice.routed_experts = npy_base64(g.routed_experts[start:], routing_of_policy)
         choices.append(choice)
     prompt_logprobs = None
     if prompt_k is not None and sampled.prompt_scores and sampled.prompt_scores[0] is not None:
@@ -196,15 +187,6 @@ def _choice(
         logprobs=logprobs,
         weight_versions=[WeightVersionSpan.of(s) for s in g.versions] if g.versions else None,
     )
-
-
-def _npy_base64(experts: torch.Tensor, num_experts: int) -> str:
-    """Routed experts as vLLM encodes them: a .npy file (its header holds dtype and shape),
-    base64; uint8 ids for models of up to 256 experts, uint16 past them."""
-    values = experts.numpy().astype(np.uint8 if num_experts <= 256 else np.uint16)
-    buffer = io.BytesIO()
-    np.save(buffer, values, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 Entry = tuple[int, float, int | None]

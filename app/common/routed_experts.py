@@ -27,9 +27,9 @@ def routing_of(backend: Backend, model: str, param: str) -> Routing:
 
     if backend.info.backend != "transformers":
         why = (
-            f"the {backend.info.backend} backend does not record or replay routing (vLLM "
-            "records it only in its CUDA MoE kernels and takes none to replay): serve the "
-            "model with the transformers backend"
+            f"the {backend.info.backend} backend does not record or replay routing (vLLM 0.32 "
+            "records it only in its V2 model runner, which its CPU build cannot run, and takes "
+            "none to replay): serve the model with the transformers backend"
         )
     else:
         why = (

@@ -25,7 +25,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from app.config import Settings
 from app.engine.loader import builtin_moe_dir
-from tests.conftest import served_app
+from tests.conftest import (
+    assert_close,
+    backend_settings,
+    forward_log_probs,
+    served_app,
+    vllm_installed,
+)
 
 MOE_LAYERS = (0, 2)  # layer 1 is dense
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
@@ -303,3 +309,32 @@ async def test_vllm_generate_carries_routed_experts_as_vllm_encodes_them(
         assert torch.equal(torch.from_numpy(array[:, layer]).long(), own[layer][:-1])
     assert past.status_code in (400, 422), past.text
     assert past.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
+async def test_vllm_serves_the_moe_model_and_refuses_routing_by_name(
+    moe_settings: Settings, hf_moe: torch.nn.Module
+) -> None:
+    """vLLM's CPU build serves the Qwen3-MoE model (scores as transformers computes them), and
+    the vLLM backend refuses routed experts by name: vLLM 0.32 captures routing only in its
+    V2 model runner, which needs Triton (not in the CPU build), and takes none to replay."""
+    configured = backend_settings(moe_settings, "vllm")
+    async with served_app(configured, timeout=300) as server:
+        sequence = PROMPTS[0] + [12, 13, 14]
+        scored = await server.post("/v1/logprobs", json={"tokens": [sequence]})
+        asks = await server.post(
+            "/v1/generate",
+            json={"tokens": [PROMPTS[0]], "max_new_tokens": 2, "return_routed_experts": True},
+        )
+        replay = await server.post(
+            "/v1/logprobs",
+            json={"tokens": [sequence], "routed_experts": [[[[0, 1], [0, 0], [1, 2]]] * 9]},
+        )
+    assert scored.status_code == 200, scored.text
+    expected = forward_log_probs(hf_moe, sequence)
+    assert_close(scored.json()["outputs"][0]["log_probs"]["full"], expected, 1e-4)
+    for reply, param in ((asks, "return_routed_experts"), (replay, "routed_experts")):
+        assert reply.status_code == 422, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and "the vllm backend" in error["message"], error

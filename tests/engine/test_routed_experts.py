@@ -148,7 +148,7 @@ async def test_the_client_replays_a_sampled_routing_in_a_trainers_forward(
     generated: list[dict[str, Any]], hf_moe: torch.nn.Module
 ) -> None:
     """A left-padded batch of two samples of different lengths, routed as they were sampled
-    (rows given as rlserve returns them, T - 1 each), in a plain transformers forward."""
+    (T - 1 rows each), in a plain transformers forward."""
     rows = [generated[0], generated[2]]
     fulls = [s["tokens"]["full"] for s in rows]
     width = max(len(f) for f in fulls)
@@ -157,7 +157,9 @@ async def test_the_client_replays_a_sampled_routing_in_a_trainers_forward(
     for i, full in enumerate(fulls):
         ids[i, width - len(full) :] = torch.tensor(full)
         mask[i, width - len(full) :] = 1
-    with torch.inference_mode(), replay_experts(hf_moe, [s["routed_experts"] for s in rows]):
+    # the first as rlserve's JSON gives it, the second flat, as AReaL keeps SGLang's
+    given = [rows[0]["routed_experts"], np.array(rows[1]["routed_experts"]).reshape(-1, 3 * 2)]
+    with torch.inference_mode(), replay_experts(hf_moe, given):
         logits = hf_moe(input_ids=ids, attention_mask=mask).logits.log_softmax(-1)
     for i, sample in enumerate(rows):
         response = sample["tokens"]["response"]

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from rlserve_client.moe import replay_experts
 
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import free_port, running_server
@@ -206,3 +207,8 @@ def test_areal_reads_the_routed_experts_of_a_moe_policy(tmp_path_factory):
         assert torch.equal(routed[:, layer], own)
     replayed = scored["outputs"][0]["log_probs"]["full"][len(prompt) :]
     assert_close(reply.output_logprobs, replayed, 1e-5)
+    # the trainer's own forward, routed as AReaL keeps the routing ([rows, layers * top_k])
+    with torch.inference_mode(), replay_experts(model, [reply.routed_experts]):
+        logits = model(torch.tensor([full])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    local = logits.gather(-1, torch.tensor(reply.output_tokens)[:, None]).squeeze(-1)
+    assert_close(reply.output_logprobs, local.tolist(), 1e-5)

@@ -210,21 +210,23 @@ def as_batch(
     routed_experts: torch.Tensor | Sequence[Any],
     shape: tuple[int, int],
     starts: Sequence[int] | None = None,
+    per_token: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Routed experts laid out for a batch of `shape` (batch, positions): from a tensor
     `[batch, rows, layers, top_k]` (or `[rows, layers, top_k]` for a batch of one) or a list of
-    per-sequence rows (tensors or nested lists, as rlserve returns them). Sequence i's rows
-    start at position `starts[i]` (default 0: its first real token in a left-padded batch);
-    every other position is NOT_GIVEN."""
+    per-sequence rows (tensors, arrays or nested lists, as rlserve, vLLM or SGLang give them).
+    With `per_token` (layers, top_k), a sequence's rows may also come flat (AReaL's
+    `[rows, layers * top_k]`, SGLang's decoded int32 bytes). Sequence i's rows start at
+    position `starts[i]` (default 0); every other position is NOT_GIVEN."""
     batch, width = shape
     if isinstance(routed_experts, torch.Tensor):
         given = routed_experts.unsqueeze(0) if routed_experts.dim() == 3 else routed_experts
         rows = list(given)
     else:
-        rows = [torch.as_tensor(r, dtype=torch.long) for r in routed_experts]
+        rows = [torch.as_tensor(r).to(torch.long) for r in routed_experts]
     if len(rows) != batch:
         raise ValueError(f"routed_experts: {len(rows)} sequences for a batch of {batch}")
-    trailing = next((tuple(r.shape[1:]) for r in rows if r.dim() == 3), None)
+    trailing = per_token or next((tuple(r.shape[1:]) for r in rows if r.dim() == 3), None)
     if trailing is None:
         raise ValueError("routed_experts: each sequence needs [positions, layers, top_k]")
     out = torch.full((batch, width, *trailing), NOT_GIVEN, dtype=torch.long)
@@ -241,7 +243,8 @@ def replay_experts(
 ) -> Iterator[None]:
     """Run the forwards of `model` (a transformers MoE causal LM) in this block with the given
     routing. `routed_experts`: per sequence of the batch, `[rows, num_layers, top_k]` as
-    rlserve (or vLLM, SGLang) returned it, a tensor or a list. A sequence's rows start at its
+    rlserve (or vLLM, SGLang) returned it, a tensor, an array or a list, or its rows flat
+    (`[rows, num_layers * top_k]`, as AReaL keeps them). A sequence's rows start at its
     first token (the first position its `attention_mask` keeps, for left-padded batches);
     positions past its rows (the last token of a sampler's `T - 1` rows, padding) are left to
     the router.
@@ -258,7 +261,8 @@ def replay_experts(
         starts = None
         if mask is not None and mask.dim() == 2:
             starts = mask.ne(0).int().argmax(dim=1).tolist()
-        batch = as_batch(routed_experts, (ids.shape[0], ids.shape[1]), starts)
+        per_token = (routing.num_layers, routing.top_k)
+        batch = as_batch(routed_experts, (ids.shape[0], ids.shape[1]), starts, per_token)
         routing.route_as(batch.reshape(-1, routing.num_layers, routing.top_k))
 
     handle = model.register_forward_pre_hook(start, with_kwargs=True)

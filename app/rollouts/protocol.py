@@ -16,6 +16,7 @@ from app.common.protocol import (
     Masks,
     Message,
     RepetitionPenalty,
+    RoutedExperts,
     Seed,
     ServedName,
     Temperature,
@@ -55,6 +56,11 @@ class RolloutGeneration(WireModel):
     seed: Seed | None = Field(
         default=None, description="Makes the whole rollout reproducible (per turn and row)."
     )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: each step's routed_experts (as /v1/generate "
+        "returns them, over the step's tokens.full). transformers backend only.",
+    )
 
     def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
         return SamplingConfig.resolve(
@@ -66,6 +72,7 @@ class RolloutGeneration(WireModel):
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos,
+            return_routed_experts=self.return_routed_experts,
         )
 
 
@@ -138,6 +145,11 @@ class RolloutStep(WireModel):
     advantage: float | None = Field(
         default=None, description="GRPO groups: this step's advantage (see trajectory_return)."
     )
+    routed_experts: RoutedExperts | None = Field(
+        default=None,
+        description="When asked (generation.return_routed_experts): per token of tokens.full "
+        "but the last, the experts each layer routed it to (/v1/generate's layout).",
+    )
 
     @classmethod
     def of(
@@ -163,6 +175,9 @@ class RolloutStep(WireModel):
             policy_versions=wire_spans(generation.versions),
             finish_reason=generation.finish_reason,
             info=step_info(outcome),
+            routed_experts=(
+                None if generation.routed_experts is None else generation.routed_experts.tolist()
+            ),
         )
 
 

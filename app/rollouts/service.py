@@ -13,6 +13,7 @@ from rlserve_client.rounds import Turn, Versioned, play_round
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer
+from app.common.routed_experts import routing_of
 from app.engine.types import Generation, SamplingConfig
 from app.envs.engine import RowOutcome
 from app.envs.episodes import Act, Observation
@@ -46,7 +47,10 @@ class RolloutService:
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
         registry = self.envs.registry
         if registry.not_ready_reason() is None:  # (a model still loading is answered later)
-            registry.get(request.generation.model, param="generation.model")
+            served = registry.get(request.generation.model, param="generation.model")
+            if request.generation.return_routed_experts:
+                param = "generation.return_routed_experts"
+                routing_of(served.backend, request.generation.model, param)
             if config.kl is not None and config.kl.model is not None:
                 where = "env.kl.model" if request.env is not None else "env_id"
                 registry.get_pair(config.kl.model, param=where)

@@ -205,7 +205,16 @@ async def test_a_dense_model_refuses_routed_experts_by_name(client: httpx.AsyncC
     score = await client.post(
         "/v1/logprobs", json={"tokens": [[1, 2]], "routed_experts": [[[[0, 1]]]]}
     )
-    for reply, param in ((generate, "return_routed_experts"), (score, "routed_experts")):
+    env = {"dataset": "arithmetic", "reward": "none", "batch_size": 1, "max_turns": 1}
+    rollout = await client.post(
+        "/v1/rollouts",
+        json={"env": env, "num_episodes": 1, "generation": {"return_routed_experts": True}},
+    )
+    for reply, param in (
+        (generate, "return_routed_experts"),
+        (score, "routed_experts"),
+        (rollout, "generation.return_routed_experts"),
+    ):
         assert reply.status_code == 422, reply.text
         error = reply.json()["error"]
         assert error["param"] == param, error
@@ -340,3 +349,26 @@ async def test_vllm_serves_the_moe_model_and_refuses_routing_by_name(
         assert reply.status_code == 422, reply.text
         error = reply.json()["error"]
         assert error["param"] == param and "the vllm backend" in error["message"], error
+
+
+async def test_rollouts_return_each_steps_routed_experts(
+    moe: httpx.AsyncClient, hf_moe: torch.nn.Module
+) -> None:
+    """/v1/rollouts with return_routed_experts: each step's routing over its tokens.full (the
+    observation and the reply), as a plain forward routes them."""
+    body = {
+        "env": {"dataset": "arithmetic", "reward": "none", "batch_size": 2, "max_turns": 2},
+        "num_episodes": 2,
+        "generation": {"max_new_tokens": 4, "seed": 2, "return_routed_experts": True},
+    }
+    reply = await moe.post("/v1/rollouts", json=body)
+    assert reply.status_code == 200, reply.text
+    steps = [step for t in reply.json()["trajectories"] for step in t["steps"]]
+    assert steps
+    for step in steps:
+        full = step["tokens"]["full"]
+        routed = torch.tensor(step["routed_experts"])
+        assert routed.shape == (len(full) - 1, 3, 2)
+        own = router_choices(hf_moe, full)
+        for layer in MOE_LAYERS:
+            assert torch.equal(routed[:, layer], own[layer][:-1])

@@ -232,7 +232,10 @@ async def test_ttl_expiry_and_session_cap(short_lived):
         assert full.json()["error"]["type"] == "rate_limit_error"
         await asyncio.sleep(0.7)
         assert (await client.get(f"/v1/envs/{first}")).status_code == 404
-        assert await short_lived.state.envs.reap() == 1  # the other one, reaped
+        # The other one, never read again, is reaped: here, or already by the server's own
+        # reaper (it runs every second, and a loaded machine can take that long to get here).
+        await short_lived.state.envs.reap()
+        assert await short_lived.state.envs.sessions.count() == 0
         await create(client)  # room again
 
 

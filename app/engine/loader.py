@@ -26,38 +26,24 @@ TINY_MOE = "tiny-moe"
 
 def builtin_model_dir(models: ModelSettings) -> Path:
     """The tiny random-weights model (`builtin:tiny`), built once into the cache directory."""
-    name = (
-        f"builtin-v{BUILDER_VERSION}-qwen2-h{models.builtin_hidden_size}"
-        f"-l{models.builtin_num_layers}-s{models.builtin_seed}"
-    )
-    return _cached(
-        models.cache_dir,
-        name,
-        DEMO_MARKER,
-        lambda staging: build_model(
-            staging,
-            hidden_size=models.builtin_hidden_size,
-            num_layers=models.builtin_num_layers,
-            seed=models.builtin_seed,
-        ),
-    )
+    return _builtin_dir(models, "qwen2", models.builtin_num_layers)
 
 
 def builtin_moe_dir(models: ModelSettings) -> Path:
     """The tiny random-weights mixture-of-experts model (`builtin:tiny-moe`): Qwen3-MoE with
     three layers (the middle one dense), built once into the cache directory."""
+    return _builtin_dir(models, "qwen3moe", 3, moe=True)
+
+
+def _builtin_dir(models: ModelSettings, arch: str, num_layers: int, *, moe: bool = False) -> Path:
     size, seed = models.builtin_hidden_size, models.builtin_seed
-    name = f"builtin-v{BUILDER_VERSION}-qwen3moe-h{size}-l3-s{seed}"
+    name = f"builtin-v{BUILDER_VERSION}-{arch}-h{size}-l{num_layers}-s{seed}"
     return _cached(
         models.cache_dir,
         name,
         DEMO_MARKER,
         lambda staging: build_model(
-            staging,
-            hidden_size=size,
-            num_layers=3,
-            seed=seed,
-            moe=True,
+            staging, hidden_size=size, num_layers=num_layers, seed=seed, moe=moe
         ),
     )
 

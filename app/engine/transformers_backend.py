@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rlserve_client.moe import Routing, is_moe
+from rlserve_client.moe import Routing
 
 from app.engine import hf_decode
 from app.engine.base import Backend, Capabilities, ScoreItem
@@ -53,7 +53,7 @@ class TransformersBackend(Backend):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{info.name}")
         self._transfer: InProcessTransfer | None = None
         self.lora: LoraHooks | None = None  # hooks on the adapted layers, once an adapter loads
-        self.routing: Routing | None = Routing(model) if is_moe(model) else None
+        self.routing: Routing | None = Routing.of(model)
         """Hooks on a mixture-of-experts model's routers: routed experts recorded and replayed."""
         if self.routing is not None:
             self.capabilities = replace(self.capabilities, routed_experts=True)

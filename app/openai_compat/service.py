@@ -19,7 +19,7 @@ from app.common.constraints import sampling_constraints
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
-from app.common.routed_experts import check_prompt_start, npy_base64
+from app.common.routed_experts import npy_base64, routing_to_return
 from app.common.service import ModelServing
 from app.config import LimitSettings, ReasoningParser
 from app.engine.registry import ModelRegistry
@@ -255,12 +255,9 @@ class OpenAIService(ModelServing):
             ignore_eos=request.ignore_eos,
             **constraints,
         )
-        if self.routed_experts and served.backend.routing is not None:
-            check_prompt_start(
-                request.routed_experts_prompt_start,
-                [len(p.ids) for p in prompts],
-                "routed_experts_prompt_start",
-            )
+        start, lengths = request.routed_experts_prompt_start, [len(p.ids) for p in prompts]
+        param = "routed_experts_prompt_start"
+        if routing_to_return(self.routed_experts, served.backend, start, lengths, param):
             config = replace(config, return_routed_experts=True)
         prompt_logprobs = getattr(request, "prompt_logprobs", None)
         if prompt_logprobs is not None and prompt_logprobs > self.limits.max_top_logprobs:

@@ -12,7 +12,7 @@ from typing import Any
 from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none, warn_ignored
-from app.common.routed_experts import check_prompt_start, npy_base64
+from app.common.routed_experts import npy_base64, routing_to_return
 from app.dialects.common import Prompts, policy_side, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
@@ -89,11 +89,17 @@ async def generate(
     warn_ignored("/inference/v1/generate", request.ignored())
     params = request.sampling_params
     config = config_of(generation, params)
-    routing_of_policy = generation.served(model).backend.routing if routed_experts else None
     start = params.routed_experts_prompt_start
-    if routing_of_policy is not None:
+    backend = generation.served(model).backend
+    routing = routing_to_return(
+        routed_experts,
+        backend,
+        start,
+        [len(request.token_ids)],
+        FIELD + "routed_experts_prompt_start",
+    )
+    if routing is not None:
         config = replace(config, return_routed_experts=True)
-        check_prompt_start(start, [len(request.token_ids)], FIELD + "routed_experts_prompt_start")
     k = top_k_asked(generation, params.logprobs, FIELD + "logprobs")
     prompt_k = top_k_asked(generation, params.prompt_logprobs, FIELD + "prompt_logprobs")
     token_ids = request.token_ids
@@ -123,8 +129,8 @@ async def generate(
             choice.text = (
                 text if params.include_stop_str_in_output else final_text(text, params.stops)
             )
-        if g.routed_experts is not None and routing_of_policy is not None:
-            choice.routed_experts = npy_base64(g.routed_experts[start:], routing_of_policy)
+        if g.routed_experts is not None and routing is not None:
+            choice.routed_experts = npy_base64(g.routed_experts[start:], routing)
         choices.append(choice)
     prompt_logprobs = None
     if prompt_k is not None and sampled.prompt_scores and sampled.prompt_scores[0] is not None:

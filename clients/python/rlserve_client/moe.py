@@ -72,11 +72,6 @@ def find_routers(model: torch.nn.Module) -> list[torch.nn.Module | None]:
     return found if any(r is not None for r in found) else []
 
 
-def is_moe(model: torch.nn.Module) -> bool:
-    """Whether `model` has MoE routers this module records and replays."""
-    return bool(find_routers(model))
-
-
 class Routing:
     """A model's routers, hooked once. Forwards inside `recording()` have their routing
     recorded; forwards inside `replaying(experts)` route as `experts` says. Neither context
@@ -101,6 +96,14 @@ class Routing:
             for layer, router in enumerate(routers)
             if router is not None
         ]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Routing | None:
+        """`model`'s routers hooked, or None for a model without supported routers."""
+        try:
+            return cls(model)
+        except UnsupportedRouting:
+            return None
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -194,15 +197,14 @@ class Recorded:
     def take(self) -> torch.Tensor:
         """The last forward's routing: `[num_tokens, num_layers, top_k]` int64 on the CPU
         (row-major over the forward's batch and positions; zeros at dense layers)."""
-        parts = {layer: calls.pop() for layer, calls in self.layers.items()}
+        parts = {layer: calls[-1] for layer, calls in self.layers.items()}
         first = next(iter(parts.values()))
         out = torch.zeros(
             (first.shape[0], self.routing.num_layers, self.routing.top_k), dtype=torch.long
         )
         for layer, indices in parts.items():
             out[:, layer] = indices.cpu()
-        for calls in self.layers.values():
-            calls.clear()
+            self.layers[layer].clear()
         return out
 
 

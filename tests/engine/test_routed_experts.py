@@ -296,6 +296,18 @@ async def test_vllm_generate_carries_routed_experts_as_vllm_encodes_them(
                 "sampling_params": {**params, "routed_experts_prompt_start": 9},
             },
         )
+        # the start is checked against the prompt the model sees (truncated to its last 2)
+        truncated = await server.post(
+            "/inference/v1/generate",
+            json={
+                "token_ids": PROMPTS[1],
+                "sampling_params": {
+                    **params,
+                    "truncate_prompt_tokens": 2,
+                    "routed_experts_prompt_start": 3,
+                },
+            },
+        )
         completion = {"prompt": PROMPTS[1], "return_token_ids": True, **params}
         plain = await server.post("/v1/completions", json=completion)
         streamed = await server.post("/v1/completions", json={**completion, "stream": True})
@@ -318,8 +330,9 @@ async def test_vllm_generate_carries_routed_experts_as_vllm_encodes_them(
     array = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
     for layer in MOE_LAYERS:
         assert torch.equal(torch.from_numpy(array[:, layer]).long(), own[layer][:-1])
-    assert past.status_code in (400, 422), past.text
-    assert past.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"
+    for refused in (past, truncated):
+        assert refused.status_code in (400, 422), refused.text
+        assert refused.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"
 
 
 @pytest.mark.vllm

@@ -89,22 +89,22 @@ async def generate(
     warn_ignored("/inference/v1/generate", request.ignored())
     params = request.sampling_params
     config = config_of(generation, params)
+    token_ids = request.token_ids
+    if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
+        token_ids = token_ids[-params.truncate_prompt_tokens :]
     start = params.routed_experts_prompt_start
     backend = generation.served(model).backend
     routing = routing_to_return(
         routed_experts,
         backend,
         start,
-        [len(request.token_ids)],
+        [len(token_ids)],
         FIELD + "routed_experts_prompt_start",
     )
     if routing is not None:
         config = replace(config, return_routed_experts=True)
     k = top_k_asked(generation, params.logprobs, FIELD + "logprobs")
     prompt_k = top_k_asked(generation, params.prompt_logprobs, FIELD + "prompt_logprobs")
-    token_ids = request.token_ids
-    if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
-        token_ids = token_ids[-params.truncate_prompt_tokens :]
     sampled = await sample(
         generation,
         Prompts(token_ids=[token_ids], field="token_ids"),

@@ -53,8 +53,10 @@ class TransferSetup:
 
 
 # A trainer opens its rendezvous before (or just as) it asks the server to join: a port that
-# refuses connections for this long has no trainer behind it.
-_LISTEN_GRACE_S = 5.0
+# refuses connections for this long has no trainer behind it. Generous, because a trainer may
+# start its rendezvous in a process still importing torch (seconds on a loaded host: 5 s was
+# too short on CI, where a trainer's own subprocess was refused while starting).
+_LISTEN_GRACE_S = 30.0
 
 
 async def rendezvous_listening(address: str, port: int, timeout_s: float) -> None:

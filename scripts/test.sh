@@ -6,6 +6,25 @@
 # CI=true (or RLSERVE_TEST_DOCKER=1) the images are built and run (scripts/docker-smoke.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A deadline for every suite (seconds from now; CI=true: 80 minutes, inside CI's 90): a suite
+# still running then is interrupted (pytest prints its summary and the test it was in, and the
+# lane's log is printed), so a hang shows where it is instead of the whole run being killed
+# silently. RLSERVE_TEST_DEADLINE_S sets another; 0: none.
+deadline_s=${RLSERVE_TEST_DEADLINE_S:-$([ "${CI:-}" = "true" ] && echo 4800 || echo 0)}
+deadline=$(( deadline_s > 0 ? $(date +%s) + deadline_s : 0 ))
+before_deadline() {
+  if [ "$deadline" = 0 ]; then "$@"; return; fi
+  local left=$(( deadline - $(date +%s) ))
+  if [ "$left" -le 0 ]; then echo "not run, past the test deadline: $*" >&2; return 124; fi
+  # SIGINT first (pytest reports what ran), SIGKILL a minute later
+  timeout --signal=INT --kill-after=60 "$left" "$@" || {
+    local status=$?
+    if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+      echo "stopped at the test deadline (${deadline_s} s after the start): $*" >&2
+    fi
+    return "$status"
+  }
+}
 ./scripts/setup.sh
 extras=()
 if [ "${CI:-}" = "true" ] || [ "${RLSERVE_TEST_TORCHRL:-0}" = "1" ]; then extras+=(torchrl); fi
@@ -62,18 +81,24 @@ if [ "${#extras[@]}" -gt 0 ]; then
     status=0
     if [ "$beside" = 1 ]; then
       echo "=== long benchmark smokes (main venv) ==="
-      .venv/bin/python -m pytest -m beside tests/bench --durations=5 || status=1
+      before_deadline .venv/bin/python -m pytest -m beside tests/bench --durations=5 || status=1
     fi
     for name in "${extras[@]}"; do
       echo "=== $name suite ==="
-      while [ ! -f "$setups/$name.rc" ]; do sleep 5; done
+      while [ ! -f "$setups/$name.rc" ]; do
+        if [ "$deadline" != 0 ] && [ "$(date +%s)" -ge "$deadline" ]; then
+          echo "past the test deadline" > "$setups/$name.rc"
+          break
+        fi
+        sleep 5
+      done
       cat "$setups/$name.log"
       if [ "$(cat "$setups/$name.rc")" != 0 ]; then
         echo "setting up the $name venv failed"
         status=1
         continue
       fi
-      "./scripts/test-$name.sh" || status=1
+      before_deadline "./scripts/test-$name.sh" || status=1
     done
     exit "$status"
   ) > "$setups/extras.log" 2>&1 &
@@ -81,7 +106,7 @@ if [ "${#extras[@]}" -gt 0 ]; then
 fi
 # (the slowest tests are listed at the end: where CI time goes)
 main_status=0
-.venv/bin/python -m pytest --durations=25 "${main_args[@]}" || main_status=$?
+before_deadline .venv/bin/python -m pytest --durations=25 "${main_args[@]}" || main_status=$?
 if [ "${#extras[@]}" -gt 0 ]; then
   wait "$extras_pid" || extra_status=$?
   cat "$setups/extras.log"

@@ -102,10 +102,15 @@ def backend_name(request: pytest.FixtureRequest) -> str:
 
 def backend_settings(settings: Settings, backend: str) -> Settings:
     """The vLLM engines run the same built-in model with a small KV cache each, at the default
-    dtype: `auto` resolves to the checkpoint's float32 for both backends."""
+    dtype: `auto` resolves to the checkpoint's float32 for both backends. They run eagerly:
+    torch.compile adds about 15 s to each engine's start on this CPU, and the suite starts
+    dozens (tests/e2e/test_vllm_lifecycle.py serves vLLM's compiled default)."""
     if backend == "transformers":
         return settings.replace(models={"backend": "transformers"})
-    return settings.replace(models={"backend": "vllm"}, vllm={"kv_cache_memory_bytes": 256 << 20})
+    return settings.replace(
+        models={"backend": "vllm"},
+        vllm={"kv_cache_memory_bytes": 256 << 20, "enforce_eager": True},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -301,7 +301,7 @@ def _decode(
                     use_cache=True,
                     logits_to_keep=1,
                 )
-        routes.stepped(len(items), ids.shape[1] if version != previous else None)
+        routes.stepped(len(items), rebuilt=version != previous)
         cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps, routes) for i in range(len(items))]

@@ -58,18 +58,18 @@ class RoutedRows:
         prompt = taken.view(num_rows, -1, *taken.shape[1:])
         self.prompt = prompt if expand is None else prompt.index_select(0, expand.cpu())
 
-    def stepped(self, num_rows: int, rebuilt_from: int | None) -> None:
-        """After a decoding forward; `rebuilt_from`: the prompt width, when the forward fed
-        every token again (a weight change rebuilt the cache: its routing replaces all)."""
+    def stepped(self, num_rows: int, *, rebuilt: bool) -> None:
+        """After a decoding forward. `rebuilt`: a weight change rebuilt the cache, and the
+        forward fed every token again; the tokens fed before keep the routing they had (the
+        routing the tokens after them were sampled with: one rule with the returned
+        log-probs, which are the weights' that sampled each token), and only the newest
+        token's routing is taken from it."""
         if self.recorded is None:
             return
         taken = self.recorded.take()
-        if rebuilt_from is None:
-            self.steps.append(taken)
-            return
-        every = taken.view(num_rows, -1, *taken.shape[1:])
-        self.prompt = every[:, :rebuilt_from]
-        self.steps = list(every[:, rebuilt_from:].unbind(1))
+        if rebuilt:
+            taken = taken.view(num_rows, -1, *taken.shape[1:])[:, -1]
+        self.steps.append(taken)
 
     def of(self, row: int, num_prompt: int, num_generated: int) -> torch.Tensor | None:
         """Row `row`'s routing: its prompt's and its fed tokens' (all but the last)."""

@@ -106,6 +106,11 @@ def npy_base64(experts: torch.Tensor, routing: Routing) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def from_npy_base64(encoded: str) -> np.ndarray:
+    """`npy_base64`'s array back."""
+    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+
+
 def int32_base64(experts: torch.Tensor) -> str:
     """Routed experts as SGLang encodes them: base64 of the int32 array's bytes (little-endian,
     no shape)."""

@@ -441,7 +441,12 @@ class OpenAIService(ModelServing):
         if generation.finish_reason == "abort":
             return None  # nothing was completed: the caller will ask again
         return await self.trajectories.record(
-            job.trajectory_id, job.owner, job.model, job.prompts[0].ids, generation
+            job.trajectory_id,
+            job.owner,
+            job.model,
+            job.prompts[0].ids,
+            generation,
+            job.served.backend.routing,
         )
 
     # -- streaming ---------------------------------------------------------------------

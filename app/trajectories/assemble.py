@@ -3,12 +3,19 @@ before it (the previous prompt and completion, token for token) form one segment
 prompt does not (a chat template that re-renders history differently, e.g. one that drops
 reasoning, or a completion cut at a stop string) starts a new segment, and the reply says
 where the tokens first differ. Nothing is re-tokenized: every token is one the policy saw or
-sampled."""
+sampled.
+
+A mixture-of-experts policy's routing, where the turns kept it, is assembled the same way: each
+token's routing is that of the turn that first fed it to the model, so the tokens a turn
+sampled are predicted under the routing they were sampled with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from app.common.routed_experts import from_npy_base64
 from app.trajectories.store import Turn
 
 
@@ -32,9 +39,24 @@ class Segment:
     turns: list[Placed] = field(default_factory=list)
     break_reason: str | None = None
     """Why this segment does not continue the previous one (None for the first)."""
+    routed: list[np.ndarray] | None = field(default_factory=list)
+    """Routing rows of ids[:-1], in pieces; None once a turn without routing joined."""
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        """[len(ids) - 1, layers, top_k] expert ids, when every turn kept its routing."""
+        if not self.routed:
+            return None
+        return np.concatenate(self.routed).astype(np.int64)
 
     def extend(self, index: int, turn: Turn) -> None:
         """Append `turn`, whose prompt starts with this segment's tokens."""
+        if self.routed is not None:
+            if turn.routed_experts is None:
+                self.routed = None
+            else:  # the rows of the tokens this turn fed first: from the previous last on
+                fed = from_npy_base64(turn.routed_experts)
+                self.routed.append(fed[max(len(self.ids) - 1, 0) :])
         new_prompt = turn.prompt_ids[len(self.ids) :]
         self.ids += new_prompt
         self.assistant_mask += [0] * len(new_prompt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from rlserve_client import types as containers
 
-from app.common.protocol import Sample, WireModel
+from app.common.protocol import RoutedExperts, Sample, WireModel
 
 
 class TurnSpan(containers.TurnSpan, WireModel):
@@ -22,6 +22,14 @@ class TrajectorySegment(Sample):
         default=None,
         description="Why this segment does not continue the previous one (where the "
         "re-templated history stopped matching the recorded tokens).",
+    )
+    routed_experts: RoutedExperts | None = Field(
+        default=None,
+        description="Mixture-of-experts policies, when the server returns routed experts: per "
+        "token of tokens.full but the last, the experts each layer routed it to "
+        "[num_hidden_layers][num_experts_per_tok], as /v1/generate's. Each token's routing is "
+        "that of the turn that first fed it to the model: the turn's own routing for the "
+        "tokens it sampled. Replay it with /v1/logprobs' routed_experts or rlserve_client.moe.",
     )
 
 

@@ -4,15 +4,20 @@ conversation back as token sequences, attach a reward."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from app.common.failures import Conflict, NotFound
 from app.common.protocol import LogProbFields, Masks, TokenFields
+from app.common.routed_experts import npy_base64
 from app.config import TrajectorySettings
 from app.engine.registry import ModelRegistry
 from app.engine.types import Generation
 from app.trajectories.assemble import Segment, segments
 from app.trajectories.protocol import TrajectoryResponse, TrajectorySegment, TurnSpan
 from app.trajectories.store import Trajectory, TrajectoryStore, Turn
+
+if TYPE_CHECKING:
+    from rlserve_client.moe import Routing
 
 
 class TrajectoryService:
@@ -24,9 +29,19 @@ class TrajectoryService:
         self.settings = settings
 
     async def record(
-        self, trajectory_id: str, owner: str, model: str, prompt_ids: list[int], g: Generation
+        self,
+        trajectory_id: str,
+        owner: str,
+        model: str,
+        prompt_ids: list[int],
+        g: Generation,
+        routing: Routing | None = None,
     ) -> int:
-        """Append one completion as the trajectory's next turn; its index."""
+        """Append one completion as the trajectory's next turn; its index. With the model's
+        `routing`, the generation's routed experts are kept too."""
+        routed = None
+        if g.routed_experts is not None and routing is not None:
+            routed = npy_base64(g.routed_experts, routing)
         turn = Turn(
             prompt_ids=list(prompt_ids),
             completion_ids=list(g.token_ids),
@@ -35,6 +50,7 @@ class TrajectoryService:
             finish_reason=g.finish_reason,
             model=model,
             created=time.time(),
+            routed_experts=routed,
         )
         limit = self.settings.max_turns
         index = await self.store.append(trajectory_id, owner, turn, limit)
@@ -122,4 +138,5 @@ def _wire(segment: Segment) -> TrajectorySegment:
             for p in segment.turns
         ],
         break_reason=segment.break_reason,
+        routed_experts=None if segment.routed_experts is None else segment.routed_experts.tolist(),
     )

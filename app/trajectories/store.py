@@ -28,6 +28,10 @@ class Turn:
     finish_reason: str
     model: str
     created: float
+    routed_experts: str | None = None
+    """A mixture-of-experts policy's routing of every token the turn fed its model (prompt and
+    completion but the last), as vLLM encodes it (`app.common.routed_experts.npy_base64`);
+    recorded when the server returns routed experts."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ routes as told, written here (not rlserve_client.moe)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -19,12 +20,16 @@ import numpy as np
 import pytest
 import torch
 from rlserve_client import tensor_wire
-from rlserve_client.moe import replay_experts
+from rlserve_client.moe import Routing, replay_experts
+from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from app.common.routed_experts import npy_base64
 from app.config import Settings
 from app.engine.loader import builtin_moe_dir
+from app.trajectories.assemble import segments
+from app.trajectories.store import Turn
 from tests.conftest import (
     assert_close,
     backend_settings,
@@ -385,3 +390,120 @@ async def test_rollouts_return_each_steps_routed_experts(
         own = router_choices(hf_moe, full)
         for layer in MOE_LAYERS:
             assert torch.equal(routed[:, layer], own[layer][:-1])
+
+
+async def test_recorded_trajectories_keep_each_turns_routing(
+    moe_settings: Settings, moe: httpx.AsyncClient, hf_moe: torch.nn.Module
+) -> None:
+    """With --enable-return-routed-experts, a trajectory recorded by the OpenAI routes keeps
+    its turns' routing: each segment's routed_experts covers its tokens but the last, every
+    token routed as the turn that first fed it routed it (as a plain forward of that turn's
+    tokens does), and replaying it scores the sampled tokens as they were sampled. A server
+    without the flag records none."""
+    configured = moe_settings.replace(models={"return_routed_experts": True})
+    params = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    turns: list[list[int]] = []  # each turn's prompt + completion
+    async with served_app(configured) as server:
+        prompts = [PROMPTS[0], None, PROMPTS[1]]  # turn 1 extends turn 0; turn 2 breaks off
+        for prompt in prompts:
+            prompt = prompt if prompt is not None else [*turns[-1], 12, 13]
+            body = {"prompt": prompt, "trajectory_id": "moe", **params}
+            reply = await server.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            turns.append(prompt + reply.json()["choices"][0]["token_ids"])
+        recorded = (await server.get("/v1/trajectories/moe")).json()
+        first, second = recorded["segments"]
+        replayed = await server.post(
+            "/v1/logprobs",
+            json={"tokens": [first["tokens"]["full"]], "routed_experts": [first["routed_experts"]]},
+        )
+    assert first["tokens"]["full"] == turns[1] and second["tokens"]["full"] == turns[2]
+    for segment, fed_by in ((first, [turns[0], turns[1]]), (second, [turns[2]])):
+        routed = torch.tensor(segment["routed_experts"])
+        assert routed.shape == (len(segment["tokens"]["full"]) - 1, 3, 2)
+        start = 0
+        for tokens in fed_by:  # rows [start, len(tokens) - 1) were first fed by this turn
+            own = router_choices(hf_moe, tokens)
+            for layer in MOE_LAYERS:
+                assert torch.equal(
+                    routed[start:, layer][: len(tokens) - 1 - start], own[layer][start:-1]
+                )
+            start = len(tokens) - 1
+    # the sampled tokens' recorded log-probs are what the recorded routing gives
+    assert replayed.status_code == 200, replayed.text
+    scored = replayed.json()["outputs"][0]["log_probs"]["full"]
+    sampled = [i for i, m in enumerate(first["masks"]["all_assistant_mask"]) if m]
+    assert_close(
+        [first["log_probs"]["full"][i] for i in sampled], [scored[i] for i in sampled], 1e-5
+    )
+    body = {"prompt": PROMPTS[0], "trajectory_id": "dense-flag-off", **params}
+    assert (await moe.post("/v1/completions", json=body)).status_code == 200
+    (segment,) = (await moe.get("/v1/trajectories/dense-flag-off")).json()["segments"]
+    assert "routed_experts" not in segment
+
+
+def test_a_segments_routing_takes_each_token_from_the_turn_that_fed_it_first(
+    hf_moe: torch.nn.Module,
+) -> None:
+    """Turn 1 re-feeds turn 0's tokens with other routing: the segment keeps turn 0's for them
+    (the routing turn 0's samples were drawn with) and turn 1's for the rest; a turn kept
+    without routing leaves its segment without any."""
+    routing = Routing(hf_moe)
+    routing.close()
+
+    def turn(prompt: list[int], completion: list[int], expert: int | None) -> Turn:
+        rows = torch.full((len(prompt) + len(completion) - 1, 3, 2), expert or 0)
+        encoded = None if expert is None else npy_base64(rows, routing)
+        return Turn(prompt, completion, [0.0] * len(completion), [], "stop", "policy", 0.0, encoded)
+
+    first = turn([1, 2, 3], [4, 5], 1)
+    second = turn([1, 2, 3, 4, 5, 6], [7, 8, 9], 2)
+    (segment,) = segments([first, second])
+    got = segment.routed_experts
+    assert got is not None and got.shape == (8, 3, 2)
+    assert got[:4].tolist() == torch.full((4, 3, 2), 1).tolist()  # tokens 1-4: turn 0 fed them
+    assert got[4:].tolist() == torch.full((4, 3, 2), 2).tolist()  # tokens 5-8: turn 1
+    (unrouted,) = segments([first, turn([1, 2, 3, 4, 5, 6], [7], None)])
+    assert unrouted.routed_experts is None
+
+
+async def test_a_generation_across_a_weight_change_keeps_the_routing_each_token_was_sampled_with(
+    moe_settings: Settings, hf_moe: torch.nn.Module
+) -> None:
+    """New weights arrive mid-generation (keep mode: the cache is rebuilt under them): the
+    tokens fed before keep the old weights' routing, which sampled the tokens after them, and
+    the rest have the new weights', each as a plain forward of that model routes them."""
+    from tests.weights.conftest import Served
+    from tests.weights.test_pause import in_flight
+
+    other_dir = builtin_moe_dir(moe_settings.replace(models={"builtin_seed": 1}).models)
+    other = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
+    configured = moe_settings.replace(limits={"max_new_tokens": 2000})
+    body = {
+        "tokens": [PROMPTS[0]],
+        "max_new_tokens": 1500,
+        "ignore_eos": True,
+        "seed": 4,
+        "return_routed_experts": True,
+    }
+    async with served_app(configured, timeout=120) as server:
+        served = Served(server.app, server, asyncio.get_running_loop())  # type: ignore[attr-defined]
+        generation = await in_flight(served, body)
+        pushed = await server.put("/v1/weights", content=save(other.state_dict()))
+        reply = await generation
+    assert pushed.status_code == 200, pushed.text
+    assert reply.status_code == 200, reply.text
+    (sample,) = reply.json()["outputs"][0]
+    spans = sample["policy_versions"]
+    assert [s["version"] for s in spans] == [0, 1], spans
+    k = spans[1]["start"]  # the first response token the new weights sampled
+    assert 0 < k < 1500
+    full = sample["tokens"]["full"]
+    cut = len(PROMPTS[0]) + k - 1  # the row its distribution was computed at
+    routed = torch.tensor(sample["routed_experts"])
+    assert routed.shape == (len(full) - 1, 3, 2)
+    old, new = router_choices(hf_moe, full), router_choices(other, full)
+    for layer in MOE_LAYERS:
+        assert torch.equal(routed[:cut, layer], old[layer][:cut])
+        assert torch.equal(routed[cut:, layer], new[layer][cut:-1])
+        assert not torch.equal(old[layer][:cut], new[layer][:cut])  # the two differ there

@@ -22,6 +22,7 @@ from app.engine.lora import LoraHooks
 from app.engine.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.expert_names import checkpoint_views
 from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import adapter_from
 from app.weights.staging import adopt
@@ -174,13 +175,13 @@ class TransformersBackend(Backend):
         self.lora.install(adapter)
 
     def weight_layout(self) -> Layout:
-        return layout_of_state(self.model.state_dict())
+        return layout_of_state(checkpoint_views(self.model))
 
     # Weight changes run while the gate holds the model frozen (no call between two
     # checkpoints), so they go on a thread of their own, not behind the parked model thread.
 
     async def update_weights(self, files: list[Path]) -> None:
-        await asyncio.to_thread(copy_into, self.model.state_dict(), files)
+        await asyncio.to_thread(copy_into, checkpoint_views(self.model), files)
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:

@@ -22,6 +22,7 @@ import torch
 
 from app.common.failures import Conflict, TimedOut, invalid
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout
+from app.weights.expert_names import checkpoint_views
 
 HUGE_PAGE_BYTES = 2 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -246,7 +247,8 @@ def adopt(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
     received memory as its own when dtype, device and layout allow: no copy, and its old
     memory is freed. Otherwise, and for buffers, the values are copied in. Tied parameters
     are one object, so every name of it follows."""
-    targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    targets: dict[str, torch.Tensor] = checkpoint_views(module)  # names of the checkpoint too
+    targets |= dict(module.named_parameters(remove_duplicate=False))
     targets |= dict(module.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for name, tensor in staged.items():

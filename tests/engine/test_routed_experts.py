@@ -21,7 +21,7 @@ import pytest
 import torch
 from rlserve_client import tensor_wire
 from rlserve_client.moe import Routing, replay_experts
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -489,7 +489,7 @@ async def test_a_generation_across_a_weight_change_keeps_the_routing_each_token_
     async with served_app(configured, timeout=120) as server:
         served = Served(server.app, server, asyncio.get_running_loop())  # type: ignore[attr-defined]
         generation = await in_flight(served, body)
-        pushed = await server.put("/v1/weights", content=save(other.state_dict()))
+        pushed = await server.put("/v1/weights", content=save(other.state_dict()))  # fused
         reply = await generation
     assert pushed.status_code == 200, pushed.text
     assert reply.status_code == 200, reply.text
@@ -507,3 +507,31 @@ async def test_a_generation_across_a_weight_change_keeps_the_routing_each_token_
         assert torch.equal(routed[:cut, layer], old[layer][:cut])
         assert torch.equal(routed[cut:, layer], new[layer][cut:-1])
         assert not torch.equal(old[layer][:cut], new[layer][:cut])  # the two differ there
+
+
+async def test_the_moe_policy_takes_the_checkpoints_per_expert_tensors(
+    moe_settings: Settings, hf_moe: torch.nn.Module
+) -> None:
+    """transformers fuses each layer's experts; trainers exporting for vLLM or SGLang push the
+    hub's per-expert tensors (what save_pretrained writes). Both an upload and the collective
+    transfer of those serve the new weights exactly."""
+    from tests.weights.conftest import Served
+    from tests.weights.test_transfer import send
+
+    seeds = [
+        builtin_moe_dir(moe_settings.replace(models={"builtin_seed": s}).models) for s in (1, 2)
+    ]
+    written = [load_file(d / "model.safetensors") for d in seeds]
+    assert any(".experts.0.gate_proj.weight" in name for name in written[0])  # the hub's names
+    async with served_app(moe_settings, timeout=120) as server:
+        served = Served(server.app, server, asyncio.get_running_loop())  # type: ignore[attr-defined]
+        uploaded = await server.put("/v1/weights", content=save(written[0]))
+        assert uploaded.status_code == 200, uploaded.text
+        after_upload = await served.scores(PROMPTS)
+        sent = await asyncio.to_thread(send, served, written[1])
+        assert sent.num_tensors == len(written[1])
+        after_transfer = await served.scores(PROMPTS)
+    for directory, scores in zip(seeds, (after_upload, after_transfer), strict=True):
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        for prompt, got in zip(PROMPTS, scores, strict=True):
+            assert_close(got, forward_log_probs(model, prompt), 1e-5)

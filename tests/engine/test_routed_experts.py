@@ -514,7 +514,7 @@ async def test_the_moe_policy_takes_the_checkpoints_per_expert_tensors(
 ) -> None:
     """transformers fuses each layer's experts; trainers exporting for vLLM or SGLang push the
     hub's per-expert tensors (what save_pretrained writes). Both an upload and the collective
-    transfer of those serve the new weights exactly."""
+    transfer of those serve the new weights exactly, and a restore the starting ones."""
     from tests.weights.conftest import Served
     from tests.weights.test_transfer import send
 
@@ -531,6 +531,11 @@ async def test_the_moe_policy_takes_the_checkpoints_per_expert_tensors(
         sent = await asyncio.to_thread(send, served, written[1])
         assert sent.num_tensors == len(written[1])
         after_transfer = await served.scores(PROMPTS)
+        restored = await server.post("/v1/weights/restore", json={})
+        assert restored.status_code == 200, restored.text
+        after_restore = await served.scores(PROMPTS)
+    for prompt, got in zip(PROMPTS, after_restore, strict=True):  # the starting weights again
+        assert_close(got, forward_log_probs(hf_moe, prompt), 1e-5)
     for directory, scores in zip(seeds, (after_upload, after_transfer), strict=True):
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         for prompt, got in zip(PROMPTS, scores, strict=True):

@@ -383,6 +383,13 @@ class WeightSettings(Group):
     io_timeout_s: float = Field(
         default=600, gt=0, description="Reading a checkpoint's files; beyond it the load is 504."
     )
+    rendezvous_grace_s: float = Field(
+        default=30,
+        gt=0,
+        description="How long a collective transfer's join waits for the trainer's rendezvous "
+        "to accept connections (a trainer may open it just after asking, from a process still "
+        "starting) before it is refused naming master_address.",
+    )
     snapshot_loads: bool = Field(
         default=True,
         description="Path loads copy the checkpoint to data_dir first (needs the disk space), "

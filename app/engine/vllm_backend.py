@@ -475,7 +475,7 @@ class VLLMTransfer(WeightTransfer):
     async def init(self, setup: TransferSetup) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await rendezvous_listening(setup.address, setup.port, setup.timeout_s)
+        await rendezvous_listening(setup)
         info = dataclasses.asdict(setup)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 

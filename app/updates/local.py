@@ -36,7 +36,7 @@ class LocalWeights:
     def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
         self.registry = registry
         self.files = WeightsService(registry, settings, data_dir)
-        self.transfers = TransferService(registry)
+        self.transfers = TransferService(registry, listen_grace_s=settings.rendezvous_grace_s)
         self._session = UpdateSession()
 
     async def open(self) -> None:

@@ -82,8 +82,10 @@ class _Link:
 
 
 class TransferService:
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, *, listen_grace_s: float = 30.0) -> None:
         self.registry = registry
+        self.listen_grace_s = listen_grace_s
+        """How long a join waits for the trainer's rendezvous to listen (settings)."""
         self._links: dict[str, _Link] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
@@ -149,6 +151,7 @@ class TransferService:
                 style=request.rendezvous,
                 group_name=request.group_name,
                 packing=request.packing,
+                listen_grace_s=self.listen_grace_s,
             )
             try:
                 await asyncio.wait_for(engine.init(setup), timeout=request.timeout_s + 5)

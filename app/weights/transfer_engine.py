@@ -37,6 +37,9 @@ class TransferSetup:
     style: RendezvousStyle = "rlserve"
     group_name: str = ""
     packing: str = "announced"
+    listen_grace_s: float = 30.0
+    """How long the rendezvous may refuse connections before the join is refused (the
+    server's weights.rendezvous_grace_s)."""
 
     def rendezvous(self, local_rank: int) -> Rendezvous:
         return Rendezvous(
@@ -52,19 +55,15 @@ class TransferSetup:
         )
 
 
-# A trainer opens its rendezvous before (or just as) it asks the server to join: a port that
-# refuses connections for this long has no trainer behind it. Generous, because a trainer may
-# start its rendezvous in a process still importing torch (seconds on a loaded host: 5 s was
-# too short on CI, where a trainer's own subprocess was refused while starting).
-_LISTEN_GRACE_S = 30.0
-
-
-async def rendezvous_listening(address: str, port: int, timeout_s: float) -> None:
-    """Return once something accepts connections at address:port; a PeerAbsent naming
-    `master_address` when nothing does within the grace (or `timeout_s`, if shorter), so a
-    wrong address is refused at once rather than after the whole join timeout."""
+async def rendezvous_listening(setup: TransferSetup) -> None:
+    """Return once something accepts connections at the trainer's address; a PeerAbsent
+    naming `master_address` when nothing does within the setup's grace (or its timeout, if
+    shorter), so a wrong address is refused well before the whole join timeout. (A trainer
+    opens its rendezvous before or just after it asks the server to join, maybe from a
+    process still importing torch: seconds on a loaded host.)"""
+    address, port = setup.address, setup.port
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(_LISTEN_GRACE_S, timeout_s)
+    deadline = loop.time() + min(setup.listen_grace_s, setup.timeout_s)
     while True:
         try:
             async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
@@ -140,7 +139,7 @@ class InProcessTransfer(WeightTransfer):
     async def init(self, setup: TransferSetup) -> None:
         if self._group is not None:
             raise Conflict("the model is already in a weight-transfer group; close it first")
-        await rendezvous_listening(setup.address, setup.port, setup.timeout_s)
+        await rendezvous_listening(setup)
         self._group = await asyncio.to_thread(TransferGroup, setup.rendezvous(0), self.device)
 
     async def start(self, *, adapter: bool = False) -> None:

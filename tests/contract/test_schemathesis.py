@@ -141,6 +141,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Serve
         "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "8",
         "RLSERVE_LIMITS__MAX_ROLLOUT_TURNS": "16",
         "RLSERVE_WEIGHTS__MAX_BYTES": str(1 << 20),
+        # the dialects' transfer joins meet fuzzed rendezvous addresses, where nothing listens
+        "RLSERVE_WEIGHTS__RENDEZVOUS_GRACE_S": "1",
         "RLSERVE_TOOLS__TIMEOUT_S": "1",
         "RLSERVE_AUTH__API_KEYS": "fuzz-user-key",
         "RLSERVE_AUTH__ADMIN_API_KEYS": ADMIN_KEY,

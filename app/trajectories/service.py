@@ -121,6 +121,7 @@ def _missing(trajectory_id: str) -> NotFound:
 
 
 def _wire(segment: Segment) -> TrajectorySegment:
+    routed = segment.routed_experts
     return TrajectorySegment(
         tokens=TokenFields(full=segment.ids),
         masks=Masks(
@@ -138,5 +139,5 @@ def _wire(segment: Segment) -> TrajectorySegment:
             for p in segment.turns
         ],
         break_reason=segment.break_reason,
-        routed_experts=None if segment.routed_experts is None else segment.routed_experts.tolist(),
+        routed_experts=None if routed is None else routed.tolist(),
     )

@@ -82,7 +82,7 @@ class _Link:
 
 
 class TransferService:
-    def __init__(self, registry: ModelRegistry, *, listen_grace_s: float = 30.0) -> None:
+    def __init__(self, registry: ModelRegistry, *, listen_grace_s: float) -> None:
         self.registry = registry
         self.listen_grace_s = listen_grace_s
         """How long a join waits for the trainer's rendezvous to listen (settings)."""

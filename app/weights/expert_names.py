@@ -14,6 +14,7 @@ whose mapping holds nothing else of these has no other names."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -47,11 +48,13 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 _LITERAL = re.compile(r"\.?\w+(\.\w+)*\.?")
 
 
+@functools.cache
 def _conversions(
     model_type: str | None,
 ) -> tuple[list[tuple[list[str], str, bool]], list[tuple[str, str]]]:
     """The model type's expert merges (source patterns, target, gate and up concatenated) and
-    literal renamings (the model's name part, the checkpoint's)."""
+    literal renamings (the model's name part, the checkpoint's); read once per model type
+    (transformers builds a deep copy of its mapping on every call)."""
     if model_type is None:
         return [], []
     try:

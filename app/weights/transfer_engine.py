@@ -34,12 +34,12 @@ class TransferSetup:
     timeout_s: float
     streams: int
     bucket_bytes: int
+    listen_grace_s: float
+    """How long the rendezvous may refuse connections before the join is refused (the
+    server's weights.rendezvous_grace_s)."""
     style: RendezvousStyle = "rlserve"
     group_name: str = ""
     packing: str = "announced"
-    listen_grace_s: float = 30.0
-    """How long the rendezvous may refuse connections before the join is refused (the
-    server's weights.rendezvous_grace_s)."""
 
     def rendezvous(self, local_rank: int) -> Rendezvous:
         return Rendezvous(

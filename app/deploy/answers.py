@@ -4,11 +4,12 @@ why (as the failure it was on its replica, with how many refused)."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import TypeVar
 
 from app.deploy.replica import Refusal
 from app.engine.gate import GateState
-from app.updates.protocol import TransferState
+from app.updates.types import TransferStatus
 
 T = TypeVar("T")
 
@@ -33,13 +34,13 @@ def cause(refused: list[Refusal]) -> Refusal:
 _STATES = ("idle", "joined", "updating")
 
 
-def combined(model: str, answers: list[TransferState | Refusal]) -> TransferState:
+def combined(model: str, answers: list[TransferStatus | Refusal]) -> TransferStatus:
     """The replicas' transfer states as one: the least advanced state, every replica's
     ranks, and why the replicas disagree when they do (one started after the group
     formed, and is not in it)."""
     if failed := [a for a in answers if isinstance(a, Refusal)]:
         raise cause(failed).failure(f"{len(failed)} of {len(answers)} replicas")
-    states = of_kind(answers, TransferState)
+    states = of_kind(answers, TransferStatus)
     least = min(states, key=lambda s: _STATES.index(s.state))
     counts = Counter(s.state for s in states)
     last_error = next((s.last_error for s in states if s.last_error), None)
@@ -50,12 +51,11 @@ def combined(model: str, answers: list[TransferState | Refusal]) -> TransferStat
             "group; close it and init again"
         )
     joined = next((s for s in states if s.state != "idle"), least)
-    return least.model_copy(
-        update={
-            "server_ranks": sum(s.server_ranks for s in states),
-            "transport": joined.transport,
-            "world_size": joined.world_size,
-            "last_error": last_error,
-            "replicas": len(states),
-        }
+    return replace(
+        least,
+        server_ranks=sum(s.server_ranks for s in states),
+        transport=joined.transport,
+        world_size=joined.world_size,
+        last_error=last_error,
+        replicas=len(states),
     )

@@ -14,15 +14,7 @@ from app.common import failures
 from app.common.failures import Conflict, Failure, PeerFailed
 from app.engine.gate import GateState
 from app.updates.local import LocalWeights
-from app.updates.protocol import (
-    PauseMode,
-    TransferFinish,
-    TransferInit,
-    TransferState,
-    TransferUpdate,
-    UpdateOptions,
-    WeightsUpdated,
-)
+from app.updates.types import Announcement, Applied, Join, PauseMode, Publish, TransferStatus
 from app.weights.shipment import Shipment
 
 P = ParamSpec("P")
@@ -67,13 +59,13 @@ class Stage:
 class Commit:
     update_id: str
     model: str
-    options: UpdateOptions
+    publish: Publish
     """The version every replica publishes, and the pause."""
 
 
 @dataclass(frozen=True)
 class Committed:
-    updated: WeightsUpdated | None
+    applied: Applied | None
     """None: this replica started after the others staged the update, and caught up to it."""
 
 
@@ -117,11 +109,11 @@ class ReplicaEndpoint:
     @answered
     async def weights_commit(self, commit: Commit) -> Committed:
         weights = self.local_weights()
-        caught_up = weights.registry.versions[commit.model] == commit.options.version
+        caught_up = weights.registry.versions[commit.model] == commit.publish.version
         if not weights.files.has_staged(commit.update_id) and caught_up:
             return Committed(None)
         return Committed(
-            await weights.files.commit_staged(commit.update_id, commit.model, commit.options)
+            await weights.files.commit_staged(commit.update_id, commit.model, commit.publish)
         )
 
     async def weights_abort(self, update_id: str) -> None:
@@ -140,7 +132,7 @@ class ReplicaEndpoint:
     # -- the collective transfer -------------------------------------------------------------
 
     @answered
-    async def transfer_state(self, model: str) -> TransferState:
+    async def transfer_state(self, model: str) -> TransferStatus:
         return await self.local_weights().transfer_state(model)
 
     @answered
@@ -148,29 +140,28 @@ class ReplicaEndpoint:
         return Ranks(self.replica_id(), self.local_weights().transfers.ranks(model))
 
     @answered
-    async def transfer_join(self, request: TransferInit, offsets: dict[str, int]) -> TransferState:
+    async def transfer_join(self, join: Join, offsets: dict[str, int]) -> TransferStatus:
         """Join at this replica's rank offset (`offsets`: by replica id)."""
         if (offset := offsets.get(self.replica_id())) is None:
             raise Conflict(
                 "model: the replicas changed while the group formed; init again", param="model"
             )
-        joining = request.model_copy(update={"rank_offset": offset})
-        return await self.local_weights().transfer_init(joining)
+        return await self.local_weights().transfer_init(join.at(offset))
 
     @answered
-    async def transfer_start(self, model: str) -> TransferState:
+    async def transfer_start(self, model: str) -> TransferStatus:
         return await self.local_weights().transfer_start(model)
 
     @answered
-    async def transfer_update(self, request: TransferUpdate) -> TransferState:
-        return await self.local_weights().transfer_update(request)
+    async def transfer_update(self, announced: Announcement) -> TransferStatus:
+        return await self.local_weights().transfer_update(announced)
 
     @answered
-    async def transfer_abort(self, model: str) -> TransferState:
+    async def transfer_abort(self, model: str) -> TransferStatus:
         return await self.local_weights().transfer_abort(model)
 
     @answered
-    async def transfer_close(self, model: str) -> TransferState:
+    async def transfer_close(self, model: str) -> TransferStatus:
         return await self.local_weights().transfer_close(model)
 
     @answered
@@ -179,13 +170,13 @@ class ReplicaEndpoint:
         return await self.local_weights().transfers.received(model)
 
     @answered
-    async def transfer_commit(self, request: TransferFinish) -> Committed:
+    async def transfer_commit(self, model: str, publish: Publish) -> Committed:
         weights = self.local_weights()
-        state = await weights.transfers.state(request.model)
-        caught_up = weights.registry.versions[request.model] == request.version
+        state = await weights.transfers.state(model)
+        caught_up = weights.registry.versions[model] == publish.version
         if state.state != "updating" and caught_up:
             return Committed(None)  # started after the others received it
-        return Committed(await weights.transfers.commit(request))
+        return Committed(await weights.transfers.commit(model, publish))
 
     @answered
     async def transfer_abandon(self, model: str, reason: Refusal) -> None:

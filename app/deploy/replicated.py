@@ -31,20 +31,17 @@ from app.deploy.replica import Commit, Committed, Ranks, Refusal, ReplicaEndpoin
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.updates.local import LocalWeights
-from app.updates.protocol import (
-    LoadWeightsRequest,
-    PauseMode,
-    RestoreWeightsRequest,
-    TransferFinish,
-    TransferInit,
-    TransferState,
-    TransferUpdate,
-    UpdateOptions,
-    WeightsUpdated,
-    WeightsVersion,
-)
 from app.updates.session import UpdateSession
-from app.updates.transfer import AdapterPush
+from app.updates.types import (
+    AdapterPush,
+    Announcement,
+    Applied,
+    Join,
+    PauseMode,
+    Publish,
+    TransferStatus,
+    Versions,
+)
 from app.weights.lora import LoraAdapter
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
 
@@ -91,7 +88,7 @@ class ReplicatedWeights:
     async def aclose(self) -> None:
         await self.local.aclose()
 
-    def version(self) -> WeightsVersion:
+    def version(self) -> Versions:
         return self.local.version()
 
     async def catch_up(self) -> None:
@@ -136,30 +133,28 @@ class ReplicatedWeights:
 
     # -- checkpoint updates ----------------------------------------------------------------
 
-    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+    async def load(self, path: str, model: str, publish: Publish) -> Applied:
         """Read once here, shipped to every replica."""
         put, files = self.replicas.put, self.local.files
-        shipment = await files.ship_checkpoint(request.path, put, self.chunk_bytes)
-        return await self._update(shipment, request.model, request, "path")
+        shipment = await files.ship_checkpoint(path, put, self.chunk_bytes)
+        return await self._update(shipment, model, publish, "path")
 
-    async def restore(self, request: RestoreWeightsRequest) -> WeightsUpdated:
+    async def restore(self, model: str, publish: Publish) -> Applied:
         """Read here from where the model started, shipped to every replica."""
-        path = await self.local.files.origin(request.model)
-        return await self.load(LoadWeightsRequest(path=str(path), **request.model_dump()))
+        path = await self.local.files.origin(model)
+        return await self.load(str(path), model, publish)
 
-    async def upload(
-        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
-    ) -> WeightsUpdated:
+    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
         """Streamed to disk here, then shipped to every replica from there."""
         files = self.local.files
         async with files.received(chunks) as path:
             shipped = {"model.safetensors": path}
             shipment = await files.ship(shipped, self.replicas.put, "body", self.chunk_bytes)
-        return await self._update(shipment, model, options, "body")
+        return await self._update(shipment, model, publish, "body")
 
     async def _update(
-        self, shipment: Shipment, model: str, options: UpdateOptions, param: str
-    ) -> WeightsUpdated:
+        self, shipment: Shipment, model: str, publish: Publish, param: str
+    ) -> Applied:
         each = self.replicas.each
 
         async def stage(update_id: str) -> list[int | Refusal]:
@@ -173,23 +168,23 @@ class ReplicatedWeights:
         async def abort(update_id: str, _: Failure) -> None:
             await each(ReplicaEndpoint.weights_abort, update_id)
 
-        async def commit(update_id: str, chosen: UpdateOptions) -> list[Committed | Refusal]:
+        async def commit(update_id: str, chosen: Publish) -> list[Committed | Refusal]:
             return await each(ReplicaEndpoint.weights_commit, Commit(update_id, model, chosen))
 
         return await self._transaction(
-            model, options, stage=stage, shipment=shipped, abort=abort, commit=commit
+            model, publish, stage=stage, shipment=shipped, abort=abort, commit=commit
         )
 
     async def _transaction(
         self,
         model: str,
-        options: UpdateOptions,
+        publish: Publish,
         *,
         stage: Callable[[str], Awaitable[list[int | Refusal]]],
         shipment: Callable[[], Awaitable[Shipment]],
         abort: Callable[[str, Failure], Awaitable[None]],
-        commit: Callable[[str, UpdateOptions], Awaitable[list[Committed | Refusal]]],
-    ) -> WeightsUpdated:
+        commit: Callable[[str, Publish], Awaitable[list[Committed | Refusal]]],
+    ) -> Applied:
         """Stage on every replica (each answers the version it serves, or its refusal),
         decide in the ledger (with the checkpoint a later replica catches up to), then commit
         on every replica, or abort on every one; the model's lease is held throughout."""
@@ -203,13 +198,13 @@ class ReplicatedWeights:
             if refused:
                 context = f"{len(refused)} of {len(staged)} replicas refused it"
                 problem = cause(refused).failure(context)
-            elif options.version is not None and options.version <= current:
+            elif publish.version is not None and publish.version <= current:
                 problem = Conflict(
-                    f"version: {options.version} is not above the current version {current} "
+                    f"version: {publish.version} is not above the current version {current} "
                     f"of '{model}'",
                     param="version",
                 )
-            version = options.version or current + 1
+            version = publish.version or current + 1
             if problem is None and not await ledger.decide(
                 model, update_id, version, await shipment()
             ):
@@ -221,7 +216,7 @@ class ReplicatedWeights:
             if problem is not None:
                 await abort(update_id, problem)
                 raise problem
-            chosen = UpdateOptions(version=version, pause=options.pause)
+            chosen = Publish(version=version, pause=publish.pause)
             committed = await commit(update_id, chosen)
         finally:
             await ledger.release(model, update_id)
@@ -231,7 +226,7 @@ class ReplicatedWeights:
                 f"{version} after all had checked it: {failed[0].message}"
             )
         return next(
-            r.updated for r in committed if isinstance(r, Committed) and r.updated is not None
+            r.applied for r in committed if isinstance(r, Committed) and r.applied is not None
         )
 
     async def _acquire(self, model: str, update_id: str) -> None:
@@ -261,36 +256,38 @@ class ReplicatedWeights:
 
     # -- the collective transfer's group over every replica ---------------------------------
 
-    async def transfer_state(self, model: str) -> TransferState:
+    async def transfer_state(self, model: str) -> TransferStatus:
         """Every replica's state, as one."""
         states = await self.replicas.each(ReplicaEndpoint.transfer_state, model)
         return combined(model, states)
 
-    async def transfer_init(self, request: TransferInit) -> TransferState:
+    async def transfer_init(self, join: Join) -> TransferStatus:
         """Every replica joins the trainer's group at once, at consecutive ranks from
         `rank_offset` (in replica id order); if any cannot, every replica leaves it."""
         each = self.replicas.each
-        counted = await each(ReplicaEndpoint.transfer_ranks, request.model)
+        counted = await each(ReplicaEndpoint.transfer_ranks, join.model)
         if failed := [r for r in counted if isinstance(r, Refusal)]:
             raise failed[0].failure(f"{len(failed)} of {len(counted)} replicas")
-        offsets, next_rank = {}, request.rank_offset
+        offsets, next_rank = {}, join.rank_offset
         for replica in sorted(of_kind(counted, Ranks), key=lambda r: r.replica):
             offsets[replica.replica] = next_rank
             next_rank += replica.ranks
-        if next_rank > request.world_size:
+        if next_rank > join.world_size:
             raise InvalidInput(
-                f"world_size: {request.world_size} leaves no room for the "
-                f"{next_rank - request.rank_offset} ranks of {len(counted)} replicas from "
-                f"rank_offset {request.rank_offset} (GET /v1/weights/transfer counts them)",
+                f"world_size: {join.world_size} leaves no room for the "
+                f"{next_rank - join.rank_offset} ranks of {len(counted)} replicas from "
+                f"rank_offset {join.rank_offset} (GET /v1/weights/transfer counts them)",
                 param="world_size",
             )
-        joined = await each(ReplicaEndpoint.transfer_join, request, offsets)
+        joined = await each(ReplicaEndpoint.transfer_join, join, offsets)
         if failed := [r for r in joined if isinstance(r, Refusal)]:
-            await each(ReplicaEndpoint.transfer_close, request.model)
+            await each(ReplicaEndpoint.transfer_close, join.model)
             raise cause(failed).failure(f"{len(failed)} of {len(joined)} replicas could not join")
-        return combined(request.model, joined)
+        return combined(join.model, joined)
 
-    async def transfer_start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+    async def transfer_start(
+        self, model: str, adapter: AdapterPush | None = None
+    ) -> TransferStatus:
         """A start that fails on one replica is aborted on all."""
         if adapter is not None:
             raise _no_adapters("adapter")
@@ -299,19 +296,19 @@ class ReplicatedWeights:
             await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
         return combined(model, states)
 
-    async def transfer_update(self, request: TransferUpdate) -> TransferState:
+    async def transfer_update(self, announced: Announcement) -> TransferStatus:
         """Announce the tensors to every replica; if one refuses, every replica drops the
         update (the trainer sends nothing after a refusal)."""
-        states = await self.replicas.each(ReplicaEndpoint.transfer_update, request)
+        states = await self.replicas.each(ReplicaEndpoint.transfer_update, announced)
         if any(isinstance(s, Refusal) for s in states):
-            await self.replicas.each(ReplicaEndpoint.transfer_abort, request.model)
-        return combined(request.model, states)
+            await self.replicas.each(ReplicaEndpoint.transfer_abort, announced.model)
+        return combined(announced.model, states)
 
-    async def transfer_finish(self, request: TransferFinish) -> WeightsUpdated:
+    async def transfer_finish(self, model: str, publish: Publish) -> Applied:
         """The finish over every replica, as one transaction: all received and checked the
         update, then all swap it in under one version. The ledger keeps what this replica
         received (a replica that starts later was not in the group)."""
-        each, model = self.replicas.each, request.model
+        each = self.replicas.each
 
         async def received(_: str) -> list[int | Refusal]:
             return await each(ReplicaEndpoint.transfer_received, model)
@@ -324,19 +321,18 @@ class ReplicatedWeights:
             reason = Refusal.of(problem)
             await each(ReplicaEndpoint.transfer_abandon, model, reason)
 
-        async def commit(_: str, chosen: UpdateOptions) -> list[Committed | Refusal]:
-            finish = TransferFinish(model=model, version=chosen.version, pause=chosen.pause)
-            return await each(ReplicaEndpoint.transfer_commit, finish)
+        async def commit(_: str, chosen: Publish) -> list[Committed | Refusal]:
+            return await each(ReplicaEndpoint.transfer_commit, model, chosen)
 
         return await self._transaction(
-            model, request, stage=received, shipment=shipment, abort=abandon, commit=commit
+            model, publish, stage=received, shipment=shipment, abort=abandon, commit=commit
         )
 
-    async def transfer_abort(self, model: str) -> TransferState:
+    async def transfer_abort(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
         return combined(model, states)
 
-    async def transfer_close(self, model: str) -> TransferState:
+    async def transfer_close(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)
         return combined(model, states)
 

@@ -60,7 +60,7 @@ async def set_meta(body: UpdateWeightsFromDistributed, session: SGLangWeightsDep
 async def update_xccl(session: SGLangWeightsDep) -> Success:
     """Receive the tensors the last meta named, one broadcast each: committed at the continue
     while paused (as AReaL's loop runs it), else at once."""
-    updated = await session.update_announced()
-    if updated is None:
+    applied = await session.update_announced()
+    if applied is None:
         return Success(message="Received; applied with the rest of the update at the continue")
-    return Success(message=f"Weights updated to version {updated.policy_version}")
+    return Success(message=f"Weights updated to version {applied.versions.policy}")

@@ -139,7 +139,7 @@ async def served_ranks(weights: WeightsControl) -> int:
 def confirm_version(weights: WeightsControl, text: str) -> str:
     """A dialect's "set the version" call: rlserve's versions move with the weights, so it
     confirms the current one and refuses another."""
-    current = weights.version().policy_version
+    current = weights.version().policy
     if text != str(current):
         raise Conflict(
             f"new_version: rlserve serves version {current}; versions change only with the "

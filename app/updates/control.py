@@ -11,20 +11,17 @@ from typing import Protocol
 from app.common.caller import Caller
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
-from app.updates.protocol import (
-    LoadWeightsRequest,
-    PauseMode,
-    RestoreWeightsRequest,
-    TransferFinish,
-    TransferInit,
-    TransferState,
-    TransferUpdate,
-    UpdateOptions,
-    WeightsUpdated,
-    WeightsVersion,
-)
 from app.updates.session import UpdateSession
-from app.updates.transfer import AdapterPush
+from app.updates.types import (
+    AdapterPush,
+    Announcement,
+    Applied,
+    Join,
+    PauseMode,
+    Publish,
+    TransferStatus,
+    Versions,
+)
 from app.weights.lora import LoraAdapter
 
 
@@ -35,7 +32,7 @@ class WeightsControl(Protocol):
     async def aclose(self) -> None:
         """Leave any transfer group; nothing is applied after this."""
 
-    def version(self) -> WeightsVersion:
+    def version(self) -> Versions:
         """The versions this server serves."""
 
     async def pause(self, mode: PauseMode) -> GateState:
@@ -43,16 +40,14 @@ class WeightsControl(Protocol):
 
     async def resume(self) -> GateState: ...
 
-    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+    async def load(self, path: str, model: str, publish: Publish) -> Applied:
         """Apply a checkpoint from a path the server can read, whole or not at all."""
 
-    async def restore(self, request: RestoreWeightsRequest) -> WeightsUpdated:
+    async def restore(self, model: str, publish: Publish) -> Applied:
         """Serve again the weights the model started with (read from where they came from),
         as a new version."""
 
-    async def upload(
-        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
-    ) -> WeightsUpdated:
+    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
         """Apply a checkpoint streamed as `chunks`, whole or not at all."""
 
     async def load_adapter(
@@ -81,23 +76,25 @@ class WeightsControl(Protocol):
         self, name: str, *, caller: Caller
     ) -> tuple[LoraAdapter, AdapterGateState]: ...
 
-    async def transfer_state(self, model: str) -> TransferState: ...
+    async def transfer_state(self, model: str) -> TransferStatus: ...
 
-    async def transfer_init(self, request: TransferInit) -> TransferState:
+    async def transfer_init(self, join: Join) -> TransferStatus:
         """Join the trainer's group."""
 
-    async def transfer_start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+    async def transfer_start(
+        self, model: str, adapter: AdapterPush | None = None
+    ) -> TransferStatus:
         """Begin an update of `model`'s weights, or of a LoRA adapter of the policy."""
 
-    async def transfer_update(self, request: TransferUpdate) -> TransferState:
+    async def transfer_update(self, announced: Announcement) -> TransferStatus:
         """Check announced tensors and start receiving them."""
 
-    async def transfer_finish(self, request: TransferFinish) -> WeightsUpdated:
+    async def transfer_finish(self, model: str, publish: Publish) -> Applied:
         """Swap in what was received, whole or not at all."""
 
-    async def transfer_abort(self, model: str) -> TransferState: ...
+    async def transfer_abort(self, model: str) -> TransferStatus: ...
 
-    async def transfer_close(self, model: str) -> TransferState: ...
+    async def transfer_close(self, model: str) -> TransferStatus: ...
 
     async def session(self) -> UpdateSession:
         """The update session a dialect's trainer has open (`app.updates.session`): the same

@@ -12,21 +12,19 @@ from app.config import WeightSettings
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.registry import ModelRegistry
-from app.updates.protocol import (
-    LoadWeightsRequest,
-    PauseMode,
-    RestoreWeightsRequest,
-    TransferFinish,
-    TransferInit,
-    TransferState,
-    TransferUpdate,
-    UpdateOptions,
-    WeightsUpdated,
-    WeightsVersion,
-)
 from app.updates.service import WeightsService
 from app.updates.session import UpdateSession
-from app.updates.transfer import AdapterPush, TransferService
+from app.updates.transfer import TransferService
+from app.updates.types import (
+    AdapterPush,
+    Announcement,
+    Applied,
+    Join,
+    PauseMode,
+    Publish,
+    TransferStatus,
+    Versions,
+)
 from app.weights.lora import LoraAdapter
 
 
@@ -45,11 +43,9 @@ class LocalWeights:
     async def aclose(self) -> None:
         await self.transfers.aclose()
 
-    def version(self) -> WeightsVersion:
+    def version(self) -> Versions:
         versions = self.registry.versions
-        return WeightsVersion(
-            policy_version=versions["policy"], reference_version=versions["reference"]
-        )
+        return Versions(policy=versions["policy"], reference=versions["reference"])
 
     async def pause(self, mode: PauseMode) -> GateState:
         return await self.registry.gate.pause(mode)
@@ -57,17 +53,15 @@ class LocalWeights:
     async def resume(self) -> GateState:
         return await self.registry.gate.resume()
 
-    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
-        return await self.files.load(request)
+    async def load(self, path: str, model: str, publish: Publish) -> Applied:
+        return await self.files.load(path, model, publish)
 
-    async def restore(self, request: RestoreWeightsRequest) -> WeightsUpdated:
-        path = await self.files.origin(request.model)
-        return await self.load(LoadWeightsRequest(path=str(path), **request.model_dump()))
+    async def restore(self, model: str, publish: Publish) -> Applied:
+        path = await self.files.origin(model)
+        return await self.load(str(path), model, publish)
 
-    async def upload(
-        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
-    ) -> WeightsUpdated:
-        return await self.files.upload(chunks, model, options)
+    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
+        return await self.files.upload(chunks, model, publish)
 
     async def load_adapter(
         self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
@@ -95,25 +89,27 @@ class LocalWeights:
     ) -> tuple[LoraAdapter, AdapterGateState]:
         return await self.registry.resume_adapter(name, caller=caller)
 
-    async def transfer_state(self, model: str) -> TransferState:
+    async def transfer_state(self, model: str) -> TransferStatus:
         return await self.transfers.state(model)
 
-    async def transfer_init(self, request: TransferInit) -> TransferState:
-        return await self.transfers.init(request)
+    async def transfer_init(self, join: Join) -> TransferStatus:
+        return await self.transfers.init(join)
 
-    async def transfer_start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+    async def transfer_start(
+        self, model: str, adapter: AdapterPush | None = None
+    ) -> TransferStatus:
         return await self.transfers.start(model, adapter)
 
-    async def transfer_update(self, request: TransferUpdate) -> TransferState:
-        return await self.transfers.update(request)
+    async def transfer_update(self, announced: Announcement) -> TransferStatus:
+        return await self.transfers.update(announced)
 
-    async def transfer_finish(self, request: TransferFinish) -> WeightsUpdated:
-        return await self.transfers.finish(request)
+    async def transfer_finish(self, model: str, publish: Publish) -> Applied:
+        return await self.transfers.finish(model, publish)
 
-    async def transfer_abort(self, model: str) -> TransferState:
+    async def transfer_abort(self, model: str) -> TransferStatus:
         return await self.transfers.abort(model)
 
-    async def transfer_close(self, model: str) -> TransferState:
+    async def transfer_close(self, model: str) -> TransferStatus:
         return await self.transfers.close(model)
 
     async def session(self) -> UpdateSession:

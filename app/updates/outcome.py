@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Mapping
 
-from app.updates.protocol import WeightsUpdated
+from app.updates.types import AdapterVersion, Applied, Versions
 from app.weights.lora import LoraAdapter
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ def updated(
     paused: float,
     start: float,
     adapter: LoraAdapter | None = None,
-) -> WeightsUpdated:
+) -> Applied:
     """The answer to a committed update of `model`; `version` is the one it published, and
     `versions` the served ones (the others' stay as they are). With `adapter`, the update
     served that adapter's new version, and every model keeps its own."""
@@ -44,14 +44,12 @@ def updated(
             adapter.version,
         )
         now = dict(versions)
-    return WeightsUpdated(
-        model=model,  # type: ignore[arg-type]
-        policy_version=now["policy"],
-        reference_version=now["reference"],
+    return Applied(
+        model=model,
+        versions=Versions(policy=now["policy"], reference=now["reference"]),
         num_tensors=num_tensors,
         num_bytes=num_bytes,
-        seconds=paused,
-        total_seconds=time.perf_counter() - start,
-        adapter=adapter.name if adapter is not None else None,
-        adapter_version=adapter.version if adapter is not None else None,
+        paused_s=paused,
+        total_s=time.perf_counter() - start,
+        adapter=AdapterVersion(adapter.name, adapter.version) if adapter is not None else None,
     )

@@ -7,8 +7,22 @@ from typing import Any, Literal
 from pydantic import Field
 
 from app.common.protocol import AdapterName, ModelName, WireModel
+from app.updates.types import (
+    BUCKET_BYTES,
+    STREAMS,
+    TIMEOUT_S,
+    Announcement,
+    Applied,
+    Join,
+    Packing,
+    PauseMode,
+    Publish,
+    RendezvousStyle,
+    TransferStatus,
+    TransportChoice,
+    Versions,
+)
 
-PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES_DOC = (
     "How in-flight work meets the pause: 'wait' lets it finish; 'abort' ends generations at "
     "their next token (they return what they produced, finish_reason 'abort'); 'keep' freezes "
@@ -21,6 +35,10 @@ class WeightsVersion(WireModel):
     policy_version: int
     reference_version: int
 
+    @classmethod
+    def of(cls, versions: Versions) -> WeightsVersion:
+        return cls(policy_version=versions.policy, reference_version=versions.reference)
+
 
 class UpdateOptions(WireModel):
     version: int | None = Field(
@@ -30,6 +48,9 @@ class UpdateOptions(WireModel):
         "one (409 otherwise). Default: the current one plus one.",
     )
     pause: PauseMode = Field(default="keep", description=PAUSE_MODES_DOC)
+
+    def publish(self) -> Publish:
+        return Publish(version=self.version, pause=self.pause)
 
 
 class LoadWeightsRequest(UpdateOptions):
@@ -59,6 +80,21 @@ class WeightsUpdated(WireModel):
     )
     adapter_version: int | None = None
 
+    @classmethod
+    def of(cls, applied: Applied) -> WeightsUpdated:
+        adapter = applied.adapter
+        return cls(
+            model=applied.model,  # type: ignore[arg-type]
+            policy_version=applied.versions.policy,
+            reference_version=applied.versions.reference,
+            num_tensors=applied.num_tensors,
+            num_bytes=applied.num_bytes,
+            seconds=applied.paused_s,
+            total_seconds=applied.total_s,
+            adapter=adapter.name if adapter is not None else None,
+            adapter_version=adapter.version if adapter is not None else None,
+        )
+
 
 class PauseRequest(WireModel):
     mode: PauseMode = Field(default="keep", description=PAUSE_MODES_DOC)
@@ -75,9 +111,6 @@ class ServingState(WireModel):
     waiting: int = Field(description="Requests held back until the resume.")
 
 
-TransportName = Literal["auto", "gloo", "nccl"]
-
-
 class TransferTarget(WireModel):
     model: ModelName = Field(default="policy", description="The model whose weights change.")
 
@@ -91,25 +124,25 @@ class TransferInit(TransferTarget):
         ge=2, le=4096, description="Trainer rank 0 plus the server ranks (GET for their count)."
     )
     rank_offset: int = Field(default=1, ge=1, description="The first server rank.")
-    transport: TransportName = Field(
+    transport: TransportChoice = Field(
         default="auto", description="'auto': NCCL for a model on a GPU, gloo otherwise."
     )
     bucket_bytes: int = Field(
-        default=512 << 20,
+        default=BUCKET_BYTES,
         ge=1 << 16,
         le=16 << 30,
         description="The largest bucket an update may pack (one tensor alone may be larger).",
     )
     streams: int = Field(
-        default=4, ge=1, le=64, description="Broadcasts in flight per bucket (its slices)."
+        default=STREAMS, ge=1, le=64, description="Broadcasts in flight per bucket (its slices)."
     )
     timeout_s: float = Field(
-        default=120.0,
+        default=TIMEOUT_S,
         gt=0,
         le=3600,
         description="How long a join, a receive or a commit may wait for the trainer.",
     )
-    rendezvous: Literal["rlserve", "vllm", "torch"] = Field(
+    rendezvous: RendezvousStyle = Field(
         default="rlserve",
         description="The group the trainer opened: rlserve's (rlserve_client.collective); "
         "vllm: vLLM's stateless group (what vLLM's trainer engine and TRL open); torch: "
@@ -119,12 +152,28 @@ class TransferInit(TransferTarget):
     group_name: str = Field(
         default="", max_length=256, description="The torch rendezvous' group name."
     )
-    packing: Literal["announced", "vllm"] = Field(
+    packing: Packing = Field(
         default="announced",
         description="How updates that name no `buckets` are cut: announced: one tensor per "
         "bucket; vllm: as vLLM's packed transfer cuts them (tensors until a bucket passes "
         "bucket_bytes).",
     )
+
+    def join(self) -> Join:
+        return Join(
+            model=self.model,
+            address=self.master_address,
+            port=self.master_port,
+            world_size=self.world_size,
+            rank_offset=self.rank_offset,
+            transport=self.transport,
+            bucket_bytes=self.bucket_bytes,
+            streams=self.streams,
+            timeout_s=self.timeout_s,
+            rendezvous=self.rendezvous,
+            group_name=self.group_name,
+            packing=self.packing,
+        )
 
 
 class AdapterPushTarget(WireModel):
@@ -157,6 +206,9 @@ class TransferUpdate(TransferTarget):
         "broadcast as one buffer); default: one tensor per bucket.",
     )
 
+    def announcement(self) -> Announcement:
+        return Announcement(self.model, self.names, self.dtype_names, self.shapes, self.buckets)
+
 
 class TransferFinish(TransferTarget, UpdateOptions):
     pass
@@ -180,3 +232,7 @@ class TransferState(WireModel):
         description="The server replicas this state covers (several on Ray Serve: "
         "`server_ranks` counts all of theirs, and `state` is the least advanced one's).",
     )
+
+    @classmethod
+    def of(cls, status: TransferStatus) -> TransferState:
+        return cls.model_validate(status, from_attributes=True)

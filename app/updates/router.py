@@ -26,11 +26,10 @@ from app.updates.protocol import (
     TransferState,
     TransferTarget,
     TransferUpdate,
-    UpdateOptions,
     WeightsUpdated,
     WeightsVersion,
 )
-from app.updates.transfer import AdapterPush
+from app.updates.types import AdapterPush, Publish
 
 router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
 transfer_router = APIRouter(
@@ -42,7 +41,7 @@ ADMIN = access(Access.ADMIN)
 
 @router.get("/v1/weights/version", response_model=WeightsVersion, summary="Current versions")
 async def weights_version(weights: WeightsDep) -> WeightsVersion:
-    return weights.version()
+    return WeightsVersion.of(weights.version())
 
 
 @router.post(
@@ -54,7 +53,8 @@ async def weights_version(weights: WeightsDep) -> WeightsVersion:
 async def load_weights(request: LoadWeightsRequest, weights: WeightsDep) -> WeightsUpdated:
     """Load a safetensors checkpoint (HF layout, any subset of the parameters) from storage the
     server can read. Serving pauses for the swap only (`pause`, 'keep' by default)."""
-    return await weights.load(request)
+    applied = await weights.load(request.path, request.model, request.publish())
+    return WeightsUpdated.of(applied)
 
 
 @router.post(
@@ -68,7 +68,7 @@ async def restore_weights(request: RestoreWeightsRequest, weights: WeightsDep) -
     (its folder, or a hub model's local cache), as a new version: what an example or an
     experiment changed is undone without a restart. Refused (409) when those files changed
     since the server read them."""
-    return await weights.restore(request)
+    return WeightsUpdated.of(await weights.restore(request.model, request.publish()))
 
 
 @router.put(
@@ -94,8 +94,8 @@ async def upload_weights(
 ) -> WeightsUpdated:
     """Upload a safetensors file as the request body (streamed to disk, applied tensor by
     tensor). Partial updates are allowed."""
-    options = UpdateOptions(version=version, pause=pause)
-    return await weights.upload(request.stream(), model, options)
+    publish = Publish(version=version, pause=pause)
+    return WeightsUpdated.of(await weights.upload(request.stream(), model, publish))
 
 
 # -- collective transfer (vLLM's protocol: init -> start -> update -> finish) ---------------
@@ -111,7 +111,7 @@ async def transfer_state(
 ) -> TransferState:
     """The group state and `server_ranks`: the trainer's world size is 1 + server_ranks. On a
     replica of several, every replica's together (`server_ranks` counts all their ranks)."""
-    return await weights.transfer_state(model)
+    return TransferState.of(await weights.transfer_state(model))
 
 
 @transfer_router.post(
@@ -131,7 +131,7 @@ async def transfer_init(request: TransferInit, weights: WeightsDep) -> TransferS
     returns once every rank is in, or 409 naming `timeout_s` when the trainer did not join
     in time (or could not be reached). On a replica of several, every replica joins, at
     consecutive ranks from `rank_offset`."""
-    return await weights.transfer_init(request)
+    return TransferState.of(await weights.transfer_init(request.join()))
 
 
 @transfer_router.post(
@@ -148,7 +148,7 @@ async def transfer_start(
     which finish serves as its next version."""
     pushed = request.adapter
     adapter = AdapterPush(pushed.name, pushed.config, caller) if pushed is not None else None
-    return await weights.transfer_start(request.model, adapter)
+    return TransferState.of(await weights.transfer_start(request.model, adapter))
 
 
 @transfer_router.post(
@@ -157,7 +157,7 @@ async def transfer_start(
 async def transfer_update(request: TransferUpdate, weights: WeightsDep) -> TransferState:
     """Announce the tensors of the next buckets (checked against the model: 422 names the
     field) and start receiving them; returns at once, and the trainer then broadcasts."""
-    return await weights.transfer_update(request)
+    return TransferState.of(await weights.transfer_update(request.announcement()))
 
 
 @transfer_router.post(
@@ -172,21 +172,22 @@ async def transfer_finish(request: TransferFinish, weights: WeightsDep) -> Weigh
     went away), then swap them in while serving is paused (`pause`, 'keep' by default). Any
     failure leaves the served weights as they were. On a replica of several, every replica
     swaps them in under one version, or none does."""
-    return await weights.transfer_finish(request)
+    applied = await weights.transfer_finish(request.model, request.publish())
+    return WeightsUpdated.of(applied)
 
 
 @transfer_router.post(
     "/abort", response_model=TransferState, summary="Drop the update", openapi_extra=ADMIN
 )
 async def transfer_abort(request: TransferTarget, weights: WeightsDep) -> TransferState:
-    return await weights.transfer_abort(request.model)
+    return TransferState.of(await weights.transfer_abort(request.model))
 
 
 @transfer_router.post(
     "/close", response_model=TransferState, summary="Leave the group", openapi_extra=ADMIN
 )
 async def transfer_close(request: TransferTarget, weights: WeightsDep) -> TransferState:
-    return await weights.transfer_close(request.model)
+    return TransferState.of(await weights.transfer_close(request.model))
 
 
 # -- pause and resume -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from app.config import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.updates.origin import origin_checkpoint
 from app.updates.outcome import updated
-from app.updates.protocol import LoadWeightsRequest, UpdateOptions, WeightsUpdated
+from app.updates.types import Applied, Publish
 from app.weights.checkpoint import (
     check_finite,
     check_layout,
@@ -60,12 +60,12 @@ class WeightsService:
         for leftover in self.uploads.glob("*.safetensors"):
             leftover.unlink(missing_ok=True)
 
-    async def load(self, request: LoadWeightsRequest) -> WeightsUpdated:
+    async def load(self, path: str, model: str, publish: Publish) -> Applied:
         """Load a checkpoint the server can read. By default from a private snapshot taken
         first, so a checkpoint rewritten during the load is applied whole or not at all."""
-        files = await self._file_work(checkpoint_files, Path(request.path))
+        files = await self._file_work(checkpoint_files, Path(path))
         if not self.settings.snapshot_loads:
-            return await self._apply(files, request.model, "path", request)
+            return await self._apply(files, model, "path", publish)
         self.uploads.mkdir(parents=True, exist_ok=True)
         needed = sum(f.stat().st_size for f in files)
         room = self._disk_room()
@@ -77,7 +77,7 @@ class WeightsService:
             )
         copies = await self._file_work(snapshot, files, self.uploads, "path")
         try:
-            return await self._apply(copies, request.model, "path", request)
+            return await self._apply(copies, model, "path", publish)
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
@@ -104,12 +104,10 @@ class WeightsService:
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
         return shutil.disk_usage(self.uploads).free - _DISK_RESERVE
 
-    async def upload(
-        self, chunks: AsyncIterator[bytes], model: str, options: UpdateOptions
-    ) -> WeightsUpdated:
+    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
         """Stream the body to a file on disk, then apply it."""
         async with self.received(chunks) as path:
-            return await self._apply([path], model, "body", options)
+            return await self._apply([path], model, "body", publish)
 
     @contextlib.asynccontextmanager
     async def received(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[Path]:
@@ -150,11 +148,9 @@ class WeightsService:
         except TimeoutError:
             raise TimedOut(f"reading the checkpoint took over {timeout:g} s") from None
 
-    async def _apply(
-        self, files: list[Path], model: str, param: str, options: UpdateOptions
-    ) -> WeightsUpdated:
+    async def _apply(self, files: list[Path], model: str, param: str, publish: Publish) -> Applied:
         checked = await self._check(files, model, param)
-        return await self._commit(checked, model, options)
+        return await self._commit(checked, model, publish)
 
     async def _check(self, files: list[Path], model: str, param: str) -> Checked:
         """Everything that can refuse a checkpoint, before serving is touched."""
@@ -167,9 +163,9 @@ class WeightsService:
         await self._file_work(check_finite, files, param)
         return Checked(files, len(update), sum(f.stat().st_size for f in files))
 
-    async def _commit(self, checked: Checked, model: str, options: UpdateOptions) -> WeightsUpdated:
+    async def _commit(self, checked: Checked, model: str, publish: Publish) -> Applied:
         start = time.perf_counter()
-        async with self.registry.writing(model, mode=options.pause, version=options.version) as (
+        async with self.registry.writing(model, mode=publish.pause, version=publish.version) as (
             target,
             version,
         ):
@@ -204,14 +200,12 @@ class WeightsService:
             raise
         return self.registry.versions[model]
 
-    async def commit_staged(
-        self, update_id: str, model: str, options: UpdateOptions
-    ) -> WeightsUpdated:
+    async def commit_staged(self, update_id: str, model: str, publish: Publish) -> Applied:
         checked = self._staged.pop(update_id, None)
         if checked is None:
             raise Conflict(f"no update '{update_id}' is staged here", param="update")
         try:
-            return await self._commit(checked, model, options)
+            return await self._commit(checked, model, publish)
         finally:
             shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
 
@@ -222,12 +216,12 @@ class WeightsService:
         self._staged.pop(update_id, None)
         shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
 
-    async def adopt(self, model: str, version: int, shipment: Shipment) -> WeightsUpdated:
+    async def adopt(self, model: str, version: int, shipment: Shipment) -> Applied:
         """Serve a checkpoint the other replicas committed as `version` (a replica catching
         up before it takes traffic)."""
         update_id = f"adopt-{model}-{version}"
         await self.stage(update_id, shipment, model, "path")
-        return await self.commit_staged(update_id, model, UpdateOptions(version=version))
+        return await self.commit_staged(update_id, model, Publish(version=version))
 
 
 def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:

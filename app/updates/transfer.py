@@ -19,11 +19,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import safetensors.torch
 
-from app.common.caller import Caller
 from app.common.failures import (
     Conflict,
     Failure,
@@ -37,29 +35,13 @@ from app.common.failures import (
 )
 from app.engine.registry import ModelRegistry
 from app.updates.outcome import updated
-from app.updates.protocol import (
-    TransferFinish,
-    TransferInit,
-    TransferState,
-    TransferUpdate,
-    WeightsUpdated,
-)
+from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer
 from app.weights.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AdapterPush:
-    """An update that carries LoRA adapter `name`'s tensors, not the model's weights."""
-
-    name: str
-    config: dict[str, Any] | None
-    """PEFT's config: needed for an adapter not served yet (else its own is kept)."""
-    caller: Caller
 
 
 _FIRST_PUSH = "a first push over the transfer gives its config at start (adapter.config)"
@@ -106,13 +88,13 @@ class TransferService:
         async with link.lock:
             yield link, engine
 
-    async def state(self, model: str) -> TransferState:
+    async def state(self, model: str) -> TransferStatus:
         """This server's state of `model`'s transfer."""
         engine = self._engine(model)
         link = self._links.get(model) or _Link()
         setup = link.setup
-        return TransferState(
-            model=model,  # type: ignore[arg-type]
+        return TransferStatus(
+            model=model,
             state="updating" if link.updating else "joined" if setup else "idle",
             server_ranks=engine.ranks,
             transport=setup.transport if setup else None,
@@ -125,61 +107,61 @@ class TransferService:
         """The ranks `model`'s workers add to a group (a refusal if it cannot join one)."""
         return self._engine(model).ranks
 
-    async def init(self, request: TransferInit) -> TransferState:
-        """Join the trainer's group at `request.rank_offset`."""
-        async with self._link(request.model) as (link, engine):
+    async def init(self, join: Join) -> TransferStatus:
+        """Join the trainer's group at `join.rank_offset`."""
+        async with self._link(join.model) as (link, engine):
             if link.setup is not None:
                 raise Conflict(
                     "model: already in a weight-transfer group; close it first", param="model"
                 )
-            last = request.rank_offset + engine.ranks
-            if last > request.world_size:
+            last = join.rank_offset + engine.ranks
+            if last > join.world_size:
                 raise InvalidInput(
-                    f"world_size: {request.world_size} leaves no room for the server's "
-                    f"{engine.ranks} rank(s) from rank_offset {request.rank_offset}",
+                    f"world_size: {join.world_size} leaves no room for the server's "
+                    f"{engine.ranks} rank(s) from rank_offset {join.rank_offset}",
                     param="world_size",
                 )
             setup = TransferSetup(
-                transport=self._transport(request),
-                address=request.master_address,
-                port=request.master_port,
-                world_size=request.world_size,
-                rank_offset=request.rank_offset,
-                timeout_s=request.timeout_s,
-                streams=request.streams,
-                bucket_bytes=request.bucket_bytes,
-                style=request.rendezvous,
-                group_name=request.group_name,
-                packing=request.packing,
+                transport=self._transport(join),
+                address=join.address,
+                port=join.port,
+                world_size=join.world_size,
+                rank_offset=join.rank_offset,
+                timeout_s=join.timeout_s,
+                streams=join.streams,
+                bucket_bytes=join.bucket_bytes,
+                style=join.rendezvous,
+                group_name=join.group_name,
+                packing=join.packing,
                 listen_grace_s=self.listen_grace_s,
             )
             try:
-                await asyncio.wait_for(engine.init(setup), timeout=request.timeout_s + 5)
+                await asyncio.wait_for(engine.init(setup), timeout=join.timeout_s + 5)
             except Failure:
                 raise
             except Exception as exc:
                 text = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
                 raise PeerAbsent(
-                    f"timeout_s: no trainer joined the group at {request.master_address}:"
-                    f"{request.master_port} within {request.timeout_s:g} s ({text})",
+                    f"timeout_s: no trainer joined the group at {join.address}:"
+                    f"{join.port} within {join.timeout_s:g} s ({text})",
                     param="timeout_s",
                 ) from exc
             link.setup, link.last_error = setup, None
-        return await self.state(request.model)
+        return await self.state(join.model)
 
-    def _transport(self, request: TransferInit) -> Transport:
-        device = self.registry.get(request.model).backend.info.device
+    def _transport(self, join: Join) -> Transport:
+        device = self.registry.get(join.model).backend.info.device
         on_gpu = device.startswith("cuda")
-        if request.transport == "auto":
+        if join.transport == "auto":
             return "nccl" if on_gpu else "gloo"
-        if request.transport == "nccl" and not on_gpu:
+        if join.transport == "nccl" and not on_gpu:
             raise InvalidInput(
-                f"transport: NCCL needs the model on a GPU; '{request.model}' is on {device}",
+                f"transport: NCCL needs the model on a GPU; '{join.model}' is on {device}",
                 param="transport",
             )
-        return request.transport
+        return join.transport
 
-    async def start(self, model: str, adapter: AdapterPush | None = None) -> TransferState:
+    async def start(self, model: str, adapter: AdapterPush | None = None) -> TransferStatus:
         """Begin an update of `model`'s weights, or of `adapter` (a LoRA adapter of the
         policy, refused here when it cannot be pushed: before any tensor travels)."""
         if adapter is not None:
@@ -205,18 +187,15 @@ class TransferService:
                 param="adapter.config",
             )
 
-    async def update(self, request: TransferUpdate) -> TransferState:
-        async with self._link(request.model) as (link, engine):
+    async def update(self, announced: Announcement) -> TransferStatus:
+        async with self._link(announced.model) as (link, engine):
             setup = self._updating(link)
-            buckets = request.buckets
+            names, dtypes, shapes = announced.names, announced.dtype_names, announced.shapes
+            buckets = announced.buckets
             if buckets is None and setup.packing == "vllm":
-                buckets = TransferPlan.packed_like_vllm(
-                    request.shapes, request.dtype_names, setup.bucket_bytes
-                )
-            plan = TransferPlan.parse(
-                request.names, request.dtype_names, request.shapes, buckets, setup.bucket_bytes
-            )
-            expected = self.registry.get(request.model).backend.weight_layout()
+                buckets = TransferPlan.packed_like_vllm(shapes, dtypes, setup.bucket_bytes)
+            plan = TransferPlan.parse(names, dtypes, shapes, buckets, setup.bucket_bytes)
+            expected = self.registry.get(announced.model).backend.weight_layout()
             if expected is not None and link.adapter is None:  # (an adapter's: at finish)
                 check_layout(plan.layout(), expected)
             await engine.update(plan)
@@ -224,7 +203,7 @@ class TransferService:
             watcher = asyncio.create_task(self._watch(link, engine, setup, link.session))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
-        return await self.state(request.model)
+        return await self.state(announced.model)
 
     async def _watch(
         self, link: _Link, engine: WeightTransfer, setup: TransferSetup, session: int
@@ -239,27 +218,27 @@ class TransferService:
                 if link.updating and link.session == session:
                     await self._drop(link, engine, exc)
 
-    async def finish(self, request: TransferFinish) -> WeightsUpdated:
+    async def finish(self, model: str, publish: Publish) -> Applied:
         """Wait for the announced data, then swap it in. (A replica of several takes the
         same two steps as `received` and `commit`, with every other replica between them.)"""
-        async with self._link(request.model) as (link, engine):
+        async with self._link(model) as (link, engine):
             try:
-                if link.adapter is not None and request.version is not None:
+                if link.adapter is not None and publish.version is not None:
                     raise invalid(
                         "version", "an adapter's versions are counted by the server: leave it out"
                     )
-                self.registry.gate.next_version(request.model, request.version)
+                self.registry.gate.next_version(model, publish.version)
             except BaseException as exc:
                 await self._drop(link, engine, exc)
                 raise
             await self._receive_all(link, engine)
             if link.adapter is not None:
                 return await self._serve_adapter(link, engine, link.adapter)
-            return await self._commit(link, engine, request)
+            return await self._commit(link, engine, model, publish)
 
     async def _serve_adapter(
         self, link: _Link, engine: WeightTransfer, adapter: AdapterPush
-    ) -> WeightsUpdated:
+    ) -> Applied:
         """What was received, as `adapter`'s next version (the model is left as it is)."""
         try:
             data = await engine.checkpoint()
@@ -304,11 +283,11 @@ class TransferService:
             self._updating(link)
             return await engine.checkpoint()
 
-    async def commit(self, request: TransferFinish) -> WeightsUpdated:
-        """A replica's second phase: swap in what was received, as `request.version`."""
-        async with self._link(request.model) as (link, engine):
+    async def commit(self, model: str, publish: Publish) -> Applied:
+        """A replica's second phase: swap in what was received, as `publish.version`."""
+        async with self._link(model) as (link, engine):
             self._updating(link)
-            return await self._commit(link, engine, request)
+            return await self._commit(link, engine, model, publish)
 
     async def abandon(self, model: str, failure: Failure) -> None:
         """Drop the update because it failed elsewhere (another replica's `failure`); a lost
@@ -328,11 +307,11 @@ class TransferService:
             raise
 
     async def _commit(
-        self, link: _Link, engine: WeightTransfer, request: TransferFinish
-    ) -> WeightsUpdated:
+        self, link: _Link, engine: WeightTransfer, model: str, publish: Publish
+    ) -> Applied:
         try:
             async with self.registry.writing(
-                request.model, mode=request.pause, version=request.version
+                model, mode=publish.pause, version=publish.version
             ) as (_, version):
                 paused_at = time.perf_counter()
                 await engine.commit(version)
@@ -344,7 +323,7 @@ class TransferService:
         plans, link.announced = link.announced, []
         return updated(
             self.registry.versions,
-            request.model,
+            model,
             version,
             sum(len(p.tensors) for p in plans),
             sum(p.nbytes for p in plans),
@@ -352,13 +331,13 @@ class TransferService:
             link.started_at,
         )
 
-    async def abort(self, model: str) -> TransferState:
+    async def abort(self, model: str) -> TransferStatus:
         async with self._link(model) as (link, engine):
             await engine.abort()
             link.updating, link.announced, link.adapter = False, [], None
         return await self.state(model)
 
-    async def close(self, model: str) -> TransferState:
+    async def close(self, model: str) -> TransferStatus:
         async with self._link(model) as (link, engine):
             await engine.close()
             link.setup, link.updating, link.announced, link.adapter = None, False, [], None

@@ -28,14 +28,7 @@ from app.dialects.sglang.service import SGLangWeights
 from app.engine.base import Capabilities
 from app.engine.registry import ModelRegistry
 from app.updates.local import LocalWeights
-from app.updates.protocol import (
-    LoadWeightsRequest,
-    TransferFinish,
-    TransferInit,
-    TransferUpdate,
-    UpdateOptions,
-)
-from app.updates.transfer import AdapterPush
+from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
 from app.weights.shipment import Held
 from app.weights.staging import TransferPlan
@@ -261,8 +254,8 @@ async def body(data: bytes, size: int = 50) -> AsyncIterator[bytes]:
 async def test_an_upload_reaches_every_replica_in_bounded_chunks(cluster: Cluster) -> None:
     new = scaled(2.0)
     data = save(new)
-    updated = await cluster.controls[0].upload(body(data), "policy", UpdateOptions())
-    assert updated.policy_version == 1 and updated.num_tensors == 2
+    updated = await cluster.controls[0].upload(body(data), "policy", Publish())
+    assert updated.versions.policy == 1 and updated.num_tensors == 2
     assert cluster.versions() == [1, 1, 1]
     cluster.assert_serving(new)
     assert sum(cluster.handle.chunks) == len(data) and max(cluster.handle.chunks) <= 64
@@ -273,8 +266,8 @@ async def test_an_upload_reaches_every_replica_in_bounded_chunks(cluster: Cluste
 
 async def test_a_load_by_path_reaches_every_replica(cluster: Cluster, tmp_path: Path) -> None:
     new = scaled(3.0)
-    request = LoadWeightsRequest(path=str(checkpoint(tmp_path, "new", new)), version=7)
-    assert (await cluster.controls[1].load(request)).policy_version == 7
+    path = str(checkpoint(tmp_path, "new", new))
+    assert (await cluster.controls[1].load(path, "policy", Publish(version=7))).versions.policy == 7
     assert cluster.versions() == [7, 7, 7]
     cluster.assert_serving(new)
 
@@ -285,9 +278,9 @@ async def test_a_refusal_at_staging_leaves_every_replica_as_it_was(
     """One replica's model has another shape: its check refuses the checkpoint, so no replica
     applies it, and the error is that replica's (same kind, same field)."""
     cluster.replicas[2].policy.state["w"] = torch.zeros(5)
-    request = LoadWeightsRequest(path=str(checkpoint(tmp_path, "new", scaled(2.0))))
+    path = str(checkpoint(tmp_path, "new", scaled(2.0)))
     with pytest.raises(InvalidInput) as refused:
-        await cluster.controls[0].load(request)
+        await cluster.controls[0].load(path, "policy", Publish())
     assert refused.value.message == (
         "weights: 'w' has shape [4], the model's is [5] (1 of 3 replicas refused it)"
     )
@@ -300,7 +293,7 @@ async def test_a_refusal_at_staging_leaves_every_replica_as_it_was(
 
     cluster.handle.unreachable[("r1", "weights_stage")] = "replica r1 died"
     with pytest.raises(PeerFailed, match=r"replica r1 died \(2 of 3 replicas refused it\)"):
-        await cluster.controls[0].load(request)  # r1's cause comes first
+        await cluster.controls[0].load(path, "policy", Publish())  # r1's cause comes first
     assert cluster.versions() == [0, 0, 0]
 
 
@@ -309,9 +302,9 @@ async def test_a_failed_swap_on_one_replica_is_reported(cluster: Cluster, tmp_pa
     and the ledger has the version a replacement catches up to."""
     new = scaled(2.0)
     cluster.replicas[1].policy.fail_swap = "CUDA error: device lost"
-    request = LoadWeightsRequest(path=str(checkpoint(tmp_path, "new", new)))
+    path = str(checkpoint(tmp_path, "new", new))
     with pytest.raises(PeerFailed) as failed:
-        await cluster.controls[0].load(request)
+        await cluster.controls[0].load(path, "policy", Publish())
     assert failed.value.message == (
         "1 of 3 replicas failed to swap in version 1 after all had checked it: "
         "CUDA error: device lost"
@@ -332,12 +325,12 @@ async def test_two_racing_updates_apply_one_after_the_other(
     the later one."""
     updates = {"a": scaled(2.0), "b": scaled(5.0)}
     requests = [
-        cluster.controls[i].load(LoadWeightsRequest(path=str(checkpoint(tmp_path, name, tensors))))
+        cluster.controls[i].load(str(checkpoint(tmp_path, name, tensors)), "policy", Publish())
         for i, (name, tensors) in enumerate(updates.items())
     ]
     answers = dict(zip(updates, await asyncio.gather(*requests), strict=True))
-    first, second = sorted(updates, key=lambda name: answers[name].policy_version)
-    assert [answers[first].policy_version, answers[second].policy_version] == [1, 2]
+    first, second = sorted(updates, key=lambda name: answers[name].versions.policy)
+    assert [answers[first].versions.policy, answers[second].versions.policy] == [1, 2]
     assert cluster.versions() == [2, 2, 2]
     cluster.assert_serving(updates[second])
     steps = [(step, uid) for step, uid in cluster.handle.log if uid is not None]
@@ -352,8 +345,8 @@ async def test_a_new_replica_catches_up_before_serving(cluster: Cluster, tmp_pat
     both updates (in their order) under the last version, and is paused like the others."""
     whole = scaled(2.0)
     partial = {"b": torch.tensor([7.0, 8.0])}
-    await cluster.controls[0].upload(body(save(whole)), "policy", UpdateOptions())
-    await cluster.controls[2].upload(body(save(partial)), "policy", UpdateOptions(version=5))
+    await cluster.controls[0].upload(body(save(whole)), "policy", Publish())
+    await cluster.controls[2].upload(body(save(partial)), "policy", Publish(version=5))
     await cluster.controls[0].pause("keep")
 
     replacement = cluster.replace(0)
@@ -374,8 +367,8 @@ async def test_a_collective_transfer_reaches_every_replica(cluster: Cluster) -> 
     await control.transfer_update(announce())
     sent = scaled(4.0)
     cluster.trainer.send(sent)
-    updated = await control.transfer_finish(TransferFinish(model="policy"))
-    assert updated.policy_version == 1 and cluster.versions() == [1, 1, 1]
+    updated = await control.transfer_finish("policy", Publish())
+    assert updated.versions.policy == 1 and cluster.versions() == [1, 1, 1]
     cluster.assert_serving(sent)
     assert (await control.transfer_state("policy")).state == "joined"
 
@@ -412,7 +405,7 @@ async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Clu
     with pytest.raises(Conflict, match="already open"):
         await dialects[1].begin()
     updated = await dialects[2].end()
-    assert updated.policy_version == 7 and cluster.versions() == [7, 7, 7]
+    assert updated.versions.policy == 7 and cluster.versions() == [7, 7, 7]
     cluster.assert_serving(sent)
     with pytest.raises(Conflict, match="no weight-update session is open"):
         await dialects[0].end()
@@ -423,7 +416,7 @@ async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Clu
         await asyncio.sleep(0.01)
     again = scaled(5.0)
     cluster.trainer.send(again)
-    assert (await receiving).policy_version == 8 and cluster.versions() == [8, 8, 8]
+    assert (await receiving).versions.policy == 8 and cluster.versions() == [8, 8, 8]
     cluster.assert_serving(again)
     with pytest.raises(Conflict, match="no tensors were announced"):
         await dialects[1].update_announced()
@@ -454,7 +447,7 @@ async def test_a_replica_that_never_receives_the_update_drops_it_everywhere(
     await control.transfer_update(announce())
     cluster.trainer.send(scaled(4.0), skip=frozenset({"r1"}))
     with pytest.raises(TimedOut, match=r"\(1 of 3 replicas refused it\)"):
-        await control.transfer_finish(TransferFinish(model="policy"))
+        await control.transfer_finish("policy", Publish())
     assert cluster.versions() == [0, 0, 0]
     cluster.assert_serving(BASE)
     state = await control.transfer_state("policy")  # a stuck peer ends the group everywhere
@@ -475,7 +468,7 @@ async def test_a_lost_trainer_drops_the_update_everywhere(cluster: Cluster) -> N
         await asyncio.sleep(0.02)
     assert state.state == "idle" and "PeerFailed" in (state.last_error or "")
     with pytest.raises(Conflict, match="not in a weight-transfer group"):
-        await control.transfer_finish(TransferFinish(model="policy"))
+        await control.transfer_finish("policy", Publish())
     assert cluster.versions() == [0, 0, 0]
     cluster.assert_serving(BASE)
 
@@ -489,14 +482,12 @@ async def test_a_replica_that_cannot_join_leaves_no_one_in_the_group(cluster: Cl
         await cluster.controls[0].transfer_init(init(world_size=3))
 
 
-def init(world_size: int = 4) -> TransferInit:
-    return TransferInit(
-        master_address="127.0.0.1", master_port=29500, world_size=world_size, timeout_s=1.0
-    )
+def init(world_size: int = 4) -> Join:
+    return Join("policy", "127.0.0.1", 29500, world_size=world_size, timeout_s=1.0)
 
 
-def announce() -> TransferUpdate:
-    return TransferUpdate(
+def announce() -> Announcement:
+    return Announcement(
         model="policy",
         names=list(BASE),
         dtype_names=["float32"] * len(BASE),

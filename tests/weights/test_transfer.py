@@ -198,7 +198,7 @@ async def test_a_replica_finishes_in_two_phases_and_hands_over_what_it_received(
     version chosen for all replicas."""
     from safetensors.torch import load
 
-    from app.updates.protocol import TransferFinish
+    from app.updates.types import Publish
 
     transfers = served.app.state.weights.transfers
     before, current = await served.scores(SEQUENCES), await version(served)
@@ -214,8 +214,8 @@ async def test_a_replica_finishes_in_two_phases_and_hands_over_what_it_received(
         assert handed.keys() == sent.keys()
         for name, tensor in sent.items():
             assert torch.equal(handed[name], tensor), name
-        finish = TransferFinish(model="policy", version=current + 3)
-        assert (await transfers.commit(finish)).policy_version == current + 3
+        applied = await transfers.commit("policy", Publish(version=current + 3))
+        assert applied.versions.policy == current + 3
     assert await version(served) == current + 3
     for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
         assert_close(got, forward_log_probs(trainer_model, sequence), 1e-5)

@@ -49,7 +49,7 @@ from app.errors import (
     WEIGHTS_ERROR_RESPONSES,
 )
 from app.ops.access import Access, access
-from app.updates.protocol import LoadWeightsRequest, TransferInit
+from app.updates.types import Join, Publish
 
 router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -193,9 +193,10 @@ async def init_weights_update_group(
     """Join as SGLang's workers do: torch's tcp:// rendezvous, the store under `group_name`,
     at ranks rank_offset… (returns once every rank is in)."""
     await weights.transfer_init(
-        TransferInit(
-            master_address=request.master_address,
-            master_port=request.master_port,
+        Join(
+            model="policy",
+            address=request.master_address,
+            port=request.master_port,
             world_size=request.world_size,
             rank_offset=request.rank_offset,
             transport=request.backend,
@@ -262,12 +263,12 @@ async def update_weights_from_distributed(
 ) -> Success:
     """Receive one bucket the trainer broadcasts: committed at /end_weight_update inside a
     session, at /continue_generation while paused, else at once (returning then)."""
-    updated = await session.update(body)
-    if updated is None:
+    applied = await session.update(body)
+    if applied is None:
         return Success(message="Received; applied with the rest of the update.")
     return Success(
         message=f"Succeeded to update parameter online. Weight version updated to "
-        f"{updated.policy_version}."
+        f"{applied.versions.policy}."
     )
 
 
@@ -282,9 +283,9 @@ async def update_weights_from_disk(body: UpdateWeightsFromDisk, weights: Weights
     """POST /v1/weights/load: a safetensors checkpoint the server can read, whole or not at
     all."""
     version = common.version_number(body.weight_version, "weight_version")
-    updated = await weights.load(LoadWeightsRequest(path=body.model_path, version=version))
+    applied = await weights.load(body.model_path, "policy", Publish(version=version))
     return DiskUpdated(
-        message=f"Succeeded to update model weights. Weight version {updated.policy_version}."
+        message=f"Succeeded to update model weights. Weight version {applied.versions.policy}."
     )
 
 

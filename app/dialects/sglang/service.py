@@ -33,8 +33,8 @@ from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.openai_compat.streaming import final_text
 from app.updates.control import WeightsControl
-from app.updates.protocol import TransferFinish, TransferUpdate, WeightsUpdated
 from app.updates.session import Bucket, UpdateSession
+from app.updates.types import Announcement, Applied, Publish
 
 
 class SGLangWeights:
@@ -56,7 +56,7 @@ class SGLangWeights:
                 await self.weights.transfer_start("policy")
             await self.weights.record_session(UpdateSession("explicit"))
 
-    async def end(self) -> WeightsUpdated:
+    async def end(self) -> Applied:
         async with self._lock:
             session = await self.weights.session()
             if session.kind != "explicit":
@@ -70,13 +70,14 @@ class SGLangWeights:
                 await self._commit(session)
             await self.weights.resume()
 
-    async def update(self, request: UpdateWeightsFromDistributed) -> WeightsUpdated | None:
+    async def update(self, request: UpdateWeightsFromDistributed) -> Applied | None:
         """Stage one bucket; commit it too when no session holds it (then the new state)."""
         return await self.receive(_bucket(request))
 
-    async def receive(self, bucket: Bucket) -> WeightsUpdated | None:
+    async def receive(self, bucket: Bucket) -> Applied | None:
         buckets = [len(bucket.names)] if bucket.flattened else None
-        announce = TransferUpdate(
+        announce = Announcement(
+            model="policy",
             names=list(bucket.names),
             dtype_names=list(bucket.dtypes),
             shapes=[list(shape) for shape in bucket.shapes],
@@ -97,7 +98,7 @@ class SGLangWeights:
                 return None
             await self.weights.transfer_start("policy")
             await self.weights.transfer_update(announce)
-            return await self.weights.transfer_finish(TransferFinish(version=bucket.version))
+            return await self.weights.transfer_finish("policy", Publish(version=bucket.version))
 
     async def announce(self, request: UpdateWeightsFromDistributed) -> None:
         """Remember the tensors of the next `update_announced` (AReaL's vLLM server takes
@@ -107,7 +108,7 @@ class SGLangWeights:
             session = await self.weights.session()
             await self.weights.record_session(replace(session, announced=bucket))
 
-    async def update_announced(self) -> WeightsUpdated | None:
+    async def update_announced(self) -> Applied | None:
         """`update` with the tensors `announce` named (409 when none were)."""
         async with self._lock:
             session = await self.weights.session()
@@ -116,9 +117,9 @@ class SGLangWeights:
             await self.weights.record_session(replace(session, announced=None))
         return await self.receive(session.announced)
 
-    async def _commit(self, session: UpdateSession) -> WeightsUpdated:
+    async def _commit(self, session: UpdateSession) -> Applied:
         await self.weights.record_session(replace(session, kind=None, version=None))
-        return await self.weights.transfer_finish(TransferFinish(version=session.version))
+        return await self.weights.transfer_finish("policy", Publish(version=session.version))
 
     async def reset(self) -> None:
         """The group was closed: an open session has nothing left to commit."""

@@ -59,12 +59,7 @@ from app.openai_compat.protocol import (
 )
 from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
-from app.updates.protocol import (
-    LoadWeightsRequest,
-    TransferFinish,
-    TransferInit,
-    TransferUpdate,
-)
+from app.updates.types import Announcement, Join, Publish
 
 router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -158,9 +153,10 @@ async def init_weight_transfer_engine(request: InitWeightTransfer, weights: Weig
     vLLM's NCCL communicator on a GPU), packed buckets as vLLM cuts them when `packed`."""
     info = request.init_info
     await weights.transfer_init(
-        TransferInit(
-            master_address=info.master_address,
-            master_port=info.master_port,
+        Join(
+            model="policy",
+            address=info.master_address,
+            port=info.master_port,
             world_size=info.world_size,
             rank_offset=info.rank_offset,
             bucket_bytes=info.packed_buffer_size_bytes,
@@ -211,11 +207,11 @@ async def update_weights(request: UpdateWeights, weights: WeightsDep) -> Message
     the field of a mismatch) and receive them in the background; or, given `weight_dir`
     (prime-rl's), load that checkpoint as POST /v1/weights/load, whole or not at all."""
     if request.weight_dir is not None:
-        updated = await weights.load(LoadWeightsRequest(path=request.weight_dir))
-        return Message(message=f"Weights loaded as version {updated.policy_version}")
+        applied = await weights.load(request.weight_dir, "policy", Publish())
+        return Message(message=f"Weights loaded as version {applied.versions.policy}")
     for info in request.infos:
         await weights.transfer_update(
-            TransferUpdate(names=info.names, dtype_names=info.dtype_names, shapes=info.shapes)
+            Announcement("policy", info.names, info.dtype_names, info.shapes)
         )
     return Message(message="Weights updated")
 
@@ -233,7 +229,7 @@ async def finish_weight_update(
     """Wait for every announced tensor, then swap them all in at once (or none)."""
     given = body.weight_version if body is not None else None
     version = common.version_number(given, "weight_version")
-    await weights.transfer_finish(TransferFinish(version=version))
+    await weights.transfer_finish("policy", Publish(version=version))
     return Message(message="Weight update finished")
 
 
@@ -253,7 +249,7 @@ async def update_weight_version(request: NewVersion, weights: WeightsDep) -> Ver
 
 @router.get("/weight_info", response_model=WeightInfo, summary="Weight version (vLLM)")
 async def weight_info(weights: WeightsDep) -> WeightInfo:
-    return WeightInfo(weight_version=str(weights.version().policy_version))
+    return WeightInfo(weight_version=str(weights.version().policy))
 
 
 @router.post(

@@ -1,0 +1,140 @@
+"""What the weight controls (`app.updates.control.WeightsControl`) take and answer: plain
+values, free of any wire format. rlserve's weight routes and vLLM's and SGLang's read their
+requests into these and write their answers from them; the replicas of a deployment pass them
+to each other as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from app.common.caller import Caller
+from app.engine.gate import PauseMode
+from app.weights.transport import RendezvousStyle, Transport
+
+__all__ = [
+    "AdapterPush",
+    "AdapterVersion",
+    "Announcement",
+    "Applied",
+    "Join",
+    "Packing",
+    "PauseMode",
+    "Publish",
+    "RendezvousStyle",
+    "TransferStatus",
+    "TransportChoice",
+    "Versions",
+]
+
+TransportChoice = Literal["auto", "gloo", "nccl"]
+"""auto: NCCL for a model on a GPU, gloo otherwise."""
+Packing = Literal["announced", "vllm"]
+"""How updates that name no buckets are cut: one tensor per bucket, or as vLLM's packed
+transfer cuts them (tensors until a bucket passes the join's bucket_bytes)."""
+
+BUCKET_BYTES = 512 << 20
+STREAMS = 4
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Publish:
+    """How a checked update is served: as `version` (None: the current one plus one; a
+    version not above the current one is refused), while in-flight work meets `pause`."""
+
+    version: int | None = None
+    pause: PauseMode = "keep"
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The versions served."""
+
+    policy: int
+    reference: int
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    name: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Applied:
+    """An update that was committed."""
+
+    model: str
+    versions: Versions
+    """Served after it (an adapter's update leaves them as they were)."""
+    num_tensors: int
+    num_bytes: int
+    paused_s: float
+    """How long generation and scoring were held for the swap."""
+    total_s: float
+    adapter: AdapterVersion | None = None
+    """The LoRA adapter whose next version the update served, if it was one's."""
+
+
+@dataclass(frozen=True)
+class AdapterPush:
+    """An update that carries LoRA adapter `name`'s tensors, not the model's weights."""
+
+    name: str
+    config: dict[str, Any] | None
+    """PEFT's config: needed for an adapter not served yet (else its own is kept)."""
+    caller: Caller
+
+
+@dataclass(frozen=True)
+class Join:
+    """A trainer's process group for `model`'s collective transfer, which the server's ranks
+    join from `rank_offset`."""
+
+    model: str
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int = 1
+    transport: TransportChoice = "auto"
+    bucket_bytes: int = BUCKET_BYTES
+    """The largest bucket an update may pack (one tensor alone may be larger)."""
+    streams: int = STREAMS
+    """Broadcasts in flight per bucket (rlserve's rendezvous only)."""
+    timeout_s: float = TIMEOUT_S
+    rendezvous: RendezvousStyle = "rlserve"
+    group_name: str = ""
+    """The torch rendezvous' group name."""
+    packing: Packing = "announced"
+
+    def at(self, rank_offset: int) -> Join:
+        return replace(self, rank_offset=rank_offset)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Tensors the trainer broadcasts next, for `model`."""
+
+    model: str
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    buckets: list[int] | None = None
+    """Tensors per bucket, in order (None: one tensor per bucket, or the join's packing)."""
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """Where `model`'s collective transfer stands: idle (no group), joined, or updating
+    (between start and finish or abort)."""
+
+    model: str
+    state: Literal["idle", "joined", "updating"]
+    server_ranks: int
+    transport: Transport | None = None
+    world_size: int | None = None
+    announced_bytes: int = 0
+    last_error: str | None = None
+    replicas: int = 1
+    """The replicas it covers (their least advanced state, and all their ranks)."""

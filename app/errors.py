@@ -114,6 +114,11 @@ WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     400: {"model": ErrorResponse, "description": "Not a valid safetensors checkpoint"},
     404: {"model": ErrorResponse, "description": "No checkpoint at the path"},
     409: {"model": ErrorResponse, "description": "The checkpoint changed while it was read"},
+    502: {
+        "model": ErrorResponse,
+        "description": "On a deployment of several replicas: some replicas failed to apply "
+        "it, the others did (the message says how many)",
+    },
     504: {"model": ErrorResponse, "description": "Reading the checkpoint timed out"},
 }
 

@@ -6,6 +6,10 @@ It also orders updates: an update holds its model's lease from staging to the en
 commit (a second one waits), and is decided here between the two phases, so a replica that
 starts meanwhile catches up to it.
 
+It keeps the LoRA adapters every replica serves the same way: each one's last version, with
+its tensors, config, owner and pause, and the versions counted for each name (a name loaded
+again after an unload goes on from its last one).
+
 `Ledger` is what replicas ask; `LocalLedger` keeps the record in its own process (inside the
 deployment's Ray actor, `app.deploy.ray_ledger`, or in a test)."""
 
@@ -14,8 +18,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from app.updates.protocol import PauseMode
 from app.updates.session import UpdateSession
@@ -31,10 +35,28 @@ class Recorded:
 
 
 @dataclass(frozen=True)
+class AdapterRecord:
+    """A LoRA adapter's last version, as every replica serves it."""
+
+    version: int
+    owner: str
+    """The owner id of the key that first served it."""
+    config: dict[str, Any]
+    source: str
+    shipment: Shipment
+    """One safetensors file of its tensors (PEFT's names)."""
+    paused: PauseMode | None = None
+
+
+@dataclass(frozen=True)
 class LedgerState:
     models: dict[str, Recorded] = field(default_factory=dict)
     paused: PauseMode | None = None
     """The pause mode in force (None: serving)."""
+    adapters: dict[str, AdapterRecord] = field(default_factory=dict)
+    """The adapters served, by name."""
+    adapter_versions: dict[str, int] = field(default_factory=dict)
+    """The last version counted for each adapter name, served or unloaded since."""
 
 
 class Ledger(Protocol):
@@ -47,6 +69,11 @@ class Ledger(Protocol):
     async def release(self, model: str, update_id: str) -> None: ...
 
     async def record_pause(self, mode: PauseMode | None) -> None: ...
+
+    async def record_adapter(self, name: str, record: AdapterRecord | None) -> None:
+        """`record` as adapter `name`'s last version (None: unloaded)."""
+
+    async def record_adapter_pause(self, name: str, mode: PauseMode | None) -> None: ...
 
     async def state(self) -> LedgerState: ...
 
@@ -69,6 +96,8 @@ class LocalLedger:
         self.leases: dict[str, tuple[str, float]] = {}  # model: (update id, expiry)
         self.paused: PauseMode | None = None
         self.update_session = UpdateSession()
+        self.adapters: dict[str, AdapterRecord] = {}
+        self.adapter_versions: dict[str, int] = {}
 
     async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         now = time.monotonic()
@@ -97,12 +126,16 @@ class LocalLedger:
         """A whole update is kept as it is (copied chunk by chunk); a partial one is merged
         into one file with the tensors before it."""
         if before is None or await _names(before) <= await _names(update):
-            kept = []
-            for shipped in update.files:
-                chunks = [self.keep(await chunk.fetch()) for chunk in shipped.chunks]
-                kept.append(ShippedFile(shipped.name, shipped.size, tuple(chunks)))
-            return Shipment(tuple(kept))
+            return await self._kept(update)
         return ship_bytes(merged(await before.whole(), await update.whole()), self.keep)
+
+    async def _kept(self, shipment: Shipment) -> Shipment:
+        """The ledger's own copy of `shipment`, chunk by chunk."""
+        kept = []
+        for shipped in shipment.files:
+            chunks = [self.keep(await chunk.fetch()) for chunk in shipped.chunks]
+            kept.append(ShippedFile(shipped.name, shipped.size, tuple(chunks)))
+        return Shipment(tuple(kept))
 
     async def release(self, model: str, update_id: str) -> None:
         if self._holds(model, update_id):
@@ -111,8 +144,21 @@ class LocalLedger:
     async def record_pause(self, mode: PauseMode | None) -> None:
         self.paused = mode
 
+    async def record_adapter(self, name: str, record: AdapterRecord | None) -> None:
+        if record is None:
+            self.adapters.pop(name, None)
+            return
+        self.adapters[name] = replace(record, shipment=await self._kept(record.shipment))
+        self.adapter_versions[name] = record.version
+
+    async def record_adapter_pause(self, name: str, mode: PauseMode | None) -> None:
+        if (record := self.adapters.get(name)) is not None:
+            self.adapters[name] = replace(record, paused=mode)
+
     async def state(self) -> LedgerState:
-        return LedgerState(dict(self.latest), self.paused)
+        return LedgerState(
+            dict(self.latest), self.paused, dict(self.adapters), dict(self.adapter_versions)
+        )
 
     async def session(self) -> UpdateSession:
         return self.update_session

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from app.deploy.ledger import LedgerState, LocalLedger
+from app.deploy.ledger import AdapterRecord, LedgerState, LocalLedger
 from app.updates.protocol import PauseMode
 from app.updates.session import UpdateSession
 from app.weights.shipment import Shipment
@@ -55,6 +55,12 @@ class WeightLedger:
     async def record_pause(self, mode: PauseMode | None) -> None:
         await self.book.record_pause(mode)
 
+    async def record_adapter(self, name: str, record: AdapterRecord | None) -> None:
+        await self.book.record_adapter(name, record)
+
+    async def record_adapter_pause(self, name: str, mode: PauseMode | None) -> None:
+        await self.book.record_adapter_pause(name, mode)
+
     async def state(self) -> LedgerState:
         return await self.book.state()
 
@@ -91,6 +97,12 @@ class RayLedger:
 
     async def record_pause(self, mode: PauseMode | None) -> None:
         await self._actor().record_pause.remote(mode)
+
+    async def record_adapter(self, name: str, record: AdapterRecord | None) -> None:
+        await self._actor().record_adapter.remote(name, record)
+
+    async def record_adapter_pause(self, name: str, mode: PauseMode | None) -> None:
+        await self._actor().record_adapter_pause.remote(name, mode)
 
     async def state(self) -> LedgerState:
         state: LedgerState = await self._actor().state.remote()

@@ -5,16 +5,28 @@ replica's own local step (`app.updates.local.LocalWeights`). A failure is answer
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from app.common import failures
+from app.common.caller import Caller
 from app.common.failures import Conflict, Failure, PeerFailed
+from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.updates.local import LocalWeights
-from app.updates.types import Announcement, Applied, Join, PauseMode, Publish, TransferStatus
+from app.updates.types import (
+    AdapterPush,
+    Announcement,
+    Applied,
+    Join,
+    PauseMode,
+    Publish,
+    TransferStatus,
+)
+from app.weights.lora_layout import read_upload
 from app.weights.shipment import Shipment
 
 P = ParamSpec("P")
@@ -70,6 +82,27 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class AdapterServe:
+    """A LoRA adapter's next version, for every replica to serve under one version."""
+
+    name: str
+    shipment: Shipment
+    """One safetensors file of its tensors (PEFT's names), its config in the metadata or
+    not (then the one it is served with)."""
+    version: int
+    caller: Caller
+    source: str
+    param: str
+    """The request field the tensors came from (named in a refusal)."""
+    name_param: str
+    first: str
+    """How a first push serves a new adapter (said when this one carries no config)."""
+    keep_layout: bool
+    """Refuse other layers or shapes than the version served (a push); a load may change
+    them."""
+
+
+@dataclass(frozen=True)
 class Ranks:
     replica: str
     ranks: int
@@ -119,6 +152,41 @@ class ReplicaEndpoint:
     async def weights_abort(self, update_id: str) -> None:
         self.local_weights().files.abort_staged(update_id)
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    @answered
+    async def adapter_serve(self, step: AdapterServe) -> int:
+        """Serve the shipped tensors as the adapter's `step.version`; that version."""
+        weights = self.local_weights()
+        async with weights.files.unpacked(step.shipment) as file:
+            config, tensors = await asyncio.to_thread(read_upload, file, step.param)
+        adapter = await weights.registry.push_adapter_tensors(
+            step.name,
+            tensors,
+            config,
+            source=step.source,
+            param=step.param,
+            caller=step.caller,
+            first=step.first,
+            name_param=step.name_param,
+            version=step.version,
+            keep_layout=step.keep_layout,
+        )
+        return adapter.version
+
+    @answered
+    async def adapter_unload(self, name: str, param: str, caller: Caller) -> int:
+        """Stop serving the adapter to new requests; the version it had."""
+        return (await self.local_weights().unload_adapter(name, param, caller=caller)).version
+
+    @answered
+    async def adapter_pause(self, name: str, mode: PauseMode, caller: Caller) -> AdapterGateState:
+        return (await self.local_weights().pause_adapter(name, mode, caller=caller))[1]
+
+    @answered
+    async def adapter_resume(self, name: str, caller: Caller) -> AdapterGateState:
+        return (await self.local_weights().resume_adapter(name, caller=caller))[1]
+
     # -- serving ---------------------------------------------------------------------------
 
     @answered
@@ -149,8 +217,8 @@ class ReplicaEndpoint:
         return await self.local_weights().transfer_init(join.at(offset))
 
     @answered
-    async def transfer_start(self, model: str) -> TransferStatus:
-        return await self.local_weights().transfer_start(model)
+    async def transfer_start(self, model: str, adapter: AdapterPush | None) -> TransferStatus:
+        return await self.local_weights().transfer_start(model, adapter)
 
     @answered
     async def transfer_update(self, announced: Announcement) -> TransferStatus:
@@ -177,6 +245,13 @@ class ReplicaEndpoint:
         if state.state != "updating" and caught_up:
             return Committed(None)  # started after the others received it
         return Committed(await weights.transfers.commit(model, publish))
+
+    @answered
+    async def transfer_serve_adapter(self, model: str, version: int) -> Applied:
+        """Serve what was received (after `transfer_received`) as the pushed adapter's
+        `version`."""
+        transfers = self.local_weights().transfers
+        return await transfers.finish(model, Publish(), adapter_version=version)
 
     @answered
     async def transfer_abandon(self, model: str, reason: Refusal) -> None:

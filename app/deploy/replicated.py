@@ -21,15 +21,26 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from app.common.caller import Caller
-from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed, Unsupported
+from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed, invalid
 from app.deploy.answers import cause, combined, of_kind, serving
-from app.deploy.ledger import Ledger
-from app.deploy.replica import Commit, Committed, Ranks, Refusal, ReplicaEndpoint, Stage
+from app.deploy.ledger import AdapterRecord, Ledger
+from app.deploy.replica import (
+    AdapterServe,
+    Commit,
+    Committed,
+    Ranks,
+    Refusal,
+    ReplicaEndpoint,
+    Stage,
+)
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
+from app.engine.registry import FIRST_UPLOAD
 from app.updates.local import LocalWeights
 from app.updates.session import UpdateSession
 from app.updates.types import (
@@ -43,9 +54,11 @@ from app.updates.types import (
     Versions,
 )
 from app.weights.lora import LoraAdapter
+from app.weights.lora_layout import read_folder, read_upload, upload_bytes
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
 
 logger = logging.getLogger(__name__)
+ADAPTER_FILE = "adapter.safetensors"
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -102,34 +115,132 @@ class ReplicatedWeights:
             if self.local.registry.versions.get(model, recorded.version) < recorded.version:
                 await self.local.files.adopt(model, recorded.version, recorded.shipment)
                 logger.info("caught up with version %d of %s", recorded.version, model)
+        for name, adapter in state.adapters.items():
+            await self._catch_up_adapter(name, adapter)
         if state.paused is not None:
             await self.local.pause(state.paused)
             logger.info("paused (%s), as every replica is", state.paused)
 
-    # -- adapters ---------------------------------------------------------------------------
+    async def _catch_up_adapter(self, name: str, record: AdapterRecord) -> None:
+        """Serve the adapter's recorded version, owned by its owner, paused if it is."""
+        registry, owner = self.local.registry, Caller(owner=record.owner, admin=True)
+        served = registry.adapters.get(name)
+        if served is None or served.version < record.version:
+            async with self.local.files.unpacked(record.shipment) as file:
+                _, tensors = await asyncio.to_thread(read_upload, file, "path")
+            await registry.push_adapter_tensors(
+                name,
+                tensors,
+                record.config,
+                source=record.source,
+                param="path",
+                caller=owner,
+                first="",
+                version=record.version,
+                keep_layout=False,
+            )
+            logger.info("caught up with version %d of adapter %s", record.version, name)
+        if record.paused is not None:
+            await registry.pause_adapter(name, record.paused, caller=owner)
+
+    # -- LoRA adapters: every replica serves each one at the same version ------------------
 
     async def load_adapter(
         self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
     ) -> LoraAdapter:
-        raise _no_adapters(param)
+        """Read here, shipped to every replica."""
+        self.local.registry.check_adapter_push(name, caller, name_param=name_param, param=param)
+        config, tensors = await asyncio.to_thread(read_folder, Path(path), param)
+        data = await asyncio.to_thread(upload_bytes, config, tensors)
+        shipment = ship_bytes({ADAPTER_FILE: data}, self.replicas.put, self.chunk_bytes)
+        step = AdapterServe(
+            name, shipment, 0, caller, path, param, name_param, FIRST_UPLOAD, keep_layout=False
+        )
+        return await self._serve_adapter(step)
 
     async def push_adapter(
         self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
     ) -> LoraAdapter:
-        raise _no_adapters("body")
+        """Streamed to disk here, then shipped to every replica from there."""
+        self.local.registry.check_adapter_push(name, caller, name_param="name", param="body")
+        files = self.local.files
+        async with files.received(chunks) as path:
+            put = self.replicas.put
+            shipment = await files.ship({ADAPTER_FILE: path}, put, "body", self.chunk_bytes)
+        step = AdapterServe(
+            name, shipment, 0, caller, "upload", "body", "name", FIRST_UPLOAD, keep_layout=True
+        )
+        return await self._serve_adapter(step)
+
+    async def _serve_adapter(self, step: AdapterServe) -> LoraAdapter:
+        """Every replica serves the shipped tensors as the adapter's next version."""
+
+        async def serve(version: int) -> list[int | Refusal]:
+            versioned = replace(step, version=version)
+            return await self.replicas.each(ReplicaEndpoint.adapter_serve, versioned)
+
+        await self._next_adapter_version(
+            step.name, step.name_param, serve, step.source, step.shipment
+        )
+        return self.local.registry.adapters[step.name]
+
+    async def _next_adapter_version(
+        self,
+        name: str,
+        param: str,
+        serve: Callable[[int], Awaitable[list[T | Refusal]]],
+        source: str,
+        shipment: Shipment,
+    ) -> list[T]:
+        """`serve` the adapter's next version on every replica: the version the ledger
+        counts, which then records it with `shipment` (for a replica that starts later);
+        the adapter's lease orders its versions."""
+        ledger, update_id = self.replicas.ledger, uuid.uuid4().hex
+        lease = f"adapter:{name}"
+        await self._acquire(lease, update_id, f"adapter '{name}'", param)
+        try:
+            last = (await ledger.state()).adapter_versions.get(name)
+            version = last + 1 if last is not None else 0
+            served = await serve(version)
+            registry = self.local.registry
+            adapter = registry.adapters.get(name)
+            if adapter is not None and adapter.version == version:
+                owner = registry.adapter_gates[name].owner
+                record = AdapterRecord(version, owner, adapter.config, source, shipment)
+                await ledger.record_adapter(name, record)
+        finally:
+            await ledger.release(lease, update_id)
+        return _every_one(served, "serve the adapter's new version")
 
     async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
-        raise _no_adapters(param)
+        registry = self.local.registry
+        registry.check_adapter_change(name, caller, param)
+        adapter = registry.adapters[name]
+        unloaded = await self.replicas.each(ReplicaEndpoint.adapter_unload, name, param, caller)
+        if any(not isinstance(r, Refusal) for r in unloaded):
+            await self.replicas.ledger.record_adapter(name, None)
+        _every_one(unloaded, "unload the adapter")
+        return adapter
 
     async def pause_adapter(
         self, name: str, mode: PauseMode, *, caller: Caller
     ) -> tuple[LoraAdapter, AdapterGateState]:
-        raise _no_adapters("name")
+        """Every replica pauses it (the ledger first: a replica starting meanwhile pauses it
+        too)."""
+        registry = self.local.registry
+        registry.check_adapter_change(name, caller, "name")
+        await self.replicas.ledger.record_adapter_pause(name, mode)
+        states = await self.replicas.each(ReplicaEndpoint.adapter_pause, name, mode, caller)
+        return registry.adapters[name], _adapter_states(states, "pause the adapter")
 
     async def resume_adapter(
         self, name: str, *, caller: Caller
     ) -> tuple[LoraAdapter, AdapterGateState]:
-        raise _no_adapters("name")
+        registry = self.local.registry
+        registry.check_adapter_change(name, caller, "name")
+        await self.replicas.ledger.record_adapter_pause(name, None)
+        states = await self.replicas.each(ReplicaEndpoint.adapter_resume, name, caller)
+        return registry.adapters[name], _adapter_states(states, "resume the adapter")
 
     # -- checkpoint updates ----------------------------------------------------------------
 
@@ -229,15 +340,18 @@ class ReplicatedWeights:
             r.applied for r in committed if isinstance(r, Committed) and r.applied is not None
         )
 
-    async def _acquire(self, model: str, update_id: str) -> None:
-        """Wait for `model`'s update lease (another update holds it while it runs)."""
+    async def _acquire(
+        self, lease: str, update_id: str, what: str | None = None, param: str = "model"
+    ) -> None:
+        """Wait for the update lease `lease` (a model's, or an adapter's: `what`), which
+        another update holds while it runs."""
         deadline = time.monotonic() + self.wait_s
-        while not await self.replicas.ledger.acquire(model, update_id, self.wait_s):
+        while not await self.replicas.ledger.acquire(lease, update_id, self.wait_s):
             if time.monotonic() > deadline:
                 raise Conflict(
-                    f"another update of '{model}' has been running for over {self.wait_s:g} s; "
-                    "try again later",
-                    param="model",
+                    f"another update of {what or repr(lease)} has been running for over "
+                    f"{self.wait_s:g} s; try again later",
+                    param=param,
                 )
             await asyncio.sleep(0.2)
 
@@ -289,9 +403,7 @@ class ReplicatedWeights:
         self, model: str, adapter: AdapterPush | None = None
     ) -> TransferStatus:
         """A start that fails on one replica is aborted on all."""
-        if adapter is not None:
-            raise _no_adapters("adapter")
-        states = await self.replicas.each(ReplicaEndpoint.transfer_start, model)
+        states = await self.replicas.each(ReplicaEndpoint.transfer_start, model, adapter)
         if any(isinstance(s, Refusal) for s in states):
             await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
         return combined(model, states)
@@ -307,7 +419,10 @@ class ReplicatedWeights:
     async def transfer_finish(self, model: str, publish: Publish) -> Applied:
         """The finish over every replica, as one transaction: all received and checked the
         update, then all swap it in under one version. The ledger keeps what this replica
-        received (a replica that starts later was not in the group)."""
+        received (a replica that starts later was not in the group). An adapter's tensors are
+        served as its next version instead."""
+        if (pushed := self.local.transfers.pushing(model)) is not None:
+            return await self._finish_adapter_push(model, publish, pushed)
         each = self.replicas.each
 
         async def received(_: str) -> list[int | Refusal]:
@@ -328,6 +443,38 @@ class ReplicatedWeights:
             model, publish, stage=received, shipment=shipment, abort=abandon, commit=commit
         )
 
+    async def _finish_adapter_push(
+        self, model: str, publish: Publish, pushed: AdapterPush
+    ) -> Applied:
+        """Every replica received the adapter's tensors and checked them; then each serves
+        them as the adapter's next version (nothing pauses). Any refusal before that drops
+        the update on every replica."""
+        each = self.replicas.each
+        problem: Failure | None = None
+        if publish.version is not None:
+            problem = invalid(
+                "version", "an adapter's versions are counted by the server: leave it out"
+            )
+        else:
+            received = await each(ReplicaEndpoint.transfer_received, model)
+            if refused := [r for r in received if isinstance(r, Refusal)]:
+                problem = cause(refused).failure(
+                    f"{len(refused)} of {len(received)} replicas refused it"
+                )
+        if problem is not None:
+            await each(ReplicaEndpoint.transfer_abandon, model, Refusal.of(problem))
+            raise problem
+        data = await self.local.transfers.checkpoint(model)
+        shipment = ship_bytes({ADAPTER_FILE: data}, self.replicas.put, self.chunk_bytes)
+
+        async def serve(version: int) -> list[Applied | Refusal]:
+            return await each(ReplicaEndpoint.transfer_serve_adapter, model, version)
+
+        served = await self._next_adapter_version(
+            pushed.name, "adapter.name", serve, "transfer", shipment
+        )
+        return served[0]
+
     async def transfer_abort(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
         return combined(model, states)
@@ -344,9 +491,26 @@ class ReplicatedWeights:
         await self.replicas.ledger.record_session(session)
 
 
-def _no_adapters(param: str) -> Unsupported:
-    return Unsupported(
-        f"{param}: LoRA adapters are served by a single server for now, not across the "
-        "replicas of a deployment",
-        param=param,
+def _every_one(answers: list[T | Refusal], doing: str) -> list[T]:
+    """The replicas' answers to one adapter step: refused by all (the adapter's name, its
+    owner, its tensors), the refusal; by some, a PeerFailed saying how many."""
+    refused = [a for a in answers if isinstance(a, Refusal)]
+    if len(refused) == len(answers):
+        raise cause(refused).failure(f"{len(refused)} of {len(answers)} replicas refused it")
+    if refused:
+        raise PeerFailed(
+            f"{len(refused)} of {len(answers)} replicas failed to {doing}, the others did: "
+            f"{cause(refused).message}"
+        )
+    return [a for a in answers if not isinstance(a, Refusal)]
+
+
+def _adapter_states(answers: list[AdapterGateState | Refusal], doing: str) -> AdapterGateState:
+    """Every replica's state of one adapter, as one: its mode, and the requests in flight
+    and waiting on all of them."""
+    states = _every_one(answers, doing)
+    return AdapterGateState(
+        paused=states[0].paused,
+        in_flight=sum(s.in_flight for s in states),
+        waiting=sum(s.waiting for s in states),
     )

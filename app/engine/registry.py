@@ -42,6 +42,13 @@ class Origin:
     read_at: float
 
 
+FIRST_UPLOAD = (
+    f"a first upload carries its config in the file's metadata (key '{CONFIG_METADATA}': the "
+    f"text of {CONFIG}), or load it from its folder (POST /v1/adapters)"
+)
+"""How an upload serves an adapter not served yet (said when it cannot)."""
+
+
 def check_batch_invariant(served: ServedModel, param: str) -> None:
     """Refuse batch-invariant mode (named by `param`) on an engine that cannot run it."""
     if not served.backend.capabilities.batch_invariant:
@@ -287,15 +294,10 @@ class ModelRegistry:
         its next version: with the layers and shapes it has, and its config unless the file's
         metadata gives one (`CONFIG_METADATA`). A name not served needs that config, and is
         then served at version 0, owned by `caller`."""
-        first = (
-            f"a first upload carries its config in the file's metadata (key "
-            f"'{CONFIG_METADATA}': the text of {CONFIG}), or load it from its folder "
-            "(POST /v1/adapters)"
-        )
         self.check_adapter_push(name, caller, name_param="name", param=param)
         config, tensors = await asyncio.to_thread(read_upload, file, param)
         return await self.push_adapter_tensors(
-            name, tensors, config, source="upload", param=param, caller=caller, first=first
+            name, tensors, config, source="upload", param=param, caller=caller, first=FIRST_UPLOAD
         )
 
     def check_adapter_push(self, name: str, caller: Caller, *, name_param: str, param: str) -> None:
@@ -319,10 +321,14 @@ class ModelRegistry:
         caller: Caller,
         first: str,
         name_param: str = "name",
+        version: int | None = None,
+        keep_layout: bool = True,
     ) -> LoraAdapter:
         """`tensors` (PEFT's names) as adapter `name`'s next version (`push_adapter`), once
         `check_adapter_push` passed (the owner is checked again as it is served); `first` says
-        how a push serves a new adapter, when this one cannot."""
+        how a push serves a new adapter, when this one cannot. `version`: the one a
+        deployment's ledger counted (default: this server's count); `keep_layout=False`
+        serves another layout too, as a folder's load does."""
         current = self.adapters.get(name)
         if current is None and config is None:
             raise NotFound(
@@ -337,7 +343,8 @@ class ModelRegistry:
             param,
             caller=caller,
             name_param=name_param,
-            layout_of=current,
+            layout_of=current if keep_layout else None,
+            version=version,
         )
 
     def _adapter_base(self, param: str) -> ServedModel:
@@ -372,14 +379,17 @@ class ModelRegistry:
         caller: Caller,
         name_param: str = "name",
         layout_of: LoraAdapter | None = None,
+        version: int | None = None,
     ) -> LoraAdapter:
-        """`name`'s next version; with `layout_of`, refused unless it has that one's layout."""
+        """`name`'s next version (or `version`); with `layout_of`, refused unless it has that
+        one's layout."""
         async with self._adapter_lock:
             self._check_owner(name, caller, name_param)  # (again: it may have changed hands)
             if layout_of is not None:  # the latest version (another push may have come first)
                 layout_of = self.adapters.get(name)
-            last = self._adapter_versions.get(name)
-            version = last + 1 if last is not None else 0
+            if version is None:
+                last = self._adapter_versions.get(name)
+                version = last + 1 if last is not None else 0
             adapter = await base.backend.build_adapter(
                 config, tensors, name=name, version=version, source=source, param=param
             )
@@ -415,6 +425,11 @@ class ModelRegistry:
             )
         self._check_owner(name, caller, param)
         return gate
+
+    def check_adapter_change(self, name: str, caller: Caller, param: str) -> None:
+        """Adapter `name` is served, and `caller` may unload or pause it (else refused,
+        naming `param`)."""
+        self._gate_of(name, caller, param)
 
     def unload_adapter(self, name: str, *, param: str, caller: Caller = UNKEYED) -> LoraAdapter:
         """Stop serving adapter `name` to new requests (rows in flight finish with it; requests

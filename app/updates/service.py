@@ -138,6 +138,18 @@ class WeightsService:
                 raise Malformed("body: the upload is empty", param="body")
             yield Path(sink.name)
 
+    @contextlib.asynccontextmanager
+    async def unpacked(self, shipment: Shipment) -> AsyncIterator[Path]:
+        """A shipment of one file, written into this server's data chunk by chunk (gone
+        afterwards)."""
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
+            for shipped in shipment.files:
+                for chunk in shipped.chunks:
+                    await self._file_work(sink.write, await chunk.fetch())
+            await self._file_work(sink.flush)
+            yield Path(sink.name)
+
     async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
         """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a
         hung network mount) costs a 504, never the event loop."""

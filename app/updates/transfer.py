@@ -44,6 +44,8 @@ from app.weights.transport import Transport
 logger = logging.getLogger(__name__)
 
 
+ADAPTER_VERSIONS = "an adapter's versions are counted by the server: leave it out"
+"""Why an adapter's push names no version."""
 _FIRST_PUSH = "a first push over the transfer gives its config at start (adapter.config)"
 
 
@@ -218,28 +220,36 @@ class TransferService:
                 if link.updating and link.session == session:
                     await self._drop(link, engine, exc)
 
-    async def finish(self, model: str, publish: Publish) -> Applied:
+    def pushing(self, model: str) -> AdapterPush | None:
+        """The adapter the open update of `model` pushes, if it pushes one."""
+        link = self._links.get(model)
+        return link.adapter if link is not None else None
+
+    async def finish(
+        self, model: str, publish: Publish, *, adapter_version: int | None = None
+    ) -> Applied:
         """Wait for the announced data, then swap it in. (A replica of several takes the
-        same two steps as `received` and `commit`, with every other replica between them.)"""
+        same two steps as `received` and `commit`, with every other replica between them;
+        for an adapter, `received`, then this with the `adapter_version` every replica
+        serves.)"""
         async with self._link(model) as (link, engine):
             try:
                 if link.adapter is not None and publish.version is not None:
-                    raise invalid(
-                        "version", "an adapter's versions are counted by the server: leave it out"
-                    )
+                    raise invalid("version", ADAPTER_VERSIONS)
                 self.registry.gate.next_version(model, publish.version)
             except BaseException as exc:
                 await self._drop(link, engine, exc)
                 raise
             await self._receive_all(link, engine)
             if link.adapter is not None:
-                return await self._serve_adapter(link, engine, link.adapter)
+                return await self._serve_adapter(link, engine, link.adapter, adapter_version)
             return await self._commit(link, engine, model, publish)
 
     async def _serve_adapter(
-        self, link: _Link, engine: WeightTransfer, adapter: AdapterPush
+        self, link: _Link, engine: WeightTransfer, adapter: AdapterPush, version: int | None
     ) -> Applied:
-        """What was received, as `adapter`'s next version (the model is left as it is)."""
+        """What was received, as `adapter`'s next version (or `version`; the model is left as
+        it is)."""
         try:
             data = await engine.checkpoint()
             tensors = await asyncio.to_thread(safetensors.torch.load, data)
@@ -252,6 +262,7 @@ class TransferService:
                 name_param="adapter.name",
                 caller=adapter.caller,
                 first=_FIRST_PUSH,
+                version=version,
             )
         except BaseException as exc:
             await self._drop(link, engine, exc)

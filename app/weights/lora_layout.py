@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -81,6 +82,13 @@ def read_upload(file: Path, param: str) -> tuple[dict[str, Any] | None, dict[str
     if not isinstance(config, dict):
         raise invalid(param, f"the metadata's {CONFIG_METADATA} holds no JSON object")
     return config, tensors
+
+
+def upload_bytes(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:
+    """One safetensors file of an adapter: its tensors, its config in the metadata (what
+    `read_upload` reads)."""
+    metadata = {CONFIG_METADATA: json.dumps(config)}
+    return safetensors.torch.save({k: t.contiguous() for k, t in tensors.items()}, metadata)
 
 
 def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import pickle
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from app.common.caller import UNKEYED
 from app.common.failures import Conflict, InvalidInput, PeerFailed, TimedOut, Unsupported
 from app.config import Settings
 from app.deploy.ledger import LocalLedger
-from app.deploy.replica import Refusal, ReplicaEndpoint
 from app.deploy.replicated import ReplicatedWeights
 from app.dialects.sglang.protocol import UpdateWeightsFromDistributed
 from app.dialects.sglang.service import SGLangWeights
@@ -30,9 +27,9 @@ from app.engine.registry import ModelRegistry
 from app.updates.local import LocalWeights
 from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
-from app.weights.shipment import Held
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import TransferSetup, WeightTransfer
+from tests.deploy.replicas import FakeReplicas, InProcessReplica
 from tests.fake.backend import FakeBackend
 
 BASE = {"w": torch.arange(4.0), "b": torch.zeros(2)}
@@ -121,16 +118,7 @@ class SmallModel(FakeBackend):
         return self._transfer
 
 
-class InProcessReplica(ReplicaEndpoint):
-    def __init__(self, name: str, weights: LocalWeights) -> None:
-        self.name, self.weights = name, weights
-
-    def local_weights(self) -> LocalWeights:
-        return self.weights
-
-    def replica_id(self) -> str:
-        return self.name
-
+class Replica(InProcessReplica):
     @property
     def policy(self) -> SmallModel:
         backend = self.weights.registry.models["policy"].backend
@@ -142,41 +130,6 @@ class InProcessReplica(ReplicaEndpoint):
         return self.weights.registry.versions["policy"]
 
 
-class FakeReplicas:
-    """Every replica, reached as over a wire: arguments and answers are pickled both ways,
-    a replica told to fail a step answers as one that could not be reached, and each step is
-    logged with its update's id (when it has one)."""
-
-    def __init__(self, replicas: list[InProcessReplica], ledger: LocalLedger) -> None:
-        self.replicas = replicas
-        self.ledger = ledger
-        self.unreachable: dict[tuple[str, str], str] = {}  # (replica, step): why
-        self.log: list[tuple[str, str | None]] = []
-        self.chunks: list[int] = []
-
-    async def each(
-        self, step: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
-    ) -> list[Any]:
-        update_id = getattr(args[0], "update_id", None) if args else None
-        self.log.append((step.__name__, update_id))
-
-        async def one(replica: InProcessReplica) -> Any:
-            if (why := self.unreachable.get((replica.name, step.__name__))) is not None:
-                return Refusal.unreachable(ConnectionError(why))
-            sent_args, sent_kwargs = pickle.loads(pickle.dumps((args, kwargs)))
-            try:
-                answer = await step(replica, *sent_args, **sent_kwargs)
-            except Exception as exc:
-                return Refusal.unreachable(exc)
-            return pickle.loads(pickle.dumps(answer))
-
-        return list(await asyncio.gather(*(one(r) for r in self.replicas)))
-
-    def put(self, data: bytes) -> Held:
-        self.chunks.append(len(data))
-        return Held(data)
-
-
 class Cluster:
     """N replicas, each with its own data, registry and control (as each replica of a Ray
     Serve deployment has), one ledger and one trainer."""
@@ -186,7 +139,7 @@ class Cluster:
         self.trainer = Trainer()
         self.ledger = LocalLedger()
         self.names = itertools.count()
-        self.replicas: list[InProcessReplica] = []
+        self.replicas: list[Replica] = []
         self.handle = FakeReplicas(self.replicas, self.ledger)
         self.controls: list[ReplicatedWeights] = []
         for _ in range(num_replicas):
@@ -206,7 +159,7 @@ class Cluster:
             registry.add(SmallModel(model, name, self.trainer))
         registry.status = "ready"
         local = LocalWeights(registry, settings.weights, settings.storage.data_dir)
-        self.replicas.append(InProcessReplica(name, local))
+        self.replicas.append(Replica(name, local))
         control = ReplicatedWeights(local, self.handle, wait_s=10, chunk_bytes=self.chunk_bytes)
         self.controls.append(control)
         return control
@@ -422,9 +375,10 @@ async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Clu
         await dialects[1].update_announced()
 
 
-async def test_adapters_are_refused_across_replicas_naming_the_field(cluster: Cluster) -> None:
-    """Adapters are served by a single server for now: every adapter call is a refusal that
-    names its field, over the transfer too, and leaves every replica as it was."""
+async def test_adapter_refusals_across_replicas_name_the_field(cluster: Cluster) -> None:
+    """These replicas' backend serves no adapters: a load, and a push over the collective
+    transfer, are each a refusal naming its field, which leaves every replica as it was
+    (tests/deploy/test_replicated_adapters.py and tests/e2e/test_ray_serve.py serve them)."""
     control = cluster.controls[0]
     await control.transfer_init(init())
     pushed = AdapterPush("a", {"r": 4, "lora_alpha": 8, "target_modules": ["proj"]}, UNKEYED)

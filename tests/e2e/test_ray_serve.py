@@ -2,7 +2,7 @@
 redis-server: requests spread over both replicas, each labels its answers and metrics, a
 session's requests stick to one replica, and an environment episode survives that replica
 being killed (Ray starts another; no completed step is lost). Weight updates (a load, an
-upload, the collective transfer) reach both replicas or neither."""
+upload, the collective transfer) reach both replicas or neither, and so do LoRA adapters."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -376,3 +377,114 @@ def test_a_collective_transfer_reaches_every_replica_or_none(  # type: ignore[no
             assert sync.send(again).policy_version == old + 2
         served_everywhere(old + 2, again)
         assert client.transfer_state().state == "idle"
+
+
+def test_an_adapter_reaches_every_replica_and_a_new_replica_catches_up(  # type: ignore[no-untyped-def]
+    server: Server, cluster: str, model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA adapter loaded through the proxy is served by both replicas at one version, and
+    each push of new tensors (an upload, then the collective transfer) is its next version on
+    both. A replica Ray starts after that serves the last version too, caught up from the
+    ledger's record (its chunks Ray objects the ledger's actor owns). Unloaded, it is gone
+    from both."""
+    from peft import get_peft_model_state_dict
+    from rlserve_client import Client
+    from safetensors.torch import save
+
+    from tests.adapters.models import peft_model
+    from tests.conftest import assert_close, forward_log_probs
+
+    options = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    first, second, third = (peft_model(model_dir, seed, **options) for seed in (1, 2, 3))
+    first.save_pretrained(tmp_path / "a", save_embedding_layers=False)
+    tokens = [72, 105, 33, 10, 40, 50]
+
+    def served_everywhere(version: int, expected_model: Any) -> None:
+        expected = forward_log_probs(expected_model, tokens)
+        answers: dict[str, dict[str, Any]] = {}
+        for _ in range(60):
+            body = {"model": "ray-a", "tokens": [tokens]}
+            response = httpx.post(f"{server.url}/v1/logprobs", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            answers[response.headers["x-rlserve-replica"]] = response.json()
+            if len(answers) == 2:
+                break
+        assert len(answers) == 2
+        for answer in answers.values():
+            assert answer["policy_version"] == version  # (an adapter's answers carry its own)
+            assert_close(answer["outputs"][0]["log_probs"]["full"], expected, 1e-4)
+
+    loaded = httpx.post(
+        f"{server.url}/v1/adapters",
+        json={"name": "ray-a", "path": str(tmp_path / "a")},
+        timeout=300,
+    )
+    assert loaded.status_code == 200, loaded.text
+    served_everywhere(0, first)
+    pushed = httpx.put(
+        f"{server.url}/v1/adapters/ray-a",
+        content=save(get_peft_model_state_dict(second)),
+        timeout=300,
+    )
+    assert pushed.status_code == 200 and pushed.json()["version"] == 1, pushed.text
+    served_everywhere(1, second)
+    # over the collective transfer: each replica receives the tensors at its own rank
+    with Client(base_url=server.url, max_retries=0, timeout=300) as client:  # noqa: SIM117
+        with client.weight_transfer(master_address="127.0.0.1", timeout_s=120) as sync:
+            sent = sync.send_adapter(third, "ray-a")
+    assert (sent.adapter, sent.adapter_version) == ("ray-a", 2)
+    served_everywhere(2, third)
+
+    victim = kill_a_replica(server, cluster, monkeypatch)
+    assert victim not in wait_for_replicas(server.url, 2)
+    served_everywhere(2, third)
+
+    unloaded = httpx.delete(f"{server.url}/v1/adapters/ray-a", timeout=300)
+    assert unloaded.status_code == 200, unloaded.text
+    for _ in range(10):
+        gone = httpx.post(
+            f"{server.url}/v1/logprobs", json={"model": "ray-a", "tokens": [tokens]}, timeout=60
+        )
+        assert gone.status_code == 422 and "'ray-a' is not served" in gone.text, gone.text
+
+
+class _Proxy:
+    """The proxy's address, as the dialect trainers of tests/weights reach a server."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def trainer_client(self) -> Any:
+        from rlserve_client import Client
+
+        return Client(base_url=self.url, max_retries=0, timeout=300)
+
+
+def test_an_sglang_session_spans_the_replicas_its_calls_reach(  # type: ignore[no-untyped-def]
+    server: Server, model_dir, tmp_path
+) -> None:
+    """An SGLang-speaking trainer's update through the proxy, each call reaching either
+    replica: SGLang's begin, buckets and end, then slime's pause, buckets and continue. Both
+    replicas join its group and receive every bucket; neither serves them before the session
+    ends, and then both serve the trainer's weights under the version it named (the session is
+    the ledger's record, not one replica's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import assert_close, forward_log_probs
+    from tests.weights.conftest import perturbed
+    from tests.weights.test_dialect_transfer import sglang_trainer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = [72, 105, 33, 10, 40, 50]
+    for flow, scale in (("session", 1.1), ("paused", 1.2)):
+        before = {v["policy_version"] for v in versions_by_replica(server.url).values()}  # type: ignore[index]
+        (current,) = before
+        new = perturbed(model, scale)
+        seen = sglang_trainer(_Proxy(server.url), new, flow, current + 3, tmp_path)  # type: ignore[arg-type]
+        assert seen == [current, current], "a bucket became visible before the update's end"
+        versions = versions_by_replica(server.url)
+        assert {v["policy_version"] for v in versions.values()} == {current + 3}, versions  # type: ignore[index]
+        expected = forward_log_probs(new, tokens)
+        for replica_scores in scores_by_replica(server.url, tokens).values():
+            assert_close(replica_scores, expected, 1e-4)

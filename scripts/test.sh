@@ -67,8 +67,9 @@ fi
 # The extra suites run one after another beside the main one: the main suite keeps about
 # three quarters of one core busy (much of it waits on servers it started), so the second core
 # takes them. Their output follows the main suite's; every suite runs whatever the others do.
-# When the whole suite runs (no arguments), the longest benchmark smokes (marked `beside`,
-# about 7 minutes) go first in that lane too, which keeps the two lanes about equal.
+# When the whole suite runs (no arguments), the longest tests (marked `beside`: benchmark
+# smokes and the install script, about 9 minutes) go first in that lane too, which keeps the
+# two lanes about equal.
 extra_status=0
 main_args=("$@")
 if [ "${#extras[@]}" -gt 0 ]; then
@@ -80,8 +81,9 @@ if [ "${#extras[@]}" -gt 0 ]; then
   (
     status=0
     if [ "$beside" = 1 ]; then
-      echo "=== long benchmark smokes (main venv) ==="
-      before_deadline .venv/bin/python -m pytest -m beside tests/bench --durations=5 || status=1
+      echo "=== long tests (main venv) ==="
+      before_deadline .venv/bin/python -m pytest -m beside tests/bench tests/docker \
+        --durations=5 || status=1
     fi
     for name in "${extras[@]}"; do
       echo "=== $name suite ==="

@@ -19,6 +19,7 @@ def test_dockerfile_cpu_runs_the_shared_install_script():
     assert any("./scripts/install.sh /opt/venv" in run for run in runs)
 
 
+@pytest.mark.beside  # (a long wait on pip: in the extra suites' lane in a full run)
 @pytest.mark.timeout(1000)  # the install's own limit below, and then some
 def test_install_script_builds_a_working_environment(tmp_path):
     venv = tmp_path / "venv"

@@ -86,7 +86,9 @@ class WeightSync:
         state = self.client.transfer_state(model=self.options.model)
         world_size = 1 + state.server_ranks
         timeout = datetime.timedelta(seconds=self.options.timeout_s)
-        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+        # (torch.distributed re-exports these from torch._C: an error under --strict's global
+        # no-implicit-reexport, not under the project's per-module strictness)
+        self._store = dist.TCPStore(  # type: ignore[attr-defined,unused-ignore]
             "0.0.0.0",
             self.options.master_port,
             world_size,
@@ -108,7 +110,8 @@ class WeightSync:
         # Both sides block in the rendezvous until everyone is in: the server's init runs on
         # a thread while this rank joins; an error from either side ends the wait.
         joined = _in_thread(self.client.transfer_step, step="init", body=body)
-        prefixed = dist.PrefixStore(STORE_PREFIX, self._store)  # type: ignore[attr-defined]
+        store = self._store
+        prefixed = dist.PrefixStore(STORE_PREFIX, store)  # type: ignore[attr-defined,unused-ignore]
         group = _in_thread(self._join, transport, prefixed, world_size)
         _first_error(joined, group, self.options.timeout_s + 10)
         self._group = group.result()

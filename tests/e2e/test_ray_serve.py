@@ -414,6 +414,9 @@ def test_an_adapter_reaches_every_replica_and_a_new_replica_catches_up(  # type:
             assert answer["policy_version"] == version  # (an adapter's answers carry its own)
             assert_close(answer["outputs"][0]["log_probs"]["full"], expected, 1e-4)
 
+    # the adapters adapt the starting weights (the tests above changed the policy's)
+    restored = httpx.post(f"{server.url}/v1/weights/restore", json={}, timeout=300)
+    assert restored.status_code == 200, restored.text
     loaded = httpx.post(
         f"{server.url}/v1/adapters",
         json={"name": "ray-a", "path": str(tmp_path / "a")},

@@ -26,6 +26,7 @@ from app.updates.types import (
     Publish,
     TransferStatus,
 )
+from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import read_upload
 from app.weights.shipment import Shipment
 
@@ -108,6 +109,27 @@ class Ranks:
     ranks: int
 
 
+async def serve_shipped_adapter(
+    weights: LocalWeights, step: AdapterServe, config: dict[str, Any] | None = None
+) -> LoraAdapter:
+    """Serve `step`'s shipped tensors on this replica, with `config` (default: the one in
+    the file's metadata, else the one the adapter is served with)."""
+    async with weights.files.unpacked(step.shipment) as file:
+        shipped_config, tensors = await asyncio.to_thread(read_upload, file, step.param)
+    return await weights.registry.push_adapter_tensors(
+        step.name,
+        tensors,
+        config or shipped_config,
+        source=step.source,
+        param=step.param,
+        caller=step.caller,
+        first=step.first,
+        name_param=step.name_param,
+        version=step.version,
+        keep_layout=step.keep_layout,
+    )
+
+
 def answered(step: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T | Refusal]]:
     """A step whose failure is answered as a Refusal."""
 
@@ -157,22 +179,7 @@ class ReplicaEndpoint:
     @answered
     async def adapter_serve(self, step: AdapterServe) -> int:
         """Serve the shipped tensors as the adapter's `step.version`; that version."""
-        weights = self.local_weights()
-        async with weights.files.unpacked(step.shipment) as file:
-            config, tensors = await asyncio.to_thread(read_upload, file, step.param)
-        adapter = await weights.registry.push_adapter_tensors(
-            step.name,
-            tensors,
-            config,
-            source=step.source,
-            param=step.param,
-            caller=step.caller,
-            first=step.first,
-            name_param=step.name_param,
-            version=step.version,
-            keep_layout=step.keep_layout,
-        )
-        return adapter.version
+        return (await serve_shipped_adapter(self.local_weights(), step)).version
 
     @answered
     async def adapter_unload(self, name: str, param: str, caller: Caller) -> int:

@@ -37,6 +37,7 @@ from app.deploy.replica import (
     Refusal,
     ReplicaEndpoint,
     Stage,
+    serve_shipped_adapter,
 )
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
@@ -54,7 +55,7 @@ from app.updates.types import (
     Versions,
 )
 from app.weights.lora import LoraAdapter
-from app.weights.lora_layout import read_folder, read_upload, upload_bytes
+from app.weights.lora_layout import read_folder, upload_bytes
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
 
 logger = logging.getLogger(__name__)
@@ -126,19 +127,18 @@ class ReplicatedWeights:
         registry, owner = self.local.registry, Caller(owner=record.owner, admin=True)
         served = registry.adapters.get(name)
         if served is None or served.version < record.version:
-            async with self.local.files.unpacked(record.shipment) as file:
-                _, tensors = await asyncio.to_thread(read_upload, file, "path")
-            await registry.push_adapter_tensors(
+            step = AdapterServe(
                 name,
-                tensors,
-                record.config,
-                source=record.source,
-                param="path",
-                caller=owner,
+                record.shipment,
+                record.version,
+                owner,
+                record.source,
+                "path",
+                "name",
                 first="",
-                version=record.version,
                 keep_layout=False,
             )
+            await serve_shipped_adapter(self.local, step, record.config)
             logger.info("caught up with version %d of adapter %s", record.version, name)
         if record.paused is not None:
             await registry.pause_adapter(name, record.paused, caller=owner)

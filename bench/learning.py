@@ -13,7 +13,7 @@ few more steps of each loop at equal work (every reply runs max_new_tokens: the 
 policies soon differ in reply length, and with it in cost per step).
 
     .venv/bin/python bench/learning.py                # 40 steps each (about 30 minutes here)
-    .venv/bin/python bench/learning.py --quick        # 2 steps each
+    .venv/bin/python bench/learning.py --quick        # 2 steps each, 2 groups a step
 """
 
 from __future__ import annotations
@@ -176,9 +176,11 @@ def main() -> None:
     names = options.loops.split(",")
     output: Path = options.output
     output.mkdir(parents=True, exist_ok=True)
-    args = arguments(["--steps", str(steps)])
+    # --quick checks that the script runs (CI's smoke test): half the groups a step
+    size = ["--prompts", "2"] if options.quick else []
+    args = arguments(["--steps", str(steps), *size])
     loops = {name: run(name, args, output) for name in names}
-    timing = arguments(["--steps", str(speed_steps), "--fixed-length"])
+    timing = arguments(["--steps", str(speed_steps), "--fixed-length", *size])
     timed = {name: speed(run(name, timing, output)) for name in names}
     report = {
         "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("url", "log")},

@@ -68,7 +68,7 @@ fi
 # three quarters of one core busy (much of it waits on servers it started), so the second core
 # takes them. Their output follows the main suite's; every suite runs whatever the others do.
 # When the whole suite runs (no arguments), the longest tests (marked `beside`: benchmark
-# smokes and the install script, about 9 minutes) go first in that lane too, which keeps the
+# smokes and the install script, about 7 minutes) go first in that lane too, which keeps the
 # two lanes about equal.
 extra_status=0
 main_args=("$@")

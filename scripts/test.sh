@@ -72,7 +72,15 @@ fi
 # two lanes about equal.
 extra_status=0
 main_args=("$@")
+# Torch starts a thread a core in every process; with a suite in each lane, the cores are
+# oversubscribed and torch's threads wait on each other: the benchmark smokes ran several
+# times slower (bench/learning.py --quick beside the main suite: 452 s with two threads, 119 s
+# with one). So while two lanes run, the main suite and the long tests take one thread a torch
+# process (OMP_NUM_THREADS, unless it is set). The extra suites keep their own settings
+# (vLLM binds its threads itself).
+threads=()
 if [ "${#extras[@]}" -gt 0 ]; then
+  threads=(env "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
   beside=0
   if [ "$#" -eq 0 ]; then
     beside=1
@@ -82,8 +90,8 @@ if [ "${#extras[@]}" -gt 0 ]; then
     status=0
     if [ "$beside" = 1 ]; then
       echo "=== long tests (main venv) ==="
-      before_deadline .venv/bin/python -m pytest -m beside tests/bench tests/docker \
-        --durations=5 || status=1
+      before_deadline "${threads[@]}" .venv/bin/python -m pytest -m beside tests/bench \
+        tests/docker --durations=5 || status=1
     fi
     for name in "${extras[@]}"; do
       echo "=== $name suite ==="
@@ -108,7 +116,8 @@ if [ "${#extras[@]}" -gt 0 ]; then
 fi
 # (the slowest tests are listed at the end: where CI time goes)
 main_status=0
-before_deadline .venv/bin/python -m pytest --durations=25 "${main_args[@]}" || main_status=$?
+before_deadline "${threads[@]}" .venv/bin/python -m pytest --durations=25 "${main_args[@]}" \
+  || main_status=$?
 if [ "${#extras[@]}" -gt 0 ]; then
   wait "$extras_pid" || extra_status=$?
   cat "$setups/extras.log"

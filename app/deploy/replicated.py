@@ -133,8 +133,8 @@ class ReplicatedWeights:
                 record.version,
                 owner,
                 record.source,
-                "path",
-                "name",
+                param="path",
+                name_param="name",
                 first="",
                 keep_layout=False,
             )

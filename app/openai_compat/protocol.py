@@ -375,6 +375,11 @@ class ChoiceExtensions(DialectModel):
         "num_experts_per_tok], every prompt and output token but the last (a stream's last "
         "chunk carries it).",
     )
+    stop_reason: int | str | None = Field(
+        default=None,
+        description="Extension (vLLM's): the stop token id or stop string that ended the "
+        "choice; null at the end-of-sequence token or the length limit.",
+    )
 
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]

@@ -755,7 +755,7 @@ def _decoder(job: Job) -> Any:
 
 
 def _choice_extensions(job: Job, g: Generation) -> dict[str, Any]:
-    extensions: dict[str, Any] = {}
+    extensions: dict[str, Any] = {"stop_reason": g.stop_reason}
     routing = job.served.backend.routing
     if g.routed_experts is not None and routing is not None:
         start = job.request.routed_experts_prompt_start

@@ -276,6 +276,14 @@ class LimitSettings(Group):
     max_rollout_turns: int = Field(
         default=8192, gt=0, description="num_episodes x max_turns of one /v1/rollouts request."
     )
+    paused_wait_s: float = Field(
+        default=300,
+        gt=0,
+        description="How long a request waits for paused serving (or a paused adapter) to "
+        "resume; past it the request is refused with 503 and Retry-After, having started "
+        "nothing. Generations a keep-mode pause froze mid-way are not refused: they go on "
+        "at the resume.",
+    )
 
     @model_validator(mode="after")
     def _check_default(self) -> LimitSettings:
@@ -389,6 +397,14 @@ class WeightSettings(Group):
         description="How long a collective transfer's join waits for the trainer's rendezvous "
         "to accept connections (a trainer may open it just after asking, from a process still "
         "starting) before it is refused naming master_address.",
+    )
+    group_idle_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="A weight-transfer group that saw no call from its trainer for this long "
+        "is closed (logged), so it never blocks the next trainer. Unset: only a group whose "
+        "trainer is gone (nothing listens at its rendezvous) or joins again gives way to a new "
+        "init. Longer than the trainer's longest step, since its next update needs the group.",
     )
     snapshot_loads: bool = Field(
         default=True,

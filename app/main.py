@@ -25,6 +25,7 @@ from app.datasets.store import DatasetStore, SQLiteDatasetStore
 from app.deploy.replicated import Replicas, ReplicatedWeights
 from app.dialects.areal import router as areal_router
 from app.dialects.refusals import router as refused_router
+from app.dialects.sglang.gateway import router as sglang_gateway_router
 from app.dialects.sglang.router import router as sglang_router
 from app.dialects.sglang.service import SGLangWeights
 from app.dialects.tokenize import router as tokenize_router
@@ -175,6 +176,7 @@ def create_app(
             batching=settings.batching.config(),
             state_dir=data_dir / "vllm-weights",
             invariant=settings.batching.invariant,
+            paused_wait_s=settings.limits.paused_wait_s,
         )
         app.state.registry = registry
         app.state.probe = EngineProbe(
@@ -243,6 +245,7 @@ def create_app(
         vllm_router,
         vllm_render_router,
         sglang_router,
+        sglang_gateway_router,
         tokenize_router,
         areal_router,
         refused_router,

@@ -55,6 +55,11 @@ class NotReady(Failure):
     """The service cannot take this now (model loading or failed, tool sandbox missing)."""
 
 
+class Paused(NotReady):
+    """Serving (or an adapter) stayed paused for longer than a request may wait for it: the
+    request was not started, and may be sent again later."""
+
+
 class TimedOut(Failure):
     """Work on the request's behalf (e.g. reading a checkpoint) ran out of time."""
 

@@ -207,8 +207,9 @@ MAX_SEED = (1 << 63) - 1024
 bounds as floats), so the spec states the very bound the server checks."""
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 VersionText = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,17}$")]
-"""A dialect's weight version as the trainer sends it (a string there): a whole number; it
-must also be above the current version (GET /v1/weights/version), a rule of state."""
+"""A dialect's weight version as the trainer sends it (a string there): a whole number. One not
+above the served version (GET /v1/weights/version) is a restarted trainer's count: served as
+the next version, in a new lineage (`app.dialects.common.publish`)."""
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]

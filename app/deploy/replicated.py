@@ -40,7 +40,7 @@ from app.deploy.replica import (
     serve_shipped_adapter,
 )
 from app.engine.adapter_gate import AdapterGateState
-from app.engine.gate import GateState
+from app.engine.gate import GateState, resolve_version
 from app.engine.registry import FIRST_UPLOAD
 from app.updates.local import LocalWeights
 from app.updates.session import UpdateSession
@@ -309,13 +309,18 @@ class ReplicatedWeights:
             if refused:
                 context = f"{len(refused)} of {len(staged)} replicas refused it"
                 problem = cause(refused).failure(context)
-            elif publish.version is not None and publish.version <= current:
-                problem = Conflict(
-                    f"version: {publish.version} is not above the current version {current} "
-                    f"of '{model}'",
-                    param="version",
-                )
-            version = publish.version or current + 1
+            version, lineage_named = current + 1, None
+            if problem is None and publish.version is not None:
+                try:
+                    version, lineage_named = resolve_version(
+                        model,
+                        current,
+                        self.local.registry.gate.lineages[model],
+                        publish.version,
+                        restartable=publish.restartable,
+                    )
+                except Conflict as exc:
+                    problem = exc
             if problem is None and not await ledger.decide(
                 model, update_id, version, await shipment()
             ):
@@ -327,7 +332,7 @@ class ReplicatedWeights:
             if problem is not None:
                 await abort(update_id, problem)
                 raise problem
-            chosen = Publish(version=version, pause=publish.pause)
+            chosen = publish.decided(version, lineage_named)
             committed = await commit(update_id, chosen)
         finally:
             await ledger.release(model, update_id)
@@ -397,6 +402,8 @@ class ReplicatedWeights:
         if failed := [r for r in joined if isinstance(r, Refusal)]:
             await each(ReplicaEndpoint.transfer_close, join.model)
             raise cause(failed).failure(f"{len(failed)} of {len(joined)} replicas could not join")
+        if join.model == "policy":
+            await self.record_session(UpdateSession())  # (a replaced group's is gone)
         return combined(join.model, joined)
 
     async def transfer_start(
@@ -481,6 +488,8 @@ class ReplicatedWeights:
 
     async def transfer_close(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)
+        if model == "policy":
+            await self.record_session(UpdateSession())
         return combined(model, states)
 
     async def session(self) -> UpdateSession:

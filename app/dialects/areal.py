@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.deps import SGLangWeightsDep
+from app.deps import RegistryDep, SGLangWeightsDep
+from app.dialects import common
 from app.dialects.sglang import router as sglang
 from app.dialects.sglang.protocol import Success, UpdateWeightsFromDistributed
 from app.errors import PAUSE_ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
@@ -57,10 +58,11 @@ async def set_meta(body: UpdateWeightsFromDistributed, session: SGLangWeightsDep
     summary="Receive the tensors (AReaL's vLLM)",
     openapi_extra=ADMIN,
 )
-async def update_xccl(session: SGLangWeightsDep) -> Success:
+async def update_xccl(session: SGLangWeightsDep, registry: RegistryDep) -> Success:
     """Receive the tensors the last meta named, one broadcast each: committed at the continue
     while paused (as AReaL's loop runs it), else at once."""
     applied = await session.update_announced()
     if applied is None:
         return Success(message="Received; applied with the rest of the update at the continue")
-    return Success(message=f"Weights updated to version {applied.versions.policy}")
+    version = common.label(registry, applied.versions.policy)
+    return Success(message=f"Weights updated to version {version}")

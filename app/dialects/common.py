@@ -13,6 +13,7 @@ from app.engine.registry import ModelRegistry
 from app.engine.types import SamplingConfig, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.updates.control import WeightsControl
+from app.updates.types import Publish
 
 
 @dataclass(frozen=True)
@@ -65,17 +66,36 @@ def policy_side(registry: ModelRegistry, model: str | None, field: str = "model"
 
 
 def version_number(text: str | None, field: str) -> int | None:
-    """A dialect's weight version (a string there) as rlserve's: a whole number above the
-    current version, or None to take the next one."""
+    """A dialect's weight version (a string there): a whole number, or None to take the next
+    one."""
     if text is None:
         return None
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) < 1 << 63:
         raise invalid(
             field,
-            f"'{text}' is not a version rlserve can publish: versions are whole numbers "
-            "above the current one (GET /v1/weights/version); leave it out for the next one",
+            f"'{text}' is not a version rlserve can publish: versions are whole numbers from "
+            "1 (GET /v1/weights/version); leave it out for the next one",
         )
     return int(text)
+
+
+def label(registry: ModelRegistry, version: int) -> str:
+    """A policy version as the dialects' trainers number it (`ServingGate.label`): the version
+    itself, or in a lineage a restarted trainer opened, that trainer's own count."""
+    return str(registry.gate.label("policy", version))
+
+
+def served_label(registry: ModelRegistry) -> str:
+    """The served policy version, as the dialects' trainers number it."""
+    return label(registry, registry.versions["policy"])
+
+
+def publish(text: str | None, field: str) -> Publish:
+    """How a dialect's update is served: as the version its trainer names (`text`, the
+    request's `field`). A trainer restarted from a checkpoint counts from 1 again, as SGLang
+    and vLLM let it: a version not above the served one opens a new lineage, served as the
+    next version (`app.engine.gate.Lineage`), instead of being refused."""
+    return Publish(version=version_number(text, field), restartable=True)
 
 
 async def abort_all(registry: ModelRegistry, weights: WeightsControl) -> int:
@@ -98,7 +118,7 @@ def server_info(registry: ModelRegistry, settings: Any, ranks: int) -> dict[str,
     served = registry.get("policy")
     info = served.backend.info
     transport = "nccl" if info.device.startswith("cuda") else "gloo"
-    version = str(registry.versions["policy"])
+    version = served_label(registry)
     return {
         "vllm_config": {
             "model_config": {
@@ -117,7 +137,12 @@ def server_info(registry: ModelRegistry, settings: Any, ranks: int) -> dict[str,
         "dtype": info.dtype,
         "device": info.device,
         "tp_size": ranks,
+        "pp_size": 1,
         "dp_size": 1,
+        # What slime checks of an external engine against its own arguments: no memory saver
+        # (rlserve keeps its weights resident), routed experts where the policy routes.
+        "enable_memory_saver": False,
+        "enable_return_routed_experts": served.backend.routing is not None,
         "weight_version": version,
         "max_new_tokens": settings.limits.max_new_tokens,
         "backend": info.backend,
@@ -136,11 +161,11 @@ async def served_ranks(weights: WeightsControl) -> int:
         return 1
 
 
-def confirm_version(weights: WeightsControl, text: str) -> str:
+def confirm_version(registry: ModelRegistry, text: str) -> str:
     """A dialect's "set the version" call: rlserve's versions move with the weights, so it
     confirms the current one and refuses another."""
-    current = weights.version().policy
-    if text != str(current):
+    current = served_label(registry)
+    if text != current:
         raise Conflict(
             f"new_version: rlserve serves version {current}; versions change only with the "
             "weights (give weight_version to the update that brings them)",

@@ -1,8 +1,8 @@
 """Admission to one LoRA adapter's work, paused and resumed apart from the policy's and every
 other adapter's, and who owns the adapter.
 
-A pause closes the adapter's gate (new requests naming it wait, nothing is refused) and then
-handles its requests already inside:
+A pause closes the adapter's gate (new requests naming it wait, up to a bound: then a retryable
+refusal) and then handles its requests already inside:
 
 - ``wait``: lets them finish;
 - ``abort``: ends their generations at the next token (they return what they produced, with
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from app.common.failures import Conflict, invalid
-from app.engine.gate import PauseMode
+from app.engine.gate import PauseMode, wait_for_resume
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,11 @@ class AdapterGateState:
 
 
 class AdapterGate:
-    def __init__(self, name: str, owner: str) -> None:
+    def __init__(self, name: str, owner: str, *, paused_wait_s: float | None = None) -> None:
+        """`paused_wait_s`: how long a request may wait for the adapter's resume (None: no
+        limit); past it, a `Paused` refusal."""
         self.name = name
+        self.paused_wait_s = paused_wait_s
         self.owner = owner
         """The owner id of the key that first served the adapter ("" without keys)."""
         self.unloaded = False
@@ -56,7 +59,7 @@ class AdapterGate:
         while not self._open.is_set():
             self._waiting += 1
             try:
-                await self._open.wait()
+                await wait_for_resume(self._open, self.paused_wait_s, f"adapter '{self.name}'")
             finally:
                 self._waiting -= 1
         if self.unloaded:

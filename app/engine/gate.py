@@ -1,7 +1,7 @@
 """Who may use the models now, and the versions of their weights.
 
 Every model request is admitted through the gate as scoring or generation work. A pause closes
-the gate (new requests wait, nothing is refused) and then handles the work already inside:
+the gate (new requests wait for the resume) and then handles the work already inside:
 
 - ``wait``: lets it all finish;
 - ``abort``: ends in-flight generations at their next token (they return what they produced,
@@ -10,26 +10,70 @@ the gate (new requests wait, nothing is refused) and then handles the work alrea
 - ``keep``: lets scoring finish and freezes in-flight generations at their next token; they
   continue after the resume, on whatever weights are then served.
 
+A request never waits for a pause without end: past `paused_wait_s` it is refused (a retryable
+`Paused`, 503 with Retry-After), having started nothing.
+
 A weight update runs inside `updating`: it pauses (``keep`` by default, so no request is lost or
 redone), yields the version it will publish, and the version is set only if the commit returns.
 The gate owns the versions and serializes pauses, resumes and updates, so two updates can never
-report each other's version."""
+report each other's version.
+
+Versions only go up, so the versions of a generation's tokens are ordered. A trainer that
+restarts from a checkpoint counts its versions again from below the served one: an update that
+allows it (`restartable`, as the dialects' updates do) is then served as the next version and
+opens a new lineage (`Lineage`: the operator sees it in /ready and /metrics), whose later
+versions are the trainer's count shifted by as much, instead of being refused. The dialects'
+routes, whose trainers number the versions, give each version in its lineage's count
+(`label`), as SGLang and vLLM give back the version a trainer named."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from app.common.failures import Conflict
+from app.common.failures import Conflict, Paused
 from app.engine.abandon import unless_set
 from app.engine.base import Backend
 
 PauseMode = Literal["wait", "abort", "keep"]
 WorkKind = Literal["score", "generate"]
 R = TypeVar("R")
+logger = logging.getLogger(__name__)
+
+
+async def wait_for_resume(opened: asyncio.Event, wait_s: float | None, what: str) -> None:
+    """Wait until `opened` is set again, at most `wait_s` seconds (None: without end); then
+    a `Paused` refusal saying that `what` is still paused."""
+    try:
+        async with asyncio.timeout(wait_s):
+            await opened.wait()
+    except TimeoutError:
+        raise Paused(
+            f"{what} has been paused for over {wait_s:g} s (the longest a request waits for a "
+            "resume: RLSERVE_LIMITS__PAUSED_WAIT_S); nothing was started, send it again later"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A run of versions numbered by one trainer. The first is lineage 0, from the start; a
+    trainer that counts again from below the served version (restarted from a checkpoint)
+    opens the next."""
+
+    number: int = 0
+    since: int = 0
+    """The first version served in it."""
+    named: int | None = None
+    """The version its trainer named for that first update (None: the server's own count)."""
+
+    @property
+    def offset(self) -> int:
+        """What the trainer's count is shifted by: its version k is served as k + offset."""
+        return 0 if self.named is None else self.since - self.named
 
 
 @dataclass(frozen=True)
@@ -42,9 +86,42 @@ class GateState:
     waiting: int
 
 
+def resolve_version(
+    name: str, current: int, lineage: Lineage, requested: int | None, *, restartable: bool
+) -> tuple[int, int | None]:
+    """The version an update of `name` (serving `current`, in `lineage`) publishes, and the
+    trainer's version when the update opens a new lineage (else None).
+
+    None: the current version plus one. A version of rlserve's own count must be above the
+    current one (else Conflict). A `restartable` one is the trainer's count: shifted by where
+    its lineage began, it must be above the current version too; if it is not, the trainer
+    counts again (it restarted), and a new lineage begins at the next version."""
+    if requested is None:
+        return current + 1, None
+    if restartable:
+        shifted = requested + lineage.offset
+        if shifted > current:
+            return shifted, None
+        return current + 1, requested
+    if requested <= current:
+        raise Conflict(
+            f"version: {requested} is not above the current version {current} of '{name}'",
+            param="version",
+        )
+    return requested, None
+
+
 class ServingGate:
-    def __init__(self, backends: Callable[[], Mapping[str, Backend]]) -> None:
+    def __init__(
+        self, backends: Callable[[], Mapping[str, Backend]], *, paused_wait_s: float | None = None
+    ) -> None:
+        """`paused_wait_s`: how long a request may wait for a paused gate (None: no limit)."""
         self.versions = {"policy": 0, "reference": 0}
+        self.lineages = {"policy": Lineage(), "reference": Lineage()}
+        """Each model's current lineage."""
+        self._lineage_log: dict[str, list[Lineage]] = {name: [] for name in self.lineages}
+        """Each model's lineages after the first, in order."""
+        self.paused_wait_s = paused_wait_s
         self._backends = backends
         self._open = asyncio.Event()
         self._open.set()
@@ -65,7 +142,7 @@ class ServingGate:
         while not self._open.is_set():
             self._waiting += 1
             try:
-                await self._open.wait()
+                await wait_for_resume(self._open, self.paused_wait_s, "serving")
             finally:
                 self._waiting -= 1
         self._in_flight[kind] += 1
@@ -145,34 +222,71 @@ class ServingGate:
 
     # -- updates ---------------------------------------------------------------------------
 
-    def next_version(self, name: str, requested: int | None) -> int:
-        """The version an update of `name` publishes: `requested`, which must be above the
-        current one (Conflict otherwise), or the current one plus one."""
-        current = self.versions[name]
-        if requested is None:
-            return current + 1
-        if requested <= current:
-            raise Conflict(
-                f"version: {requested} is not above the current version {current} of '{name}'",
-                param="version",
-            )
-        return requested
+    def next_version(self, name: str, requested: int | None, *, restartable: bool = False) -> int:
+        """The version an update of `name` publishes (see `resolve`)."""
+        return self.resolve(name, requested, restartable=restartable)[0]
+
+    def resolve(
+        self, name: str, requested: int | None, *, restartable: bool = False
+    ) -> tuple[int, int | None]:
+        """The version an update of `name` publishes, and the trainer's version when the
+        update opens a new lineage (see `resolve_version`)."""
+        return resolve_version(
+            name, self.versions[name], self.lineages[name], requested, restartable=restartable
+        )
 
     @contextlib.asynccontextmanager
     async def updating(
-        self, name: str, *, mode: PauseMode = "keep", version: int | None = None
+        self,
+        name: str,
+        *,
+        mode: PauseMode = "keep",
+        version: int | None = None,
+        restartable: bool = False,
+        lineage_named: int | None = None,
     ) -> AsyncIterator[int]:
         """Serving paused (unless a request paused it already, which then stays paused);
-        yields the version to publish, set only when the block returns."""
+        yields the version to publish, set only when the block returns. `restartable`: `version`
+        is the trainer's count (see `resolve`); `lineage_named`: the update, at `version`,
+        opens a new lineage whose trainer counted `lineage_named` for it (a deployment's
+        coordinator resolved it already)."""
         async with self._control:
-            new = self.next_version(name, version)
+            if lineage_named is None:
+                new, lineage_named = self.resolve(name, version, restartable=restartable)
+            else:
+                new = self.next_version(name, version)
             paused_here = self._mode is None
             if paused_here:
                 await self._pause(mode, "update")
             try:
                 yield new
                 self.versions[name] = new
+                if lineage_named is not None:
+                    self._open_lineage(name, new, lineage_named)
                 await self._backends()[name].set_version(new)
             finally:
                 if paused_here:
                     await self._resume()
+
+    def label(self, name: str, version: int) -> int:
+        """`version` of `name` in its trainer's count: less the offset of the lineage it was
+        served in (the version itself in lineage 0)."""
+        lineage = next((x for x in reversed(self._lineage_log[name]) if x.since <= version), None)
+        return version - (lineage.offset if lineage is not None else 0)
+
+    def unlabel(self, name: str, count: int) -> int:
+        """The version of `name` its trainer counts as `count`, in the current lineage."""
+        return count + self.lineages[name].offset
+
+    def _open_lineage(self, name: str, version: int, named: int) -> None:
+        lineage = Lineage(self.lineages[name].number + 1, version, named)
+        self.lineages[name] = lineage
+        self._lineage_log[name].append(lineage)
+        logger.warning(
+            "%s: the trainer counts its versions from %d again (below the served version): "
+            "lineage %d begins, served as version %d",
+            name,
+            named,
+            lineage.number,
+            version,
+        )

@@ -71,6 +71,7 @@ class ModelRegistry:
         batching: BatchingConfig | None,
         state_dir: Path,
         invariant: bool = False,
+        paused_wait_s: float | None = None,
     ) -> None:
         self.model_settings = models
         self.vllm = vllm
@@ -92,7 +93,12 @@ class ModelRegistry:
         self._adapter_versions: dict[str, int] = {}
         """Each adapter name's last version, kept across an unload: a name unloaded and
         loaded again (verl's way of refreshing one) goes on counting, never back to 0."""
-        self.gate = ServingGate(lambda: {name: m.backend for name, m in self.models.items()})
+        self.paused_wait_s = paused_wait_s
+        """How long a request waits for a paused model or adapter (None: no limit)."""
+        self.gate = ServingGate(
+            lambda: {name: m.backend for name, m in self.models.items()},
+            paused_wait_s=paused_wait_s,
+        )
 
     @property
     def versions(self) -> dict[str, int]:
@@ -133,12 +139,25 @@ class ModelRegistry:
 
     @contextlib.asynccontextmanager
     async def writing(
-        self, name: str, *, mode: PauseMode = "keep", version: int | None = None
+        self,
+        name: str,
+        *,
+        mode: PauseMode = "keep",
+        version: int | None = None,
+        restartable: bool = False,
+        lineage_named: int | None = None,
     ) -> AsyncIterator[tuple[ServedModel, int]]:
         """Serving paused (`mode`) while `name`'s weights change; yields the model and the
-        version it gets if the block returns (`version` if given: it must be higher)."""
+        version it gets if the block returns (`version` if given: it must be higher, unless
+        `restartable`; see `ServingGate.updating`)."""
         served = self.get(name)
-        async with self.gate.updating(name, mode=mode, version=version) as new_version:
+        async with self.gate.updating(
+            name,
+            mode=mode,
+            version=version,
+            restartable=restartable,
+            lineage_named=lineage_named,
+        ) as new_version:
             yield served, new_version
 
     async def load(self) -> None:
@@ -402,7 +421,9 @@ class ModelRegistry:
             self.adapters[name] = adapter
             self._adapter_versions[name] = version
             if name not in self.adapter_gates:
-                self.adapter_gates[name] = AdapterGate(name, caller.owner)
+                self.adapter_gates[name] = AdapterGate(
+                    name, caller.owner, paused_wait_s=self.paused_wait_s
+                )
         logger.info(
             "adapter %s v%d served from %s (rank %d, %d layers)",
             name,

@@ -83,8 +83,22 @@ class ModelCollector(Collector):
         yield GaugeMetricFamily(
             "rlserve_requests_held", "Requests waiting for a pause to end.", value=gate.waiting
         )
+        lineage = GaugeMetricFamily(
+            "rlserve_weight_lineage",
+            "Each model's lineage: one more each time a trainer counts its versions again from "
+            "below the served one (restarted from a checkpoint).",
+            labels=["model"],
+        )
+        since = GaugeMetricFamily(
+            "rlserve_weight_lineage_since_version",
+            "The first version served in each model's current lineage.",
+            labels=["model"],
+        )
         for name, served in self.models.models.items():
             version.add_metric([name], self.models.versions.get(name, 0))
+            if (current := self.models.gate.lineages.get(name)) is not None:
+                lineage.add_metric([name], current.number)
+                since.add_metric([name], current.since)
             generated.add_metric([name], served.num_tokens_generated)
             scored.add_metric([name], served.num_tokens_scored)
             for kind, batcher in (("score", served.scoring), ("generate", served.generation)):
@@ -95,4 +109,4 @@ class ModelCollector(Collector):
                 batches.add_metric([name, kind], stats.num_calls)
                 items.add_metric([name, kind], stats.num_items)
                 last.add_metric([name, kind], (stats.last_batch_sizes or [0])[-1])
-        yield from (version, queued, batches, items, last, generated, scored)
+        yield from (version, lineage, since, queued, batches, items, last, generated, scored)

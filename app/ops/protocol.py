@@ -15,6 +15,15 @@ class HealthResponse(WireModel):
     model_status: Literal["loading", "ready", "failed", "stopped"]
 
 
+class Lineage(WireModel):
+    number: int = Field(default=0, description="0 from the start; one more at each restart.")
+    since_version: int = Field(default=0, description="The first version served in it.")
+    trainer_version: int | None = Field(
+        default=None,
+        description="The version its trainer named for that first update (null: lineage 0).",
+    )
+
+
 class ReadyResponse(WireModel):
     ready: bool
     policy_version: int
@@ -22,6 +31,11 @@ class ReadyResponse(WireModel):
         default=False, description="Serving is paused (POST /v1/resume, or an update ends it)."
     )
     pause_mode: Literal["wait", "abort", "keep"] | None = None
+    lineage: Lineage = Field(
+        default_factory=lambda: Lineage(),
+        description="The policy's current lineage: a trainer that counts its versions again "
+        "from below the served one (restarted from a checkpoint) opens the next.",
+    )
 
 
 class ModelCard(containers.ModelCard, WireModel):

@@ -11,6 +11,7 @@ from app.ops.protocol import (
     BatchingConfigOut,
     BatchingResponse,
     HealthResponse,
+    Lineage,
     ModelBatching,
     ModelCard,
     ModelsResponse,
@@ -42,8 +43,15 @@ async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
     at most once per RLSERVE_PROBE__INTERVAL_S)."""
     await probe.require_ready()
     gate = registry.gate.state()
+    lineage = registry.gate.lineages["policy"]
     return ReadyResponse(
-        ready=True, policy_version=registry.policy_version, paused=gate.paused, pause_mode=gate.mode
+        ready=True,
+        policy_version=registry.policy_version,
+        paused=gate.paused,
+        pause_mode=gate.mode,
+        lineage=Lineage(
+            number=lineage.number, since_version=lineage.since, trainer_version=lineage.named
+        ),
     )
 
 

@@ -34,7 +34,11 @@ class LocalWeights:
     def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
         self.registry = registry
         self.files = WeightsService(registry, settings, data_dir)
-        self.transfers = TransferService(registry, listen_grace_s=settings.rendezvous_grace_s)
+        self.transfers = TransferService(
+            registry,
+            listen_grace_s=settings.rendezvous_grace_s,
+            idle_timeout_s=settings.group_idle_timeout_s,
+        )
         self._session = UpdateSession()
 
     async def open(self) -> None:
@@ -93,7 +97,10 @@ class LocalWeights:
         return await self.transfers.state(model)
 
     async def transfer_init(self, join: Join) -> TransferStatus:
-        return await self.transfers.init(join)
+        status = await self.transfers.init(join)
+        if join.model == "policy":
+            self._session = UpdateSession()  # (a session of a group it replaced is gone)
+        return status
 
     async def transfer_start(
         self, model: str, adapter: AdapterPush | None = None
@@ -110,7 +117,10 @@ class LocalWeights:
         return await self.transfers.abort(model)
 
     async def transfer_close(self, model: str) -> TransferStatus:
-        return await self.transfers.close(model)
+        status = await self.transfers.close(model)
+        if model == "policy":
+            self._session = UpdateSession()
+        return status
 
     async def session(self) -> UpdateSession:
         return self._session

@@ -7,6 +7,12 @@ lost peer also closes the group (idle), since a collective cannot recover from i
 one model are serialized; the data of an update arrives in the background while serving goes
 on, and only the commit pauses serving.
 
+A group never blocks the next trainer: an init finds the group there closed (and logs why) when
+its trainer is gone (nothing accepts connections at its rendezvous any more), when it saw no
+call for `idle_timeout_s` (the operator's setting; a sweep closes it then too), or when the
+same trainer joins again (SGLang's group name, or the same rendezvous address). Otherwise the
+init is refused, naming the route an admin closes it with.
+
 An update may instead carry a LoRA adapter of the policy (`AdapterPush`, named at start): the
 policy's group brings its tensors, and finish serves them as the adapter's next version
 (nothing pauses: requests in flight keep the version they started with)."""
@@ -38,7 +44,7 @@ from app.updates.outcome import updated
 from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import TransferSetup, WeightTransfer
+from app.weights.transfer_engine import TransferSetup, WeightTransfer, rendezvous_answers
 from app.weights.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -63,15 +69,26 @@ class _Link:
     """Counts updates, so a watcher only acts on the update it watches."""
     adapter: AdapterPush | None = None
     """What the open update pushes, when it is an adapter."""
+    last_call: float = 0.0
+    """time.monotonic() of the trainer's last call on the group."""
 
 
 class TransferService:
-    def __init__(self, registry: ModelRegistry, *, listen_grace_s: float) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        *,
+        listen_grace_s: float,
+        idle_timeout_s: float | None = None,
+    ) -> None:
         self.registry = registry
         self.listen_grace_s = listen_grace_s
         """How long a join waits for the trainer's rendezvous to listen (settings)."""
+        self.idle_timeout_s = idle_timeout_s
+        """A group that saw no call for this long is closed (None: never for idleness)."""
         self._links: dict[str, _Link] = {}
         self._watchers: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
 
     def _engine(self, model: str) -> WeightTransfer:
         backend = self.registry.get(model).backend
@@ -85,9 +102,11 @@ class TransferService:
 
     @contextlib.asynccontextmanager
     async def _link(self, model: str) -> AsyncIterator[tuple[_Link, WeightTransfer]]:
+        """`model`'s link, locked; a call of the trainer's on the group."""
         engine = self._engine(model)
         link = self._links.setdefault(model, _Link())
         async with link.lock:
+            link.last_call = time.monotonic()
             yield link, engine
 
     async def state(self, model: str) -> TransferStatus:
@@ -110,12 +129,29 @@ class TransferService:
         return self._engine(model).ranks
 
     async def init(self, join: Join) -> TransferStatus:
-        """Join the trainer's group at `join.rank_offset`."""
+        """Join the trainer's group at `join.rank_offset`, in place of a group whose trainer
+        is gone or joins again (see the module's doc)."""
+        idle_since = self._links[join.model].last_call if join.model in self._links else 0.0
         async with self._link(join.model) as (link, engine):
             if link.setup is not None:
-                raise Conflict(
-                    "model: already in a weight-transfer group; close it first", param="model"
+                reason = await self._replaceable(link.setup, join, idle_since)
+                if reason is None:
+                    setup = link.setup
+                    raise Conflict(
+                        f"model: already in a weight-transfer group with the trainer at "
+                        f"{setup.address}:{setup.port}, which still answers there; it leaves "
+                        "it with its own close call, or an admin closes it (POST "
+                        "/v1/weights/transfer/close)",
+                        param="model",
+                    )
+                logger.warning(
+                    "closing the weight-transfer group of '%s' (trainer at %s:%d): %s",
+                    join.model,
+                    link.setup.address,
+                    link.setup.port,
+                    reason,
                 )
+                await self._leave(link, engine)
             last = join.rank_offset + engine.ranks
             if last > join.world_size:
                 raise InvalidInput(
@@ -149,7 +185,53 @@ class TransferService:
                     param="timeout_s",
                 ) from exc
             link.setup, link.last_error = setup, None
+        self._sweep_idle()
         return await self.state(join.model)
+
+    async def _replaceable(self, setup: TransferSetup, join: Join, idle_since: float) -> str | None:
+        """Why the group of `setup` may give way to `join` (None: it may not)."""
+        same_group = setup.style == join.rendezvous and (
+            setup.group_name == join.group_name
+            if setup.style == "torch"
+            else (setup.address, setup.port) == (join.address, join.port)
+        )
+        if same_group:
+            return "the trainer joins the same group again (a restarted trainer)"
+        idle = time.monotonic() - idle_since
+        if self.idle_timeout_s is not None and idle > self.idle_timeout_s:
+            return f"no call from its trainer for {idle:.0f} s (weights.group_idle_timeout_s)"
+        if not await rendezvous_answers(setup.address, setup.port):
+            return "its trainer is gone (nothing accepts connections at its rendezvous)"
+        return None
+
+    def _sweep_idle(self) -> None:
+        """Close groups idle past `idle_timeout_s`, in the background (while it is set)."""
+        if self.idle_timeout_s is None or self._sweeper is not None:
+            return
+        self._sweeper = asyncio.create_task(self._sweep())
+        self._sweeper.add_done_callback(lambda _: setattr(self, "_sweeper", None))
+
+    async def _sweep(self) -> None:
+        while (timeout_s := self.idle_timeout_s) is not None:
+            await asyncio.sleep(min(timeout_s / 4, 30.0))
+            for model, link in list(self._links.items()):
+                idle = time.monotonic() - link.last_call
+                # (an update under way: its receive has a timeout of its own)
+                if link.setup is None or link.updating or idle <= timeout_s or link.lock.locked():
+                    continue
+                async with link.lock:
+                    if link.setup is None or time.monotonic() - link.last_call <= timeout_s:
+                        continue
+                    logger.warning(
+                        "closing the weight-transfer group of '%s' (trainer at %s:%d): no call "
+                        "from its trainer for %.0f s (weights.group_idle_timeout_s)",
+                        model,
+                        link.setup.address,
+                        link.setup.port,
+                        idle,
+                    )
+                    with contextlib.suppress(Exception):
+                        await self._leave(link, self._engine(model))
 
     def _transport(self, join: Join) -> Transport:
         device = self.registry.get(join.model).backend.info.device
@@ -236,7 +318,9 @@ class TransferService:
             try:
                 if link.adapter is not None and publish.version is not None:
                     raise invalid("version", ADAPTER_VERSIONS)
-                self.registry.gate.next_version(model, publish.version)
+                self.registry.gate.next_version(
+                    model, publish.version, restartable=publish.restartable
+                )
             except BaseException as exc:
                 await self._drop(link, engine, exc)
                 raise
@@ -322,7 +406,11 @@ class TransferService:
     ) -> Applied:
         try:
             async with self.registry.writing(
-                model, mode=publish.pause, version=publish.version
+                model,
+                mode=publish.pause,
+                version=publish.version,
+                restartable=publish.restartable,
+                lineage_named=publish.lineage_named,
             ) as (_, version):
                 paused_at = time.perf_counter()
                 await engine.commit(version)
@@ -350,11 +438,18 @@ class TransferService:
 
     async def close(self, model: str) -> TransferStatus:
         async with self._link(model) as (link, engine):
-            await engine.close()
-            link.setup, link.updating, link.announced, link.adapter = None, False, [], None
+            await self._leave(link, engine)
         return await self.state(model)
 
+    @staticmethod
+    async def _leave(link: _Link, engine: WeightTransfer) -> None:
+        """Leave the group: whatever was staged is dropped."""
+        link.setup, link.updating, link.announced, link.adapter = None, False, [], None
+        await engine.close()
+
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for watcher in list(self._watchers):
             watcher.cancel()
         for model in list(self._links):

@@ -41,10 +41,21 @@ TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class Publish:
     """How a checked update is served: as `version` (None: the current one plus one; a
-    version not above the current one is refused), while in-flight work meets `pause`."""
+    version not above the current one is refused, unless `restartable`), while in-flight
+    work meets `pause`."""
 
     version: int | None = None
     pause: PauseMode = "keep"
+    restartable: bool = False
+    """A `version` not above the current one is a trainer counting again (restarted from a
+    checkpoint): served as the next version, in a new lineage (`app.engine.gate.Lineage`)."""
+    lineage_named: int | None = None
+    """Set once decided (by a deployment's coordinator): the update opens a new lineage, its
+    trainer's count starting at this."""
+
+    def decided(self, version: int, lineage_named: int | None) -> Publish:
+        """This publish with its version (and lineage) settled."""
+        return replace(self, version=version, restartable=False, lineage_named=lineage_named)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,20 @@ async def rendezvous_listening(setup: TransferSetup) -> None:
         return
 
 
+async def rendezvous_answers(address: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections at a trainer's rendezvous now (a trainer that
+    is gone leaves nothing listening there)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(address, port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 class WeightTransfer(ABC):
     """One model's end of the transfer; calls come one at a time (the service serializes)."""
 

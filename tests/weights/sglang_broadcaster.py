@@ -1,13 +1,16 @@
 """The broadcasting half of an SGLang-speaking trainer, in a process of its own (as it is in
 slime and AReaL: torch registers a group name once per process). It joins with SGLang's and
 AReaL's `init_custom_process_group` recipe at rank 0 and broadcasts the buckets saved in
-argv[4], in order: a flattened bucket as one uint8 tensor, else each tensor.
+argv[4], in order: a flattened bucket as one uint8 tensor, else each tensor. Then it destroys
+its group, unless told to exit without (`exit`: a trainer process that ends, or dies, leaving
+the server's side of the group behind, as a slime trainer does).
 
-    python sglang_broadcaster.py PORT WORLD_SIZE GROUP_NAME BUCKETS_FILE"""
+    python sglang_broadcaster.py PORT WORLD_SIZE GROUP_NAME BUCKETS_FILE [exit]"""
 
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 
 import torch
@@ -15,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 
-def main(port: int, world_size: int, name: str, path: str) -> None:
+def main(port: int, world_size: int, name: str, path: str, destroy: bool = True) -> None:
     timeout = datetime.timedelta(seconds=60)
     store, rank, size = next(
         c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout)
@@ -42,8 +45,12 @@ def main(port: int, world_size: int, name: str, path: str) -> None:
             ]
             for handle in handles:
                 handle.wait()
-    dist.destroy_process_group(group)
+    if destroy:
+        dist.destroy_process_group(group)
+    else:
+        os._exit(0)  # gone at once, the group's teardown never run (as a killed trainer)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    leave = sys.argv[5:] != ["exit"]
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], destroy=leave)

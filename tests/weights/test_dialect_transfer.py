@@ -8,6 +8,7 @@ import asyncio
 import datetime
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,87 @@ async def test_an_sglang_speaking_grpo_loop_ends_serving_the_trainers_weights(
         )
         assert await served_version(served) == start + step
     await assert_serves(served, trainer_model)
+
+
+def joined_and_gone(served: Served, tmp_path: Path, name: str) -> None:
+    """An SGLang-speaking trainer process (AReaL's vLLM flow, a slime trainer that dies) that
+    joins the server's group, then ends without ever leaving it."""
+    world = post_get(served, "/server_info")["tp_size"] + 1
+    port = free_port()
+    saved = tmp_path / f"nothing-{port}.pt"
+    torch.save([], saved)
+    process = subprocess.Popen(
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), "exit"]
+    )
+    try:
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": "gloo",
+        }
+        post(served, "/init_weights_update_group", body)
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+
+
+async def test_a_group_left_behind_never_blocks_the_next_trainer(served, trainer_model, tmp_path):
+    """A trainer gone without leaving its group (AReaL's vLLM flow never leaves it): the next
+    trainer, of another dialect, joins all the same, since nothing answers at the old
+    group's rendezvous any more."""
+    await asyncio.to_thread(joined_and_gone, served, tmp_path, "areal_weight_update_group")
+    state = (await served.http.get("/v1/weights/transfer")).json()
+    assert state["state"] == "joined"  # the server cannot know yet
+    new = perturbed(trainer_model, 1.07)
+    version = await served_version(served) + 1
+    await asyncio.to_thread(vllm_trainer, served, new, True, str(version))
+    assert await served_version(served) == version
+    await assert_serves(served, new)
+
+
+async def test_a_live_trainers_group_is_refused_to_another_until_an_admin_closes_it(served):
+    """A group whose trainer still answers at its rendezvous is not taken from it: another
+    trainer's join is refused at once, naming how an admin closes the group; the close is
+    answered at once too, and the first trainer's own close afterwards is harmless."""
+    from tests.weights.test_transfer import opened
+
+    async with opened(served):
+        other = {
+            "master_address": "127.0.0.1",
+            "master_port": free_port(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "another_trainer",
+            "backend": "gloo",
+        }
+        started = time.monotonic()
+        refused = await served.http.post("/init_weights_update_group", json=other)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "model" and "/v1/weights/transfer/close" in error["message"]
+        closed = await served.http.post("/v1/weights/transfer/close", json={"model": "policy"})
+        assert closed.status_code == 200 and closed.json()["state"] == "idle"
+        assert time.monotonic() - started < 10
+    state = (await served.http.get("/v1/weights/transfer")).json()
+    assert state["state"] == "idle"
+
+
+async def test_a_group_idle_past_the_operators_timeout_is_closed(served, caplog):
+    from tests.weights.test_transfer import opened
+
+    transfers = served.app.state.weights.transfers
+    transfers.idle_timeout_s = 1.0  # weights.group_idle_timeout_s
+    try:
+        async with opened(served):
+            state = (await served.http.get("/v1/weights/transfer")).json()
+            assert state["state"] == "joined"
+            async with asyncio.timeout(10):
+                while state["state"] != "idle":
+                    await asyncio.sleep(0.1)
+                    state = (await served.http.get("/v1/weights/transfer")).json()
+    finally:
+        transfers.idle_timeout_s = None
+    assert "no call from its trainer" in caplog.text

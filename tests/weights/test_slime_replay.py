@@ -3,12 +3,20 @@ slime reads the answers: slime is not on PyPI, so its code cannot be imported. S
 THUDM/slime at commit 624b824a898ab0ec1fcb4d373004c7f3852bf515:
 - `slime/rollout/sglang_rollout.py` (`GenerateState.__init__`'s sampling_params, `generate`'s
   payload and its reading of `meta_info.output_token_logprobs` as [log-prob, token id, _]);
-- `slime/backends/sglang_utils/server_control.py` (`abort_server_until_idle`: abort_all,
-  then `GET /v1/loads?include=core` until no request is left);
+- `slime/rollout/sglang_rollout.py`'s `abort()`: `GET /workers` at the router address (rlserve,
+  as the trainers guide configures it), then for each worker's `url` what
+  `slime/backends/sglang_utils/server_control.py` does (`abort_server_until_idle`: abort_all,
+  then `GET /v1/loads?include=core` until no request is left), then the pending generations;
+- `SGLangEngine._register_to_router` (`POST /workers` with the engine's own address, at every
+  start of the trainer);
 - `slime/backends/sglang_utils/sglang_engine.py` (pause_generation, `GET /flush_cache`,
   update_weights_from_disk / init_weights_update_group / update_weights_from_distributed,
   continue_generation) as `slime/ray/actor_group.py` and
-  `slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py` order them.
+  `slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py` order them:
+  `connect_rollout_engines` once per trainer process (a fresh process sends no destroy first,
+  so a restarted trainer joins the same group name again), then per push pause, flush, one
+  update per bucket named with the process's count of pushes ("1", "2", ...: not restored from
+  a checkpoint), continue.
 The one change: slime's group `backend` is "nccl" on CUDA; this CPU test says "gloo"."""
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +100,47 @@ async def test_slimes_generate_requests_read_as_slime_reads_them(served, hf_toke
     assert stopped == ([tokens[-1]] if meta["finish_reason"]["type"] == "stop" else [])
 
 
+def num_requests_from_load(load: Any) -> int:
+    """slime's reading of `/v1/loads` (server_control.num_requests_from_load), as written."""
+    if isinstance(load, list):
+        return sum(num_requests_from_load(item) for item in load)
+    if not isinstance(load, dict):
+        return 0
+    if "loads" in load:
+        return num_requests_from_load(load["loads"])
+    for key in ("num_reqs", "num_total_reqs", "total_reqs"):
+        value = load.get(key)
+        if isinstance(value, int):
+            return value
+    running = load.get("num_running_reqs", load.get("total_running_reqs"))
+    waiting = load.get("num_waiting_reqs", load.get("total_waiting_reqs"))
+    return (running if isinstance(running, int) else 0) + (
+        waiting if isinstance(waiting, int) else 0
+    )
+
+
+async def slime_abort(served: Served, pending: list[asyncio.Task[Any]]) -> tuple[list[str], int]:
+    """slime's `abort()` with rlserve as the router address: the router's workers, then for
+    each `abort_server_until_idle` (abort all, poll the load every 3 s until none is left),
+    then the generations still pending. The worker urls, and how many abort rounds ran."""
+    response = await served.http.get("/workers")  # slime's `get`: no retry, raise_for_status
+    response.raise_for_status()
+    urls = [worker["url"] for worker in response.json()["workers"]]
+    rounds = 0
+    for url in urls:
+        while True:
+            rounds += 1
+            aborted = await served.http.post(f"{url}/abort_request", json={"abort_all": True})
+            assert aborted.status_code == 200, aborted.text
+            loads = await served.http.get(f"{url}/v1/loads?include=core")
+            loads.raise_for_status()
+            if num_requests_from_load(loads.json()) <= 0:
+                break
+            await asyncio.sleep(3)
+    await asyncio.gather(*pending)
+    return urls, rounds
+
+
 async def test_slimes_abort_loop_finds_the_server_idle(served):
     params = slime_sampling_params(2000, ignore_eos=True)
     running = asyncio.create_task(slime_generate(served, PROMPTS[0], params))
@@ -101,8 +151,8 @@ async def test_slimes_abort_loop_finds_the_server_idle(served):
                 break
             await asyncio.sleep(0.01)
     assert loads["loads"][0]["num_total_reqs"] == 1
-    aborted = await served.http.post("/abort_request", json={"abort_all": True})
-    assert aborted.status_code == 200, aborted.text
+    urls, rounds = await slime_abort(served, [running])
+    assert urls == ["http://t"] and rounds == 1  # the server itself, idle after one abort
     tokens, _, meta = await running
     assert meta["finish_reason"]["type"] == "abort" and len(tokens) < 2000
     loads = (await served.http.get("/v1/loads", params={"include": "core"})).json()
@@ -112,6 +162,27 @@ async def test_slimes_abort_loop_finds_the_server_idle(served):
         "num_waiting_reqs": 0,
         "num_total_reqs": 0,
     }
+    # the end of a rollout with nothing in flight: one round, as at the end of every rollout
+    assert await slime_abort(served, []) == (["http://t"], 1)
+
+
+async def test_the_router_address_lists_and_registers_the_server_itself(served):
+    listed = (await served.http.get("/workers")).json()
+    (worker,) = listed["workers"]
+    assert worker["url"] == "http://t" and worker["is_healthy"] is True
+    assert uuid.UUID(worker["id"]) and listed["total"] == 1
+    assert (await served.http.get("/list_workers")).json() == {"urls": ["http://t"]}
+    # _register_to_router, at each start of the trainer: the same address, taken each time
+    for _ in range(2):
+        registered = await served.http.post(
+            "/workers", json={"url": "http://t:80", "worker_type": "regular"}
+        )
+        assert registered.status_code == 200, registered.text
+        assert registered.json()["worker_id"] == worker["id"]
+    # an engine rlserve does not serve is refused: it routes to no other server
+    other = await served.http.post("/workers", json={"url": "http://10.0.0.7:30000"})
+    assert other.status_code == 422 and other.json()["error"]["param"] == "url"
+    assert (await served.http.get("/workers")).json()["total"] == 1
 
 
 async def served_version(served: Served) -> int:
@@ -174,6 +245,90 @@ def slime_distributed_update(
         assert broadcaster.wait(timeout=60) == 0
     finally:
         broadcaster.kill()
+
+
+def slime_trainer_process(
+    served: Served, pushes: list[torch.nn.Module], tmp_path: Path, name: str = "slime-pp_0"
+) -> None:
+    """One slime trainer process against an external engine: connect_rollout_engines once (a
+    fresh process sends no destroy first), then each push (pause, flush, two buckets named
+    with the process's count of pushes, continue); then the process ends without destroying
+    its group, as a trainer that stops or dies does."""
+    world = post_get(served, "/server_info")["tp_size"] + 1
+    port = free_port()
+    buckets = []
+    for model in pushes:
+        tensors = list(model.state_dict().items())
+        buckets.append([tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]])
+    saved = tmp_path / f"{name}-{port}.pt"
+    torch.save([(False, [t for _, t in b]) for push in buckets for b in push], saved)
+    broadcaster = subprocess.Popen(
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), "exit"]
+    )
+    try:
+        connect = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": "gloo",
+        }
+        post(served, "/init_weights_update_group", connect)
+        for count, push in enumerate(buckets, start=1):  # weight_version += 1 before each
+            post(served, "/pause_generation", {})
+            with served.trainer_client() as client:
+                assert client._http.get("/flush_cache").status_code == 200
+            for bucket in push:
+                post(served, "/update_weights_from_distributed", sglang_update(bucket, name, count))
+            post(served, "/continue_generation", {})
+        assert broadcaster.wait(timeout=60) == 0
+    finally:
+        broadcaster.kill()
+
+
+async def rlserve_version(served: Served) -> int:
+    return int((await served.http.get("/v1/weights/version")).json()["policy_version"])
+
+
+async def test_a_slime_trainer_restarted_from_a_checkpoint_goes_on(served, trainer_model, tmp_path):
+    """A slime trainer pushes twice and stops, its group never destroyed. Restarted from a
+    checkpoint, it joins the same group name again (no destroy first) and counts its pushes
+    from "1" again, below the served version: every push is served, as the next version (a
+    new lineage, shown in /ready and /metrics; rlserve's versions only go up), the SGLang
+    routes give each version in the trainer's count, serving is never left paused, and the
+    served weights are the restarted trainer's."""
+    lineage = (await served.http.get("/ready")).json()["lineage"]["number"]
+    start = await rlserve_version(served)
+    first = [perturbed(trainer_model, 1.02), perturbed(trainer_model, 1.04)]
+    await asyncio.to_thread(slime_trainer_process, served, first, tmp_path)
+    assert await rlserve_version(served) == start + 2
+    assert await served_version(served) == 2  # the trainer's count
+    if start > 0:  # its "1" was below the served version: a lineage of its own
+        lineage += 1
+    ready = (await served.http.get("/ready")).json()
+    assert ready["paused"] is False and ready["lineage"]["number"] == lineage
+    await assert_serves(served, first[-1])
+
+    again = [perturbed(first[-1], 0.97), perturbed(first[-1], 0.95)]
+    await asyncio.to_thread(slime_trainer_process, served, again, tmp_path)
+    assert await rlserve_version(served) == start + 4
+    assert await served_version(served) == 2
+    ready = (await served.http.get("/ready")).json()
+    assert ready["paused"] is False
+    assert ready["lineage"] == {
+        "number": lineage + 1,
+        "since_version": start + 3,
+        "trainer_version": 1,
+    }
+    metrics = (await served.http.get("/metrics")).text
+    assert f'rlserve_weight_lineage{{model="policy"}} {float(lineage + 1)}' in metrics
+    await assert_serves(served, again[-1])
+    async with asyncio.timeout(60):  # generation goes on, with the newest version
+        _, _, meta = await slime_generate(served, PROMPTS[0], slime_sampling_params(3))
+    assert meta["weight_version"] == "2"
+    generated = await served.http.post("/v1/generate", json={"tokens": [[5, 6]], "max_tokens": 2})
+    assert generated.json()["policy_version"] == start + 4
 
 
 @pytest.mark.parametrize("steps", [2])

@@ -241,6 +241,57 @@ class Loads(DialectModel):
     loads: list[Load]
 
 
+class WorkerInfo(DialectModel):
+    """One worker as SGLang's router lists it (sgl-model-gateway's `WorkerInfo`)."""
+
+    id: str = Field(description="The worker's id (a UUID).")
+    url: str = Field(description="Where the worker answers (this server).")
+    model_id: str
+    priority: int = 50
+    cost: float = 1.0
+    worker_type: Literal["regular"] = "regular"
+    is_healthy: bool
+    load: int = Field(description="Requests in flight and waiting.")
+    connection_mode: Literal["Http"] = "Http"
+
+
+class WorkerStats(DialectModel):
+    prefill_count: int = 0
+    decode_count: int = 0
+    regular_count: int = 0
+
+
+class Workers(DialectModel):
+    workers: list[WorkerInfo]
+    total: int
+    stats: WorkerStats
+
+
+class WorkerUrls(DialectModel):
+    urls: list[str]
+
+
+class RegisterWorker(DialectModel):
+    """What a trainer posts to register an engine with the router (slime: `url`,
+    `worker_type`, and a prefill worker's `bootstrap_port`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    url: str = Field(min_length=1, max_length=2048)
+    worker_type: Literal["regular"] = Field(
+        default="regular", description="Only regular: rlserve does not disaggregate."
+    )
+
+
+class WorkerRegistered(DialectModel):
+    success: bool = True
+    status: Literal["accepted"] = "accepted"
+    worker_id: str
+    url: str
+    location: str
+    message: str
+
+
 class ModelInfo(DialectModel):
     model_path: str
     served_model_name: str
@@ -308,7 +359,9 @@ class UpdateWeightsFromDistributed(DialectModel):
         default=False, description="End in-flight generations before the update."
     )
     weight_version: VersionText | None = Field(
-        default=None, description="A whole number above the current version (default: next)."
+        default=None,
+        description="A whole number (default: the next version); one not above the served "
+        "version is a restarted trainer's count: served as the next version, in a new lineage.",
     )
     load_format: Literal["flattened_bucket"] | None = Field(
         default=None,

@@ -49,7 +49,7 @@ from app.errors import (
     WEIGHTS_ERROR_RESPONSES,
 )
 from app.ops.access import Access, access
-from app.updates.types import Join, Publish
+from app.updates.types import Join
 
 router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -96,7 +96,7 @@ async def model_info(registry: RegistryDep) -> ModelInfo:
         model_path=info.source,
         served_model_name="policy",
         tokenizer_path=info.source,
-        weight_version=str(registry.versions["policy"]),
+        weight_version=common.served_label(registry),
     )
 
 
@@ -117,7 +117,9 @@ async def loads(
 
 @router.get("/get_weight_version", response_model=WeightVersion, summary="Version (SGLang)")
 async def get_weight_version(registry: RegistryDep) -> WeightVersion:
-    return WeightVersion(weight_version=str(registry.versions["policy"]))
+    """The served version, in the trainer's count (the version its update named, also after
+    it restarted: see `weight_version` of /update_weights_from_distributed)."""
+    return WeightVersion(weight_version=common.served_label(registry))
 
 
 @router.post(
@@ -259,7 +261,7 @@ async def end_weight_update(session: SGLangWeightsDep) -> Success:
     openapi_extra=ADMIN,
 )
 async def update_weights_from_distributed(
-    body: UpdateWeightsFromDistributed, session: SGLangWeightsDep
+    body: UpdateWeightsFromDistributed, session: SGLangWeightsDep, registry: RegistryDep
 ) -> Success:
     """Receive one bucket the trainer broadcasts: committed at /end_weight_update inside a
     session, at /continue_generation while paused, else at once (returning then)."""
@@ -268,7 +270,7 @@ async def update_weights_from_distributed(
         return Success(message="Received; applied with the rest of the update.")
     return Success(
         message=f"Succeeded to update parameter online. Weight version updated to "
-        f"{applied.versions.policy}."
+        f"{common.label(registry, applied.versions.policy)}."
     )
 
 
@@ -279,14 +281,15 @@ async def update_weights_from_distributed(
     summary="Load from a path (SGLang)",
     openapi_extra=ADMIN,
 )
-async def update_weights_from_disk(body: UpdateWeightsFromDisk, weights: WeightsDep) -> DiskUpdated:
+async def update_weights_from_disk(
+    body: UpdateWeightsFromDisk, weights: WeightsDep, registry: RegistryDep
+) -> DiskUpdated:
     """POST /v1/weights/load: a safetensors checkpoint the server can read, whole or not at
     all."""
-    version = common.version_number(body.weight_version, "weight_version")
-    applied = await weights.load(body.model_path, "policy", Publish(version=version))
-    return DiskUpdated(
-        message=f"Succeeded to update model weights. Weight version {applied.versions.policy}."
-    )
+    publish = common.publish(body.weight_version, "weight_version")
+    applied = await weights.load(body.model_path, "policy", publish)
+    version = common.label(registry, applied.versions.policy)
+    return DiskUpdated(message=f"Succeeded to update model weights. Weight version {version}.")
 
 
 @router.post(

@@ -20,7 +20,7 @@ from app.common.constraints import sampling_constraints
 from app.common.failures import Conflict, invalid
 from app.common.protocol import warn_ignored
 from app.common.routed_experts import check_prompt_start, int32_base64, routing_of
-from app.dialects.common import Prompts, abort_all, sample, version_number
+from app.dialects.common import Prompts, abort_all, label, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
     GenerateRequest,
@@ -64,11 +64,15 @@ class SGLangWeights:
             return await self._commit(session)
 
     async def continue_generation(self) -> None:
+        """Commit the buckets received while paused, then resume: serving resumes whether the
+        commit succeeds or is refused (the refusal is then answered), never left paused."""
         async with self._lock:
             session = await self.weights.session()
-            if session.kind == "paused":
-                await self._commit(session)
-            await self.weights.resume()
+            try:
+                if session.kind == "paused":
+                    await self._commit(session)
+            finally:
+                await self.weights.resume()
 
     async def update(self, request: UpdateWeightsFromDistributed) -> Applied | None:
         """Stage one bucket; commit it too when no session holds it (then the new state)."""
@@ -98,7 +102,9 @@ class SGLangWeights:
                 return None
             await self.weights.transfer_start("policy")
             await self.weights.transfer_update(announce)
-            return await self.weights.transfer_finish("policy", Publish(version=bucket.version))
+            return await self.weights.transfer_finish(
+                "policy", Publish(version=bucket.version, restartable=True)
+            )
 
     async def announce(self, request: UpdateWeightsFromDistributed) -> None:
         """Remember the tensors of the next `update_announced` (AReaL's vLLM server takes
@@ -119,7 +125,9 @@ class SGLangWeights:
 
     async def _commit(self, session: UpdateSession) -> Applied:
         await self.weights.record_session(replace(session, kind=None, version=None))
-        return await self.weights.transfer_finish("policy", Publish(version=session.version))
+        return await self.weights.transfer_finish(
+            "policy", Publish(version=session.version, restartable=True)
+        )
 
     async def reset(self) -> None:
         """The group was closed: an open session has nothing left to commit."""
@@ -330,9 +338,10 @@ def _output(
             finish_reason=_finish(g, p),
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(g.token_ids),
-            weight_version=str(version),
+            weight_version=label(generation.registry, version),
             weight_versions=[
-                {"version": str(s.version), "start": s.start, "end": s.end} for s in spans
+                {"version": label(generation.registry, s.version), "start": s.start, "end": s.end}
+                for s in spans
             ]
             or None,
             e2e_latency=time.perf_counter() - started,

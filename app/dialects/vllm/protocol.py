@@ -4,6 +4,7 @@ rlserve honours them; a field rlserve cannot honour is refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -151,7 +152,9 @@ class UpdateWeights(DialectModel):
 
 class FinishWeightUpdate(DialectModel):
     weight_version: VersionText | None = Field(
-        default=None, description="A whole number above the current version (default: next)."
+        default=None,
+        description="A whole number (default: the next version); one not above the served "
+        "version is a restarted trainer's count: served as the next version, in a new lineage.",
     )
 
 
@@ -417,8 +420,9 @@ class WeightVersionSpan(DialectModel):
     end: int
 
     @classmethod
-    def of(cls, span: EngineSpan) -> WeightVersionSpan:
-        return cls(version=str(span.version), start=span.start, end=span.end)
+    def of(cls, span: EngineSpan, label: Callable[[int], str] = str) -> WeightVersionSpan:
+        """`span`, its version as `label` names it (the trainer's count)."""
+        return cls(version=label(span.version), start=span.start, end=span.end)
 
 
 class TextLogProb(DialectModel):

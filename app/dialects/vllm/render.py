@@ -20,6 +20,7 @@ from app.dialects.vllm.protocol import (
     TokensAnswer,
     WeightVersionSpan,
 )
+from app.engine.registry import ModelRegistry
 from app.engine.types import Generation, VersionSpan
 from app.generation.service import Sampled
 from app.openai_compat.protocol import (
@@ -109,7 +110,7 @@ async def render_completion(
 
 
 def _generations(
-    job: Job, response: TokensAnswer, field: str
+    registry: ModelRegistry, job: Job, response: TokensAnswer, field: str
 ) -> tuple[list[Generation], list[Tops]]:
     """One prompt's answer as the generations (and their most likely tokens) it sampled."""
     if len(response.choices) != job.n:
@@ -144,7 +145,7 @@ def _generations(
                 processed_log_probs=values if job.processed else None,
                 finish_reason=choice.finish_reason,
                 stop_reason=choice.stop_reason,
-                versions=_spans(choice.weight_versions, f"{where}.weight_versions"),
+                versions=_spans(registry, choice.weight_versions, f"{where}.weight_versions"),
             )
         )
         tops.append(
@@ -155,14 +156,17 @@ def _generations(
     return generations, tops
 
 
-def _spans(spans: list[WeightVersionSpan] | None, field: str) -> list[VersionSpan] | None:
-    """The answer's weight versions as rlserve's (whole numbers, as it publishes them)."""
+def _spans(
+    registry: ModelRegistry, spans: list[WeightVersionSpan] | None, field: str
+) -> list[VersionSpan] | None:
+    """The answer's weight versions (as /inference/v1/generate names them: the trainer's
+    count, read in the current lineage) as rlserve's."""
     out = []
     for i, span in enumerate(spans or []):
         text = span.version
         if not (text.isascii() and text.isdigit()) or int(text) >= 1 << 63:
             raise invalid(f"{field}[{i}].version", f"'{text}' is not a policy version")
-        out.append(VersionSpan(int(text), span.start, span.end))
+        out.append(VersionSpan(registry.gate.unlabel("policy", int(text)), span.start, span.end))
     return out or None
 
 
@@ -191,7 +195,9 @@ async def derender_chat(
 ) -> ChatCompletion:
     _check_derenderable(body.chat_request, "chat_request.")
     job = await openai.chat_job(body.chat_request, owner, None)
-    generations, tops = _generations(job, body.generate_response, "generate_response")
+    generations, tops = _generations(
+        openai.registry, job, body.generate_response, "generate_response"
+    )
     reply = await _reply(openai, job, generations, tops)
     assert isinstance(reply, ChatCompletion)
     return reply
@@ -213,7 +219,7 @@ async def derender_completion(
         )
     generations, tops = [], []
     for i, response in enumerate(body.generate_responses):
-        more, more_tops = _generations(job, response, f"generate_responses[{i}]")
+        more, more_tops = _generations(openai.registry, job, response, f"generate_responses[{i}]")
         generations += more
         tops += more_tops
     reply = await _reply(openai, job, generations, tops)

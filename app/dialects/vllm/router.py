@@ -202,13 +202,16 @@ async def start_weight_update(
     summary="Announce tensors (vLLM)",
     openapi_extra=ADMIN,
 )
-async def update_weights(request: UpdateWeights, weights: WeightsDep) -> Message:
+async def update_weights(
+    request: UpdateWeights, weights: WeightsDep, registry: RegistryDep
+) -> Message:
     """Announce the tensors the trainer broadcasts next (checked against the model; names
     the field of a mismatch) and receive them in the background; or, given `weight_dir`
     (prime-rl's), load that checkpoint as POST /v1/weights/load, whole or not at all."""
     if request.weight_dir is not None:
         applied = await weights.load(request.weight_dir, "policy", Publish())
-        return Message(message=f"Weights loaded as version {applied.versions.policy}")
+        version = common.label(registry, applied.versions.policy)
+        return Message(message=f"Weights loaded as version {version}")
     for info in request.infos:
         await weights.transfer_update(
             Announcement("policy", info.names, info.dtype_names, info.shapes)
@@ -228,8 +231,7 @@ async def finish_weight_update(
 ) -> Message:
     """Wait for every announced tensor, then swap them all in at once (or none)."""
     given = body.weight_version if body is not None else None
-    version = common.version_number(given, "weight_version")
-    await weights.transfer_finish("policy", Publish(version=version))
+    await weights.transfer_finish("policy", common.publish(given, "weight_version"))
     return Message(message="Weight update finished")
 
 
@@ -240,16 +242,17 @@ async def finish_weight_update(
     summary="Confirm the version (vLLM and SGLang)",
     openapi_extra=ADMIN,
 )
-async def update_weight_version(request: NewVersion, weights: WeightsDep) -> VersionConfirmed:
+async def update_weight_version(request: NewVersion, registry: RegistryDep) -> VersionConfirmed:
     """rlserve's versions move with the weights: this confirms the current one (409 for
     another: give the version to the update that brings the weights instead)."""
-    version = common.confirm_version(weights, request.new_version)
+    version = common.confirm_version(registry, request.new_version)
     return VersionConfirmed(new_version=version, message=f"Weight version updated to {version}")
 
 
 @router.get("/weight_info", response_model=WeightInfo, summary="Weight version (vLLM)")
-async def weight_info(weights: WeightsDep) -> WeightInfo:
-    return WeightInfo(weight_version=str(weights.version().policy))
+async def weight_info(registry: RegistryDep) -> WeightInfo:
+    """The served version, in the trainer's count (see POST /finish_weight_update)."""
+    return WeightInfo(weight_version=common.served_label(registry))
 
 
 @router.post(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +14,7 @@ from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none, warn_ignored
 from app.common.routed_experts import npy_base64, routing_to_return
+from app.dialects import common
 from app.dialects.common import Prompts, policy_side, sample
 from app.dialects.vllm.protocol import (
     GenerateChoice,
@@ -118,12 +120,15 @@ async def generate(
     preparer = generation.served(model).preparer
     text_mode = request.output_mode == "text"
 
+    def label(version: int) -> str:
+        return common.label(generation.registry, version)
+
     def token_text(token: int) -> str:
         return str(preparer.decode([token]))
 
     choices = []
     for i, g in enumerate(sampled.generations):
-        choice = _choice(i, g, sampled.scores_of(i), k, token_text if text_mode else None)
+        choice = _choice(i, g, sampled.scores_of(i), k, token_text if text_mode else None, label)
         if text_mode:
             text = preparer.decode(g.token_ids, skip_special=params.skip_special_tokens)
             choice.text = (
@@ -152,10 +157,16 @@ async def generate(
 
 
 def _choice(
-    index: int, g: Generation, scores: Scores | None, k: int | None, text: Any
+    index: int,
+    g: Generation,
+    scores: Scores | None,
+    k: int | None,
+    text: Any,
+    label: Callable[[int], str],
 ) -> GenerateChoice:
     """One choice; its log-probs as vLLM's tokens mode gives them (ids), or with `text` (a
-    token's text) as its text mode does (OpenAI's entries, with bytes)."""
+    token's text) as its text mode does (OpenAI's entries, with bytes); its versions as
+    `label` names them."""
     logprobs: GenerateLogProbs | TextLogProbs | None = None
     if k is not None and len(g.log_probs) == len(g.token_ids):
         rows = _rows(g, scores, max(k, 1))
@@ -191,7 +202,9 @@ def _choice(
         stop_reason=g.stop_reason,
         token_ids=g.token_ids,
         logprobs=logprobs,
-        weight_versions=[WeightVersionSpan.of(s) for s in g.versions] if g.versions else None,
+        weight_versions=[WeightVersionSpan.of(s, label) for s in g.versions]
+        if g.versions
+        else None,
     )
 
 

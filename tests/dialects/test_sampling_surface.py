@@ -108,6 +108,21 @@ async def test_stop_token_ids_and_min_tokens(client, hf_model, hf_tokenizer):
     first = tokens.index(tokens[2])
     assert stopped["token_ids"] == tokens[: first + 1]
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == tokens[2]
+    # ... and so do the OpenAI routes' choices (vLLM's stop_reason), a stop string's too;
+    # end-of-sequence and the length limit name none.
+    body = {"model": "policy", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    completion = await client.post(
+        "/v1/completions", json={**body, "stop_token_ids": [tokens[2]], "return_token_ids": True}
+    )
+    (choice,) = completion.json()["choices"]
+    assert choice["token_ids"] == tokens[: first + 1] and choice["stop_reason"] == tokens[2]
+    text = hf_tokenizer.decode(tokens[:3])
+    by_text = await client.post("/v1/completions", json={**body, "stop": [text[-2:]]})
+    (choice,) = by_text.json()["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == text[-2:]
+    long = await client.post("/v1/completions", json={**body, "ignore_eos": True})
+    (choice,) = long.json()["choices"]
+    assert choice["finish_reason"] == "length" and choice.get("stop_reason") is None
     # min_tokens holds back the stop ids and end-of-sequence until that many tokens are out.
     held = {tokens[0], hf_tokenizer.eos_token_id}
 

@@ -161,3 +161,33 @@ async def aborted_while_asking_for_extras(
 
 async def test_abort_does_not_wait_for_an_aborted_rows_extras(served):
     await aborted_while_asking_for_extras(served.http)
+
+
+async def test_a_request_waits_for_a_pause_only_so_long(served):
+    """Past limits.paused_wait_s, a request waiting on a pause is refused: a 503 to retry
+    (Retry-After) naming the setting, nothing started; the same request is served after the
+    resume. A request the pause froze mid-way is not refused: it goes on at the resume."""
+    gate = served.app.state.registry.gate
+    bound, gate.paused_wait_s = gate.paused_wait_s, 0.5
+    body = {"tokens": [PROMPT], "max_new_tokens": 4, "seed": 3}
+    try:
+        frozen = await in_flight(served, {**LONG, "max_new_tokens": 200})
+        await served.http.post("/v1/pause", json={"mode": "keep"})
+        for route, request in (("/v1/generate", body), ("/v1/logprobs", {"tokens": [PROMPT]})):
+            refused = await served.http.post(route, json=request)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "5"
+            error = refused.json()["error"]
+            assert error["type"] == "unavailable_error"
+            assert "RLSERVE_LIMITS__PAUSED_WAIT_S" in error["message"]
+        state = (await served.http.get("/v1/serving")).json()
+        assert state["waiting"] == 0 and state["in_flight_generations"] == 1
+        await asyncio.sleep(1.0)
+        assert not frozen.done()  # past the bound, and still held, not refused
+    finally:
+        gate.paused_wait_s = bound
+        await served.http.post("/v1/resume")
+    (sample,) = (await frozen).json()["outputs"][0]
+    assert len(sample["tokens"]["response"]) == 200
+    again = await served.http.post("/v1/generate", json=body)
+    assert again.status_code == 200, again.text

@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         "models.served_model_name": args.served_model_name,
         "models.reasoning_parser": args.reasoning_parser,
         "models.return_routed_experts": args.enable_return_routed_experts or None,
+        "models.return_tokens_as_token_ids": args.return_tokens_as_token_ids or None,
         "models.backend": args.backend,
         "models.dtype": args.dtype,
         "models.device": args.device,
@@ -187,6 +188,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a mixture-of-experts policy's routing in every choice of vLLM's generate and "
         "the OpenAI routes, as vLLM's flag",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="the OpenAI routes' log-probs name tokens 'token_id:<id>', as vLLM's flag (what "
+        "ART's tokenizing reads)",
     )
     serve.add_argument(
         "--replicas",

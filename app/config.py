@@ -76,6 +76,15 @@ class ModelSettings(Group):
     ref_served_model_name: CommaList = Field(
         default_factory=list, description="More names for the reference model, likewise."
     )
+    resident_adapter_versions: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Versions of each LoRA adapter kept resident, the current one included: a "
+        "request names an older one as NAME@VERSION (vLLM's per-version names, as ART names "
+        "each training step's adapter) until newer ones push it out. Each costs the "
+        "adapter's memory.",
+    )
     reasoning_parser: ReasoningParser | None = Field(
         default=None,
         description="vLLM's and SGLang's --reasoning-parser: chat replies carry the "
@@ -87,6 +96,13 @@ class ModelSettings(Group):
         "every choice of /inference/v1/generate, /v1/completions and /v1/chat/completions "
         "carries routed_experts (base64 of a .npy array, as vLLM encodes it). rlserve's own "
         "routes and SGLang's ask per request.",
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="vLLM's --return-tokens-as-token-ids: the OpenAI routes name each token "
+        "of their log-probs 'token_id:<id>' (its exact id) instead of its text, unless a "
+        "request's return_tokens_as_token_ids says otherwise. Trainers that read ids back "
+        "from those names need it (ART starts its vLLM with it).",
     )
     backend: Literal["auto", "transformers", "vllm"] = Field(
         default="auto", description="'auto': vLLM when it is installed and a GPU is present."

@@ -149,6 +149,7 @@ def build_services(
         limits,
         settings.models.reasoning_parser,
         routed_experts=settings.models.return_routed_experts,
+        tokens_as_ids=settings.models.return_tokens_as_token_ids,
     )
     app.state.weights = LocalWeights(registry, settings.weights, settings.storage.data_dir)
     if replicas is not None:  # one of several replicas: updates reach them all

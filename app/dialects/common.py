@@ -55,11 +55,13 @@ async def sample(
 
 def policy_side(registry: ModelRegistry, model: str | None, field: str = "model") -> str:
     """A dialect request's model name, unset, 'policy' or one of its aliases
-    (--served-model-name), as 'policy'; or a served LoRA adapter's name, as itself."""
+    (--served-model-name), as 'policy'; or a served LoRA adapter's name (or `NAME@VERSION`
+    of one, or of the policy: `ModelRegistry.get`), as itself."""
     if model is None or registry.canonical(model) == "policy":
         return "policy"
-    if model in registry.adapters:
-        return model
+    if registry.serves(model) and registry.canonical(model) is None:
+        served = registry.get(model, field)
+        return "policy" if served.name == "policy" else model
     names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
     adapters = f", adapters {sorted(registry.adapters)}" if registry.adapters else ""
     raise invalid(field, f"'{model}' does not name the policy (served as {names}{adapters})")

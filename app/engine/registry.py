@@ -87,6 +87,9 @@ class ModelRegistry:
         self.pair: ModelPair | None = None
         self.adapters: dict[str, LoraAdapter] = {}
         """LoRA adapters on the policy by name, each the version new requests get."""
+        self._older: dict[str, list[LoraAdapter]] = {}
+        """Each adapter's versions before its current one still resident (newest first): a
+        request names one as `NAME@VERSION` (`models.resident_adapter_versions`)."""
         self.adapter_gates: dict[str, AdapterGate] = {}
         """Each served adapter's own pause and owner."""
         self._adapter_lock = asyncio.Lock()
@@ -253,13 +256,27 @@ class ModelRegistry:
         target = self.aliases.get(name)
         return target if target in self.models else None
 
+    def names(self) -> list[str]:
+        """Every name a request may give: the models, their aliases, the LoRA adapters (and
+        `NAME@VERSION` of the policy's and the adapters', see `get`)."""
+        return sorted([*self.models, *self.aliases, *self.adapters])
+
     def serves(self, name: str) -> bool:
-        """Whether `name` is a served model, an alias or a LoRA adapter."""
-        return self.canonical(name) is not None or name in self.adapters
+        """Whether `name` is a served model, an alias or a LoRA adapter, or one of their
+        versions (`NAME@VERSION`: refused by `get` when that version is not resident)."""
+        if self.canonical(name) is not None or name in self.adapters:
+            return True
+        split = _at_version(name)
+        return split is not None and (
+            split[0] in self.adapters or self.canonical(split[0]) == "policy"
+        )
 
     def get(self, name: str, param: str = "model") -> ServedModel:
         """The served model, alias or LoRA adapter `name` (an adapter: its current version);
-        an unknown name is refused naming `param`."""
+        `NAME@VERSION`, vLLM's per-version names as ART serves each training step: the
+        adapter NAME at that version while it is resident, or the policy (NAME one of its
+        names) while it serves that version, in its trainer's count (else NotFound, naming
+        the versions resident). An unknown name is refused naming `param`."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         canonical = self.canonical(name)
@@ -268,8 +285,45 @@ class ModelRegistry:
         adapter = self.adapters.get(name)
         if adapter is not None:
             return AdaptedModel(self.models["policy"], adapter, self.adapter_gates[name])
-        served = sorted([*self.models, *self.aliases, *self.adapters])
-        raise invalid(param, f"'{name}' is not served (have {served})")
+        if (split := _at_version(name)) is not None:
+            served = self._at_version(*split, param)
+            if served is not None:
+                return served
+        raise invalid(param, f"'{name}' is not served (have {self.names()})")
+
+    def name_of(self, served: ServedModel) -> str:
+        """The name that gets `served` again: its model's, its adapter's, or `NAME@VERSION`
+        for an adapter's version before its current one."""
+        if (
+            isinstance(served, AdaptedModel)
+            and self.adapters.get(served.name) is not served.adapter
+        ):
+            return f"{served.name}@{served.adapter.version}"
+        return served.name
+
+    def _at_version(self, base: str, version: int, param: str) -> ServedModel | None:
+        """`base` at `version` (None when `base` names neither an adapter nor the policy)."""
+        if base in self.adapters:
+            resident = [self.adapters[base], *self._older.get(base, [])]
+            for adapter in resident:
+                if adapter.version == version:
+                    return AdaptedModel(self.models["policy"], adapter, self.adapter_gates[base])
+            have = sorted(a.version for a in resident)
+            raise NotFound(
+                f"{param}: adapter '{base}' has no version {version} resident (resident: "
+                f"{have}; models.resident_adapter_versions keeps that many)",
+                param=param,
+            )
+        if self.canonical(base) == "policy":
+            current = self.gate.label("policy", self.versions["policy"])
+            if version == current:
+                return self.models["policy"]
+            raise NotFound(
+                f"{param}: '{base}' serves version {current} of the policy, not {version} (a "
+                "model's weights have one version resident)",
+                param=param,
+            )
+        return None
 
     def version_of(self, served: ServedModel) -> int:
         """The version `served` answers with: an adapter's own, or its model's weights'."""
@@ -418,6 +472,9 @@ class ModelRegistry:
                     f"the tensors adapt other layers, or have other shapes, than adapter "
                     f"'{name}' (version {layout_of.version}); load a folder to change its layout",
                 )
+            if (previous := self.adapters.get(name)) is not None:
+                kept = self.model_settings.resident_adapter_versions - 1
+                self._older[name] = [previous, *self._older.get(name, [])][:kept]
             self.adapters[name] = adapter
             self._adapter_versions[name] = version
             if name not in self.adapter_gates:
@@ -457,6 +514,7 @@ class ModelRegistry:
         waiting on its pause are refused)."""
         gate = self._gate_of(name, caller, param)
         adapter = self.adapters.pop(name)
+        self._older.pop(name, None)
         del self.adapter_gates[name]
         gate.close()
         logger.info("adapter %s unloaded", name)
@@ -497,6 +555,14 @@ class ModelRegistry:
             await self.pair.aclose()
         for served in self.models.values():
             await served.aclose()
+
+
+def _at_version(name: str) -> tuple[str, int] | None:
+    """`NAME@VERSION` as (NAME, VERSION); None for a name of another form."""
+    base, at, version = name.rpartition("@")
+    if not at or not base or not (version.isascii() and version.isdigit()) or len(version) > 18:
+        return None
+    return base, int(version)
 
 
 def check_same_vocabulary(policy: Backend, reference: Backend) -> None:

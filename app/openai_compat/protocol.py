@@ -115,10 +115,11 @@ class SamplingFields(DialectModel):
         description="Extension: prompt_token_ids (as templated) and each choice's token_ids "
         "(every sampled token, a stop string's too), and policy_versions per choice.",
     )
-    return_tokens_as_token_ids: bool = Field(
-        default=False,
+    return_tokens_as_token_ids: bool | None = Field(
+        default=None,
         description="Extension (vLLM's): name tokens in log-probs as 'token_id:<id>' instead "
-        "of their text.",
+        "of their text; unset: the server's choice (RLSERVE_MODELS__RETURN_TOKENS_AS_TOKEN_IDS, "
+        "vLLM's --return-tokens-as-token-ids; off by default).",
     )
     logprobs_mode: Literal["raw", "processed"] = Field(
         default="raw",

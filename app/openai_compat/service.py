@@ -78,6 +78,9 @@ class Job:
     trajectory_id: str | None
     owner: str
     texts: TokenTexts
+    as_ids: bool = False
+    """Name tokens in log-probs as 'token_id:<id>' (the request's return_tokens_as_token_ids,
+    else the server's)."""
     reasoning: ReasoningParser | None = None
     """The reasoning parser a chat reply is read with (None: the text is all content)."""
     show_reasoning: bool = True
@@ -110,13 +113,17 @@ class OpenAIService(ModelServing):
         reasoning_parser: ReasoningParser | None = None,
         *,
         routed_experts: bool = False,
+        tokens_as_ids: bool = False,
     ) -> None:
         """`routed_experts`: vLLM's --enable-return-routed-experts (each choice of a
-        mixture-of-experts policy carries its routing)."""
+        mixture-of-experts policy carries its routing); `tokens_as_ids`: its
+        --return-tokens-as-token-ids (log-probs name tokens 'token_id:<id>' unless a request
+        says otherwise)."""
         super().__init__(registry, limits)
         self.generation = generation
         self.reasoning_parser = reasoning_parser
         self.routed_experts = routed_experts
+        self.tokens_as_ids = tokens_as_ids
         self.trajectories = trajectories
         self._texts: dict[str, TokenTexts] = {}
 
@@ -126,7 +133,7 @@ class OpenAIService(ModelServing):
         """The model named in the request; OpenAI answers an unknown one with 404."""
         registry = self.registry
         if registry.not_ready_reason() is None and not registry.serves(name):
-            served = ", ".join(sorted([*registry.models, *registry.adapters]))
+            served = ", ".join(registry.names())
             raise NotFound(f"model '{name}' does not exist (served: {served})", param="model")
         return self.registry.get(name)
 
@@ -271,9 +278,10 @@ class OpenAIService(ModelServing):
         texts = self._texts.setdefault(engine, TokenTexts(served.preparer))
         if texts.preparer is not served.preparer:  # the model was reloaded
             texts = self._texts[engine] = TokenTexts(served.preparer)
+        as_ids = request.return_tokens_as_token_ids
         return Job(
             kind,
-            served.name,
+            self.registry.name_of(served),
             served,
             prompts,
             config,
@@ -283,6 +291,7 @@ class OpenAIService(ModelServing):
             trajectory_id,
             owner,
             texts,
+            as_ids=self.tokens_as_ids if as_ids is None else as_ids,
         )
 
     # -- replies -----------------------------------------------------------------------
@@ -375,9 +384,7 @@ class OpenAIService(ModelServing):
             content, calls = parse_tool_calls(content, job.tool_names)
         logprobs = None
         if job.logprobs is not None:
-            entries = job.texts.chat_entries(
-                g.token_ids, _values(job, g), tops, as_ids=job.request.return_tokens_as_token_ids
-            )
+            entries = job.texts.chat_entries(g.token_ids, _values(job, g), tops, as_ids=job.as_ids)
             logprobs = ChoiceLogprobs(content=entries)
         return ChatChoice(
             index=index,
@@ -404,7 +411,7 @@ class OpenAIService(ModelServing):
             echoed = prompt.text or job.served.preparer.decode(prompt.ids, skip_special=True)
         logprobs = None
         if job.logprobs is not None:
-            as_ids = job.request.return_tokens_as_token_ids
+            as_ids = job.as_ids
             logprobs = job.texts.completion_logprobs(
                 g.token_ids, _values(job, g), tops, start=len(echoed), as_ids=as_ids
             )
@@ -587,7 +594,7 @@ class _Chunks:
                         tokens.ids,
                         tokens.log_probs,
                         None,
-                        as_ids=self.job.request.return_tokens_as_token_ids,
+                        as_ids=self.job.as_ids,
                     )
                 )
             delta = ChatDelta(
@@ -605,7 +612,7 @@ class _Chunks:
                     tokens.log_probs,
                     None,
                     start=text.shown_length - len(new),
-                    as_ids=job.request.return_tokens_as_token_ids,
+                    as_ids=job.as_ids,
                 )
             choice = CompletionChoice(
                 index=index, text=new, logprobs=completion_logprobs, token_ids=ids
@@ -716,7 +723,7 @@ def _prompt_logprobs(
     """vLLM's layout: null for the first token, then per token id -> log-prob, rank, text
     (the prompt's own token first, then the k most likely in order)."""
     texts = job.texts
-    as_ids = job.request.return_tokens_as_token_ids
+    as_ids = job.as_ids
 
     def entry(token: int, value: float, rank: int) -> PromptLogprob:
         name = f"token_id:{token}" if as_ids else texts.text(token)[0]

@@ -419,3 +419,65 @@ async def test_an_adapters_rollouts_penalise_its_kl_against_its_base(client, ada
     assert refused.status_code == 422 and refused.json()["error"]["param"] == "env.kl.model"
     session = await client.post("/v1/envs", json=unknown)
     assert session.status_code == 422 and session.json()["error"]["param"] == "kl.model"
+
+
+async def test_name_at_version_names_a_resident_version(client, adapters):
+    """vLLM's per-version names, as ART serves each training step's adapter (`NAME@STEP`): an
+    adapter's version while it is resident (models.resident_adapter_versions: the current
+    and the one before), on every route; the policy while it serves that version; a version
+    not resident is a 404 naming those that are, on rlserve's routes and the OpenAI ones."""
+    versions = [adapters[name] for name in ("qv", "qv-next", "mlp")]
+    for version, (folder, _) in enumerate(versions):
+        assert (await load(client, "steps", folder))["version"] == version
+        expected = forward_log_probs(versions[version][1], SEQUENCES[0])
+        body = await scores(client, f"steps@{version}", SEQUENCES[:1])
+        assert close(body["outputs"][0]["log_probs"]["full"], expected)
+        assert body["policy_version"] == version  # an adapter answers its own version
+        if version:  # the version before is still resident, and served as it was
+            before = forward_log_probs(versions[version - 1][1], SEQUENCES[0])
+            body = await scores(client, f"steps@{version - 1}", SEQUENCES[:1])
+            assert close(body["outputs"][0]["log_probs"]["full"], before)
+    chat = await client.post(
+        "/v1/completions",
+        json={
+            "model": "steps@1",
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "logprobs": 0,
+            "seed": 1,
+            "return_token_ids": True,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    (choice,) = chat.json()["choices"]
+    tokens = choice["logprobs"]["tokens"]
+    scored = await scores(client, "steps@1", [PROMPT + choice["token_ids"]])
+    assert close(
+        choice["logprobs"]["token_logprobs"], scored["outputs"][0]["log_probs"]["full"][5:], 1e-4
+    )
+    assert len(tokens) == 3
+    for name, route, body in (
+        ("steps@0", "/v1/logprobs", {"tokens": SEQUENCES[:1]}),
+        ("steps@7", "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}),
+    ):
+        gone = await client.post(route, json={"model": name, **body})
+        assert gone.status_code == 404, gone.text
+        message = gone.json()["error"]["message"]
+        assert gone.json()["error"]["param"] == "model" and "resident: [1, 2]" in message
+    policy = (await client.get("/v1/weights/version")).json()["policy_version"]
+    body = await scores(client, f"policy@{policy}", SEQUENCES[:1])
+    assert (
+        body["outputs"][0]["log_probs"]["full"]
+        == (await scores(client, "policy", SEQUENCES[:1]))["outputs"][0]["log_probs"]["full"]
+    )
+    other = await client.post(
+        "/v1/completions", json={"model": f"policy@{policy + 1}", "prompt": "a", "max_tokens": 1}
+    )
+    assert other.status_code == 404 and f"serves version {policy}" in other.text
+    unknown = await client.post(
+        "/v1/completions", json={"model": "nothing@1", "prompt": "a", "max_tokens": 1}
+    )
+    assert unknown.status_code == 404 and "steps" in unknown.json()["error"]["message"]
+    await client.delete("/v1/adapters/steps")
+    gone = await client.post("/v1/logprobs", json={"model": "steps@2", "tokens": SEQUENCES})
+    assert gone.status_code == 422 and gone.json()["error"]["param"] == "model"

@@ -214,6 +214,17 @@ async def test_keep_returns_at_once_and_lets_the_request_inside_finish_on_its_ve
             "/v1/adapters/kept/pause", json={"mode": "wait"}, headers=bearer(TRAINER_A)
         )
         assert mode.status_code == 409 and mode.json()["error"]["param"] == "mode"
+        # a request waits for the adapter's resume only limits.paused_wait_s: then a 503 to
+        # retry, naming the setting, nothing started
+        registry.adapter_gates["kept"].paused_wait_s = 0.3
+        waited = await client.post(
+            "/v1/generate",
+            json={"model": "kept", "tokens": [PROMPT], "max_new_tokens": 2},
+            headers=bearer(TRAINER_A),
+        )
+        assert waited.status_code == 503 and waited.headers["retry-after"] == "5"
+        assert "adapter 'kept'" in waited.json()["error"]["message"]
+        assert registry.adapter_state("kept").waiting == 0
         await a.resume_adapter(name="kept")
         assert (await generate(client, "kept", 2, TRAINER_A))["policy_versions"][0]["version"] == 1
         await a.unload_adapter(name="kept")

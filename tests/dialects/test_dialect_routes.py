@@ -5,6 +5,7 @@ is refused."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -15,7 +16,7 @@ from fastapi import FastAPI
 from app.config import Settings
 from app.dialects.refusals import REFUSED
 from app.main import create_app
-from tests.conftest import assert_close, forward_log_probs
+from tests.conftest import assert_close, forward_log_probs, served_app
 
 PROMPTS = [[72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7]]
 
@@ -296,3 +297,42 @@ async def test_control_and_weight_routes_need_the_admin_key(guarded, client):
     spec = (await client.get("/openapi.json")).json()
     for path in control:
         assert "403" in spec["paths"][path]["post"]["responses"], path
+
+
+async def test_the_servers_tokens_as_token_ids_name_every_token_by_its_id(settings):
+    """vLLM's --return-tokens-as-token-ids (ART starts its vLLM with it, and ART 0.5.18 never
+    asks per request: it reads the ids back from the names): the OpenAI routes' log-probs,
+    streamed or not, name each token 'token_id:<id>' unless a request says false."""
+    config = settings.replace(
+        models={"return_tokens_as_token_ids": True},
+        storage={"data_dir": settings.storage.data_dir / "token-ids"},
+    )
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    common = {"max_tokens": 6, "seed": 2, "logprobs": True, "return_token_ids": True}
+    async with served_app(config) as client:
+        chat = await ok(
+            await client.post("/v1/chat/completions", json={"messages": messages, **common})
+        )
+        (choice,) = chat["choices"]
+        names = [entry["token"] for entry in choice["logprobs"]["content"]]
+        assert names == [f"token_id:{t}" for t in choice["token_ids"]]
+        body = {"prompt": PROMPTS[0], **common, "logprobs": 1}
+        completion = await ok(await client.post("/v1/completions", json=body))
+        (choice,) = completion["choices"]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        streamed = await client.post(
+            "/v1/chat/completions", json={"messages": messages, **common, "stream": True}
+        )
+        lines = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+        entries = [
+            entry["token"]
+            for chunk in map(json.loads, lines)
+            for c in chunk["choices"]
+            for entry in ((c.get("logprobs") or {}).get("content") or [])
+        ]
+        assert entries and all(name.startswith("token_id:") for name in entries)
+        own = {"messages": messages, **common, "return_tokens_as_token_ids": False}
+        text = await ok(await client.post("/v1/chat/completions", json=own))
+        assert not any(
+            e["token"].startswith("token_id:") for e in text["choices"][0]["logprobs"]["content"]
+        )

@@ -198,12 +198,34 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def _untagged(loc: tuple[int | str, ...], body: object) -> tuple[int | str, ...]:
+    """`loc` without the tags pydantic names a tagged union's member by (a value of the body
+    there, such as `/collective_rpc`'s method name, not a field)."""
+    kept: list[int | str] = []
+    node = body
+    for part in loc:
+        if part in ("body", "query", "path"):
+            kept.append(part)
+            continue
+        if isinstance(node, dict) and isinstance(part, str) and part not in node:
+            if part in [v for v in node.values() if isinstance(v, str)]:
+                continue
+        kept.append(part)
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return tuple(kept)
+
+
 def validation_error(exc: RequestValidationError, request: Request | None = None) -> APIError:
     """The first error, said as what to fix: where malformed JSON breaks, a body that is not
     JSON (no content type), the fields a request takes for an unknown one."""
     first = exc.errors()[0]
     kind = first.get("type")
-    loc = tuple(first.get("loc", ()))
+    loc = _untagged(tuple(first.get("loc", ())), exc.body)
     ctx = first.get("ctx") or {}
     if kind == "json_invalid":
         return APIError(422, _json_error(exc.body, loc, str(ctx.get("error", ""))))
@@ -213,6 +235,9 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
         message = f"the body must be JSON sent with content-type: application/json (got {got})"
         return APIError(422, message)
     param = ctx.get("field") or _loc_to_param(loc) or "body"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # the tag's own field
+        tag = str(ctx.get("discriminator", "")).strip("'")
+        param = tag if param == "body" else f"{param}.{tag}"
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind == "list_type" and isinstance(first.get("input"), dict) and _is_conversation(param):
         message = (

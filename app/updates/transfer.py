@@ -276,9 +276,11 @@ class TransferService:
             setup = self._updating(link)
             names, dtypes, shapes = announced.names, announced.dtype_names, announced.shapes
             buckets = announced.buckets
-            if buckets is None and setup.packing == "vllm":
-                buckets = TransferPlan.packed_like_vllm(shapes, dtypes, setup.bucket_bytes)
-            plan = TransferPlan.parse(names, dtypes, shapes, buckets, setup.bucket_bytes)
+            packing = announced.packing or setup.packing
+            bucket_bytes = announced.bucket_bytes or setup.bucket_bytes
+            if buckets is None and packing == "vllm":
+                buckets = TransferPlan.packed_like_vllm(shapes, dtypes, bucket_bytes)
+            plan = TransferPlan.parse(names, dtypes, shapes, buckets, bucket_bytes)
             expected = self.registry.get(announced.model).backend.weight_layout()
             if expected is not None and link.adapter is None:  # (an adapter's: at finish)
                 check_layout(plan.layout(), expected)

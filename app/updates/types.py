@@ -132,7 +132,11 @@ class Announcement:
     dtype_names: list[str]
     shapes: list[list[int]]
     buckets: list[int] | None = None
-    """Tensors per bucket, in order (None: one tensor per bucket, or the join's packing)."""
+    """Tensors per bucket, in order (None: one tensor per bucket, or as `packing` cuts them)."""
+    packing: Packing | None = None
+    """How tensors are cut into buckets when `buckets` says not (None: as the join said)."""
+    bucket_bytes: int | None = None
+    """The `packing`'s bucket size (None: the join's)."""
 
 
 @dataclass(frozen=True)

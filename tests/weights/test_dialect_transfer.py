@@ -68,8 +68,18 @@ def post(served: Served, path: str, body: Any = None) -> dict[str, Any]:
     )
 
 
-def vllm_trainer(served: Served, model: torch.nn.Module, packed: bool, version: str) -> None:
-    """What TRL's VLLMClient and vLLM's NCCLTrainerWeightTransferEngine send, in order."""
+def vllm_trainer(
+    served: Served,
+    model: torch.nn.Module,
+    packed: bool,
+    version: str | None,
+    shape: str = "0.32",
+) -> None:
+    """What TRL's VLLMClient and vLLM's NCCLTrainerWeightTransferEngine send, in order:
+    vLLM 0.32's shape (`packed` on the init info), the older releases' that SkyRL drives
+    (`shape` "update": packed named on each update_info), or SkyRL 0.3.0's worker methods
+    through /collective_rpc ("rpc", as RemoteInferenceClient's start_weight_update,
+    update_weights_nccl and finish_weight_update send them; no version named)."""
     world = post_get(served, "/get_world_size")["world_size"] + 1
     port = free_port()
     init_info = {
@@ -77,9 +87,10 @@ def vllm_trainer(served: Served, model: torch.nn.Module, packed: bool, version: 
         "master_port": port,
         "rank_offset": 1,
         "world_size": world,
-        "packed": packed,
-        "packed_buffer_size_bytes": 1 << 18,
     }
+    packing = {"packed": packed, "packed_buffer_size_bytes": 1 << 18}
+    if shape == "0.32":
+        init_info |= packing
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(post, served, "/init_weight_transfer_engine", {"init_info": init_info})
         group = vllm_gloo_group(port, world)
@@ -90,13 +101,27 @@ def vllm_trainer(served: Served, model: torch.nn.Module, packed: bool, version: 
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
             "shapes": [list(t.shape) for _, t in tensors],
         }
-        post(served, "/start_weight_update", {})
-        pending = pool.submit(post, served, "/update_weights", {"update_info": info})
+        if shape != "0.32":
+            info |= {**packing, "packed_num_buffers": 2}
+        if shape == "rpc":
+            start = {
+                "method": "skyrl_start_weight_update",
+                "kwargs": {"is_checkpoint_format": True},
+            }
+            assert post(served, "/collective_rpc", start) == {"results": [None]}
+            update = {"method": "update_weights_nccl", "kwargs": {"update_info": info}}
+            pending = pool.submit(post, served, "/collective_rpc", update)
+        else:
+            post(served, "/start_weight_update", {})
+            pending = pool.submit(post, served, "/update_weights", {"update_info": info})
         payloads = vllm_packed_chunks(tensors, 1 << 18) if packed else [t for _, t in tensors]
         for payload in payloads:
             broadcast(group, payload.contiguous())
         pending.result()
-        post(served, "/finish_weight_update", {"weight_version": version})
+        if shape == "rpc":
+            post(served, "/collective_rpc", {"method": "skyrl_finish_weight_update"})
+        else:
+            post(served, "/finish_weight_update", {"weight_version": version})
         post(served, "/shutdown_weight_transfer_engine")
 
 
@@ -117,13 +142,50 @@ async def assert_serves(served: Served, model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-tensor"])
-async def test_a_vllm_trainer_updates_the_served_weights(served, trainer_model, packed):
+@pytest.mark.parametrize("shape", ["0.32", "update", "rpc"])
+async def test_a_vllm_trainer_updates_the_served_weights(served, trainer_model, packed, shape):
     new = perturbed(trainer_model, 0.9)
-    version = await served_version(served) + 3
-    await asyncio.to_thread(vllm_trainer, served, new, packed, str(version))
+    version = await served_version(served) + (3 if shape != "rpc" else 1)
+    named = str(version) if shape != "rpc" else None
+    await asyncio.to_thread(vllm_trainer, served, new, packed, named, shape)
     assert await served_version(served) == version
     assert (await served.http.get("/weight_info")).json() == {"weight_version": str(version)}
     await assert_serves(served, new)
+
+
+async def test_collective_rpc_refuses_the_worker_methods_it_does_not_run(served):
+    """SkyRL's CUDA IPC chunk, its sleep and wake: 422 naming `method` and the methods run;
+    IPC handles on an update name their field; nothing is left started."""
+    for body, param in [
+        ({"method": "update_weights_ipc", "kwargs": {"update_info": {}}}, "method"),
+        ({"method": "skyrl_sleep_for_weight_sync", "kwargs": {"offload_kv": True}}, "method"),
+        ({"kwargs": {}}, "method"),
+        (
+            {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": False}},
+            "kwargs.is_checkpoint_format",
+        ),
+        (
+            {
+                "method": "update_weights_nccl",
+                "kwargs": {
+                    "update_info": {
+                        "names": ["w"],
+                        "dtype_names": ["bfloat16"],
+                        "shapes": [[2]],
+                        "ipc_handles_pickled": "gAR9lC4=",
+                    }
+                },
+            },
+            "kwargs.update_info.ipc_handles_pickled",
+        ),
+    ]:
+        refused = await served.http.post("/collective_rpc", json=body)
+        assert refused.status_code == 422, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == param, error
+        if param == "method" and "method" in body:
+            assert "update_weights_nccl" in error["message"]
+    assert (await served.http.get("/v1/weights/transfer")).json()["state"] == "idle"
 
 
 def sglang_update(

@@ -26,6 +26,7 @@ from app.common.protocol import (
 )
 from app.engine.types import VersionSpan as EngineSpan
 from app.openai_compat.protocol import ChatCompletionRequest, CompletionRequest
+from app.updates.types import Announcement
 
 
 class Message(DialectModel):
@@ -69,6 +70,10 @@ class AbortRequests(DialectModel):
         return self
 
 
+DEFAULT_PACKED_BUFFER_BYTES = 1 << 30
+"""vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES."""
+
+
 class InitInfo(DialectModel):
     """vLLM's NCCLWeightTransferInitInfo (what its trainer engine and TRL send)."""
 
@@ -77,7 +82,9 @@ class InitInfo(DialectModel):
     rank_offset: int = Field(default=1, ge=1)
     world_size: int = Field(ge=2, le=4096)
     packed: bool = False
-    packed_buffer_size_bytes: int = Field(default=1 << 30, ge=1 << 16, le=16 << 30)
+    packed_buffer_size_bytes: int = Field(
+        default=DEFAULT_PACKED_BUFFER_BYTES, ge=1 << 16, le=16 << 30
+    )
     packed_num_buffers: int = Field(
         default=2, ge=1, le=64, description="Accepted: buffers in flight change no byte."
     )
@@ -119,9 +126,42 @@ class StartWeightUpdate(DialectModel):
 
 
 class UpdateInfo(DialectModel):
+    """vLLM's NCCLWeightTransferUpdateInfo: the tensors of the next broadcasts. Releases
+    before 0.32 (SkyRL 0.3.0's and 0.4.0's) name the packing here, per update; 0.32 names it
+    once, in the init info."""
+
     names: list[str] = Field(min_length=1, max_length=1 << 20)
     dtype_names: list[str]
     shapes: list[list[int]]
+    packed: bool | None = Field(
+        default=None,
+        description="vLLM before 0.32: the tensors come packed into buckets (unset: as the "
+        "init info said).",
+    )
+    packed_buffer_size_bytes: int | None = Field(
+        default=None,
+        ge=1 << 16,
+        le=16 << 30,
+        description="vLLM before 0.32: the packed buckets' size (unset with packed: vLLM's "
+        "default, 1 GiB; unset without: the init info's).",
+    )
+    packed_num_buffers: int | None = Field(
+        default=None, ge=1, le=64, description="Accepted: buffers in flight change no byte."
+    )
+
+    def announcement(self) -> Announcement:
+        """The policy's tensors this announces, cut as it says."""
+        size = self.packed_buffer_size_bytes
+        if self.packed is not None and size is None:
+            size = DEFAULT_PACKED_BUFFER_BYTES
+        return Announcement(
+            "policy",
+            self.names,
+            self.dtype_names,
+            self.shapes,
+            packing=None if self.packed is None else "vllm" if self.packed else "announced",
+            bucket_bytes=size,
+        )
 
 
 class UpdateWeights(DialectModel):
@@ -148,6 +188,71 @@ class UpdateWeights(DialectModel):
         if self.update_info is None:
             return []
         return self.update_info if isinstance(self.update_info, list) else [self.update_info]
+
+
+class RpcCall(DialectModel):
+    """`/collective_rpc`'s body: a worker method's name, its arguments, a timeout."""
+
+    args: list[Any] = Field(
+        default_factory=list, description="Only empty: the methods take keywords.", max_length=0
+    )
+    timeout: float | None = Field(default=None, gt=0, description="Accepted and ignored.")
+
+
+class StartKwargs(DialectModel):
+    is_checkpoint_format: bool = Field(
+        default=True,
+        description="Only true: tensors named and shaped as in the checkpoint.",
+        json_schema_extra={"const": True},
+    )
+
+    @model_validator(mode="after")
+    def _checkpoint(self) -> StartKwargs:
+        if not self.is_checkpoint_format:
+            raise field_error(
+                "kwargs.is_checkpoint_format", "only checkpoint-format tensors are loaded"
+            )
+        return self
+
+
+class StartRpc(RpcCall):
+    """SkyRL's worker extension's `skyrl_start_weight_update`: POST /start_weight_update."""
+
+    method: Literal["skyrl_start_weight_update"]
+    kwargs: StartKwargs = Field(default_factory=StartKwargs)
+
+
+class UpdateKwargs(DialectModel):
+    update_info: UpdateInfo
+
+
+class UpdateRpc(RpcCall):
+    """SkyRL's `update_weights_nccl`: POST /update_weights (the tensors of the trainer's
+    broadcast, packed as `update_info` says)."""
+
+    method: Literal["update_weights_nccl"]
+    kwargs: UpdateKwargs
+
+
+class NoKwargs(DialectModel):
+    pass
+
+
+class FinishRpc(RpcCall):
+    """SkyRL's `skyrl_finish_weight_update`: POST /finish_weight_update (the next version)."""
+
+    method: Literal["skyrl_finish_weight_update"]
+    kwargs: NoKwargs = Field(default_factory=NoKwargs)
+
+
+CollectiveRpc = Annotated[StartRpc | UpdateRpc | FinishRpc, Field(discriminator="method")]
+"""The worker methods of SkyRL's vLLM extension (`NewInferenceWorkerWrap`, SkyRL 0.3.0) its
+trainer calls through vLLM's `/collective_rpc`, over the same weight controls as vLLM's own
+routes. Others (CUDA IPC's `update_weights_ipc`, sleep and wake) are refused by name."""
+
+
+class RpcResults(DialectModel):
+    results: list[Any] = Field(description="Each worker's return value (null: none).")
 
 
 class FinishWeightUpdate(DialectModel):

@@ -24,6 +24,7 @@ from app.dialects.vllm import render, service
 from app.dialects.vllm.protocol import (
     Aborted,
     AbortRequests,
+    CollectiveRpc,
     DerenderChatRequest,
     DerenderCompletionRequest,
     FinishWeightUpdate,
@@ -36,9 +37,12 @@ from app.dialects.vllm.protocol import (
     NewVersion,
     PrefixCacheReset,
     RenderedRequest,
+    RpcResults,
+    StartRpc,
     StartWeightUpdate,
     Status,
     UnloadLoRAAdapter,
+    UpdateRpc,
     UpdateWeights,
     VersionConfirmed,
     WeightInfo,
@@ -59,7 +63,7 @@ from app.openai_compat.protocol import (
 )
 from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
-from app.updates.types import Announcement, Join, Publish
+from app.updates.types import Join, Publish
 
 router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -213,9 +217,7 @@ async def update_weights(
         version = common.label(registry, applied.versions.policy)
         return Message(message=f"Weights loaded as version {version}")
     for info in request.infos:
-        await weights.transfer_update(
-            Announcement("policy", info.names, info.dtype_names, info.shapes)
-        )
+        await weights.transfer_update(info.announcement())
     return Message(message="Weights updated")
 
 
@@ -233,6 +235,28 @@ async def finish_weight_update(
     given = body.weight_version if body is not None else None
     await weights.transfer_finish("policy", common.publish(given, "weight_version"))
     return Message(message="Weight update finished")
+
+
+@router.post(
+    "/collective_rpc",
+    responses={**WEIGHTS_ERROR_RESPONSES, **TRANSFER_ERROR_RESPONSES},
+    response_model=RpcResults,
+    summary="Run a worker method (vLLM, SkyRL's)",
+    openapi_extra=ADMIN,
+)
+async def collective_rpc(
+    call: Annotated[CollectiveRpc, Body()], weights: WeightsDep, registry: RegistryDep
+) -> RpcResults:
+    """vLLM's dev-mode `/collective_rpc`, for the worker methods SkyRL's trainer drives its
+    weight sync with (its NewInferenceWorkerWrap): start, the tensors of its broadcast, finish.
+    Each answers as the vLLM route of the same step; the results, one per server rank."""
+    if isinstance(call, StartRpc):
+        await weights.transfer_start("policy")
+    elif isinstance(call, UpdateRpc):
+        await weights.transfer_update(call.kwargs.update_info.announcement())
+    else:
+        await weights.transfer_finish("policy", common.publish(None, "weight_version"))
+    return RpcResults(results=[None] * await common.served_ranks(weights))
 
 
 @router.post(

@@ -17,12 +17,20 @@ areal_needs=(
 # renderers 0.1.12: renderers.client.generate, what verifiers' TrainClient and prime-rl call
 # (it imports httpx and openai, already here, and pydantic_config).
 renderers=(renderers==0.1.12 prime-pydantic-config==0.4.3)
-# SkyRL 0.4.0: its RemoteInferenceClient, in a venv of its own (.venv-skyrl): SkyRL needs
-# Python 3.12, and its client module imports torch (PyPI's build for 3.12: the CUDA one, which
-# runs on the CPU); tests/trainers/skyrl_driver.py runs there, the server in .venv-trainers.
+# SkyRL 0.4.0: its RemoteInferenceClient and SkyrlWeightSyncClient, in a venv of its own
+# (.venv-skyrl): SkyRL needs Python 3.12, and its client module imports torch (PyPI's build
+# for 3.12: the CUDA one, which runs on the CPU); tests/trainers/skyrl_driver.py runs there,
+# the server in .venv-trainers. SkyRL 0.3.0 (its last release that claims Python 3.11, where
+# it does not import: pydantic refuses its typing.TypedDict) goes to a folder of its own in
+# that venv, ahead of 0.4.0 on the drivers' path; its weight sync imports ray, omegaconf and
+# skyrl-gym. The drivers' training loop needs transformers (SkyRL's own pin) and httpx.
 skyrl_venv=${RLSERVE_SKYRL_VENV:-.venv-skyrl}
 skyrl=(skyrl==0.4.0)
-skyrl_needs=(torch==2.13.0 aiohttp orjson numpy pybase64 loguru rich pydantic cloudpathlib requests)
+skyrl_previous=skyrl==0.3.0
+skyrl_needs=(
+  torch==2.13.0 aiohttp orjson numpy pybase64 loguru rich pydantic cloudpathlib requests
+  "ray==2.60.0" omegaconf "skyrl-gym==0.4.0" "transformers==5.16.1" "tokenizers>=0.23.1" httpx
+)
 # ART (openpipe-art 0.5.23): its TrainableModel's OpenAI client, trajectory capture and
 # tokenizing, in a venv of its own (.venv-art: ART needs Python 3.12). `import art` loads
 # openai, polars, anthropic, ... (python-dotenv, which it imports, is not among its declared
@@ -54,6 +62,8 @@ if [ -n "$python312" ]; then
   "$skyrl_venv/bin/python" -m pip install --quiet --upgrade pip
   "$skyrl_venv/bin/python" -m pip install --quiet --no-deps "${skyrl[@]}"
   "$skyrl_venv/bin/python" -m pip install --quiet "${skyrl_needs[@]}"
+  "$skyrl_venv/bin/python" -m pip install --quiet --no-deps --upgrade \
+    --target "$skyrl_venv/skyrl-0.3.0" "$skyrl_previous"
   "$python312" -m venv "$art_venv"
   "$art_venv/bin/python" -m pip install --quiet --upgrade pip
   "$art_venv/bin/python" -m pip install --quiet --no-deps "${art[@]}"

@@ -1,7 +1,13 @@
 """Drives SkyRL 0.4.0's own `RemoteInferenceClient` (unmodified) against the server at
 argv[1], the way SkyRL's generator and its Tinker-style sampler call it, and prints what the
-client returned as JSON for tests/trainers/test_skyrl.py to check. Runs in .venv-skyrl: SkyRL
-needs Python 3.12 (and torch, which its client module imports)."""
+client returned as JSON for tests/trainers/test_skyrl.py to check. With `loop` (and the
+policy's folder), a three-step loop (tests/trainers/skyrl_loop.py) whose weight sync is
+SkyRL's `SkyrlWeightSyncClient` with its `nccl_init_payloads`, driven as vLLM's trainer engine
+drives it (`NCCLTrainerWeightTransferEngine`: `trainer_init`, then each step `send_weights`,
+which stamps the packing on every update info, as vLLM before 0.32 reads it); that engine is
+vLLM's and NCCL only, so its calls are made here in its order, its broadcasts over vLLM's gloo
+group (tests/e2e/vllm_group.py). Runs in .venv-skyrl: SkyRL needs Python 3.12 (and torch,
+which its client module imports)."""
 
 from __future__ import annotations
 
@@ -9,10 +15,16 @@ import asyncio
 import json
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
     RemoteInferenceClient,
 )
+
+from tests.e2e.server import free_port
+from tests.e2e.vllm_group import gloo_group, send
+from tests.trainers.skyrl_loop import three_steps
 
 
 def paused(url: str) -> bool:
@@ -75,6 +87,65 @@ async def main(url: str, model: str, stop_id: int) -> dict[str, object]:
     return out
 
 
+async def loop(url: str, model: str, stop_id: int, source: str) -> dict[str, Any]:
+    import ray
+    from skyrl.backends.skyrl_train.weight_sync.control_plane import (
+        SkyrlWeightSyncClient,
+        nccl_init_payloads,
+    )
+
+    client = RemoteInferenceClient(
+        proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model
+    )
+    sync = SkyrlWeightSyncClient([url], 1, init_payload_fn=nccl_init_payloads)
+    packing = {"packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+    try:
+        total, _ = await client.get_world_size()
+        # SkyRL's init info (weight_senders._build_sender_init_info) as the engine's
+        # trainer_init sends it: the workers from rank_offset 1, beside the rendezvous
+        address, port = ray._private.services.get_node_ip_address(), free_port()
+        worker = {
+            "master_address": address,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": total + 1,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(sync.init_weight_transfer_engine, worker)
+            group = gloo_group(address, port, total + 1)
+            joined.result()
+
+        async def generate(prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
+            return dict(
+                await client.generate({"prompt_token_ids": prompts, "sampling_params": params})
+            )
+
+        def send_weights(tensors: list[tuple[str, Any]]) -> None:
+            info = {
+                "names": [n for n, _ in tensors],
+                "dtype_names": [str(t.dtype).split(".")[-1] for _, t in tensors],
+                "shapes": [list(t.shape) for _, t in tensors],
+                **packing,
+            }
+            sync.start_weight_update()
+            with ThreadPoolExecutor(1) as pool:
+                updated = pool.submit(sync.update_weights, info)
+                send(group, tensors, True, packing["packed_buffer_size_bytes"])
+                updated.result()
+            sync.finish_weight_update()
+
+        async def push(tensors: list[tuple[str, Any]]) -> None:
+            await asyncio.to_thread(send_weights, tensors)
+
+        return await three_steps(source, stop_id, generate, push)
+    finally:
+        sync.close()
+        await client.teardown()
+
+
 if __name__ == "__main__":
-    result = asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    if sys.argv[4:5] == ["loop"]:
+        result = asyncio.run(loop(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]))
+    else:
+        result = asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
     print(json.dumps(result))

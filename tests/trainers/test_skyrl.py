@@ -8,6 +8,7 @@ world size and the prefix-cache reset. SkyRL needs Python 3.12: the client runs 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:  # ty
             text=True,
             timeout=300,
             cwd=tmp,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         assert ran.returncode == 0, ran.stderr[-4000:]
         out = json.loads(ran.stdout.strip().splitlines()[-1])
@@ -92,3 +94,58 @@ def test_skyrl_controls_and_tokenizes(answers):
     assert out["detokenize"] == ["abc"]
     assert out["paused"] and out["resumed"]
     assert out["world_size"] == [1, 1]
+
+
+SKYRL_030 = ROOT / ".venv-skyrl" / "skyrl-0.3.0"
+"""SkyRL 0.3.0, installed apart (scripts/setup-trainers.sh): it does not import on Python
+3.11, and the venv's own SkyRL is 0.4.0."""
+
+
+@pytest.mark.parametrize("release", ["0.3.0", "0.4.0"])
+def test_skyrls_weight_sync_loop_ends_serving_the_trainers_weights(release, tmp_path):
+    """Three GRPO steps as SkyRL's trainer runs them against an external server, its own code
+    on both releases: 0.3.0's `BroadcastWeightTransferSender` (/collective_rpc: start,
+    update_weights_nccl with its packed update info, finish), 0.4.0's `SkyrlWeightSyncClient`
+    (vLLM's routes, the packing on each update info). Every step samples with the weights
+    pushed last (the log-probs are the trainer's own forward of them), each push is one
+    version, and the server ends serving the trainer's weights."""
+    if not SKYRL.exists():
+        pytest.skip("no .venv-skyrl (SkyRL needs Python 3.12: scripts/setup-trainers.sh)")
+    if release == "0.3.0" and not SKYRL_030.exists():
+        pytest.skip("no .venv-skyrl/skyrl-0.3.0 (scripts/setup-trainers.sh)")
+    env = {"RLSERVE_STORAGE__DATA_DIR": str(tmp_path), "RLSERVE_MODELS__LOAD_REFERENCE": "false"}
+    with running_server(
+        "--served-model-name", NAME, env=env, log=tmp_path / "server.log"
+    ) as server:
+        card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+        stop, source = card["pad_token_id"], card["source"]
+        here = Path(__file__).parent
+        if release == "0.3.0":
+            command = [str(here / "skyrl030_driver.py"), server.url, NAME, str(stop), source]
+            path = f"{SKYRL_030}{os.pathsep}{ROOT}"
+        else:
+            command = [str(here / "skyrl_driver.py"), server.url, NAME, str(stop), "loop", source]
+            path = str(ROOT)
+        ran = subprocess.run(
+            [str(SKYRL), *command],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+        assert ran.returncode == 0, ran.stderr[-4000:]
+        out = json.loads(ran.stdout.strip().splitlines()[-1])
+        if release == "0.3.0":
+            assert out["skyrl"].startswith(str(SKYRL_030))
+        assert len(out["steps"]) == 3
+        for step in out["steps"]:
+            for sampled, own, ids in zip(step["sampled"], step["own"], step["ids"], strict=True):
+                assert 1 <= len(ids) <= 6 and len(sampled) == len(ids)
+                assert_close(sampled, own, 1e-4)
+        assert httpx.get(f"{server.url}/weight_info").json() == {"weight_version": "3"}
+        for sequence, own in zip(out["final"]["sequences"], out["final"]["own"], strict=True):
+            assert_close(scored(server.url, sequence)[1:], own, 1e-4)
+        if release == "0.3.0":
+            log = (tmp_path / "server.log").read_text()
+            assert log.count("POST /collective_rpc 200") == 9

@@ -5,7 +5,6 @@ the trainer's, one version is published per update, and the version the trainer 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import subprocess
 import sys
 import time
@@ -15,44 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import free_port
 from tests.e2e.trainer import grpo_step
+from tests.e2e.vllm_group import gloo_group, send
 from tests.weights.conftest import Served, perturbed
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102, 7]]
 BROADCASTER = Path(__file__).with_name("sglang_broadcaster.py")
-TIMEOUT = datetime.timedelta(seconds=60)
-
-
-def broadcast(group: Any, tensor: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
-
-
-def vllm_gloo_group(port: int, world_size: int) -> Any:
-    """vLLM's `stateless_init_torch_distributed_process_group(..., backend="gloo")`, rank 0:
-    torch's tcp:// rendezvous, the store under that URI, a bare gloo group."""
-    uri = f"tcp://127.0.0.1:{port}"
-    store, _, _ = next(c10d.rendezvous(uri, 0, world_size, timeout=TIMEOUT))
-    return dist.ProcessGroupGloo(dist.PrefixStore(uri, store), 0, world_size, TIMEOUT)
-
-
-def vllm_packed_chunks(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[torch.Tensor]:
-    """vLLM's `pack_tensors`: bytes back to back until a chunk passes `limit`."""
-    chunks, current, size = [], [], 0
-    for _, tensor in tensors:
-        data = tensor.contiguous().view(-1).view(torch.uint8)
-        current.append(data)
-        size += data.numel()
-        if size > limit:
-            chunks.append(torch.cat(current))
-            current, size = [], 0
-    return [*chunks, torch.cat(current)] if current else chunks
 
 
 def post(served: Served, path: str, body: Any = None) -> dict[str, Any]:
@@ -93,7 +63,7 @@ def vllm_trainer(
         init_info |= packing
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(post, served, "/init_weight_transfer_engine", {"init_info": init_info})
-        group = vllm_gloo_group(port, world)
+        group = gloo_group("127.0.0.1", port, world)
         joined.result()
         tensors = list(model.state_dict().items())
         info = {
@@ -114,9 +84,7 @@ def vllm_trainer(
         else:
             post(served, "/start_weight_update", {})
             pending = pool.submit(post, served, "/update_weights", {"update_info": info})
-        payloads = vllm_packed_chunks(tensors, 1 << 18) if packed else [t for _, t in tensors]
-        for payload in payloads:
-            broadcast(group, payload.contiguous())
+        send(group, tensors, packed, 1 << 18)
         pending.result()
         if shape == "rpc":
             post(served, "/collective_rpc", {"method": "skyrl_finish_weight_update"})

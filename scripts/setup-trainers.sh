@@ -41,6 +41,15 @@ art_needs=(
   python-dotenv "openai>=2.14,<3" "pydantic>=2.12" "numpy>=1.26" "polars>=1.26"
   "anthropic>=0.77" aiohttp requests tqdm "weave>=0.52.41"
 )
+# ART 0.5.18, the newest release for Python 3.11, beside AReaL in .venv-trainers, in a folder
+# of its own with the openai it was released against (openai 3 is here for renderers; 0.5.18
+# hands it an httpx client that openai 3 cannot use); its tokenizing for training imports
+# torch and transformers, already here.
+art_previous=(openpipe-art==0.5.18 "openai>=2.14,<3")
+art_previous_needs=(
+  "polars>=1.26" "weave>=0.52.24" "litellm>=1.71.1,<=1.82.0" nest-asyncio setproctitle tblib
+  typer python-dotenv
+)
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
 
@@ -54,6 +63,9 @@ python3 -m venv "$venv"
 flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
 "$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}"
 "$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" torch==2.13.0
+"$venv/bin/python" -m pip install --quiet --no-deps --upgrade --target "$venv/art-0.5.18" \
+  "${art_previous[@]}"
+"$venv/bin/python" -m pip install --quiet "${art_previous_needs[@]}" torch==2.13.0
 scripts/install-model.sh "$venv/bin/python"
 python312=$(ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)
 if [ -z "$python312" ] && python3.12 --version > /dev/null 2>&1; then python312=$(command -v python3.12); fi

@@ -15,8 +15,13 @@ areal_needs=(
   psutil pybase64
 )
 # renderers 0.1.12: renderers.client.generate, what verifiers' TrainClient and prime-rl call
-# (it imports httpx and openai, already here, and pydantic_config).
-renderers=(renderers==0.1.12 prime-pydantic-config==0.4.3)
+# (it imports httpx and openai, already here, and pydantic_config); verifiers 0.4.0's
+# TrainClient itself, with what its client modules import (and openai 2: verifiers asks for
+# <3, which ART 0.5.18 needs too).
+renderers=(renderers==0.1.12 prime-pydantic-config==0.4.3 verifiers==0.4.0)
+renderers_needs=(
+  "openai>=2.54,<3" openai-harmony anthropic prime-sandboxes tomli-w math-verify
+)
 # SkyRL 0.4.0: its RemoteInferenceClient and SkyrlWeightSyncClient, in a venv of its own
 # (.venv-skyrl): SkyRL needs Python 3.12, and its client module imports torch (PyPI's build
 # for 3.12: the CUDA one, which runs on the CPU); tests/trainers/skyrl_driver.py runs there,
@@ -42,13 +47,12 @@ art_needs=(
   "anthropic>=0.77" aiohttp requests tqdm "weave>=0.52.41"
 )
 # ART 0.5.18, the newest release for Python 3.11, beside AReaL in .venv-trainers, in a folder
-# of its own with the openai it was released against (openai 3 is here for renderers; 0.5.18
-# hands it an httpx client that openai 3 cannot use); its tokenizing for training imports
-# torch and transformers, already here.
-art_previous=(openpipe-art==0.5.18 "openai>=2.14,<3")
+# of its own (the venv's ART is none; .venv-art holds 0.5.23); its tokenizing for training
+# imports torch and transformers, already here.
+art_previous=(openpipe-art==0.5.18)
 art_previous_needs=(
   "polars>=1.26" "weave>=0.52.24" "litellm>=1.71.1,<=1.82.0" nest-asyncio setproctitle tblib
-  typer python-dotenv
+  typer python-dotenv "openai>=2.54,<3"
 )
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
@@ -62,7 +66,7 @@ python3 -m venv "$venv"
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side).
 flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
 "$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}"
-"$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" torch==2.13.0
+"$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" "${renderers_needs[@]}" torch==2.13.0
 "$venv/bin/python" -m pip install --quiet --no-deps --upgrade --target "$venv/art-0.5.18" \
   "${art_previous[@]}"
 "$venv/bin/python" -m pip install --quiet "${art_previous_needs[@]}" torch==2.13.0

@@ -2,7 +2,8 @@
 call; the PyPI release, unmodified) against a real rlserve started with a served model name, as
 a trainer configured with its own name for the model: renderers' own chat-template renderer
 over the policy's tokenizer, its stop ids, its strict parsing of vLLM's log-prob entries, the
-log-probs it returns against /v1/logprobs. Runs in .venv-trainers (scripts/test-trainers.sh)."""
+log-probs it returns against /v1/logprobs; then verifiers 0.4.0's TrainClient itself through
+a three-step loop. Runs in .venv-trainers (scripts/test-trainers.sh)."""
 
 from __future__ import annotations
 
@@ -75,35 +76,54 @@ def test_renderers_generate_parses_rlserves_answer(server):
         assert_close(out["completion_logprobs"], full[len(prompt) :], 1e-4)
 
 
-def test_a_three_step_loop_with_renderers_and_prime_rls_weight_updates(server, tmp_path):
-    """prime-rl's loop on rlserve: each step samples a group with renderers' `generate` (the
-    real client), takes a policy-gradient step on the trainer, saves the weights and loads them
-    with prime-rl's admin requests (`InferenceAdmin.on_new_version`, filesystem mode: pause
-    keep, `/update_weights {"weight_dir"}`, resume; replayed as in
-    tests/dialects/test_prime_rl_admin.py). Each step's log-probs are the trainer's own forward
-    of the weights it loaded last."""
+def test_a_three_step_loop_with_verifiers_train_client_and_prime_rls_weight_updates(
+    server, tmp_path
+):
+    """prime-rl's loop on rlserve: each step samples a group with verifiers 0.4.0's
+    TrainClient (the real client: it renders with renderers and calls renderers' `generate`),
+    takes a policy-gradient step on the trainer, saves the weights and loads them with
+    prime-rl's admin requests (filesystem mode: pause keep, `/update_weights {"weight_dir"}`,
+    resume; replayed as in tests/dialects/test_prime_rl_admin.py). Each step's log-probs are
+    the trainer's own forward of the weights it loaded last."""
     import torch
     from transformers import AutoModelForCausalLM
+    from verifiers.v1.clients.train import TrainClient
+    from verifiers.v1.configs.client import TrainClientConfig
+    from verifiers.v1.dialects.chat import ChatDialect
+    from verifiers.v1.types import SamplingConfig
 
     chat = [{"role": "user", "content": "Count: 1 2 3"}]
-    own = renderer(server.url)
     source = httpx.get(f"{server.url}/v1/models").json()["data"][0]["source"]
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     async def group(step: int) -> list[dict[str, object]]:
-        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY")
+        """Four rollouts, each through verifiers' TrainClient as its interception server
+        samples a training turn (the chat rendered by renderers, sampled on
+        /inference/v1/generate, its tokens and log-probs read back)."""
+        client = TrainClient(
+            TrainClientConfig(
+                base_url=f"{server.url}/v1",
+                api_key_var="RLSERVE_TRAIN_CLIENT_KEY",
+                renderer_model_name=source,
+            )
+        )
         try:
-            return [
-                await client_module.generate(
-                    client=client,
-                    renderer=own,
-                    model=NAME,
-                    messages=chat,
-                    sampling_params={"max_tokens": 6, "temperature": 1.0, "seed": 10 * step + k},
+            out = []
+            for k in range(4):
+                sampling = SamplingConfig(max_tokens=6, temperature=1.0, seed=10 * step + k)
+                response = await client.get_response(
+                    ChatDialect(), {"model": NAME, "messages": chat}, sampling
                 )
-                for k in range(4)
-            ]
+                tokens = response.tokens
+                out.append(
+                    {
+                        "prompt_ids": tokens.prompt_ids,
+                        "completion_ids": tokens.completion_ids,
+                        "completion_logprobs": tokens.completion_logprobs,
+                    }
+                )
+            return out
         finally:
             await client.close()
 

@@ -207,9 +207,9 @@ def _untagged(loc: tuple[int | str, ...], body: object) -> tuple[int | str, ...]
         if part in ("body", "query", "path"):
             kept.append(part)
             continue
-        if isinstance(node, dict) and isinstance(part, str) and part not in node:
-            if part in [v for v in node.values() if isinstance(v, str)]:
-                continue
+        tags = [v for v in node.values() if isinstance(v, str)] if isinstance(node, dict) else []
+        if isinstance(part, str) and isinstance(node, dict) and part not in node and part in tags:
+            continue
         kept.append(part)
         if isinstance(node, dict):
             node = node.get(part)

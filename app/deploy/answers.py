@@ -56,6 +56,7 @@ def combined(model: str, answers: list[TransferStatus | Refusal]) -> TransferSta
         server_ranks=sum(s.server_ranks for s in states),
         transport=joined.transport,
         world_size=joined.world_size,
+        packing=joined.packing,
         last_error=last_error,
         replicas=len(states),
     )

@@ -78,6 +78,7 @@ class StagedUpdateInfo:
     dtype_names: list[str]
     shapes: list[list[int]]
     buckets: list[int] | None = None
+    in_band: bool = False
 
 
 def _engine_class() -> type:
@@ -110,9 +111,12 @@ def _engine_class() -> type:
             if self.reception is None:
                 raise RuntimeError("no weight update in progress: start first")
             info = self.parse_update_info(update_info)
-            plan = TransferPlan.parse(
-                info.names, info.dtype_names, info.shapes, info.buckets, self.bucket_bytes
-            )
+            if info.in_band:
+                plan = TransferPlan.in_band_plan(None)  # (checked as the model loads it)
+            else:
+                plan = TransferPlan.parse(
+                    info.names, info.dtype_names, info.shapes, info.buckets, self.bucket_bytes
+                )
             self.reception.add(plan)
 
         def receive_weights(self, update_info: Any) -> None:

@@ -120,6 +120,7 @@ class TransferService:
             server_ranks=engine.ranks,
             transport=setup.transport if setup else None,
             world_size=setup.world_size if setup else None,
+            packing=setup.packing if setup else None,  # type: ignore[arg-type]
             announced_bytes=sum(plan.nbytes for plan in link.announced),
             last_error=link.last_error,
         )
@@ -278,12 +279,17 @@ class TransferService:
             buckets = announced.buckets
             packing = announced.packing or setup.packing
             bucket_bytes = announced.bucket_bytes or setup.bucket_bytes
-            if buckets is None and packing == "vllm":
-                buckets = TransferPlan.packed_like_vllm(shapes, dtypes, bucket_bytes)
-            plan = TransferPlan.parse(names, dtypes, shapes, buckets, bucket_bytes)
             expected = self.registry.get(announced.model).backend.weight_layout()
-            if expected is not None and link.adapter is None:  # (an adapter's: at finish)
-                check_layout(plan.layout(), expected)
+            if link.adapter is not None:
+                expected = None  # (an adapter's: checked at finish)
+            if packing == "in_band":
+                plan = TransferPlan.in_band_plan(expected)
+            else:
+                if buckets is None and packing == "vllm":
+                    buckets = TransferPlan.packed_like_vllm(shapes, dtypes, bucket_bytes)
+                plan = TransferPlan.parse(names, dtypes, shapes, buckets, bucket_bytes)
+                if expected is not None:
+                    check_layout(plan.layout(), expected)
             await engine.update(plan)
             link.announced.append(plan)
             watcher = asyncio.create_task(self._watch(link, engine, setup, link.session))
@@ -459,11 +465,14 @@ class TransferService:
                 await self.close(model)
 
     async def _drop(self, link: _Link, engine: WeightTransfer, exc: BaseException) -> None:
-        """A failed finish: nothing was applied. A lost or stuck peer also ends the group."""
+        """A failed finish: nothing was applied. A lost or stuck peer also ends the group, and
+        so does any failure of an update named over the group (the trainer's broadcasts are
+        then out of step with the receiver's)."""
+        in_band = any(plan.in_band for plan in link.announced)
         link.updating, link.announced, link.adapter = False, [], None
         link.last_error = f"{type(exc).__name__}: {exc}"
         await engine.abort()
-        if isinstance(exc, PeerFailed | TimedOut):
+        if isinstance(exc, PeerFailed | TimedOut) or in_band:
             await engine.close()
             link.setup = None
         logger.warning("weight transfer update dropped: %s", link.last_error)

@@ -29,9 +29,11 @@ __all__ = [
 
 TransportChoice = Literal["auto", "gloo", "nccl"]
 """auto: NCCL for a model on a GPU, gloo otherwise."""
-Packing = Literal["announced", "vllm"]
+Packing = Literal["announced", "vllm", "in_band"]
 """How updates that name no buckets are cut: one tensor per bucket, or as vLLM's packed
-transfer cuts them (tensors until a bucket passes the join's bucket_bytes)."""
+transfer cuts them (tensors until a bucket passes the join's bucket_bytes); or the trainer
+names each update's tensors over the group itself, as prime-rl's does (`in_band`: an
+announcement names none)."""
 
 BUCKET_BYTES = 512 << 20
 STREAMS = 4
@@ -153,3 +155,5 @@ class TransferStatus:
     last_error: str | None = None
     replicas: int = 1
     """The replicas it covers (their least advanced state, and all their ranks)."""
+    packing: Packing | None = None
+    """How the group's updates come (None: no group)."""

@@ -23,6 +23,7 @@ import torch
 from app.common.failures import Conflict, TimedOut, invalid
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout
 from app.weights.expert_names import checkpoint_views
+from app.weights.in_band import receive_in_band
 
 HUGE_PAGE_BYTES = 2 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -55,6 +56,15 @@ class TransferPlan:
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[int, ...]
     """Tensors per bucket, in order; they sum to len(tensors)."""
+    in_band: bool = False
+    """The tensors are not announced: their names, dtypes and shapes come over the group
+    with them (`app.weights.in_band`), each checked against `expected`."""
+    expected: Layout | None = None
+
+    @classmethod
+    def in_band_plan(cls, expected: Layout | None) -> TransferPlan:
+        """An update whose tensors the trainer names over the group (`in_band`)."""
+        return cls((), (), in_band=True, expected=expected)
 
     @classmethod
     def parse(
@@ -117,13 +127,14 @@ class TransferPlan:
     def nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.tensors)
 
-    def announcement(self) -> dict[str, list[Any]]:
+    def announcement(self) -> dict[str, Any]:
         """The plan as an update call carries it (what `parse` reads back)."""
         return {
             "names": [t.name for t in self.tensors],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for t in self.tensors],
             "shapes": [list(t.shape) for t in self.tensors],
             "buckets": list(self.buckets),
+            "in_band": self.in_band,
         }
 
     def layout(self) -> Layout:
@@ -176,6 +187,18 @@ def receive_plan(
     return staged
 
 
+def receive_named(
+    plan: TransferPlan, receive: Receive, device: torch.device, stage: torch.device
+) -> dict[str, torch.Tensor]:
+    """An update whose tensors are named over the group (`app.weights.in_band`), checked
+    against the plan's expected layout and for NaN and infinities."""
+    staged = receive_in_band(receive, device, stage, plan.expected)
+    bad = next((name for name, tensor in staged.items() if not all_finite(tensor)), None)
+    if bad is not None:
+        raise invalid("weights", f"tensor '{bad}' holds NaN or infinite values")
+    return staged
+
+
 def staging_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """An uninitialized byte buffer. In host memory a large one is backed by transparent huge
     pages where the kernel offers them on request (`madvise`): writing fresh memory 2 MiB at a
@@ -209,8 +232,9 @@ class Reception:
         self._parts: list[Future[dict[str, torch.Tensor]]] = []
 
     def add(self, plan: TransferPlan) -> None:
+        receiver = receive_named if plan.in_band else receive_plan
         self._parts.append(
-            self._thread.submit(receive_plan, plan, self._receive, self._device, self._stage)
+            self._thread.submit(receiver, plan, self._receive, self._device, self._stage)
         )
 
     def status(self) -> str | None:

@@ -107,6 +107,37 @@ class InitInfo(DialectModel):
         return self
 
 
+class InitBroadcaster(DialectModel):
+    """prime-rl's NCCL weight broadcast, as its orchestrator joins each server to it
+    (`init_nccl_broadcast`, src/prime_rl/utils/client.py at 559b4477): the trainer is rank 0
+    and hosts the rendezvous at host:port; the server's ranks follow rank_offset."""
+
+    host: str = Field(min_length=1, max_length=253)
+    port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(default=0, ge=0, description="The server's first rank, less one.")
+    inference_world_size: int = Field(
+        ge=1, le=4095, description="Every server's ranks together (the trainer is one more)."
+    )
+    timeout: float = Field(
+        default=1200, gt=0, le=86400, description="Seconds the join and each receive may take."
+    )
+    quantize_in_weight_transfer: bool = Field(
+        default=False,
+        description="Only false: the weights come in the checkpoint's names and dtypes.",
+        json_schema_extra={"const": False},
+    )
+    session_id: str = Field(default="default", max_length=256, description="Accepted (NIXL's).")
+
+    @model_validator(mode="after")
+    def _unquantized(self) -> InitBroadcaster:
+        if self.quantize_in_weight_transfer:
+            raise field_error(
+                "quantize_in_weight_transfer",
+                "is not supported: rlserve takes the checkpoint's tensors, as sent unquantized",
+            )
+        return self
+
+
 class InitWeightTransfer(DialectModel):
     init_info: InitInfo
 

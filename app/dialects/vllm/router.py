@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import PlainTextResponse
 
-from app.common.failures import invalid
+from app.common.failures import Unsupported, invalid
 from app.deps import (
     CallerDep,
     GenerationDep,
@@ -30,6 +30,7 @@ from app.dialects.vllm.protocol import (
     FinishWeightUpdate,
     InferenceGenerateRequest,
     InferenceGenerateResponse,
+    InitBroadcaster,
     InitWeightTransfer,
     IsPaused,
     LoadLoRAAdapter,
@@ -63,7 +64,8 @@ from app.openai_compat.protocol import (
 )
 from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
-from app.updates.types import Join, Publish
+from app.updates.control import WeightsControl
+from app.updates.types import Announcement, Join, Publish
 
 router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -174,6 +176,33 @@ async def init_weight_transfer_engine(request: InitWeightTransfer, weights: Weig
 
 
 @router.post(
+    "/init_broadcaster",
+    responses=TRANSFER_ERROR_RESPONSES,
+    response_model=Status,
+    summary="Join prime-rl's weight broadcast",
+    openapi_extra=ADMIN,
+)
+async def init_broadcaster(request: InitBroadcaster, weights: WeightsDep) -> Status:
+    """Join prime-rl's trainer's group as its vLLM workers do (vLLM's stateless group: gloo
+    on CPU, vLLM's NCCL communicator on a GPU): each POST /update_weights then receives its
+    broadcast, the tensors named over the group itself, and swaps them in whole."""
+    await weights.transfer_init(
+        Join(
+            model="policy",
+            address=request.host,
+            port=request.port,
+            world_size=request.inference_world_size + 1,
+            rank_offset=request.rank_offset + 1,
+            streams=1,
+            timeout_s=request.timeout,
+            rendezvous="vllm",
+            packing="in_band",
+        )
+    )
+    return Status(status="ok")
+
+
+@router.post(
     "/shutdown_weight_transfer_engine",
     responses=TRANSFER_ERROR_RESPONSES,
     response_model=Message,
@@ -211,14 +240,30 @@ async def update_weights(
 ) -> Message:
     """Announce the tensors the trainer broadcasts next (checked against the model; names
     the field of a mismatch) and receive them in the background; or, given `weight_dir`
-    (prime-rl's), load that checkpoint as POST /v1/weights/load, whole or not at all."""
+    (prime-rl's), load that checkpoint as POST /v1/weights/load, whole or not at all, or,
+    in prime-rl's broadcast group (POST /init_broadcaster), receive its next broadcast and
+    swap it in whole (prime-rl's workers then ignore the folder)."""
     if request.weight_dir is not None:
-        applied = await weights.load(request.weight_dir, "policy", Publish())
+        if await _broadcast_group(weights):
+            await weights.transfer_start("policy")
+            await weights.transfer_update(Announcement("policy", [], [], [], packing="in_band"))
+            applied = await weights.transfer_finish("policy", Publish())
+        else:
+            applied = await weights.load(request.weight_dir, "policy", Publish())
         version = common.label(registry, applied.versions.policy)
         return Message(message=f"Weights loaded as version {version}")
     for info in request.infos:
         await weights.transfer_update(info.announcement())
     return Message(message="Weights updated")
+
+
+async def _broadcast_group(weights: WeightsControl) -> bool:
+    """Whether the policy is in prime-rl's broadcast group (joined by /init_broadcaster)."""
+    try:
+        state = await weights.transfer_state("policy")
+    except Unsupported:
+        return False
+    return state.state != "idle" and state.packing == "in_band"
 
 
 @router.post(

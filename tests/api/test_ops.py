@@ -17,6 +17,7 @@ async def test_health_ready_models(client, model_dir, backend_name):
         "policy_version": 0,
         "paused": False,
         "pause_mode": None,
+        "lineage": {"number": 0, "since_version": 0, "trainer_version": None},
     }
     body = (await client.get("/v1/models")).json()
     card, reference = body["models"]

@@ -105,6 +105,7 @@ STATED_RULES: list[tuple[str, str]] = [
         "the model's architecture (its layers, experts and top-k) is the server's",
     ),
     (r"unknown dataset", "the datasets are the server's (GET /v1/datasets)"),
+    (r"is not this server \(", "the server's own address is known at run time"),
     (
         r"is not a valid safetensors file|not a application/x-safetensors body|has no rows"
         r"|: not JSON|a row must be a JSON object|is not UTF-8 text|cannot be read by the "

@@ -5,6 +5,8 @@
 #
 #   scripts/gpu-check.sh --wheels   # where pip works: the wheels a GPU host lacks, into .whl/
 #   scripts/gpu-check.sh            # on the GPU host (python3 with CUDA PyTorch, transformers)
+#   scripts/gpu-check.sh --trainers # on the GPU host: the trainers' NCCL transports
+#                                   # (tests/gpu; two CUDA devices; SkyRL's also vllm)
 #
 # The GPU host needs no network: the wheels in .whl/ (the service's own dependencies that a
 # CUDA PyTorch image does not carry; a few MB) are installed into a scratch folder, and the
@@ -18,7 +20,9 @@ cd "$(dirname "$0")/.."
 # Newer typing-extensions and anyio than such an image may hold, too.
 WHEELS=(fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv
   typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions anyio
-  uvicorn siphashc gguf)
+  uvicorn siphashc gguf
+  # --trainers: the test runner and what the tests import
+  pytest pytest-asyncio pytest-timeout pluggy iniconfig peft)
 
 if [ "${1:-}" = "--wheels" ]; then
   # The versions this checkout's .venv tests with, built for the GPU host's Python.
@@ -52,4 +56,8 @@ assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU host"
 print(f"torch {torch.__version__}, transformers {transformers.__version__},",
       torch.cuda.get_device_name(0))
 EOF
+if [ "${1:-}" = "--trainers" ]; then
+  shift
+  exec "$PYTHON" -m pytest -m gpu tests/gpu -rs "$@"
+fi
 exec "$PYTHON" bench/gpu_check.py "$@"

@@ -7,7 +7,8 @@ beside the trainer's rendezvous, then each step `BroadcastWeightTransferSender.s
 and finish, around the broadcast, then its barrier). The one piece that is not SkyRL's is the
 transport it takes from vLLM: `NCCLWeightTransferEngine.trainer_init` and
 `trainer_send_weights` are NCCL only (vLLM is not installed here), so the trainer's group is
-vLLM's gloo group and the same packed buckets go over it (tests/e2e/vllm_group.py).
+vLLM's gloo group and the same packed buckets go over it (tests/e2e/vllm_group.py). With
+`--nccl` (a GPU host with vllm: scripts/gpu-check.sh --trainers), SkyRL's sender runs whole.
 
 SkyRL 0.3.0 does not import on Python 3.11 (pydantic refuses its `typing.TypedDict` there),
 so it runs in .venv-skyrl (Python 3.12) from the folder scripts/setup-trainers.sh installs it
@@ -47,7 +48,9 @@ def vllm_nccl_transport() -> None:
     sys.modules[module.__name__] = module
 
 
-async def main(url: str, name: str, stop_id: int, source: str) -> dict[str, Any]:
+async def main(url: str, name: str, stop_id: int, source: str, nccl: bool) -> dict[str, Any]:
+    """`nccl`: SkyRL's own sender end to end (`create_sender`: vLLM's NCCL engine, with vllm
+    installed and the trainer on a GPU of its own), not the gloo stand-in."""
     import skyrl
     from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
         RemoteInferenceClient,
@@ -58,7 +61,8 @@ async def main(url: str, name: str, stop_id: int, source: str) -> dict[str, Any]
         BroadcastWeightTransferSender,
     )
 
-    vllm_nccl_transport()
+    if not nccl:
+        vllm_nccl_transport()
     client = RemoteInferenceClient(
         proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=name
     )
@@ -71,11 +75,17 @@ async def main(url: str, name: str, stop_id: int, source: str) -> dict[str, Any]
         config = SimpleNamespace(run_engines_locally=False)  # an external server
         init_info = BroadcastTransferStrategy.create_init_info(config, total)
         joined = asyncio.create_task(client.init_weight_update_communicator(init_info))
-        group = await asyncio.to_thread(
-            gloo_group, init_info.master_addr, init_info.master_port, init_info.world_size
-        )
+        if nccl:
+            sender = await asyncio.to_thread(
+                BroadcastTransferStrategy.create_sender, init_info, client
+            )
+        else:
+            group = await asyncio.to_thread(
+                gloo_group, init_info.master_addr, init_info.master_port, init_info.world_size
+            )
+            sender = BroadcastWeightTransferSender(init_info, group, client)
         await joined
-        sender = BroadcastWeightTransferSender(init_info, group, client)
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
         async def generate(prompts: list[list[int]], params: dict[str, Any]) -> dict[str, Any]:
             sessions = [f"s{i}" for i in range(len(prompts))]
@@ -83,6 +93,8 @@ async def main(url: str, name: str, stop_id: int, source: str) -> dict[str, Any]
             return dict(await client.generate({**batch, "session_ids": sessions}))
 
         async def push(tensors: list[tuple[str, torch.Tensor]]) -> None:
+            if device is not None:
+                tensors = [(n, t.to(device)) for n, t in tensors]
             # what SkyRL's FSDP worker extracts: one chunk per parameter, its dtype's name
             chunks = [
                 WeightChunk(names=[n], dtypes=[str(t.dtype)], shapes=[list(t.shape)], tensors=[t])
@@ -105,4 +117,7 @@ async def main(url: str, name: str, stop_id: int, source: str) -> dict[str, Any]
 
 if __name__ == "__main__":
     url, name, stop_id, source = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    print(json.dumps(asyncio.run(main(url, name, stop_id, source))))
+    nccl = sys.argv[5:] == ["--nccl"]
+    if nccl:
+        torch.cuda.set_device(torch.cuda.device_count() - 1)  # the server has the first
+    print(json.dumps(asyncio.run(main(url, name, stop_id, source, nccl))))

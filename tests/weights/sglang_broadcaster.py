@@ -3,9 +3,10 @@ slime and AReaL: torch registers a group name once per process). It joins with S
 AReaL's `init_custom_process_group` recipe at rank 0 and broadcasts the buckets saved in
 argv[4], in order: a flattened bucket as one uint8 tensor, else each tensor. Then it destroys
 its group, unless told to exit without (`exit`: a trainer process that ends, or dies, leaving
-the server's side of the group behind, as a slime trainer does).
+the server's side of the group behind, as a slime trainer does). With `nccl`, the group is
+NCCL's, the tensors on the host's last CUDA device (a GPU host's check).
 
-    python sglang_broadcaster.py PORT WORLD_SIZE GROUP_NAME BUCKETS_FILE [exit]"""
+    python sglang_broadcaster.py PORT WORLD_SIZE GROUP_NAME BUCKETS_FILE [exit] [nccl]"""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 
-def main(port: int, world_size: int, name: str, path: str, destroy: bool = True) -> None:
+def main(
+    port: int, world_size: int, name: str, path: str, destroy: bool = True, nccl: bool = False
+) -> None:
+    device = torch.device("cuda", torch.cuda.device_count() - 1) if nccl else torch.device("cpu")
+    if nccl:
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=60)
     store, rank, size = next(
         c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout)
@@ -28,14 +34,15 @@ def main(port: int, world_size: int, name: str, path: str, destroy: bool = True)
         size,
         rank,
         [],
-        "gloo",
+        "nccl" if nccl else "gloo",
         dist.PrefixStore(name, store),
         group_name=c10d.GroupName(name),
         backend_options=None,
         timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(size)}
-    for flat, tensors in torch.load(path):
+    for flat, on_host in torch.load(path):
+        tensors = [t.to(device) for t in on_host]
         if flat:
             payload = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
             dist.broadcast(payload, src=0, group=group)
@@ -52,5 +59,12 @@ def main(port: int, world_size: int, name: str, path: str, destroy: bool = True)
 
 
 if __name__ == "__main__":
-    leave = sys.argv[5:] != ["exit"]
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], destroy=leave)
+    flags = sys.argv[5:]
+    main(
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        sys.argv[3],
+        sys.argv[4],
+        destroy="exit" not in flags,
+        nccl="nccl" in flags,
+    )

@@ -248,12 +248,17 @@ def slime_distributed_update(
 
 
 def slime_trainer_process(
-    served: Served, pushes: list[torch.nn.Module], tmp_path: Path, name: str = "slime-pp_0"
+    served: Served,
+    pushes: list[torch.nn.Module],
+    tmp_path: Path,
+    name: str = "slime-pp_0",
+    backend: str = "gloo",
 ) -> None:
     """One slime trainer process against an external engine: connect_rollout_engines once (a
     fresh process sends no destroy first), then each push (pause, flush, two buckets named
     with the process's count of pushes, continue); then the process ends without destroying
-    its group, as a trainer that stops or dies does."""
+    its group, as a trainer that stops or dies does. `backend` "nccl": slime's own, on a GPU
+    host's last device."""
     world = post_get(served, "/server_info")["tp_size"] + 1
     port = free_port()
     buckets = []
@@ -262,8 +267,9 @@ def slime_trainer_process(
         buckets.append([tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]])
     saved = tmp_path / f"{name}-{port}.pt"
     torch.save([(False, [t for _, t in b]) for push in buckets for b in push], saved)
+    flags = ["exit", *(["nccl"] if backend == "nccl" else [])]
     broadcaster = subprocess.Popen(
-        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), "exit"]
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), *flags]
     )
     try:
         connect = {
@@ -272,7 +278,7 @@ def slime_trainer_process(
             "rank_offset": 1,
             "world_size": world,
             "group_name": name,
-            "backend": "gloo",
+            "backend": backend,
         }
         post(served, "/init_weights_update_group", connect)
         for count, push in enumerate(buckets, start=1):  # weight_version += 1 before each

@@ -10,9 +10,11 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from rlserve_client import Client, ConflictError
 
 from tests.conftest import assert_close, forward_log_probs
 from tests.e2e.server import free_port
@@ -119,6 +121,22 @@ def test_areal_vllm_updates_weights_from_a_path_and_over_gloo(server, engine, tm
     reply = generate(engine, [5, 6, 7], max_new_tokens=4)
     (full,) = served_log_probs(server.url, [[5, 6, 7, *reply.output_tokens]])
     assert_close(reply.output_logprobs, full[3:], 1e-4)
+    # AReaL's flow never leaves the server's side of its group. While its trainer's process
+    # (this one) still answers at the rendezvous, the next trainer (rlserve's own client) is
+    # refused, naming how an admin closes the group; after that close it joins. (Once the
+    # trainer's process is gone, the next one joins at once: tests/weights.)
+    state = httpx.get(f"{server.url}/v1/weights/transfer").json()
+    assert state["state"] == "joined"
+    learn(model, seed=20)
+    with Client(base_url=server.url) as client:
+        with pytest.raises(ConflictError, match="POST /v1/weights/transfer/close"):
+            client.weight_transfer().open()
+        closed = client.transfer_step(step="close", body={"model": "policy"})  # the admin's
+        assert closed.state == "idle"
+        with client.weight_transfer() as sync:
+            sync.send(model.state_dict())
+    for seq, got in zip(sequences, served_log_probs(server.url, sequences), strict=True):
+        assert_close(got, forward_log_probs(model, seq), 1e-4)
 
 
 def test_areal_vllm_scores_sequences_as_the_server_does(server, engine):

@@ -177,13 +177,7 @@ class WeightsService:
 
     async def _commit(self, checked: Checked, model: str, publish: Publish) -> Applied:
         start = time.perf_counter()
-        async with self.registry.writing(
-            model,
-            mode=publish.pause,
-            version=publish.version,
-            restartable=publish.restartable,
-            lineage_named=publish.lineage_named,
-        ) as (
+        async with self.registry.writing(model, **publish.gate()) as (
             target,
             version,
         ):

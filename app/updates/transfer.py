@@ -413,13 +413,7 @@ class TransferService:
         self, link: _Link, engine: WeightTransfer, model: str, publish: Publish
     ) -> Applied:
         try:
-            async with self.registry.writing(
-                model,
-                mode=publish.pause,
-                version=publish.version,
-                restartable=publish.restartable,
-                lineage_named=publish.lineage_named,
-            ) as (_, version):
+            async with self.registry.writing(model, **publish.gate()) as (_, version):
                 paused_at = time.perf_counter()
                 await engine.commit(version)
                 paused = time.perf_counter() - paused_at

@@ -55,6 +55,15 @@ class Publish:
     """Set once decided (by a deployment's coordinator): the update opens a new lineage, its
     trainer's count starting at this."""
 
+    def gate(self) -> dict[str, Any]:
+        """What the serving gate takes of it (`ModelRegistry.writing`'s keywords)."""
+        return {
+            "mode": self.pause,
+            "version": self.version,
+            "restartable": self.restartable,
+            "lineage_named": self.lineage_named,
+        }
+
     def decided(self, version: int, lineage_named: int | None) -> Publish:
         """This publish with its version (and lineage) settled."""
         return replace(self, version=version, restartable=False, lineage_named=lineage_named)

@@ -24,7 +24,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 
 from tests.e2e.server import free_port
 from tests.e2e.vllm_group import gloo_group, send
-from tests.trainers.skyrl_loop import three_steps
+from tests.trainers.skyrl_loop import sampling_params, three_steps
 
 
 def paused(url: str) -> bool:
@@ -38,19 +38,7 @@ async def main(url: str, model: str, stop_id: int) -> dict[str, object]:
     )
     out: dict[str, object] = {}
     try:
-        # What SkyRL's generator sends (skyrl/train/generators/utils: get_sampling_params).
-        params = {
-            "max_tokens": 8,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": -1,
-            "min_p": 0.0,
-            "min_tokens": 1,
-            "skip_special_tokens": True,
-            "include_stop_str_in_output": True,
-            "logprobs": 0,
-            "stop_token_ids": [stop_id],
-        }
+        params = sampling_params(stop_id, 8)
         generated = await client.generate(
             {
                 "prompt_token_ids": [[5, 6, 7, 8], [40, 41]],

@@ -31,11 +31,11 @@ def own_log_probs(model: torch.nn.Module, prompt: list[int], completion: list[in
         return logits.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).tolist()  # type: ignore[no-any-return]
 
 
-async def three_steps(source: str, stop_id: int, generate: Generate, push: Push) -> dict[str, Any]:
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    params = {  # skyrl/train/generators/utils.py: get_sampling_params, as SkyRL's configs set it
-        "max_tokens": 6,
+def sampling_params(stop_id: int, max_tokens: int) -> dict[str, Any]:
+    """What SkyRL's generator sends (skyrl/train/generators/utils.py: get_sampling_params,
+    as SkyRL's configs set it)."""
+    return {
+        "max_tokens": max_tokens,
         "temperature": 1.0,
         "top_p": 1.0,
         "top_k": -1,
@@ -46,6 +46,12 @@ async def three_steps(source: str, stop_id: int, generate: Generate, push: Push)
         "logprobs": 0,
         "stop_token_ids": [stop_id],
     }
+
+
+async def three_steps(source: str, stop_id: int, generate: Generate, push: Push) -> dict[str, Any]:
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = sampling_params(stop_id, 6)
     steps = []
     for _ in range(3):
         prompts = [prompt for prompt in PROMPTS for _ in range(GROUP)]  # SkyRL repeats, n = 1

@@ -5,9 +5,11 @@ the trainer's, one version is published per update, and the version the trainer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -171,34 +173,53 @@ def sglang_update(
     }
 
 
+@contextlib.contextmanager
+def sglang_group(
+    served: Served,
+    buckets: list[tuple[bool, list[torch.Tensor]]],
+    name: str,
+    saved: Path,
+    *flags: str,
+    backend: str = "gloo",
+) -> Iterator[subprocess.Popen[bytes]]:
+    """An SGLang-speaking trainer's broadcasting process (sglang_broadcaster.py, with
+    `flags`), which will broadcast `buckets` (saved to `saved`), and the server joined to its
+    group as slime and AReaL join it (`init_weights_update_group` at rank 1)."""
+    world = post_get(served, "/server_info")["tp_size"] + 1
+    port = free_port()
+    torch.save(buckets, saved)
+    process = subprocess.Popen(
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), *flags]
+    )
+    try:
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": backend,
+        }
+        post(served, "/init_weights_update_group", body)
+        yield process
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+
+
 def sglang_trainer(
     served: Served, model: torch.nn.Module, flow: str, version: int, tmp_path: Path
 ) -> list[int]:
     """What slime and AReaL send (`flow` "paused": pause, buckets, continue) and SGLang 0.5.23
     asks ("session": begin, buckets, end); one bucket per tensor, one flattened. Returns the
     served version after each bucket."""
-    world = post_get(served, "/server_info")["tp_size"] + 1
-    port = free_port()
     name = "update_weight_group"
     tensors = list(model.state_dict().items())
     half = len(tensors) // 2
     buckets = [(False, tensors[:half]), (True, tensors[half:])]
-    saved = tmp_path / "buckets.pt"
-    torch.save([(flat, [t for _, t in bucket]) for flat, bucket in buckets], saved)
-    broadcaster = subprocess.Popen(
-        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved)]
-    )
+    sent = [(flat, [t for _, t in bucket]) for flat, bucket in buckets]
     seen = []
-    try:
-        body = {
-            "master_address": "127.0.0.1",
-            "master_port": str(port),
-            "rank_offset": 1,
-            "world_size": world,
-            "group_name": name,
-            "backend": "gloo",
-        }
-        post(served, "/init_weights_update_group", body)
+    with sglang_group(served, sent, name, tmp_path / "buckets.pt"):
         post(served, "/pause_generation" if flow == "paused" else "/begin_weight_update", {})
         for flat, bucket in buckets:
             update = sglang_update(bucket, name, version)
@@ -208,9 +229,6 @@ def sglang_trainer(
             seen.append(int(post_get(served, "/get_weight_version")["weight_version"]))
         post(served, "/continue_generation" if flow == "paused" else "/end_weight_update", {})
         post(served, "/destroy_weights_update_group", {"group_name": name})
-        assert broadcaster.wait(timeout=60) == 0
-    finally:
-        broadcaster.kill()
     return seen
 
 
@@ -261,26 +279,8 @@ async def test_an_sglang_speaking_grpo_loop_ends_serving_the_trainers_weights(
 def joined_and_gone(served: Served, tmp_path: Path, name: str) -> None:
     """An SGLang-speaking trainer process (AReaL's vLLM flow, a slime trainer that dies) that
     joins the server's group, then ends without ever leaving it."""
-    world = post_get(served, "/server_info")["tp_size"] + 1
-    port = free_port()
-    saved = tmp_path / f"nothing-{port}.pt"
-    torch.save([], saved)
-    process = subprocess.Popen(
-        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), "exit"]
-    )
-    try:
-        body = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": world,
-            "group_name": name,
-            "backend": "gloo",
-        }
-        post(served, "/init_weights_update_group", body)
-        assert process.wait(timeout=60) == 0
-    finally:
-        process.kill()
+    with sglang_group(served, [], name, tmp_path / f"nothing-{name}.pt", "exit"):
+        pass
 
 
 async def test_a_group_left_behind_never_blocks_the_next_trainer(served, trainer_model, tmp_path):

@@ -22,8 +22,6 @@ The one change: slime's group `backend` is "nccl" on CUDA; this CPU test says "g
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,13 +30,11 @@ import pytest
 import torch
 
 from tests.conftest import assert_close, forward_log_probs
-from tests.e2e.server import free_port
 from tests.weights.conftest import Served, perturbed
 from tests.weights.test_dialect_transfer import (
-    BROADCASTER,
     SEQUENCES,
     post,
-    post_get,
+    sglang_group,
     sglang_update,
 )
 
@@ -215,26 +211,11 @@ def slime_distributed_update(
     """connect_rollout_engines, then update_weights: pause, flush, one
     update_weights_from_distributed per bucket (its tensors broadcast from rank 0 in `names`
     order), continue."""
-    world = post_get(served, "/server_info")["tp_size"] + 1
-    port = free_port()
     name = "slime-pp_0"
     tensors = list(model.state_dict().items())
     buckets = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]]
-    saved = tmp_path / "buckets.pt"
-    torch.save([(False, [t for _, t in bucket]) for bucket in buckets], saved)
-    broadcaster = subprocess.Popen(
-        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved)]
-    )
-    try:
-        connect = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": world,
-            "group_name": name,
-            "backend": "gloo",
-        }
-        post(served, "/init_weights_update_group", connect)
+    sent = [(False, [t for _, t in bucket]) for bucket in buckets]
+    with sglang_group(served, sent, name, tmp_path / "buckets.pt"):
         post(served, "/pause_generation", {})
         with served.trainer_client() as client:
             assert client._http.get("/flush_cache").status_code == 200
@@ -242,9 +223,6 @@ def slime_distributed_update(
             post(served, "/update_weights_from_distributed", sglang_update(bucket, name, version))
         post(served, "/continue_generation", {})
         post(served, "/destroy_weights_update_group", {"group_name": name})
-        assert broadcaster.wait(timeout=60) == 0
-    finally:
-        broadcaster.kill()
 
 
 def slime_trainer_process(
@@ -259,28 +237,14 @@ def slime_trainer_process(
     with the process's count of pushes, continue); then the process ends without destroying
     its group, as a trainer that stops or dies does. `backend` "nccl": slime's own, on a GPU
     host's last device."""
-    world = post_get(served, "/server_info")["tp_size"] + 1
-    port = free_port()
     buckets = []
     for model in pushes:
         tensors = list(model.state_dict().items())
         buckets.append([tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]])
-    saved = tmp_path / f"{name}-{port}.pt"
-    torch.save([(False, [t for _, t in b]) for push in buckets for b in push], saved)
+    sent = [(False, [t for _, t in b]) for push in buckets for b in push]
     flags = ["exit", *(["nccl"] if backend == "nccl" else [])]
-    broadcaster = subprocess.Popen(
-        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), *flags]
-    )
-    try:
-        connect = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": world,
-            "group_name": name,
-            "backend": backend,
-        }
-        post(served, "/init_weights_update_group", connect)
+    saved = tmp_path / f"{name}-{uuid.uuid4().hex}.pt"
+    with sglang_group(served, sent, name, saved, *flags, backend=backend):
         for count, push in enumerate(buckets, start=1):  # weight_version += 1 before each
             post(served, "/pause_generation", {})
             with served.trainer_client() as client:
@@ -288,9 +252,6 @@ def slime_trainer_process(
             for bucket in push:
                 post(served, "/update_weights_from_distributed", sglang_update(bucket, name, count))
             post(served, "/continue_generation", {})
-        assert broadcaster.wait(timeout=60) == 0
-    finally:
-        broadcaster.kill()
 
 
 async def rlserve_version(served: Served) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, RootModel, model_validator
 
 from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
@@ -276,10 +276,12 @@ class FinishRpc(RpcCall):
     kwargs: NoKwargs = Field(default_factory=NoKwargs)
 
 
-CollectiveRpc = Annotated[StartRpc | UpdateRpc | FinishRpc, Field(discriminator="method")]
-"""The worker methods of SkyRL's vLLM extension (`NewInferenceWorkerWrap`, SkyRL 0.3.0) its
-trainer calls through vLLM's `/collective_rpc`, over the same weight controls as vLLM's own
-routes. Others (CUDA IPC's `update_weights_ipc`, sleep and wake) are refused by name."""
+class CollectiveRpc(
+    RootModel[Annotated[StartRpc | UpdateRpc | FinishRpc, Field(discriminator="method")]]
+):
+    """The worker methods of SkyRL's vLLM extension (`NewInferenceWorkerWrap`, SkyRL 0.3.0)
+    its trainer calls through vLLM's `/collective_rpc`, over the same weight controls as vLLM's
+    own routes. Others (CUDA IPC's `update_weights_ipc`, sleep and wake) are refused by name."""
 
 
 class RpcResults(DialectModel):

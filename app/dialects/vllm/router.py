@@ -289,12 +289,11 @@ async def finish_weight_update(
     summary="Run a worker method (vLLM, SkyRL's)",
     openapi_extra=ADMIN,
 )
-async def collective_rpc(
-    call: Annotated[CollectiveRpc, Body()], weights: WeightsDep, registry: RegistryDep
-) -> RpcResults:
+async def collective_rpc(request: CollectiveRpc, weights: WeightsDep) -> RpcResults:
     """vLLM's dev-mode `/collective_rpc`, for the worker methods SkyRL's trainer drives its
     weight sync with (its NewInferenceWorkerWrap): start, the tensors of its broadcast, finish.
     Each answers as the vLLM route of the same step; the results, one per server rank."""
+    call = request.root
     if isinstance(call, StartRpc):
         await weights.transfer_start("policy")
     elif isinstance(call, UpdateRpc):

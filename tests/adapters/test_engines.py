@@ -175,7 +175,8 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
         p, q = forward_log_probs(attention, sequence), forward_log_probs(base, sequence)
         assert_close(output["kl"][1:], [a - b for a, b in zip(p, q, strict=True)][1:], 2e-4)
 
-    # a push of new tensors is the next version; the version it replaced goes with its last
+    # a push of new tensors is the next version; the version before stays resident
+    # (attention@0: models.resident_adapter_versions), the one before that goes with its last
     # holder (its folder removed, its LoRA id dropped from the engine at the next load)
     backend = client.app.state.registry.get("policy").backend  # type: ignore[attr-defined]
     folders = sorted((backend._adapter_dir).iterdir())
@@ -184,6 +185,13 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     pushed = await client.put("/v1/adapters/attention", content=adapter_file(trained))
     assert pushed.json()["version"] == 1
     assert_peft(await log_probs(client, "attention"), trained)
+    assert_peft(await log_probs(client, "attention@0"), attention)
+    gc.collect()
+    assert folders[0] in list(backend._adapter_dir.iterdir())
+    again = peft_model(model_dir, 5, **ATTENTION)
+    pushed = await client.put("/v1/adapters/attention", content=adapter_file(again))
+    assert pushed.json()["version"] == 2
+    assert_peft(await log_probs(client, "attention@1"), trained)
     gc.collect()
     assert folders[0] not in list(backend._adapter_dir.iterdir())
 

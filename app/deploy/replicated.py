@@ -315,7 +315,7 @@ class ReplicatedWeights:
                     version, lineage_named = resolve_version(
                         model,
                         current,
-                        self.local.registry.gate.lineages[model],
+                        self.local.registry.gate.lineage(model),
                         publish.version,
                         restartable=publish.restartable,
                     )

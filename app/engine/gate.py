@@ -117,10 +117,8 @@ class ServingGate:
     ) -> None:
         """`paused_wait_s`: how long a request may wait for a paused gate (None: no limit)."""
         self.versions = {"policy": 0, "reference": 0}
-        self.lineages = {"policy": Lineage(), "reference": Lineage()}
-        """Each model's current lineage."""
-        self._lineage_log: dict[str, list[Lineage]] = {name: [] for name in self.lineages}
-        """Each model's lineages after the first, in order."""
+        self._lineages: dict[str, list[Lineage]] = {name: [Lineage()] for name in self.versions}
+        """Each model's lineages, in order (the last is the current one)."""
         self.paused_wait_s = paused_wait_s
         self._backends = backends
         self._open = asyncio.Event()
@@ -232,8 +230,12 @@ class ServingGate:
         """The version an update of `name` publishes, and the trainer's version when the
         update opens a new lineage (see `resolve_version`)."""
         return resolve_version(
-            name, self.versions[name], self.lineages[name], requested, restartable=restartable
+            name, self.versions[name], self.lineage(name), requested, restartable=restartable
         )
+
+    def lineage(self, name: str) -> Lineage:
+        """`name`'s current lineage."""
+        return self._lineages[name][-1]
 
     @contextlib.asynccontextmanager
     async def updating(
@@ -271,17 +273,16 @@ class ServingGate:
     def label(self, name: str, version: int) -> int:
         """`version` of `name` in its trainer's count: less the offset of the lineage it was
         served in (the version itself in lineage 0)."""
-        lineage = next((x for x in reversed(self._lineage_log[name]) if x.since <= version), None)
-        return version - (lineage.offset if lineage is not None else 0)
+        lineage = next(x for x in reversed(self._lineages[name]) if x.since <= version)
+        return version - lineage.offset
 
     def unlabel(self, name: str, count: int) -> int:
         """The version of `name` its trainer counts as `count`, in the current lineage."""
-        return count + self.lineages[name].offset
+        return count + self.lineage(name).offset
 
     def _open_lineage(self, name: str, version: int, named: int) -> None:
-        lineage = Lineage(self.lineages[name].number + 1, version, named)
-        self.lineages[name] = lineage
-        self._lineage_log[name].append(lineage)
+        lineage = Lineage(self.lineage(name).number + 1, version, named)
+        self._lineages[name].append(lineage)
         logger.warning(
             "%s: the trainer counts its versions from %d again (below the served version): "
             "lineage %d begins, served as version %d",

@@ -96,9 +96,9 @@ class ModelCollector(Collector):
         )
         for name, served in self.models.models.items():
             version.add_metric([name], self.models.versions.get(name, 0))
-            if (current := self.models.gate.lineages.get(name)) is not None:
-                lineage.add_metric([name], current.number)
-                since.add_metric([name], current.since)
+            current = self.models.gate.lineage(name)
+            lineage.add_metric([name], current.number)
+            since.add_metric([name], current.since)
             generated.add_metric([name], served.num_tokens_generated)
             scored.add_metric([name], served.num_tokens_scored)
             for kind, batcher in (("score", served.scoring), ("generate", served.generation)):

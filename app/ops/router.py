@@ -43,7 +43,7 @@ async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
     at most once per RLSERVE_PROBE__INTERVAL_S)."""
     await probe.require_ready()
     gate = registry.gate.state()
-    lineage = registry.gate.lineages["policy"]
+    lineage = registry.gate.lineage("policy")
     return ReadyResponse(
         ready=True,
         policy_version=registry.policy_version,

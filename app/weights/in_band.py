@@ -22,6 +22,8 @@ from app.common.failures import InvalidInput, invalid
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout, check_layout
 
 Receive = Callable[[torch.Tensor], Callable[[], None]]
+"""Starts filling a buffer with the trainer's next broadcast; the returned call waits until it
+is full."""
 MAX_CHUNKS = 1 << 20
 MAX_METADATA_BYTES = 64 << 20
 MAX_NUMEL = 1 << 40

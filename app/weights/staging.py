@@ -23,7 +23,7 @@ import torch
 from app.common.failures import Conflict, TimedOut, invalid
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout
 from app.weights.expert_names import checkpoint_views
-from app.weights.in_band import receive_in_band
+from app.weights.in_band import Receive, receive_in_band
 
 HUGE_PAGE_BYTES = 2 << 20
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -139,10 +139,6 @@ class TransferPlan:
 
     def layout(self) -> Layout:
         return {s.name: (TORCH_TO_SAFETENSORS[s.dtype], s.shape) for s in self.tensors}
-
-
-Receive = Callable[[torch.Tensor], Callable[[], None]]
-"""Starts filling a bucket buffer; the returned call waits until it is full."""
 
 
 def receive_plan(

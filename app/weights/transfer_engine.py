@@ -64,37 +64,34 @@ async def rendezvous_listening(setup: TransferSetup) -> None:
     address, port = setup.address, setup.port
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(setup.listen_grace_s, setup.timeout_s)
-    while True:
-        try:
-            async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
-                _, writer = await asyncio.open_connection(address, port)
-        except (OSError, TimeoutError) as exc:
-            if loop.time() >= deadline:
-                raise PeerAbsent(
-                    f"master_address: nothing accepts connections at {address}:{port} (the "
-                    f"trainer's rendezvous): {type(exc).__name__}: {exc}",
-                    param="master_address",
-                ) from exc
-            await asyncio.sleep(0.1)
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return
+    while refused := await _refused(address, port, max(deadline - loop.time(), 0.05)):
+        if loop.time() >= deadline:
+            raise PeerAbsent(
+                f"master_address: nothing accepts connections at {address}:{port} (the "
+                f"trainer's rendezvous): {type(refused).__name__}: {refused}",
+                param="master_address",
+            ) from refused
+        await asyncio.sleep(0.1)
 
 
 async def rendezvous_answers(address: str, port: int, timeout_s: float = 2.0) -> bool:
     """Whether something accepts connections at a trainer's rendezvous now (a trainer that
     is gone leaves nothing listening there)."""
+    return await _refused(address, port, timeout_s) is None
+
+
+async def _refused(address: str, port: int, timeout_s: float) -> OSError | TimeoutError | None:
+    """Why a connection to address:port failed within `timeout_s` (None: it was accepted,
+    and is closed again)."""
     try:
         async with asyncio.timeout(timeout_s):
             _, writer = await asyncio.open_connection(address, port)
-    except (OSError, TimeoutError):
-        return False
+    except (OSError, TimeoutError) as exc:
+        return exc
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
-    return True
+    return None
 
 
 class WeightTransfer(ABC):

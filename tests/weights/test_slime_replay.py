@@ -37,6 +37,7 @@ from tests.weights.test_dialect_transfer import (
     sglang_group,
     sglang_update,
 )
+from tests.weights.test_dialect_transfer import served_version as rlserve_version
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
 
@@ -252,10 +253,6 @@ def slime_trainer_process(
             for bucket in push:
                 post(served, "/update_weights_from_distributed", sglang_update(bucket, name, count))
             post(served, "/continue_generation", {})
-
-
-async def rlserve_version(served: Served) -> int:
-    return int((await served.http.get("/v1/weights/version")).json()["policy_version"])
 
 
 async def test_a_slime_trainer_restarted_from_a_checkpoint_goes_on(served, trainer_model, tmp_path):

@@ -189,7 +189,8 @@ def sglang_group(
     port = free_port()
     torch.save(buckets, saved)
     process = subprocess.Popen(
-        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), *flags]
+        [sys.executable, str(BROADCASTER), str(port), str(world), name, str(saved), *flags],
+        stdin=subprocess.PIPE,
     )
     try:
         body = {
@@ -202,6 +203,8 @@ def sglang_group(
         }
         post(served, "/init_weights_update_group", body)
         yield process
+        assert process.stdin is not None
+        process.stdin.close()  # the flow is done: an `exit` trainer may end now
         assert process.wait(timeout=60) == 0
     finally:
         process.kill()

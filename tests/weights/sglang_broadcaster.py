@@ -4,8 +4,9 @@ AReaL's `init_custom_process_group` recipe at rank 0 and broadcasts the buckets 
 argv[4], in order: a flattened bucket as one uint8 tensor, else each tensor. Then it destroys
 its group, unless told to exit without (`exit`: a trainer process that ends, or dies, leaving
 the server's side of the group behind, as a slime trainer does; it ends when its standard
-input closes, i.e. once the trainer's flow is done, never in the middle of the server's join). With `nccl`, the group is
-NCCL's, the tensors on the host's last CUDA device (a GPU host's check).
+input closes, i.e. once the trainer's flow is done, never in the middle of the server's
+join). With `nccl`, the group is NCCL's, the tensors on the host's last CUDA device (a GPU
+host's check).
 
     python sglang_broadcaster.py PORT WORLD_SIZE GROUP_NAME BUCKETS_FILE [exit] [nccl]"""
 

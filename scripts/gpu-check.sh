@@ -60,4 +60,8 @@ if [ "${1:-}" = "--trainers" ]; then
   shift
   exec "$PYTHON" -m pytest -m gpu tests/gpu -rs "$@"
 fi
+# The decode and scoring loops' own time on this device (the forward replaced: bench/
+# decode_host.py), under the device's name beside the CPU's figures; then the served check.
+"$PYTHON" bench/decode_host.py --device cuda --label "$("$PYTHON" -c \
+  'import torch; print(torch.cuda.get_device_name(0))')"
 exec "$PYTHON" bench/gpu_check.py "$@"

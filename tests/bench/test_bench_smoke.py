@@ -259,3 +259,12 @@ def test_gpu_check_runs_its_steps_on_cpu(tmp_path):
     bfloat16 = report["dtypes"]["bfloat16"]
     assert bfloat16["scoring"]["vs_forward_float32"]["max_abs"] > 1e-3  # bfloat16's own error
     assert set(bfloat16["throughput"]["rlserve_over_in_process"]["4"]) == {"generate", "score"}
+
+
+def test_decode_host_benchmark_quick(tmp_path):
+    """Host milliseconds per decode step and per scored sequence, each vocabulary and batch."""
+    report = run_quick("decode_host", tmp_path)["now"]
+    for vocab in ("overhead (vocab 16)", "SmolLM2 (vocab 49152)"):
+        for figure in ("decode_step_ms", "score_ms_per_sequence"):
+            assert set(report[vocab][figure]) == {"1", "8", "32", "64"}
+            assert all(ms > 0 for ms in report[vocab][figure].values())

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app.engine.distribution import assemble, position_scores
+from app.engine.distribution import assemble, log_probs_of, position_scores
 from app.engine.freeze import ModelThreadControl
 from app.engine.lora import LoraHooks
 from app.engine.moe import RoutedRows, recording, replayed
@@ -27,20 +27,25 @@ if TYPE_CHECKING:
 def _padded(
     rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, *, left: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows padded to the longest (on the left or the right), and their attention mask,
+    built on the host in one tensor each and copied to the device."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        ids[i, span] = torch.tensor(row, dtype=torch.long)
-        mask[i, span] = 1
-    return ids.to(device), mask.to(device)
+    ids = torch.tensor(
+        [
+            [*[pad_id] * (width - len(r)), *r] if left else [*r, *[pad_id] * (width - len(r))]
+            for r in rows
+        ],
+        dtype=torch.long,
+    )
+    lengths = torch.tensor([len(r) for r in rows])[:, None]
+    columns = torch.arange(width)[None, :]
+    mask = columns >= width - lengths if left else columns < lengths
+    return ids.to(device), mask.long().to(device)
 
 
 def token_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax(logits[:, t-1])[ids[:, t]] for t >= 1, with 0.0 prepended; logits [B, T, V]."""
-    logits = logits[:, :-1].float()
-    picked = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
+    picked = log_probs_of(logits[:, :-1].float(), ids[:, 1:])
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
@@ -153,7 +158,7 @@ def _plain_scores(
         [_head_logits(config, head, hidden[row, :n]) for row, n in zip(rows, lengths, strict=True)]
     ).float()
     targets = torch.cat([ids[row, 1 : n + 1] for row, n in zip(rows, lengths, strict=True)])
-    log_probs = (logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)).cpu()
+    log_probs = log_probs_of(logits, targets).cpu()
     zero = torch.zeros(1)
     return [
         Scores(log_probs=torch.cat([zero, part]), start=spec.start)
@@ -259,20 +264,26 @@ def _decode(
     columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
     cache_argument = _cache_argument(model)
     for _step in range(max(c.max_new_tokens for c in configs)):
-        raw = logits.log_softmax(-1)
         processed = sampler.process(logits, seen, rows.tokens)
         chosen = sampler.choose(processed)
         sampler.observe(chosen)
-        processed_lp = processed.log_softmax(-1).gather(-1, chosen[:, None]).squeeze(-1)
-        raw_lp = raw.gather(-1, chosen[:, None]).squeeze(-1)
-        chosen_list, raw_list, proc_list = chosen.tolist(), raw_lp.tolist(), processed_lp.tolist()
+        # The step's one copy to the host: the chosen ids with both log-probs of each (float32
+        # values are exact in float64, and so are token ids).
+        chosen_list, raw_list, proc_list = (
+            torch.stack(
+                [chosen.double(), log_probs_of(logits, chosen), log_probs_of(processed, chosen)]
+            )
+            .cpu()
+            .tolist()
+        )
         for i in rows.active():
             abandoned = items[i].abandoned
             if (abandoned is not None and abandoned.is_set()) or control.aborting.is_set():
                 rows.finish[i] = "abort"  # requester gone, or serving paused with abort
                 continue
             rows.versions[i].append(version)
-            _advance(rows, i, chosen_list[i], raw_list[i], proc_list[i], eos_ids, decode)
+            token = int(chosen_list[i])
+            _advance(rows, i, token, raw_list[i], proc_list[i], eos_ids, decode)
         if not rows.active():
             break
         if seen is not None:

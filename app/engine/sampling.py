@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import secrets
 from collections.abc import Sequence
 
@@ -25,14 +26,14 @@ def filter_top_k_top_p(
 ) -> torch.Tensor:
     """Logits [B, V] with each row's top-k (0: off) then top-p filter applied ([B, 1] each):
     removed entries are -inf. Top-p keeps the most likely tokens until the mass before the
-    next one exceeds p (the most likely token always stays)."""
+    next one exceeds p (the most likely token always stays); a p of 1 keeps them all."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, logits.shape[-1])
     drop = ranks >= k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     mass_before = probs.cumsum(-1) - probs
-    drop |= mass_before > top_p
+    drop |= (mass_before > top_p) & (top_p < 1.0)  # the mass's rounding can pass 1.0
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -45,8 +46,24 @@ def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(log_ratio < torch.log(min_p), float("-inf"))
 
 
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [B, V], the token where `uniform` [B] (in [0, 1)) falls in its
+    cumulative distribution, summed in float64. A token of probability 0 owns an empty
+    interval, so it is never drawn, nor past the last token of positive probability."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1]
+    point = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point[:, None], right=True).squeeze(-1)
+
+
 class RowSampler:
-    """Holds each row's parameters as tensors and its own random generator.
+    """Holds each row's parameters as tensors and its own random stream.
+
+    A sampled row draws one uniform number per token from its own stream (a `random.Random`
+    seeded with the row's seed, on the host: no generator per row on the device, and the
+    same draws on every device) and takes the token where that number falls in the cumulative
+    distribution of its processed logits (float64), all rows at once: one batched search, no
+    call per row.
 
     The order of the processing follows vLLM's sampler: allowed tokens, bad words, min-tokens
     and logit bias; then the penalties (repetition over prompt and output, frequency and
@@ -69,6 +86,8 @@ class RowSampler:
         self.presence = torch.tensor([c.presence_penalty for c in configs], device=device)
         self.frequency = torch.tensor([c.frequency_penalty for c in configs], device=device)
         self.do_sample = [c.do_sample for c in configs]
+        self.sampled = [row for row, sample in enumerate(self.do_sample) if sample]
+        self._sampled_rows = torch.tensor(self.sampled, dtype=torch.long, device=device)
         self.needs_penalty = any(c.repetition_penalty != 1.0 for c in configs)
         self.needs_counts = any(c.presence_penalty or c.frequency_penalty for c in configs)
         self.needs_filter = any(c.top_k or c.top_p < 1.0 for c in configs)
@@ -81,11 +100,7 @@ class RowSampler:
         ]
         self.counts: torch.Tensor | None = None  # [B, V] output-token counts
         self.fixed: torch.Tensor | None = None  # [B, V] allowed-token mask and logit bias
-        self.generators = []
-        for seed in seeds:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
-            self.generators.append(generator)
+        self.streams = [random.Random(seeds[row]) for row in self.sampled]
 
     def process(
         self,
@@ -155,12 +170,16 @@ class RowSampler:
         return filter_top_k_top_p(logits, self.top_k[:, None], self.top_p[:, None])
 
     def choose(self, processed: torch.Tensor) -> torch.Tensor:
-        """Greedy rows take the argmax; sampling rows draw from their own generator."""
-        chosen = processed.argmax(-1)
-        if any(self.do_sample):
-            probs = processed.softmax(-1)
-            for row, sample in enumerate(self.do_sample):
-                if sample:
-                    draw = torch.multinomial(probs[row], 1, generator=self.generators[row])
-                    chosen[row] = draw[0]
-        return chosen
+        """Greedy rows take the argmax; sampling rows draw from their own stream (no copy to
+        the host: the chosen ids stay on the device)."""
+        if not self.sampled:
+            return processed.argmax(-1)
+        uniform = torch.tensor(
+            [stream.random() for stream in self.streams], dtype=torch.float64
+        ).to(self.device, non_blocking=True)
+        every = len(self.sampled) == len(self.configs)
+        logits = processed if every else processed.index_select(0, self._sampled_rows)
+        drawn = inverse_cdf(logits.softmax(-1), uniform)
+        if every:
+            return drawn
+        return processed.argmax(-1).index_copy_(0, self._sampled_rows, drawn)

@@ -34,6 +34,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _settings_problem(exc: Exception) -> str:
+    """A settings error in one line an operator can act on: pydantic's as `group.field: why`."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    problems = []
+    for error in exc.errors():
+        cause = error.get("ctx", {}).get("error")  # a validator's own exception: its words
+        message = str(cause) if isinstance(cause, Exception) else error["msg"]
+        where = ".".join(str(part) for part in error["loc"])
+        problems.append(f"{where}: {message}" if where else message)
+    return "; ".join(problems)
+
+
 def _serve(args: argparse.Namespace) -> int:
     # Loading shows one log line per model, not progress bars: transformers' own (read when
     # huggingface_hub is imported, below) and any other tqdm's (the GGUF conversion's).
@@ -59,7 +74,11 @@ def _serve(args: argparse.Namespace) -> int:
         "http.port": args.port,
     }
     overrides = nest({key: value for key, value in flags.items() if value is not None})
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"rlserve: cannot start: {_settings_problem(exc)}", file=sys.stderr)
+        return 2
     http = settings.http
     configure_logging(http.log_level, http.log_format)
     if args.replicas is not None:

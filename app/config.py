@@ -6,6 +6,7 @@ named without its group is never silently ignored: `Settings(port=...)` is an er
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import Mapping
@@ -514,33 +515,108 @@ class _GroupEnvSource(EnvSettingsSource):
         return None, key, is_complex
 
 
-class _UngroupedEnvSource(PydanticBaseSettingsSource):
-    """Reads nothing: warns of an `RLSERVE_<NAME>` that names a group or a field without its
-    group, with the name to use. A warning, not an error: other tools share the prefix (the
-    compose file's `RLSERVE_PORT` is the published host port, `scripts/setup-vllm.sh` reads
-    `RLSERVE_VLLM`), and the client's `RLSERVE_URL` is no setting at all."""
+TOOL_VARIABLES = frozenset(
+    {
+        # the Python client's
+        "RLSERVE_URL",
+        "RLSERVE_API_KEY",
+        # the compose file's (published host ports, replicas, image build)
+        "RLSERVE_PORT",
+        "RLSERVE_CPU_PORT",
+        "RLSERVE_RAY_PORT",
+        "RLSERVE_REPLICAS",
+        "RLSERVE_BASE_IMAGE",
+        "RLSERVE_APT_MIRROR",
+        # the scripts' (scripts/*.sh: what they install, where)
+        "RLSERVE_TORCH",
+        "RLSERVE_VLLM",
+        "RLSERVE_TORCHRL",
+        "RLSERVE_GPU_PYTHON_VERSION",
+        # the test suites'
+        "RLSERVE_TRAINERS_SUITE",
+        "RLSERVE_DOCKER_SMOKE_REPORT",
+        "RLSERVE_SKYRL_030",
+        "RLSERVE_TRAIN_CLIENT_KEY",
+    }
+)
+"""`RLSERVE_*` names that rlserve's own tools read and the server does not; with the names
+starting `RLSERVE_TEST_` or `RLSERVE_FUZZ_` (the test suites') or ending `_VENV` (the
+scripts' virtual environments), they are the only `RLSERVE_*` names a server starts beside
+besides its settings (`RLSERVE_<GROUP>__<FIELD>`)."""
+
+
+class SettingsNameError(ValueError):
+    """An `RLSERVE_*` variable the server does not read: the start stops, naming it."""
+
+
+def _tool_variable(name: str) -> bool:
+    return (
+        name in TOOL_VARIABLES
+        or name.startswith(("RLSERVE_TEST_", "RLSERVE_FUZZ_"))
+        or name.endswith("_VENV")
+    )
+
+
+class _UnreadEnvSource(PydanticBaseSettingsSource):
+    """Reads nothing: stops the start on an `RLSERVE_*` variable that is neither a setting
+    nor one of rlserve's own tools' (`TOOL_VARIABLES`), with the name the server reads where
+    there is one: an operator who set `RLSERVE_API_KEYS` must not get a server without keys.
+    A tool's variable that looks like a setting (the compose file's `RLSERVE_PORT`) is a
+    warning naming the setting."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
+        problems = []
         for name in sorted(os.environ):
             upper = name.upper()
-            if not upper.startswith(PREFIX) or DELIMITER in upper:
+            if not upper.startswith(PREFIX):
                 continue
-            field = upper.removeprefix(PREFIX).lower()
-            if field in Settings.model_fields:
-                _logger.warning(
-                    "%s is not read: a group's fields are %s%s<FIELD>", name, name, DELIMITER
-                )
-            elif grouped := _grouped_names(field):
-                names = " or ".join(
-                    f"{PREFIX}{g.upper()}{DELIMITER}{f.upper()}" for g, f in grouped
-                )
-                _logger.warning(
-                    "%s is not read: settings are grouped, the server reads %s", name, names
-                )
+            if _tool_variable(upper):
+                if grouped := _grouped_names(upper.removeprefix(PREFIX).lower()):
+                    names = " or ".join(_env_name(g, f) for g, f in grouped)
+                    _logger.warning("%s is not read by the server, which reads %s", name, names)
+            elif (problem := _unread(upper)) is not None:
+                problems.append(f"{name} is not read: {problem}")
+        if problems:
+            raise SettingsNameError(
+                "; ".join(problems) + ". Set the name the server reads, or unset the variable."
+            )
         return {}
+
+
+def _unread(name: str) -> str | None:
+    """Why the server does not read the variable `name` (upper case), with the name it reads;
+    None for a setting's name."""
+    groups = {
+        group: info.annotation
+        for group, info in Settings.model_fields.items()
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Group)
+    }
+    rest = name.removeprefix(PREFIX).lower()
+    group, delimiter, field = rest.partition(DELIMITER.lower())
+    if delimiter:
+        if group not in groups:
+            near = difflib.get_close_matches(group, list(groups), n=1)
+            hint = f" (did you mean {PREFIX}{near[0].upper()}{DELIMITER}…?)" if near else ""
+            return f"there is no settings group {group!r}{hint}"
+        if field in groups[group].model_fields:
+            return None
+        near = difflib.get_close_matches(field, list(groups[group].model_fields), n=1)
+        hint = f" (did you mean {_env_name(group, near[0])}?)" if near else ""
+        return f"the {group} group has no field {field!r}{hint}"
+    if rest in groups:
+        return f"a group's fields are {name}{DELIMITER}<FIELD>"
+    if grouped := _grouped_names(rest):
+        return (
+            f"settings are grouped, the server reads {' or '.join(_env_name(*g) for g in grouped)}"
+        )
+    return f"the server's settings are {PREFIX}<GROUP>{DELIMITER}<FIELD>"
+
+
+def _env_name(group: str, field: str) -> str:
+    return f"{PREFIX}{group.upper()}{DELIMITER}{field.upper()}"
 
 
 def _grouped_names(field: str) -> list[tuple[str, str]]:
@@ -595,10 +671,23 @@ class Settings(BaseSettings):
         return (
             init_settings,
             _GroupEnvSource(settings_cls),
-            _UngroupedEnvSource(settings_cls),
+            _UnreadEnvSource(settings_cls),
             dotenv_settings,
             file_secret_settings,
         )
+
+    @model_validator(mode="after")
+    def _client_key_without_server_keys(self) -> Settings:
+        """`RLSERVE_API_KEY` is the client's key: set where the server would start without
+        keys, it most likely meant the server's, so the start stops rather than serve open."""
+        client_key = next((n for n in os.environ if n.upper() == "RLSERVE_API_KEY"), None)
+        if client_key and not (self.auth.api_keys or self.auth.admin_api_keys):
+            raise SettingsNameError(
+                f"{client_key} is the Python client's key, and the server has no API keys: "
+                "the server reads RLSERVE_AUTH__API_KEYS (set it to require keys, or unset "
+                f"{client_key} to start a server without keys)"
+            )
+        return self
 
     def replace(self, **groups: dict[str, Any]) -> Settings:
         """A copy with some fields of some groups changed, validated again (the environment

@@ -1,14 +1,18 @@
-"""Settings: groups read from `RLSERVE_<GROUP>__<FIELD>`, a field named without its group
-refused with the grouped name, and the checks done at start-up."""
+"""Settings: groups read from `RLSERVE_<GROUP>__<FIELD>`; any other `RLSERVE_*` variable but
+rlserve's own tools' stops the start, naming the name the server reads; and the checks done at
+start-up."""
 
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from app.config import Settings
+from app.config import Settings, SettingsNameError
 
 
 @pytest.fixture(autouse=True)
@@ -31,22 +35,88 @@ def test_groups_are_read_from_nested_env_names(monkeypatch: pytest.MonkeyPatch) 
     assert settings.batching.enabled is False and settings.batching.config() is None
 
 
-def test_a_field_named_without_its_group_is_a_warning_naming_the_grouped_name(
+@pytest.mark.parametrize(
+    ("variable", "problem"),
+    [
+        # the name older deployments used: no server without its keys
+        ("RLSERVE_API_KEYS", "settings are grouped, the server reads RLSERVE_AUTH__API_KEYS"),
+        (  # a field two groups have: both are named
+            "RLSERVE_MAX_BYTES",
+            "the server reads RLSERVE_DATASETS__MAX_BYTES or RLSERVE_WEIGHTS__MAX_BYTES",
+        ),
+        ("RLSERVE_BATCHING", "a group's fields are RLSERVE_BATCHING__<FIELD>"),
+        ("RLSERVE_AUTH__API_KEYZ", "no field 'api_keyz' (did you mean RLSERVE_AUTH__API_KEYS?)"),
+        ("RLSERVE_ATUH__API_KEYS", "no settings group 'atuh' (did you mean RLSERVE_AUTH__…?)"),
+        ("RLSERVE_NONSENSE", "the server's settings are RLSERVE_<GROUP>__<FIELD>"),
+    ],
+)
+def test_a_variable_the_server_does_not_read_stops_the_start_naming_what_it_reads(
+    monkeypatch: pytest.MonkeyPatch, variable: str, problem: str
+) -> None:
+    monkeypatch.setenv(variable, "a")
+    with pytest.raises(SettingsNameError) as refused:
+        Settings()
+    assert str(refused.value).startswith(f"{variable} is not read: ")
+    assert problem in str(refused.value)
+
+
+def test_the_client_key_beside_a_server_without_keys_stops_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RLSERVE_API_KEY is the client's: beside a server without keys it most likely meant
+    the server's. With the server's keys set, it is the client's, as named."""
+    monkeypatch.setenv("RLSERVE_API_KEY", "k")
+    with pytest.raises(ValueError, match="RLSERVE_API_KEY is the Python client's key"):
+        Settings()
+    monkeypatch.setenv("RLSERVE_AUTH__API_KEYS", "k")
+    assert Settings().auth.api_keys == ["k"]
+
+
+def test_the_project_tools_variables_start_a_server_and_look_alikes_warn(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("RLSERVE_PORT", "9000")
-    monkeypatch.setenv("RLSERVE_MAX_BYTES", "1")  # a field two groups have: both are named
-    monkeypatch.setenv("RLSERVE_BATCHING", "false")  # a group, not a field
-    monkeypatch.setenv("RLSERVE_URL", "http://elsewhere:8000")  # the client's: not a setting
+    monkeypatch.setenv("RLSERVE_PORT", "9000")  # the compose file's published port
+    monkeypatch.setenv("RLSERVE_URL", "http://elsewhere:8000")  # the client's
+    monkeypatch.setenv("RLSERVE_TEST_SOMETHING", "1")  # a test suite's
+    monkeypatch.setenv("RLSERVE_TRAINERS_VENV", "/somewhere")  # a script's
     with caplog.at_level(logging.WARNING, logger="app.config"):
         settings = Settings()
-    assert settings.http.port == 8000 and settings.batching.enabled  # none of them was read
+    assert settings.http.port == 8000  # none of them was read
     assert caplog.messages == [
-        "RLSERVE_BATCHING is not read: a group's fields are RLSERVE_BATCHING__<FIELD>",
-        "RLSERVE_MAX_BYTES is not read: settings are grouped, the server reads "
-        "RLSERVE_DATASETS__MAX_BYTES or RLSERVE_WEIGHTS__MAX_BYTES",
-        "RLSERVE_PORT is not read: settings are grouped, the server reads RLSERVE_HTTP__PORT",
+        "RLSERVE_PORT is not read by the server, which reads RLSERVE_HTTP__PORT"
     ]
+
+
+def test_every_rlserve_variable_the_project_names_is_a_setting_or_a_tools(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The names in the project's own code (scripts, compose, Dockerfiles, client, benchmarks,
+    tests) start a server: a tool's new variable is added to TOOL_VARIABLES, or it stops
+    every server started beside it."""
+    root = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    names: set[str] = set()
+    code = ("scripts/", "docker/", "docker-compose.yml", "app/", "clients/", "bench/", "tests/")
+    for relative in tracked:
+        path = root / relative
+        if not relative.startswith(code) or relative in {"app/config.py", "tests/test_config.py"}:
+            continue  # (the two that spell wrong names on purpose)
+        if path.suffix in {".png", ".svg", ".json"}:
+            continue
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        names |= set(re.findall(r"RLSERVE_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_])", text))
+    assert {"RLSERVE_URL", "RLSERVE_PORT", "RLSERVE_AUTH__API_KEYS"} <= names
+    for name in sorted(names - {"RLSERVE_API_KEY"}):  # (the client's: the test above)
+        monkeypatch.setenv(name, "1" if not name.endswith("PORT") else "8000")
+        try:
+            Settings()
+        except SettingsNameError as refused:
+            raise AssertionError(f"{name} stops a server: {refused}") from None
+        except ValueError:
+            pass  # a setting's name with a value that is not its type: read, so fine
+        monkeypatch.delenv(name)
 
 
 def test_a_flat_keyword_names_its_group() -> None:
@@ -75,5 +145,8 @@ def test_limits_are_checked_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_an_unknown_field_of_a_group_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLSERVE_TOOLS__TIMEOUT", "3")
-    with pytest.raises(ValidationError, match=r"tools\.timeout"):
+    with pytest.raises(SettingsNameError, match="did you mean RLSERVE_TOOLS__TIMEOUT_S"):
         Settings()
+    monkeypatch.delenv("RLSERVE_TOOLS__TIMEOUT")
+    with pytest.raises(ValidationError, match=r"tools\.timeout"):  # and as an override
+        Settings(tools={"timeout": 3})

@@ -40,7 +40,7 @@ def follows(row: dict[str, object], response: str) -> bool:
     return len(re.findall(r"\w+", response)) < 4
 
 
-async def test_an_uploaded_dataset_drives_a_grpo_rollout(client):
+async def test_an_uploaded_dataset_drives_a_grpo_rollout(client, hf_tokenizer):
     name = f"inst-{uuid.uuid4().hex[:8]}"
     body = {
         "name": name,
@@ -84,7 +84,9 @@ async def test_an_uploaded_dataset_drives_a_grpo_rollout(client):
         query = trajectory["history"][0]["content"]
         row = by_query[query]  # every prompt is a row of the upload
         assert step["info"]["reward"]["instruction_id_list"] == row["checks"]
-        assert step["reward"] == 2.0 * follows(row, step["text"]["response"])
+        # rewards read the reply's text without special tokens (the tokens' own text has them)
+        text = hf_tokenizer.decode(step["tokens"]["response"], skip_special_tokens=True)
+        assert step["reward"] == 2.0 * follows(row, text)
         rewards.append(step["reward"])
     assert {t["history"][0]["content"] for t in trajectories} == set(by_query)
     grouped = torch.tensor(rewards, dtype=torch.float64).view(4, 4)

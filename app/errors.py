@@ -184,14 +184,16 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+LOCATIONS = ("body", "query", "path", "header", "cookie")
+"""The first part of a request validation error's location: where the value was."""
+
+
 def _loc_to_param(loc: tuple[int | str, ...]) -> str:
     """A field path from pydantic's location, without the union members it tried
     ('function-after[...]', 'list[...]': no field is named with brackets)."""
-    parts = [
-        p
-        for p in loc
-        if p not in ("body", "query", "path") and not (isinstance(p, str) and "[" in p)
-    ]
+    if loc and loc[0] in LOCATIONS:  # where the value was, not a field (a field may be `path`)
+        loc = loc[1:]
+    parts = [p for p in loc if not (isinstance(p, str) and "[" in p)]
     out = ""
     for part in parts:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
@@ -201,12 +203,9 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str:
 def _untagged(loc: tuple[int | str, ...], body: object) -> tuple[int | str, ...]:
     """`loc` without the tags pydantic names a tagged union's member by (a value of the body
     there, such as `/collective_rpc`'s method name, not a field)."""
-    kept: list[int | str] = []
+    kept: list[int | str] = list(loc[:1]) if loc and loc[0] in LOCATIONS else []
     node = body
-    for part in loc:
-        if part in ("body", "query", "path"):
-            kept.append(part)
-            continue
+    for part in loc[len(kept) :]:
         tags = [v for v in node.values() if isinstance(v, str)] if isinstance(node, dict) else []
         if isinstance(part, str) and isinstance(node, dict) and part not in node and part in tags:
             continue

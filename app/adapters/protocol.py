@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from app.common.protocol import AdapterName, WireModel
+from app.common.protocol import AdapterName, ServerPath, WireModel
 from app.engine.adapter_gate import AdapterGateState
 from app.updates.protocol import PauseMode
 from app.weights.lora import LoraAdapter
@@ -12,8 +12,7 @@ from app.weights.lora import LoraAdapter
 
 class LoadAdapterRequest(WireModel):
     name: AdapterName
-    path: str = Field(
-        min_length=1,
+    path: ServerPath = Field(
         description="A folder the server can read, in PEFT's layout (adapter_config.json and "
         "adapter_model.safetensors, as `save_pretrained` writes them). Loading a served name "
         "again serves the folder as that adapter's next version.",

@@ -76,3 +76,16 @@ class PeerFailed(Failure):
 def invalid(param: str, message: str) -> InvalidInput:
     """An InvalidInput naming `param`, its message prefixed by it."""
     return InvalidInput(f"{param}: {message}", param=param)
+
+
+def file_failure(error: OSError, param: str) -> Failure:
+    """A file call on a path the request named (field `param`) that failed: the client's
+    failure, named, never a 500. None there (404), not the server's to read (403), else a
+    path the server cannot use (422, with the system's reason)."""
+    where = error.filename if error.filename is not None else "the path"
+    reason = error.strerror or type(error).__name__
+    if isinstance(error, FileNotFoundError):
+        return NotFound(f"{param}: {where} does not exist on the server", param=param)
+    if isinstance(error, PermissionError):
+        return Forbidden(f"{param}: the server may not read {where} ({reason})", param=param)
+    return invalid(param, f"the server cannot use {where}: {reason}")

@@ -4,6 +4,7 @@ TorchRL-style sample containers (text / tokens / masks / log_probs / history).""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
@@ -35,6 +36,38 @@ AdapterName = Annotated[
         description="The adapter's name: what requests put in `model` to use it.",
     ),
 ]
+NAME_MAX = 255
+"""Bytes in one component of a path (a file or folder name) on Linux's filesystems."""
+PATH_MAX = 4096
+"""Bytes in a whole path, its terminating NUL included."""
+
+
+def _server_path(value: str) -> str:
+    """A path the server can hand to a file call: no NUL byte, no name over NAME_MAX bytes,
+    the whole under PATH_MAX (else the file call fails with an OSError, not the client's
+    field)."""
+    if "\x00" in value:
+        raise PydanticCustomError("server_path", "a path holds no NUL character")
+    encoded = os.fsencode(value)
+    if len(encoded) >= PATH_MAX:
+        raise PydanticCustomError(
+            "server_path", "a path is at most {most} bytes", {"most": PATH_MAX - 1}
+        )
+    longest = max(len(part) for part in encoded.split(b"/"))
+    if longest > NAME_MAX:
+        raise PydanticCustomError(
+            "server_path",
+            "each name in a path is at most {most} bytes; one here is {longest}",
+            {"most": NAME_MAX, "longest": longest},
+        )
+    return value
+
+
+ServerPath = Annotated[
+    str, Field(min_length=1, max_length=PATH_MAX - 1), AfterValidator(_server_path)
+]
+"""A file or folder on the server a request names: checked before any file call (names of at
+most NAME_MAX bytes; see `app.common.files` for the file calls' own errors)."""
 TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import WireModel, field_error, one_of
+from app.common.protocol import ServerPath, WireModel, field_error, one_of
 from app.envs.rewards import reward_names_schema
 
 DatasetName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -36,10 +36,8 @@ class DatasetUpload(WireModel):
 
     name: DatasetName
     jsonl: str | None = Field(default=None, description="The rows, one JSON object per line.")
-    path: str | None = Field(
+    path: ServerPath | None = Field(
         default=None,
-        min_length=1,
-        max_length=4096,
         description="A JSONL file under the server's RLSERVE_DATASETS__IMPORT_DIR (relative to "
         "it, or absolute inside it).",
     )

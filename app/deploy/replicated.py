@@ -244,11 +244,13 @@ class ReplicatedWeights:
 
     # -- checkpoint updates ----------------------------------------------------------------
 
-    async def load(self, path: str, model: str, publish: Publish) -> Applied:
+    async def load(
+        self, path: str, model: str, publish: Publish, *, param: str = "path"
+    ) -> Applied:
         """Read once here, shipped to every replica."""
         put, files = self.replicas.put, self.local.files
-        shipment = await files.ship_checkpoint(path, put, self.chunk_bytes)
-        return await self._update(shipment, model, publish, "path")
+        shipment = await files.ship_checkpoint(path, put, self.chunk_bytes, param=param)
+        return await self._update(shipment, model, publish, param)
 
     async def restore(self, model: str, publish: Publish) -> Applied:
         """Read here from where the model started, shipped to every replica."""

@@ -40,8 +40,11 @@ class WeightsControl(Protocol):
 
     async def resume(self) -> GateState: ...
 
-    async def load(self, path: str, model: str, publish: Publish) -> Applied:
-        """Apply a checkpoint from a path the server can read, whole or not at all."""
+    async def load(
+        self, path: str, model: str, publish: Publish, *, param: str = "path"
+    ) -> Applied:
+        """Apply a checkpoint from a path the server can read, whole or not at all; `param`
+        names the request field the path came from."""
 
     async def restore(self, model: str, publish: Publish) -> Applied:
         """Serve again the weights the model started with (read from where they came from),

@@ -57,8 +57,10 @@ class LocalWeights:
     async def resume(self) -> GateState:
         return await self.registry.gate.resume()
 
-    async def load(self, path: str, model: str, publish: Publish) -> Applied:
-        return await self.files.load(path, model, publish)
+    async def load(
+        self, path: str, model: str, publish: Publish, *, param: str = "path"
+    ) -> Applied:
+        return await self.files.load(path, model, publish, param=param)
 
     async def restore(self, model: str, publish: Publish) -> Applied:
         path = await self.files.origin(model)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from app.common.protocol import AdapterName, ModelName, WireModel
+from app.common.protocol import AdapterName, ModelName, ServerPath, WireModel
 from app.updates.types import (
     BUCKET_BYTES,
     STREAMS,
@@ -54,8 +54,7 @@ class UpdateOptions(WireModel):
 
 
 class LoadWeightsRequest(UpdateOptions):
-    path: str = Field(
-        min_length=1,
+    path: ServerPath = Field(
         description="A safetensors checkpoint directory (HF layout) or file the server can read.",
     )
     model: ModelName = Field(default="policy", description="reference only when targeted.")

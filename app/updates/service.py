@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.common.failures import Conflict, Malformed, TimedOut, TooLarge
+from app.common.failures import Conflict, Malformed, TimedOut, TooLarge, file_failure
 from app.config import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.updates.origin import origin_checkpoint
@@ -60,45 +60,48 @@ class WeightsService:
         for leftover in self.uploads.glob("*.safetensors"):
             leftover.unlink(missing_ok=True)
 
-    async def load(self, path: str, model: str, publish: Publish) -> Applied:
-        """Load a checkpoint the server can read. By default from a private snapshot taken
-        first, so a checkpoint rewritten during the load is applied whole or not at all."""
-        files = await self._file_work(checkpoint_files, Path(path))
+    async def load(
+        self, path: str, model: str, publish: Publish, *, param: str = "path"
+    ) -> Applied:
+        """Load a checkpoint the server can read (request field `param`). By default from a
+        private snapshot taken first, so a checkpoint rewritten during the load is applied
+        whole or not at all."""
+        files = await self._file_work(checkpoint_files, Path(path), param, param=param)
         if not self.settings.snapshot_loads:
-            return await self._apply(files, model, "path", publish)
+            return await self._apply(files, model, param, publish)
         self.uploads.mkdir(parents=True, exist_ok=True)
         needed = sum(f.stat().st_size for f in files)
         room = self._disk_room()
         if needed > room:
             raise TooLarge(
-                f"path: the checkpoint ({needed} bytes) does not fit the free disk ({room} "
+                f"{param}: the checkpoint ({needed} bytes) does not fit the free disk ({room} "
                 "bytes) for its snapshot; free space or set RLSERVE_WEIGHTS__SNAPSHOT_LOADS=false",
-                param="path",
+                param=param,
             )
-        copies = await self._file_work(snapshot, files, self.uploads, "path")
+        copies = await self._file_work(snapshot, files, self.uploads, param, param=param)
         try:
-            return await self._apply(copies, model, "path", publish)
+            return await self._apply(copies, model, param, publish)
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
 
     async def origin(self, model: str) -> Path:
         """The checkpoint `model` started from, unchanged since (POST /v1/weights/restore)."""
-        return await self._file_work(origin_checkpoint, self.registry.origin(model))
+        return await self._file_work(origin_checkpoint, self.registry.origin(model), param="model")
 
     async def ship(
         self, files: Mapping[str, Path], put: Put, param: str, chunk_bytes: int = CHUNK_BYTES
     ) -> Shipment:
         """Files (by the name they travel under) read chunk by chunk into `put`, for other
         servers to stage; `param` names the request field they came from."""
-        return await self._file_work(ship, files, put, param, chunk_bytes)
+        return await self._file_work(ship, files, put, param, chunk_bytes, param=param)
 
     async def ship_checkpoint(
-        self, path: str, put: Put, chunk_bytes: int = CHUNK_BYTES
+        self, path: str, put: Put, chunk_bytes: int = CHUNK_BYTES, *, param: str = "path"
     ) -> Shipment:
         """The checkpoint at `path` (one this server can read), shipped as `ship` does."""
-        found = await self._file_work(checkpoint_files, Path(path))
-        return await self.ship({f.name: f for f in found}, put, "path", chunk_bytes)
+        found = await self._file_work(checkpoint_files, Path(path), param, param=param)
+        return await self.ship({f.name: f for f in found}, put, param, chunk_bytes)
 
     def _disk_room(self) -> int:
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
@@ -146,19 +149,22 @@ class WeightsService:
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             for shipped in shipment.files:
                 for chunk in shipped.chunks:
-                    await self._file_work(sink.write, await chunk.fetch())
-            await self._file_work(sink.flush)
+                    await self._file_work(sink.write, await chunk.fetch(), param="body")
+            await self._file_work(sink.flush, param="body")
             yield Path(sink.name)
 
-    async def _file_work(self, work: Callable[..., T], *args: Any) -> T:
+    async def _file_work(self, work: Callable[..., T], *args: Any, param: str = "path") -> T:
         """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a
-        hung network mount) costs a 504, never the event loop."""
+        hung network mount) costs a 504, never the event loop; a file call that fails on the
+        path the request named (field `param`) is its failure, named (`file_failure`)."""
         timeout = self.settings.io_timeout_s
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.to_thread(work, *args)
         except TimeoutError:
             raise TimedOut(f"reading the checkpoint took over {timeout:g} s") from None
+        except OSError as error:
+            raise file_failure(error, param) from None
 
     async def _apply(self, files: list[Path], model: str, param: str, publish: Publish) -> Applied:
         checked = await self._check(files, model, param)
@@ -166,13 +172,13 @@ class WeightsService:
 
     async def _check(self, files: list[Path], model: str, param: str) -> Checked:
         """Everything that can refuse a checkpoint, before serving is touched."""
-        update = await self._file_work(read_layout, files, param)
+        update = await self._file_work(read_layout, files, param, param=param)
         served = self.registry.get(model)
         expected = served.backend.weight_layout()
         if expected is not None:
             check_layout(update, expected)
         served.backend.check_update(set(update), param)
-        await self._file_work(check_finite, files, param)
+        await self._file_work(check_finite, files, param, param=param)
         return Checked(files, len(update), sum(f.stat().st_size for f in files))
 
     async def _commit(self, checked: Checked, model: str, publish: Publish) -> Applied:
@@ -205,7 +211,7 @@ class WeightsService:
                 copies.append(copy := folder / Path(shipped.name).name)
                 with copy.open("wb") as sink:
                     for chunk in shipped.chunks:
-                        await self._file_work(sink.write, await chunk.fetch())
+                        await self._file_work(sink.write, await chunk.fetch(), param="body")
             self._staged[update_id] = await self._check(copies, model, param)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)

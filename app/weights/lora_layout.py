@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from app.common.failures import NotFound, Unsupported, invalid
+from app.common.failures import NotFound, Unsupported, file_failure, invalid
 from app.weights.lora import LoraAdapter, LoraModule
 
 CONFIG = "adapter_config.json"
@@ -47,7 +47,14 @@ _MUST_BE_OFF = (
 
 def read_folder(path: Path, param: str = "path") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The config and the tensors of the adapter in folder `path` (blocking: call in a
-    thread)."""
+    thread); a file call that fails is the request's failure, named `param`."""
+    try:
+        return _read_folder(path, param)
+    except OSError as error:
+        raise file_failure(error, param) from None
+
+
+def _read_folder(path: Path, param: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config_file, weights_file = path / CONFIG, path / WEIGHTS
     if not path.is_dir():
         raise NotFound(f"{param}: no adapter folder at {path}", param=param)

@@ -105,6 +105,11 @@ STATED_RULES: list[tuple[str, str]] = [
         "the model's architecture (its layers, experts and top-k) is the server's",
     ),
     (r"unknown dataset", "the datasets are the server's (GET /v1/datasets)"),
+    (
+        r"each name in a path is at most \d+ bytes|a path holds no NUL|the server cannot use "
+        r"|the server may not read",
+        "a file name's limit is in bytes (255), and the server's files are its own",
+    ),
     (r"is not this server \(", "the server's own address is known at run time"),
     (
         r"is not a valid safetensors file|not a application/x-safetensors body|has no rows"

@@ -16,6 +16,7 @@ from app.common.protocol import (
     DialectModel,
     RepetitionPenalty,
     Seed,
+    ServerPath,
     TokenId,
     VersionText,
     field_error,
@@ -373,7 +374,7 @@ class UpdateWeightsFromDistributed(DialectModel):
 
 
 class UpdateWeightsFromDisk(DialectModel):
-    model_path: str = Field(min_length=1)
+    model_path: ServerPath
     load_format: str | None = Field(
         default=None,
         description="Only unset, auto or safetensors.",
@@ -400,7 +401,7 @@ class LoadLoRAAdapter(DialectModel):
     """SGLang's /load_lora_adapter body."""
 
     lora_name: AdapterName
-    lora_path: str = Field(min_length=1, description="A PEFT adapter folder the server can read.")
+    lora_path: ServerPath = Field(description="A PEFT adapter folder the server can read.")
     pinned: bool = Field(default=False, description="No effect: every adapter stays resident.")
     lora_id: str | None = Field(default=None, description="No effect: names identify adapters.")
 

@@ -287,7 +287,7 @@ async def update_weights_from_disk(
     """POST /v1/weights/load: a safetensors checkpoint the server can read, whole or not at
     all."""
     publish = common.publish(body.weight_version, "weight_version")
-    applied = await weights.load(body.model_path, "policy", publish)
+    applied = await weights.load(body.model_path, "policy", publish, param="model_path")
     version = common.label(registry, applied.versions.policy)
     return DiskUpdated(message=f"Succeeded to update model weights. Weight version {version}.")
 

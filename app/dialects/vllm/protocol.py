@@ -17,6 +17,7 @@ from app.common.protocol import (
     DialectModel,
     RepetitionPenalty,
     Seed,
+    ServerPath,
     TokenId,
     VersionText,
     field_error,
@@ -204,8 +205,8 @@ class UpdateWeights(DialectModel):
     update_info: (
         UpdateInfo | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024)] | None
     ) = None
-    weight_dir: str | None = Field(
-        default=None, min_length=1, description="A safetensors checkpoint the server can read."
+    weight_dir: ServerPath | None = Field(
+        default=None, description="A safetensors checkpoint the server can read."
     )
 
     @model_validator(mode="after")
@@ -677,7 +678,7 @@ class LoadLoRAAdapter(DialectModel):
     """vLLM's /v1/load_lora_adapter body."""
 
     lora_name: AdapterName
-    lora_path: str = Field(min_length=1, description="A PEFT adapter folder the server can read.")
+    lora_path: ServerPath = Field(description="A PEFT adapter folder the server can read.")
     load_inplace: bool = Field(
         default=False,
         description="Serve a loaded name's new tensors as its next version (refused when false).",

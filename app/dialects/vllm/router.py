@@ -249,7 +249,9 @@ async def update_weights(
             await weights.transfer_update(Announcement("policy", [], [], [], packing="in_band"))
             applied = await weights.transfer_finish("policy", Publish())
         else:
-            applied = await weights.load(request.weight_dir, "policy", Publish())
+            applied = await weights.load(
+                request.weight_dir, "policy", Publish(), param="weight_dir"
+            )
         version = common.label(registry, applied.versions.policy)
         return Message(message=f"Weights loaded as version {version}")
     for info in request.infos:

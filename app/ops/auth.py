@@ -53,7 +53,10 @@ class AuthMiddleware:
 
     def _refuse(self, scope: Scope) -> APIError | None:
         level = policy_of(matched_route(scope)).access
-        if not self.keys or level is Access.PUBLIC or scope["method"] == "OPTIONS":
+        # (OPTIONS too: a 405 for a route and a 404 for none would tell the unauthenticated
+        # which routes exist. Browsers' CORS preflights are answered before this, by the CORS
+        # middleware, where origins are configured.)
+        if not self.keys or level is Access.PUBLIC:
             return None
         if level is Access.METRICS and not self.settings.metrics_auth:
             return None

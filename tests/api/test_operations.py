@@ -106,6 +106,19 @@ async def test_keys_guard_every_route_but_health_ready_and_metrics(guarded):
     assert (await guarded.get("/metrics")).status_code == 200
 
 
+async def test_options_without_a_key_tells_no_route_from_another(guarded):
+    """Without a key, OPTIONS on a route and on no route get the same answer (a 405 and a 404
+    told them apart); a browser's preflight is still answered (the CORS test below)."""
+    answers = []
+    for path in ("/v1/generate", "/v1/weights/load", "/v1/no-such-route"):
+        response = await guarded.options(path)
+        body = response.json()
+        answers.append((response.status_code, body["error"]["message"], body["error"]["type"]))
+    assert answers[0][0] == 401 and len(set(answers)) == 1, answers
+    with_key = await guarded.options("/v1/generate", headers=bearer("user-key"))
+    assert with_key.status_code == 405 and with_key.headers["allow"] == "POST"
+
+
 async def test_weight_routes_need_the_admin_key(guarded):
     body = {"path": "/nowhere.safetensors"}
     user = await guarded.post("/v1/weights/load", json=body, headers=bearer("user-key"))

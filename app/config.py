@@ -77,6 +77,21 @@ class ModelSettings(Group):
     ref_served_model_name: CommaList = Field(
         default_factory=list, description="More names for the reference model, likewise."
     )
+    max_adapters: int = Field(
+        default=64,
+        ge=0,
+        description="LoRA adapter names served at once, all keys together: past it a new name "
+        "is refused (429) until one is unloaded. Each resident version of an adapter holds its "
+        "tensors in the server's memory (SmolLM2's rank-16 adapters: about 20 MB).",
+    )
+    max_adapters_per_key: int = Field(
+        default=16,
+        ge=0,
+        description="LoRA adapter names one API key may serve at once (a server without keys: "
+        "all of them); admin keys are bounded by max_adapters alone. Past it a new name is "
+        "refused (429) until the key unloads one (DELETE /v1/adapters/NAME; an admin key may "
+        "unload any key's).",
+    )
     resident_adapter_versions: int = Field(
         default=2,
         ge=1,

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from app.batching import BatchingConfig
 from app.common.caller import UNKEYED, Caller
-from app.common.failures import Conflict, Forbidden, NotFound, NotReady, Unsupported, invalid
+from app.common.failures import (
+    Conflict,
+    Forbidden,
+    NotFound,
+    NotReady,
+    QuotaExceeded,
+    Unsupported,
+    invalid,
+)
 from app.common.inputs import InputPreparer
 from app.config import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
@@ -350,11 +358,7 @@ class ModelRegistry:
         version 0 (owned by `caller`), a name served before as its next version (rows in
         flight keep the version they started with; only its owner or an admin may)."""
         base = self._adapter_base(param)
-        if self.canonical(name) is not None:
-            raise Conflict(
-                f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
-            )
-        self._check_owner(name, caller, name_param)
+        self.check_adapter_push(name, caller, name_param=name_param, param=param)
         config, tensors = await asyncio.to_thread(read_folder, path, param)
         return await self._serve_adapter(
             base, name, config, tensors, str(path), param, caller=caller, name_param=name_param
@@ -382,6 +386,29 @@ class ModelRegistry:
                 f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
             )
         self._check_owner(name, caller, name_param)
+        self._check_room(name, caller, name_param)
+
+    def _check_room(self, name: str, caller: Caller, param: str) -> None:
+        """A name not served yet fits the bounds on adapter names (`models.max_adapters`,
+        and `models.max_adapters_per_key` for a key that is not an admin's)."""
+        if name in self.adapters:
+            return
+        settings = self.model_settings
+        if len(self.adapters) >= settings.max_adapters:
+            raise QuotaExceeded(
+                f"{param}: the server serves {len(self.adapters)} adapters, the most "
+                "models.max_adapters (RLSERVE_MODELS__MAX_ADAPTERS) allows; unload one "
+                "(DELETE /v1/adapters/NAME) before serving another name",
+                param=param,
+            )
+        owned = sum(gate.owner == caller.owner for gate in self.adapter_gates.values())
+        if owned >= settings.max_adapters_per_key and not (caller.admin and caller.owner):
+            raise QuotaExceeded(
+                f"{param}: this API key serves {owned} adapters, the most "
+                "models.max_adapters_per_key (RLSERVE_MODELS__MAX_ADAPTERS_PER_KEY) allows; "
+                "unload one of them (DELETE /v1/adapters/NAME) before serving another name",
+                param=param,
+            )
 
     async def push_adapter_tensors(
         self,
@@ -458,6 +485,7 @@ class ModelRegistry:
         one's layout."""
         async with self._adapter_lock:
             self._check_owner(name, caller, name_param)  # (again: it may have changed hands)
+            self._check_room(name, caller, name_param)  # (and others may have filled it)
             if layout_of is not None:  # the latest version (another push may have come first)
                 layout_of = self.adapters.get(name)
             if version is None:

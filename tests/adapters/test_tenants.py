@@ -248,3 +248,48 @@ async def test_without_admin_keys_each_key_changes_its_own_adapters_alone(settin
         assert vllm.status_code == 403 and vllm.json()["error"]["param"] == "lora_name"
         gone = await client.delete("/v1/adapters/mine", headers=bearer(TRAINER_A))
         assert gone.status_code == 200
+
+
+async def test_adapter_names_are_bounded_per_key_and_in_total(settings, trained):
+    """Any key may upload adapters, so the names one key serves and all keys serve together
+    are bounded (each holds its tensors in the server's memory): past a bound, a new name is
+    a 429 naming the setting, before its tensors are read; a name served already takes new
+    versions; unloading one makes room; an admin key is bounded by the total alone."""
+    config = settings.replace(
+        storage={"data_dir": settings.storage.data_dir / "tenants-bounded"},
+        auth={"api_keys": [TRAINER_A, TRAINER_B], "admin_api_keys": [ADMIN]},
+        models={"max_adapters": 3, "max_adapters_per_key": 2},
+    )
+    payload = adapter_file(trained["a"])
+
+    async def push(name: str, key: str, body: bytes = payload) -> httpx.Response:
+        return await client.put(f"/v1/adapters/{name}", content=body, headers=bearer(key))
+
+    async with served_app(config) as client:
+        for name in ("a-1", "a-2"):
+            assert (await push(name, TRAINER_A)).status_code == 200
+        refused = await push("a-3", TRAINER_A, b"not even read")
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert "RLSERVE_MODELS__MAX_ADAPTERS_PER_KEY" in error["message"], error
+        assert error["param"] == "name" and "retry-after" in refused.headers
+        assert (await push("a-2", TRAINER_A)).json()["version"] == 1  # a served name: fine
+        # the other key has room of its own, until the server is full
+        assert (await push("b-1", TRAINER_B)).status_code == 200
+        full = await push("b-2", TRAINER_B)
+        assert full.status_code == 429 and "(RLSERVE_MODELS__MAX_ADAPTERS)" in full.text
+        assert (await push("admin-1", ADMIN)).status_code == 429  # admins: the total too
+        # vLLM's route refuses likewise, naming its own field
+        folder_route = await client.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": "b-2", "lora_path": "/nowhere"},
+            headers=bearer(ADMIN),
+        )
+        assert folder_route.status_code == 429, folder_route.text
+        assert folder_route.json()["error"]["param"] == "lora_name"
+        assert (await client.delete("/v1/adapters/a-1", headers=bearer(ADMIN))).status_code == 200
+        assert (await push("b-2", TRAINER_B)).status_code == 200  # room again
+        names = {
+            m["id"] for m in (await client.get("/v1/models", headers=bearer(ADMIN))).json()["data"]
+        }
+        assert {"a-2", "b-1", "b-2"} <= names and "a-1" not in names

@@ -1,6 +1,6 @@
 """Episodes on the real tokenizer: token actions enter the history exactly as sent (even
 where re-encoding their text would give other ids), and an OpenAI-SDK agent's turns are
-recorded as one token-exact trajectory."""
+recorded as a token-exact trajectory."""
 
 from __future__ import annotations
 
@@ -70,16 +70,23 @@ def test_an_openai_sdk_agent_is_one_token_exact_trajectory(real_server):
     with Client(base_url=real_server.url) as client:
         recorded = client.trajectory(trajectory)
         assert recorded.num_turns == 3
-        (segment,) = recorded.segments  # every turn's prompt extends the one before
-        full = segment.tokens.full
-        assert full is not None and segment.log_probs is not None
-        assert len(segment.turns) == 3
-        scored = client.logprobs(tokens=[full]).outputs[0].log_probs
-        assert scored is not None and scored.full is not None
-        mask = segment.masks.all_assistant_mask
-        assert mask is not None
-        at = [i for i, m in enumerate(mask) if m]
-        assert len(at) == sum(t.end - t.start for t in segment.turns)
-        assert_close(
-            [segment.log_probs.full[i] for i in at], [scored.full[i] for i in at], TOLERANCE
-        )
+        # A turn's prompt extends the sequence before it (one segment) unless the template's
+        # re-rendering of a sampled reply tokenizes it otherwise (SmolLM2 at temperature 1
+        # samples non-canonical pairs): then a new segment starts, exactly there.
+        assert sum(len(s.turns) for s in recorded.segments) == 3
+        for before, after in zip(recorded.segments, recorded.segments[1:]):
+            assert before.tokens.full is not None and after.tokens.full is not None
+            ended = before.tokens.full
+            assert after.tokens.full[: len(ended)] != ended
+        for segment in recorded.segments:
+            full = segment.tokens.full
+            assert full is not None and segment.log_probs is not None
+            scored = client.logprobs(tokens=[full]).outputs[0].log_probs
+            assert scored is not None and scored.full is not None
+            mask = segment.masks.all_assistant_mask
+            assert mask is not None
+            at = [i for i, m in enumerate(mask) if m]
+            assert len(at) == sum(t.end - t.start for t in segment.turns)
+            assert_close(
+                [segment.log_probs.full[i] for i in at], [scored.full[i] for i in at], TOLERANCE
+            )

@@ -44,7 +44,12 @@ from app.updates.outcome import updated
 from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import TransferSetup, WeightTransfer, rendezvous_answers
+from app.weights.transfer_engine import (
+    TransferSetup,
+    WeightTransfer,
+    rendezvous_answers,
+    rendezvous_listening,
+)
 from app.weights.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,9 @@ class _Link:
     """What the open update pushes, when it is an adapter."""
     last_call: float = 0.0
     """time.monotonic() of the trainer's last call on the group."""
+    joining: asyncio.Event | None = None
+    """Set while a join waits for the trainer's rendezvous to listen: a close sets it, and
+    the join gives way at once (instead of the close waiting out the grace)."""
 
 
 class TransferService:
@@ -174,6 +182,7 @@ class TransferService:
                 packing=join.packing,
                 listen_grace_s=self.listen_grace_s,
             )
+            await self._listening(link, setup)
             try:
                 await asyncio.wait_for(engine.init(setup), timeout=join.timeout_s + 5)
             except Failure:
@@ -188,6 +197,30 @@ class TransferService:
             link.setup, link.last_error = setup, None
         self._sweep_idle()
         return await self.state(join.model)
+
+    @staticmethod
+    async def _listening(link: _Link, setup: TransferSetup) -> None:
+        """Wait for the trainer's rendezvous to accept connections (`rendezvous_listening`:
+        refused at once where it never will, else after the grace), unless a close call
+        comes first: then the join is refused at once, and the close answers at once."""
+        link.joining = closed = asyncio.Event()
+        listening = asyncio.ensure_future(rendezvous_listening(setup))
+        closing = asyncio.ensure_future(closed.wait())
+        try:
+            await asyncio.wait({listening, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            link.joining = None
+            closing.cancel()
+            if not listening.done():
+                listening.cancel()
+                await asyncio.wait({listening})
+        if listening.cancelled():
+            raise Conflict(
+                f"model: the join was closed (a close call) before the trainer's rendezvous at "
+                f"{setup.address}:{setup.port} accepted connections",
+                param="model",
+            )
+        listening.result()  # (its refusal, if it was refused)
 
     async def _replaceable(self, setup: TransferSetup, join: Join, idle_since: float) -> str | None:
         """Why the group of `setup` may give way to `join` (None: it may not)."""
@@ -439,6 +472,8 @@ class TransferService:
         return await self.state(model)
 
     async def close(self, model: str) -> TransferStatus:
+        if (link := self._links.get(model)) is not None and link.joining is not None:
+            link.joining.set()  # a join still waiting for its trainer gives way
         async with self._link(model) as (link, engine):
             await self._leave(link, engine)
         return await self.state(model)

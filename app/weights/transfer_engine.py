@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +66,12 @@ async def rendezvous_listening(setup: TransferSetup) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(setup.listen_grace_s, setup.timeout_s)
     while refused := await _refused(address, port, max(deadline - loop.time(), 0.05)):
-        if loop.time() >= deadline:
+        # Only a refused or unanswered connection may be a trainer still starting; an address
+        # that does not resolve or cannot be reached never will be: refused at once.
+        waiting = isinstance(refused, ConnectionRefusedError | TimeoutError) or (
+            isinstance(refused, socket.gaierror) and refused.errno == socket.EAI_AGAIN
+        )
+        if not waiting or loop.time() >= deadline:
             raise PeerAbsent(
                 f"master_address: nothing accepts connections at {address}:{port} (the "
                 f"trainer's rendezvous): {type(refused).__name__}: {refused}",

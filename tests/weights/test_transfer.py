@@ -322,6 +322,38 @@ async def test_a_trainer_that_never_joins_is_the_callers_failure(served, trainer
     assert result.policy_version == current + 1
 
 
+async def test_a_join_answers_at_once_where_its_outcome_is_known(served):
+    """The rendezvous grace (30 s) is for a trainer still opening its listener: an address
+    that never resolves is refused at once, and a close during a join still waiting for its
+    trainer ends the join at once (409) and answers at once itself."""
+    from tests.e2e.server import free_port
+
+    body = {"world_size": 2, "rank_offset": 1, "timeout_s": 600}
+    start = time.monotonic()
+    unresolvable = await served.http.post(
+        "/v1/weights/transfer/init",
+        json={**body, "master_address": "no-such-host.invalid", "master_port": 29500},
+    )
+    assert unresolvable.status_code == 409, unresolvable.text
+    assert unresolvable.json()["error"]["param"] == "master_address"
+    assert time.monotonic() - start < 5
+    waiting = asyncio.create_task(
+        served.http.post(
+            "/v1/weights/transfer/init",
+            json={**body, "master_address": "127.0.0.1", "master_port": free_port()},
+        )
+    )
+    await asyncio.sleep(1.0)  # the join waits for a listener there
+    assert not waiting.done()
+    start = time.monotonic()
+    closed = await served.http.post("/v1/weights/transfer/close", json={})
+    assert closed.status_code == 200 and closed.json()["state"] == "idle", closed.text
+    joined = await waiting
+    assert time.monotonic() - start < 5
+    assert joined.status_code == 409 and joined.json()["error"]["param"] == "model", joined.text
+    assert "the join was closed" in joined.json()["error"]["message"]
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 async def test_vllm_takes_tied_embedding_models_over_the_transfer(settings, tmp_path):

@@ -4,6 +4,7 @@ recorded as a token-exact trajectory."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -74,7 +75,7 @@ def test_an_openai_sdk_agent_is_one_token_exact_trajectory(real_server):
         # re-rendering of a sampled reply tokenizes it otherwise (SmolLM2 at temperature 1
         # samples non-canonical pairs): then a new segment starts, exactly there.
         assert sum(len(s.turns) for s in recorded.segments) == 3
-        for before, after in zip(recorded.segments, recorded.segments[1:]):
+        for before, after in itertools.pairwise(recorded.segments):
             assert before.tokens.full is not None and after.tokens.full is not None
             ended = before.tokens.full
             assert after.tokens.full[: len(ended)] != ended

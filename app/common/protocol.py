@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from fastapi import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -161,12 +162,85 @@ class WireModel(BaseModel):
         return data
 
 
+BOOL_STRINGS = (
+    r"^(0|1|[Tt]([Rr][Uu][Ee])?|[Ff]([Aa][Ll][Ss][Ee])?|[Yy]([Ee][Ss])?|[Nn][Oo]?"
+    r"|[Oo]([Nn]|[Ff][Ff]))$"
+)
+"""The strings pydantic's lax mode (vLLM's and SGLang's request models) reads as a boolean."""
+
+
+def _coercions_stated(schema: dict[str, Any]) -> None:
+    """A dialect model's JSON Schema, saying what its booleans take besides true and false:
+    0 and 1, and the strings of BOOL_STRINGS, as the origin servers' models take them."""
+    for name, node in schema.get("properties", {}).items():
+        schema["properties"][name] = _lax_booleans(node)
+
+
+def dialect_schema(
+    hook: Callable[[dict[str, Any]], None] | dict[str, Any],
+) -> Callable[[dict[str, Any]], None]:
+    """A dialect model's own JSON-schema hook (or keys to add), with the coercions stated
+    too (a subclass's `json_schema_extra` takes the place of DialectModel's)."""
+
+    def both(schema: dict[str, Any]) -> None:
+        if callable(hook):
+            hook(schema)
+        else:
+            schema.update(hook)
+        _coercions_stated(schema)
+
+    return both
+
+
+def _lax_booleans(node: dict[str, Any]) -> dict[str, Any]:
+    if "anyOf" in node:
+        return {**node, "anyOf": [_lax_booleans(member) for member in node["anyOf"]]}
+    if node.get("type") == "array" and isinstance(node.get("items"), dict):
+        return {**node, "items": _lax_booleans(node["items"])}
+    if node.get("type") != "boolean":
+        return node
+    rest = {k: v for k, v in node.items() if k not in ("type", "const")}
+    if "const" in node:  # Literal[False]: 0 too (0 == False), no string
+        return {**rest, "enum": [node["const"], int(node["const"])]}
+    return {
+        **rest,
+        "anyOf": [
+            {"type": "boolean"},
+            {"enum": [0, 1]},
+            {"type": "string", "pattern": BOOL_STRINGS},
+        ],
+    }
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type is a number (int or float, maybe optional or constrained)."""
+    if get_origin(annotation) is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(members) and all(_numeric(a) for a in members)
+    return annotation in (int, float)
+
+
 class DialectModel(WireModel):
     """A body of another server's dialect (vLLM's, SGLang's, OpenAI's): values coerce as that
-    server's own models do (pydantic's lax mode: 1.0 for 1, 0 for false, "5" for 5), since
-    its clients were written against it."""
+    server's own models do where it serves its clients (pydantic's lax mode: 0 and "false"
+    for false, 2.0 for 2), and the schema says so (`_coercions_stated`). A number is a JSON
+    number, though: "5" or true for a number is refused (the origin's lax mode takes them,
+    but no JSON Schema could say so within the field's bounds)."""
 
-    model_config = ConfigDict(strict=False)
+    model_config = ConfigDict(strict=False, json_schema_extra=_coercions_stated)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                number = field is not None and _numeric(field.annotation)
+                if number and isinstance(value, str | bool):
+                    raise field_error(name, "Input should be a number, not a string or boolean")
+        return data
 
 
 def warn_ignored(route: str, fields: Iterable[str]) -> None:

@@ -14,6 +14,7 @@ from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
     DialectModel,
     TokenId,
+    dialect_schema,
     field_error,
     one_of,
     warn_ignored,
@@ -36,7 +37,7 @@ class TokenizeRequest(DialectModel):
     """vLLM's TokenizeCompletionRequest or TokenizeChatRequest, and SGLang's TokenizeRequest
     (several prompts at once). Unknown fields are ignored (logged), as both servers do."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=_tokenize_schema)
+    model_config = ConfigDict(extra="allow", json_schema_extra=dialect_schema(_tokenize_schema))
 
     model: str | None = None
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None

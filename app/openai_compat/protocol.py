@@ -22,6 +22,7 @@ from app.common.protocol import (
     TokenId,
     TopP,
     VersionSpan,
+    dialect_schema,
     field_error,
     never_together,
     stop_list,
@@ -254,17 +255,19 @@ class ChatCompletionRequest(SamplingFields):
     # top_logprobs > 0 needs logprobs: true, in the schema as in the validator.
     model_config = ConfigDict(
         extra="allow",
-        json_schema_extra={
-            "if": {
-                "required": ["top_logprobs"],
-                "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
-            },
-            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-            "allOf": [
-                NOT_CONTINUE_AND_OPEN,
-                never_together(top_logprobs=POSITIVE, stream=STREAMED),
-            ],
-        },
+        json_schema_extra=dialect_schema(
+            {
+                "if": {
+                    "required": ["top_logprobs"],
+                    "properties": {"top_logprobs": {"type": "integer", "exclusiveMinimum": 0}},
+                },
+                "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+                "allOf": [
+                    NOT_CONTINUE_AND_OPEN,
+                    never_together(top_logprobs=POSITIVE, stream=STREAMED),
+                ],
+            }
+        ),
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -455,13 +458,15 @@ class CompletionRequest(SamplingFields):
     # What is not streamed, in the schema as in the validators.
     model_config = ConfigDict(
         extra="allow",
-        json_schema_extra={
-            "allOf": [
-                never_together(echo={"const": True}, stream=STREAMED),
-                never_together(prompt_logprobs={"type": "integer"}, stream=STREAMED),
-                never_together(logprobs=POSITIVE, stream=STREAMED),
-            ]
-        },
+        json_schema_extra=dialect_schema(
+            {
+                "allOf": [
+                    never_together(echo={"const": True}, stream=STREAMED),
+                    never_together(prompt_logprobs={"type": "integer"}, stream=STREAMED),
+                    never_together(logprobs=POSITIVE, stream=STREAMED),
+                ]
+            }
+        ),
     )
 
     prompt: (

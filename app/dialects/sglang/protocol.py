@@ -19,6 +19,7 @@ from app.common.protocol import (
     ServerPath,
     TokenId,
     VersionText,
+    dialect_schema,
     field_error,
     never_together,
     one_of,
@@ -127,7 +128,7 @@ def _generate_schema(schema: dict[str, Any]) -> None:
 
 
 class GenerateRequest(DialectModel):
-    model_config = ConfigDict(json_schema_extra=_generate_schema)
+    model_config = ConfigDict(json_schema_extra=dialect_schema(_generate_schema))
 
     text: str | Annotated[list[str], Field(min_length=1)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None

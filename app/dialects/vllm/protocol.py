@@ -20,6 +20,7 @@ from app.common.protocol import (
     ServerPath,
     TokenId,
     VersionText,
+    dialect_schema,
     field_error,
     never_together,
     one_of,
@@ -200,7 +201,9 @@ class UpdateWeights(DialectModel):
     """vLLM's announcement of the tensors the trainer broadcasts next (`update_info`), or the
     folder of a checkpoint to load (`weight_dir`: prime-rl's vLLM sends it)."""
 
-    model_config = ConfigDict(json_schema_extra=one_of(("update_info",), ("weight_dir",)))
+    model_config = ConfigDict(
+        json_schema_extra=dialect_schema(one_of(("update_info",), ("weight_dir",)))
+    )
 
     update_info: (
         UpdateInfo | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024)] | None
@@ -482,12 +485,14 @@ class InferenceGenerateRequest(DialectModel):
     # output_mode text needs detokenize, in the schema as in the validator.
     model_config = ConfigDict(
         extra="allow",
-        json_schema_extra=never_together(
-            output_mode={"const": "text"},
-            sampling_params={
-                "required": ["detokenize"],
-                "properties": {"detokenize": {"const": False}},
-            },
+        json_schema_extra=dialect_schema(
+            never_together(
+                output_mode={"const": "text"},
+                sampling_params={
+                    "required": ["detokenize"],
+                    "properties": {"detokenize": {"const": False}},
+                },
+            )
         ),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import cast
 
@@ -291,6 +292,22 @@ def _allowed_methods(request: Request) -> str:
     return ", ".join(sorted(methods))
 
 
+def _no_route(request: Request) -> str:
+    """A 404 for a path no route has, naming the nearest routes (a typo's likely target)."""
+    routes: dict[str, set[str]] = {}
+    for route in request.app.state.routes:
+        path = getattr(route, "path", None)
+        if path and getattr(route, "include_in_schema", True):
+            routes.setdefault(path, set()).update(getattr(route, "methods", None) or ())
+    path = request.url.path
+    near = difflib.get_close_matches(path, list(routes), n=3, cutoff=0.75)
+    named = ", ".join(
+        f"{'/'.join(sorted(routes[p] - {'HEAD', 'OPTIONS'}))} {p}" for p in near if routes[p]
+    )
+    hint = f"; the nearest: {named}" if named else ""
+    return f"no route {request.method} {path}{hint} (GET /docs lists every route)"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every expected failure onto the one error body (an unexpected one is answered by
     the request-context middleware, so its 500 carries the request id too)."""
@@ -307,9 +324,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         headers = dict(exc.headers or {})
+        message = str(exc.detail)
         if exc.status_code == 405:  # RFC 9110: every method the path has, not the first route's
-            headers["Allow"] = _allowed_methods(request)
-        error = APIError(exc.status_code, str(exc.detail), type=kind, headers=headers or None)
+            headers["Allow"] = allowed = _allowed_methods(request)
+            message = f"{request.method} is not a method of {request.url.path}; it takes {allowed}"
+        elif exc.status_code == 404 and message == "Not Found":  # the router's: no route
+            message = _no_route(request)
+        error = APIError(exc.status_code, message, type=kind, headers=headers or None)
         return error_response(error)
 
     async def _failure(_: Request, exc: Exception) -> JSONResponse:

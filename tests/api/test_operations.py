@@ -335,3 +335,20 @@ async def test_an_undeclared_method_is_a_405_listing_every_method_of_the_path(cl
         assert response.status_code == 405, (method, path)
         assert response.headers["allow"] == allowed, (method, path)
         assert response.json()["error"]["code"] == 405
+
+
+async def test_a_mistyped_route_names_the_nearest_routes_and_a_method_the_path_takes(client):
+    for method, path, nearest in (
+        ("POST", "/v1/generation", "POST /v1/generate"),
+        ("POST", "/v1/logprob", "POST /v1/logprobs"),
+        ("GET", "/v1/modles", "GET /v1/models"),
+    ):
+        response = await client.request(method, path)
+        assert response.status_code == 404
+        message = response.json()["error"]["message"]
+        assert message.startswith(f"no route {method} {path}; the nearest: {nearest}"), message
+    root = (await client.get("/")).json()["error"]["message"]
+    assert root == "no route GET / (GET /docs lists every route)"
+    wrong = await client.get("/v1/generate")
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["message"] == "GET is not a method of /v1/generate; it takes POST"

@@ -88,12 +88,36 @@ TrajectoryHeader = Annotated[
 ]
 
 
+IGNORED_HEADER = "X-Ignored-Fields"
+"""Names the request's fields this server does not know and ignored (as vLLM ignores them,
+only logging them): a misspelled `temprature` is told to the client, not only to the log."""
+
+
+ANSWER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **RESPONSES,
+    200: {
+        "headers": {
+            IGNORED_HEADER: {
+                "description": "The request's fields this server ignored (unknown to it), "
+                "comma-separated; absent when there are none.",
+                "schema": {"type": "string"},
+            }
+        }
+    },
+}
+
+
 async def _answer(job: Job, service: OpenAIService) -> Response:
+    ignored = (
+        {IGNORED_HEADER: ", ".join(sorted(extra))} if (extra := job.request.model_extra) else {}
+    )
     if job.request.stream:
         events = await service.open_stream(job)
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ignored}
         return StreamingResponse(_sse(events), media_type="text/event-stream", headers=headers)
-    return json_response(await service.complete(job))
+    response = json_response(await service.complete(job))
+    response.headers.update(ignored)
+    return response
 
 
 async def _sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -112,7 +136,7 @@ async def _sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
     "/v1/chat/completions",
     response_model=ChatCompletion,
     response_model_exclude_none=True,
-    responses=RESPONSES,
+    responses=ANSWER_RESPONSES,
     summary="OpenAI chat completions",
 )
 @cancellable
@@ -131,7 +155,7 @@ async def chat_completions(
     "/v1/completions",
     response_model=Completion,
     response_model_exclude_none=True,
-    responses=RESPONSES,
+    responses=ANSWER_RESPONSES,
     summary="OpenAI completions",
 )
 @cancellable

@@ -60,6 +60,7 @@ from app.scoring.extras import extras
 from app.trajectories.service import TrajectoryService
 
 Kind = Literal["chat", "completion"]
+ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 @dataclass
@@ -211,7 +212,7 @@ class OpenAIService(ModelServing):
         trajectory_id: str | None,
     ) -> Job:
         self.check_num_items(len(prompts) * request.n, "n")
-        warn_ignored(f"/v1/{kind} completions", request.model_extra or {})
+        warn_ignored(ROUTES[kind], request.model_extra or {})
         top_field = "top_logprobs" if kind == "chat" else "logprobs"
         if logprobs and logprobs > self.limits.max_top_logprobs:
             raise invalid(

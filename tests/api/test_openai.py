@@ -409,3 +409,17 @@ async def test_echo_shows_the_prompt_and_its_log_probs(sdk, client, reference_lo
     scored = [next(iter(r.values()))["logprob"] for r in extra["prompt_logprobs"][1:]]
     assert_close(scored, expected[1 : len(prompt)], 1e-4)
     assert all(len(r) <= 2 for r in extra["prompt_logprobs"][1:])  # its own and the top 1
+
+
+async def test_fields_the_server_ignores_are_named_to_the_client(client):
+    """vLLM's leniency (an unknown field is ignored, not refused), with a sign to the client:
+    a misspelled `temprature` is named in a response header, streamed or not."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    plain = await client.post("/v1/chat/completions", json=chat)
+    assert plain.status_code == 200 and "x-ignored-fields" not in plain.headers
+    typo = await client.post("/v1/chat/completions", json={**chat, "temprature": 0.5, "a": 1})
+    assert typo.status_code == 200 and typo.headers["x-ignored-fields"] == "a, temprature"
+    streamed = await client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True, "tmp": 1}
+    )
+    assert streamed.status_code == 200 and streamed.headers["x-ignored-fields"] == "tmp"

@@ -367,7 +367,8 @@ class InputPreparer:
 def check_num_items(num_items: int, limit: int, field: str) -> None:
     if num_items > limit:
         raise TooLarge(
-            f"{field}: {num_items} sequences in one request exceed the limit of {limit}",
+            f"{field}: {num_items} sequences in one request exceed the limit of {limit} "
+            "(RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST)",
             param=field,
         )
 

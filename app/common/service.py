@@ -48,7 +48,11 @@ class ModelServing:
         value = requested or self.limits.default_max_new_tokens
         limit = self.limits.max_new_tokens
         if value > limit:
-            raise invalid(field, f"{value} exceeds the server's limit of {limit}")
+            raise invalid(
+                field,
+                f"{value} exceeds the server's limit of {limit} (RLSERVE_LIMITS__MAX_NEW_TOKENS "
+                "raises it)",
+            )
         return value
 
     def check_num_items(self, num_items: int, field: str) -> None:

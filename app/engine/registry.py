@@ -297,7 +297,12 @@ class ModelRegistry:
             served = self._at_version(*split, param)
             if served is not None:
                 return served
-        raise invalid(param, f"'{name}' is not served (have {self.names()})")
+        raise invalid(
+            param,
+            f"'{name}' is not served (have {', '.join(self.names())}; rlserve serve "
+            "--served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the policy more "
+            "names)",
+        )
 
     def name_of(self, served: ServedModel) -> str:
         """The name that gets `served` again: its model's, its adapter's, or `NAME@VERSION`

@@ -86,12 +86,13 @@ class SessionRepository:
         if await self.store.count(owner) >= limits.max_sessions_per_key:
             raise QuotaExceeded(
                 f"this API key has {limits.max_sessions_per_key} live environment "
-                "sessions; delete one or wait for idle ones to expire"
+                "sessions (RLSERVE_ENVS__MAX_SESSIONS_PER_KEY); delete one or wait for idle "
+                "ones to expire"
             )
         if await self.store.count() >= limits.max_sessions:
             raise QuotaExceeded(
-                f"{limits.max_sessions} environment sessions are live; delete one "
-                "or wait for idle ones to expire"
+                f"{limits.max_sessions} environment sessions are live "
+                "(RLSERVE_ENVS__MAX_SESSIONS); delete one or wait for idle ones to expire"
             )
         stamp = now()
         state = EpisodeState().to_json()

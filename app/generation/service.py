@@ -201,7 +201,8 @@ class GenerationService(ModelServing):
         if request.top_logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 "top_logprobs",
-                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's limit: "
+                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
             )
         limit = backend.full_distribution_limit()
         longest = max(len(p.ids) for p in prompts) + max_new_tokens

@@ -135,7 +135,12 @@ class OpenAIService(ModelServing):
         registry = self.registry
         if registry.not_ready_reason() is None and not registry.serves(name):
             served = ", ".join(registry.names())
-            raise NotFound(f"model '{name}' does not exist (served: {served})", param="model")
+            raise NotFound(
+                f"model '{name}' does not exist (served: {served}; rlserve serve "
+                "--served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the policy "
+                "more names)",
+                param="model",
+            )
         return self.registry.get(name)
 
     async def chat_job(
@@ -217,7 +222,8 @@ class OpenAIService(ModelServing):
         if logprobs and logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 top_field,
-                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's limit: "
+                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
             )
         capabilities = served.backend.capabilities
         if request.logprobs_mode == "processed" and not capabilities.processed_log_probs:
@@ -271,7 +277,8 @@ class OpenAIService(ModelServing):
         if prompt_logprobs is not None and prompt_logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 "prompt_logprobs",
-                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's limit: "
+                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
             )
         if prompt_logprobs is not None and request.stream:
             raise invalid("prompt_logprobs", "is not streamed: ask without stream")

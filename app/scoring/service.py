@@ -89,13 +89,15 @@ class ScoringService(ModelServing):
         if request.top_logprobs > self.limits.max_top_logprobs:
             raise invalid(
                 "top_logprobs",
-                f"at most {self.limits.max_top_logprobs} (the server's max_top_logprobs)",
+                f"at most {self.limits.max_top_logprobs} (the server's limit: "
+                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
             )
         if request.token_ids is not None:
             if len(request.token_ids) > self.limits.max_candidate_ids:
                 raise invalid(
                     "token_ids",
-                    f"at most {self.limits.max_candidate_ids} ids (max_candidate_ids)",
+                    f"at most {self.limits.max_candidate_ids} ids "
+                    "(RLSERVE_LIMITS__MAX_CANDIDATE_IDS)",
                 )
             for j, token in enumerate(request.token_ids):
                 if token >= vocab_size:

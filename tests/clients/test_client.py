@@ -114,8 +114,8 @@ def test_connection_errors_are_retried_then_raised():
         raise httpx.ConnectError("refused", request=request)
 
     client = Client(base_url="http://x", max_retries=2, transport=httpx.MockTransport(refuse))
-    with pytest.raises(APIConnectionError):
-        client.health()
+    with pytest.raises(APIConnectionError, match=r"^GET http://x/health: no answer \(refused\)"):
+        client.health()  # (the error names the URL it tried)
     assert len(attempts) == 3
 
 

@@ -234,7 +234,8 @@ async def _sample(
     if k > generation.limits.max_top_logprobs:
         raise invalid(
             "top_logprobs_num",
-            f"at most {generation.limits.max_top_logprobs} (the server's max_top_logprobs)",
+            f"at most {generation.limits.max_top_logprobs} (the server's limit: "
+            "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
         )
     asks = ScoreSpec(top_logprobs=k) if k and request.return_logprob else None
     return await sample(

@@ -75,7 +75,10 @@ def config_of(
 
 def top_k_asked(generation: GenerationService, k: int | None, field: str) -> int | None:
     if k is not None and k > generation.limits.max_top_logprobs:
-        raise invalid(field, f"at most {generation.limits.max_top_logprobs} (max_top_logprobs)")
+        raise invalid(
+            field,
+            f"at most {generation.limits.max_top_logprobs} (RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
+        )
     return k
 
 

@@ -95,9 +95,20 @@ class _Methods:
 
 
 def _no_answer(exc: httpx.TransportError) -> APIConnectionError:
+    """The error for a request that got no answer, naming the URL it was sent to."""
+    try:
+        request: httpx.Request | None = exc.request
+    except RuntimeError:  # (httpx: an error raised without its request)
+        request = None
+    where = f"{request.method} {request.url}" if request is not None else "the request"
+    reason = str(exc) or type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
-        return APITimeoutError(str(exc) or "timed out", request=exc.request)
-    return APIConnectionError(str(exc), request=exc.request)
+        return APITimeoutError(f"{where}: timed out ({reason})", request=request)
+    return APIConnectionError(
+        f"{where}: no answer ({reason}); is rlserve running there? (the client's base_url, "
+        "or RLSERVE_URL)",
+        request=request,
+    )
 
 
 def _result(call: Call[T], response: httpx.Response) -> T:

@@ -381,15 +381,7 @@ class OpenAIService(ModelServing):
         g: Generation,
         tops: list[list[tuple[int, float]]] | None,
     ) -> ChatChoice:
-        reader = _reasoning_reader(job)
-        text = _reply_text(job, g)
-        content: str | None = text
-        if reader is not None:
-            reader.feed(text, last=True)
-            content = reader.result()[1]
-        calls: list[ToolCall] = []
-        if job.tool_names is not None and content is not None:
-            content, calls = parse_tool_calls(content, job.tool_names)
+        content, calls, reader = _chat_message(job, g)
         logprobs = None
         if job.logprobs is not None:
             entries = job.texts.chat_entries(g.token_ids, _values(job, g), tops, as_ids=job.as_ids)
@@ -455,6 +447,10 @@ class OpenAIService(ModelServing):
         (generation,) = sampled.generations
         if generation.finish_reason == "abort":
             return None  # nothing was completed: the caller will ask again
+        finish: str = generation.finish_reason
+        if job.kind == "chat" and job.tool_names is not None:  # the reply's own reason
+            _, calls, _ = await job.served.preparer.off_loop(_chat_message, job, generation)
+            finish = "tool_calls" if calls else finish
         return await self.trajectories.record(
             job.trajectory_id,
             job.owner,
@@ -462,6 +458,7 @@ class OpenAIService(ModelServing):
             job.prompts[0].ids,
             generation,
             job.served.backend.routing,
+            finish_reason=finish,
         )
 
     # -- streaming ---------------------------------------------------------------------
@@ -680,6 +677,23 @@ class _Chunks:
         if job.request.include_usage:
             lines.append(self._chunk([], usage=_usage(job, generations)))
         return lines
+
+
+def _chat_message(
+    job: Job, g: Generation
+) -> tuple[str | None, list[ToolCall], ReasoningReader | None]:
+    """A chat reply's content (its reasoning and tool calls taken out), its tool calls, and
+    the reader that took the reasoning out (None without a reasoning parser)."""
+    reader = _reasoning_reader(job)
+    text = _reply_text(job, g)
+    content: str | None = text
+    if reader is not None:
+        reader.feed(text, last=True)
+        content = reader.result()[1]
+    calls: list[ToolCall] = []
+    if job.tool_names is not None and content is not None:
+        content, calls = parse_tool_calls(content, job.tool_names)
+    return content, calls, reader
 
 
 def _reply_text(job: Job, g: Generation) -> str:

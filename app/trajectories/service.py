@@ -36,9 +36,12 @@ class TrajectoryService:
         prompt_ids: list[int],
         g: Generation,
         routing: Routing | None = None,
+        *,
+        finish_reason: str | None = None,
     ) -> int:
         """Append one completion as the trajectory's next turn; its index. With the model's
-        `routing`, the generation's routed experts are kept too."""
+        `routing`, the generation's routed experts are kept too; `finish_reason`: the one the
+        reply gave, where it is not the generation's (a chat reply's "tool_calls")."""
         routed = None
         if g.routed_experts is not None and routing is not None:
             routed = npy_base64(g.routed_experts, routing)
@@ -47,7 +50,7 @@ class TrajectoryService:
             completion_ids=list(g.token_ids),
             log_probs=list(g.log_probs),
             versions=[[s.version, s.start, s.end] for s in g.versions or []],
-            finish_reason=g.finish_reason,
+            finish_reason=finish_reason or g.finish_reason,
             model=model,
             created=time.time(),
             routed_experts=routed,

@@ -91,3 +91,35 @@ async def test_policy_version_per_step_across_a_weight_update(tmp_path: Path):
         response = step["tokens"]["response"]
         assert response == [72, 105, 33]
         assert step["log_probs"]["response"] == [policy_log_prob(t) for t in response]
+
+
+async def test_a_recorded_turn_keeps_the_finish_reason_of_its_reply(tmp_path: Path):
+    """A chat reply that calls a tool finishes with "tool_calls", in the reply and in the
+    recorded trajectory's turn (which kept the generation's "stop")."""
+    from app.engine.builtin_model import build_tokenizer
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    reply = build_tokenizer().encode(call, add_special_tokens=False)
+    pair = (
+        FakeBackend("policy", policy_log_prob, reply=reply),
+        FakeBackend("reference", reference_log_prob),
+    )
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    async with fake_app(tmp_path, *pair) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            body = {
+                "messages": [{"role": "user", "content": "1 + 2?"}],
+                "tools": [tool],
+                "max_tokens": len(reply) + 5,
+            }
+            response = await client.post(
+                "/v1/chat/completions", json=body, headers={"X-Trajectory-ID": "t-1"}
+            )
+            assert response.status_code == 200, response.text
+            (choice,) = response.json()["choices"]
+            assert choice["finish_reason"] == "tool_calls"
+            assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+            recorded = (await client.get("/v1/trajectories/t-1")).json()
+            (segment,) = recorded["segments"]
+            assert [turn["finish_reason"] for turn in segment["turns"]] == ["tool_calls"]

@@ -23,7 +23,8 @@ def arithmetic_problems(num_problems: int = 256, seed: int = 0) -> list[Problem]
     problems = []
     for _ in range(num_problems):
         name, thing = rng.choice(names), rng.choice(things)
-        start, bought, given = rng.randint(2, 60), rng.randint(2, 40), rng.randint(1, 30)
+        start, bought = rng.randint(2, 60), rng.randint(2, 40)
+        given = rng.randint(1, min(30, start + bought - 1))  # never more than they have
         end = start + bought - given
         query = (
             f"{name} has {start} {thing}. {name} buys {bought} more and gives {given} away. "

@@ -61,7 +61,12 @@ def _cached(cache_dir: Path, name: str, marker: str, build: Callable[[Path], Pat
     if (target / marker).exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("preparing %s once into %s (later starts load it from there)", name, target)
+    logger.info(
+        "preparing %s once into %s (about half a minute on a laptop's CPU; later starts load "
+        "it from there)",
+        name,
+        target,
+    )
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
         build(staging)

@@ -1,6 +1,7 @@
 """MkDocs hooks: the benchmark figures join the site from `bench/results/`, where the benchmarks
-write them, and the settings reference is generated from `app.config`, so neither is copied
-or rewritten by hand."""
+write them. The settings reference, `docs/reference/settings.md`, is generated from
+`app.config` by this file (`.venv/bin/python scripts/mkdocs_hooks.py`), and committed so its
+links work in the repository too; tests/docs/test_site.py fails when it drifts."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "bench" / "results"
-SETTINGS_PAGE = "reference/settings.md"
+SETTINGS_PAGE = ROOT / "docs" / "reference" / "settings.md"
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     for figure in sorted([*FIGURES.glob("*.png"), *FIGURES.glob("*.svg")]):
         files.append(File.generated(config, f"bench/{figure.name}", abs_src_path=str(figure)))
-    files.append(File.generated(config, SETTINGS_PAGE, content=settings_reference()))
     return files
 
 
@@ -33,7 +33,7 @@ def settings_reference() -> str:
         "Every setting is an environment variable, `RLSERVE_<GROUP>__<FIELD>`, read once at",
         "start-up and validated before any model loads (a wrong value stops the start with its",
         "name). `rlserve serve` takes the common ones as flags too (`rlserve serve --help`).",
-        "This page is generated from `app/config.py`.",
+        "This page is generated from `app/config.py` (`.venv/bin/python scripts/mkdocs_hooks.py`).",
         "",
     ]
     for group, field in Settings.model_fields.items():
@@ -69,3 +69,11 @@ def _default(info: Any) -> str:
         return "empty"
     text = str(value).replace("|", "\\|")
     return f"`{text}`"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    SETTINGS_PAGE.write_text(settings_reference())
+    print(SETTINGS_PAGE)

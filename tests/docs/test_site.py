@@ -30,3 +30,17 @@ def test_the_docs_build_strictly(tmp_path: Path) -> None:
     assert "RLSERVE_MODELS__MODEL" in settings and "RLSERVE_AUTH__API_KEYS" in settings
     routes = (site / "reference" / "routes" / "index.html").read_text()
     assert "/v1/generate" in routes and "/v1/logprobs" in routes
+
+
+def test_the_settings_reference_is_the_settings() -> None:
+    """docs/reference/settings.md is committed (its links work in the repository too) and is
+    exactly what app/config.py generates: regenerate it with
+    `.venv/bin/python scripts/mkdocs_hooks.py` after changing a setting."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hooks", ROOT / "scripts" / "mkdocs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = ROOT / "docs" / "reference" / "settings.md"
+    assert page.read_text() == hooks.settings_reference(), "regenerate the settings reference"

@@ -1,10 +1,14 @@
 """MkDocs hooks: the benchmark figures join the site from `bench/results/`, where the benchmarks
-write them. The settings reference, `docs/reference/settings.md`, is generated from
-`app.config` by this file (`.venv/bin/python scripts/mkdocs_hooks.py`), and committed so its
-links work in the repository too; tests/docs/test_site.py fails when it drifts."""
+write them; the pages link them there (`../../bench/results/learning.png`, a link that works
+in the repository), and the site's pages link the site's copies (`on_page_markdown`). The
+settings reference, `docs/reference/settings.md`, is generated from `app.config` by this file
+(`.venv/bin/python scripts/mkdocs_hooks.py`), and committed so its links work in the
+repository too; tests/docs/test_site.py fails when it drifts."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,22 @@ from pydantic_core import PydanticUndefined
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "bench" / "results"
 SETTINGS_PAGE = ROOT / "docs" / "reference" / "settings.md"
+
+
+FIGURE_LINK = re.compile(r"\]\(((?:\.\./)+)bench/results/([A-Za-z0-9_.-]+\.(?:png|svg))\)")
+
+
+def on_page_markdown(markdown: str, page: Any, config: MkDocsConfig, files: Files) -> str:
+    """A page's links to figures in `bench/results/` (the repository's) as links to the
+    site's copies of them (`bench/NAME`, added by `on_files`)."""
+    here = Path(config["docs_dir"]) / Path(page.file.src_uri).parent
+
+    def site_link(match: re.Match[str]) -> str:
+        if (here / match[1]).resolve() != ROOT:
+            return match[0]  # not the repository's bench/results: left for the checks
+        return f"]({os.path.relpath(f'bench/{match[2]}', Path(page.file.src_uri).parent)})"
+
+    return FIGURE_LINK.sub(site_link, markdown)
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:

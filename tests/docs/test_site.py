@@ -44,3 +44,18 @@ def test_the_settings_reference_is_the_settings() -> None:
     spec.loader.exec_module(hooks)
     page = ROOT / "docs" / "reference" / "settings.md"
     assert page.read_text() == hooks.settings_reference(), "regenerate the settings reference"
+
+
+def test_every_link_of_a_page_works_in_the_repository_too() -> None:
+    """A page read in the repository (not the built site) finds every page and figure it
+    links: the figures are linked where the benchmarks write them, bench/results/."""
+    import re
+
+    from tests.docs.examples import pages
+
+    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+    for page in pages():
+        for target in link.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: {target}"

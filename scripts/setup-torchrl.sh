@@ -18,5 +18,7 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet torch==2.13.0 "tensordict<0.15" "$torchrl_spec"
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side:
 # each writes the same egg-info directories).
-flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[$extras]" -e "clients/python[torch]"
+# (the silenced UserWarning: setuptools' editable-install notice, see install.sh)
+PYTHONWARNINGS=ignore::UserWarning flock pyproject.toml \
+  "$venv/bin/python" -m pip install --quiet -e ".[$extras]" -e "clients/python[torch]"
 echo "$wanted" > "$stamp"

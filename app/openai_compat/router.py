@@ -2,8 +2,9 @@
 codes (an invalid request is a 400, as OpenAI answers it), server-sent events with `stream`."""
 
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -99,7 +100,8 @@ ANSWER_RESPONSES: dict[int | str, dict[str, Any]] = {
         "headers": {
             IGNORED_HEADER: {
                 "description": "The request's fields this server ignored (unknown to it), "
-                "comma-separated; absent when there are none.",
+                "percent-encoded and comma-separated (the first 32); absent when there are "
+                "none.",
                 "schema": {"type": "string"},
             }
         }
@@ -107,10 +109,23 @@ ANSWER_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+IGNORED_NAMED = 32
+"""At most this many ignored fields are named (then `, ...`)."""
+
+
+def _ignored_header(names: Iterable[str]) -> dict[str, str]:
+    """The X-Ignored-Fields header for `names` (none: no header), each name percent-encoded
+    (a header holds ASCII; `temprature` stays as it is)."""
+    named = sorted(names)
+    if not named:
+        return {}
+    shown = [quote(name, safe="") for name in named[:IGNORED_NAMED]]
+    more = [f"... ({len(named) - IGNORED_NAMED} more)"] if len(named) > IGNORED_NAMED else []
+    return {IGNORED_HEADER: ", ".join([*shown, *more])}
+
+
 async def _answer(job: Job, service: OpenAIService) -> Response:
-    ignored = (
-        {IGNORED_HEADER: ", ".join(sorted(extra))} if (extra := job.request.model_extra) else {}
-    )
+    ignored = _ignored_header(job.request.model_extra or {})
     if job.request.stream:
         events = await service.open_stream(job)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **ignored}

@@ -45,10 +45,10 @@ from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish,
 from app.weights.checkpoint import check_layout
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import (
+    JOIN_CLOSED,
     TransferSetup,
     WeightTransfer,
     rendezvous_answers,
-    rendezvous_listening,
 )
 from app.weights.transport import Transport
 
@@ -182,7 +182,8 @@ class TransferService:
                 packing=join.packing,
                 listen_grace_s=self.listen_grace_s,
             )
-            await self._listening(link, setup)
+            link.joining = closed = asyncio.Event()
+            joining = JOIN_CLOSED.set(closed)  # (rendezvous_listening gives way when set)
             try:
                 await asyncio.wait_for(engine.init(setup), timeout=join.timeout_s + 5)
             except Failure:
@@ -194,33 +195,12 @@ class TransferService:
                     f"{join.port} within {join.timeout_s:g} s ({text})",
                     param="timeout_s",
                 ) from exc
+            finally:
+                JOIN_CLOSED.reset(joining)
+                link.joining = None
             link.setup, link.last_error = setup, None
         self._sweep_idle()
         return await self.state(join.model)
-
-    @staticmethod
-    async def _listening(link: _Link, setup: TransferSetup) -> None:
-        """Wait for the trainer's rendezvous to accept connections (`rendezvous_listening`:
-        refused at once where it never will, else after the grace), unless a close call
-        comes first: then the join is refused at once, and the close answers at once."""
-        link.joining = closed = asyncio.Event()
-        listening = asyncio.ensure_future(rendezvous_listening(setup))
-        closing = asyncio.ensure_future(closed.wait())
-        try:
-            await asyncio.wait({listening, closing}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            link.joining = None
-            closing.cancel()
-            if not listening.done():
-                listening.cancel()
-                await asyncio.wait({listening})
-        if listening.cancelled():
-            raise Conflict(
-                f"model: the join was closed (a close call) before the trainer's rendezvous at "
-                f"{setup.address}:{setup.port} accepted connections",
-                param="model",
-            )
-        listening.result()  # (its refusal, if it was refused)
 
     async def _replaceable(self, setup: TransferSetup, join: Join, idle_since: float) -> str | None:
         """Why the group of `setup` may give way to `join` (None: it may not)."""

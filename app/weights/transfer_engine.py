@@ -13,6 +13,7 @@ import contextlib
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,11 @@ class TransferSetup:
         )
 
 
+JOIN_CLOSED: ContextVar[asyncio.Event | None] = ContextVar("join_closed", default=None)
+"""Set around a join by the transfer service: a close call sets the event, and a join still
+waiting for its trainer's rendezvous to listen gives way at once (`rendezvous_listening`)."""
+
+
 async def rendezvous_listening(setup: TransferSetup) -> None:
     """Return once something accepts connections at the trainer's address; a PeerAbsent
     naming `master_address` when nothing does within the setup's grace (or its timeout, if
@@ -65,7 +71,15 @@ async def rendezvous_listening(setup: TransferSetup) -> None:
     address, port = setup.address, setup.port
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(setup.listen_grace_s, setup.timeout_s)
-    while refused := await _refused(address, port, max(deadline - loop.time(), 0.05)):
+    closed = JOIN_CLOSED.get()
+    # (each probe at most a second, so a close is seen within one)
+    while refused := await _refused(address, port, min(max(deadline - loop.time(), 0.05), 1.0)):
+        if closed is not None and closed.is_set():
+            raise Conflict(
+                f"model: the join was closed (a close call) before the trainer's rendezvous at "
+                f"{address}:{port} accepted connections",
+                param="model",
+            )
         # Only a refused or unanswered connection may be a trainer still starting; an address
         # that does not resolve or cannot be reached never will be: refused at once.
         waiting = isinstance(refused, ConnectionRefusedError | TimeoutError) or (
@@ -77,7 +91,11 @@ async def rendezvous_listening(setup: TransferSetup) -> None:
                 f"trainer's rendezvous): {type(refused).__name__}: {refused}",
                 param="master_address",
             ) from refused
-        await asyncio.sleep(0.1)
+        if closed is None:
+            await asyncio.sleep(0.1)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closed.wait(), 0.1)
 
 
 async def rendezvous_answers(address: str, port: int, timeout_s: float = 2.0) -> bool:
@@ -86,13 +104,13 @@ async def rendezvous_answers(address: str, port: int, timeout_s: float = 2.0) ->
     return await _refused(address, port, timeout_s) is None
 
 
-async def _refused(address: str, port: int, timeout_s: float) -> OSError | TimeoutError | None:
+async def _refused(address: str, port: int, timeout_s: float) -> Exception | None:
     """Why a connection to address:port failed within `timeout_s` (None: it was accepted,
     and is closed again)."""
     try:
         async with asyncio.timeout(timeout_s):
             _, writer = await asyncio.open_connection(address, port)
-    except (OSError, TimeoutError) as exc:
+    except (OSError, TimeoutError, UnicodeError, ValueError) as exc:  # (a name idna refuses)
         return exc
     writer.close()
     with contextlib.suppress(OSError):

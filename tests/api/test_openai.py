@@ -423,3 +423,11 @@ async def test_fields_the_server_ignores_are_named_to_the_client(client):
         "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True, "tmp": 1}
     )
     assert streamed.status_code == 200 and streamed.headers["x-ignored-fields"] == "tmp"
+    # A header holds ASCII: other names are percent-encoded, and at most 32 are named.
+    many = {f"f{i:02d}": 1 for i in range(40)}
+    body = {"prompt": "hi", "max_tokens": 2, "_é😀": 1, **many}
+    odd = await client.post("/v1/completions", json=body)
+    assert odd.status_code == 200, odd.text
+    named = odd.headers["x-ignored-fields"].split(", ")
+    assert named[:2] == ["_%C3%A9%F0%9F%98%80", "f00"] and len(named) == 33
+    assert named[-1] == "... (9 more)"

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL_TURN = {"messages": [{"role": "assistant", "content": "It is"}]}
 CASES: list[tuple[str, dict[str, Any], bool]] = [
     # (route, body, whether it is taken)
     ("/continue_generation", {"torch_empty_cache": 0}, True),
@@ -21,6 +22,14 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, True),
     ("/tokenize", {"prompt": "hi", "return_token_strs": "yes"}, True),
     ("/tokenize", {"prompt": "hi", "return_token_strs": []}, False),
+    # a cross-field rule meets the coerced values too (continue_final_message needs
+    # add_generation_prompt: false)
+    (
+        "/tokenize",
+        {**TOOL_TURN, "continue_final_message": 1, "add_generation_prompt": "yes"},
+        False,
+    ),
+    ("/tokenize", {**TOOL_TURN, "continue_final_message": "on", "add_generation_prompt": 0}, True),
     ("/detokenize", {"tokens": [5, 6], "skip_special_tokens": 0}, True),
     ("/detokenize", {"tokens": [5, 6], "skip_special_tokens": "no"}, True),
     ("/detokenize", {"tokens": [5, 6], "skip_special_tokens": 0.5}, False),

@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from fastapi import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -245,35 +244,13 @@ def _lax_booleans(node: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _numeric(annotation: Any) -> bool:
-    """Whether a field's type is a number (int or float, maybe optional or constrained)."""
-    if get_origin(annotation) is Annotated:
-        return _numeric(get_args(annotation)[0])
-    if get_origin(annotation) in (Union, UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        return bool(members) and all(_numeric(a) for a in members)
-    return annotation in (int, float)
-
-
 class DialectModel(WireModel):
     """A body of another server's dialect (vLLM's, SGLang's, OpenAI's): values coerce as that
     server's own models do where it serves its clients (pydantic's lax mode: 0 and "false"
-    for false, 2.0 for 2), and the schema says so (`_coercions_stated`). A number is a JSON
-    number, though: "5" or true for a number is refused (the origin's lax mode takes them,
-    but no JSON Schema could say so within the field's bounds)."""
+    for false, 2.0 for 2, "5" for 5: AReaL sends master_port as a string), and the schema
+    says so for booleans (`_coercions_stated`)."""
 
     model_config = ConfigDict(strict=False, json_schema_extra=_coercions_stated)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_numbers(cls, data: object) -> object:
-        if isinstance(data, dict):
-            for name, value in data.items():
-                field = cls.model_fields.get(name)
-                number = field is not None and _numeric(field.annotation)
-                if number and isinstance(value, str | bool):
-                    raise field_error(name, "Input should be a number, not a string or boolean")
-        return data
 
 
 def warn_ignored(route: str, fields: Iterable[str]) -> None:

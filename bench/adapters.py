@@ -43,10 +43,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @asynccontextmanager
 async def served(
-    model: str, output: Path, backend: str = "transformers", max_loras: int = 0
+    model: str, output: Path, backend: str = "transformers", max_loras: int = 0, device: str = "cpu"
 ) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(
-        models={"model": model, "load_reference": False, "backend": backend},
+        models={"model": model, "load_reference": False, "backend": backend, "device": device},
         storage={"data_dir": output / ".data" / "adapters"},
         limits={"max_items_per_request": 64},
         vllm={"kv_cache_memory_bytes": 1 << 30, "max_loras": max_loras, "max_lora_rank": 16},
@@ -131,10 +131,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     vllm = args.backend == "vllm"
     if vllm:  # the policy on an engine without LoRA layers
-        async with served(args.model, args.output, "vllm") as client:
+        async with served(args.model, args.output, "vllm", device=args.device) as client:
             report["base_alone"] = await throughput(client, ["policy"], work, prompts, new, reps)
             print("base alone", report["base_alone"], flush=True)
-    async with served(args.model, args.output, args.backend, max(counts) if vllm else 0) as client:
+    max_loras = max(counts) if vllm else 0
+    async with served(args.model, args.output, args.backend, max_loras, args.device) as client:
         source = (await client.get("/v1/models")).json()["data"][0]["source"]
         with tempfile.TemporaryDirectory() as tmp:
             folders = save_adapters(source, max(counts), args.rank, Path(tmp))
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2 (tiny with --quick)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument("--device", default="cpu", help="the server's (cuda: bench/gpu_check.py)")
     args = parser.parse_args()
     args.model = args.model or ("builtin:tiny" if args.quick else DEFAULT_MODEL)
     report = asyncio.run(run(args))

@@ -32,9 +32,17 @@ from app.config import DEFAULT_MODEL, Settings
 
 
 @asynccontextmanager
-async def served(model: str, dtype: str, output: Path) -> AsyncIterator[httpx.AsyncClient]:
+async def served(
+    model: str, dtype: str, output: Path, device: str = "cpu"
+) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(
-        models={"model": model, "dtype": dtype, "load_reference": False, "backend": "transformers"},
+        models={
+            "model": model,
+            "dtype": dtype,
+            "device": device,
+            "load_reference": False,
+            "backend": "transformers",
+        },
         storage={"data_dir": output / ".data" / f"invariance-{dtype}"},
         limits={"max_items_per_request": 64},
     )
@@ -136,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     new, reps = (8, 1) if args.quick else (48, 3)
     report: dict[str, Any] = {"model": args.model, "sequences": f"32, 8 to {longest} tokens"}
     for dtype in args.dtypes:
-        async with served(args.model, dtype, args.output) as client:
+        async with served(args.model, dtype, args.output, args.device) as client:
             figures: dict[str, Any] = {}
             for mode, invariant in (("default", False), ("invariant", True)):
                 figures[mode] = {
@@ -156,6 +164,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = bench_arguments(__doc__)
     parser.add_argument("--model", default=None, help="default: SmolLM2 (tiny with --quick)")
+    parser.add_argument("--device", default="cpu", help="the server's (cuda: bench/gpu_check.py)")
     parser.add_argument(
         "--dtypes",
         nargs="+",

@@ -16,7 +16,18 @@ Per dtype, one server (`--device cuda --dtype D`) and one in-process model of th
   of the same size, and against the CPU figures in bench/results/real_model.json;
 - weight push (float32): new weights by upload (`PUT /v1/weights`) and by the collective
   transfer over gloo (one GPU cannot hold two NCCL ranks), each timed, then scored against a
-  forward of the pushed weights.
+  forward of the pushed weights;
+- peak memory: the device memory in use at its peak while each server ran, less what was in use
+  before it started (nvidia-smi, sampled every 0.25 s).
+
+Then the benchmarks whose features exist only on this backend, each run on the device as it
+runs on CPU (`--device cuda`), its report folded into this one with its wall time and peak
+memory: `adapters` (bench/adapters.py: 1, 4 and 16 LoRA adapters resident against the policy
+alone), `moe` (bench/moe_routing.py in bfloat16: routed-expert replay), `invariance`
+(bench/batch_invariance.py: what batch-invariant mode costs, and that it stays bitwise), and
+`grpo` (examples/grpo.py, 10 steps, with the trainer and the server on the one device, weights
+over gloo). `--sections` runs some of them (the report is then named after them), so a short
+device lease can take the check in parts.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import asyncio
 import json
 import platform
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +53,8 @@ from app.config import DEFAULT_MODEL, Settings
 from app.engine.loader import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SECTIONS = ("serve", "adapters", "moe", "invariance", "grpo")
+GRPO_STEPS = 10
 SCORE_LENGTHS = (17, 40, 64, 96, 128, 128, 7, 111)  # mixed, so the server pads its batches
 GREEDY_TOKENS = 48
 
@@ -69,6 +84,49 @@ def device_facts(device: torch.device) -> dict[str, Any]:
     else:
         facts["name"] = f"CPU ({platform.processor() or platform.machine()})"
     return facts
+
+
+class PeakDeviceMemory:
+    """The device's memory in use at its peak while `with` runs, less what was in use when it
+    began (MiB; nvidia-smi, sampled every `every_s`): the footprint of what ran inside, CUDA
+    context included. None off CUDA or without nvidia-smi."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.25) -> None:
+        self.index = (device.index or 0) if device.type == "cuda" else None
+        self.every_s, self.baseline, self.peak = every_s, None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def used_mib(self) -> int | None:
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        try:
+            out = subprocess.run([*query, "-i", str(self.index)], capture_output=True, text=True)
+            return int(out.stdout.strip())
+        except (OSError, ValueError):
+            return None
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            if (used := self.used_mib()) is not None:
+                self.peak = max(self.peak or 0, used)
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> PeakDeviceMemory:
+        if self.index is not None and (used := self.used_mib()) is not None:
+            self.baseline = used
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def mib(self) -> int | None:
+        if self.baseline is None or self.peak is None:
+            return None
+        return self.peak - self.baseline
 
 
 @torch.inference_mode()
@@ -243,7 +301,10 @@ def check_dtype(
     }
     log = args.output / f"gpu-check-{name}.log"
     report: dict[str, Any] = {}
-    with running_server("--model", args.model, env=env, log=log, ready_timeout=600) as server:
+    with (
+        PeakDeviceMemory(args.device) as memory,
+        running_server("--model", args.model, env=env, log=log, ready_timeout=600) as server,
+    ):
         report["startup_s"] = round(server.startup_seconds, 1)
         report["scoring"] = scoring(server.url, model, work["mixed"], fp32)
         print(name, "scoring", report["scoring"], flush=True)
@@ -255,6 +316,7 @@ def check_dtype(
         if name == "float32":
             report["weight_push"] = weight_push(server.url, model, work["mixed"][-1])
             print(name, "weight push", report["weight_push"], flush=True)
+    report["server_peak_device_memory_mib"] = memory.mib
     same = {k: work[k] for k in ("generate", "score")}
     report["throughput"]["in_process"] = in_process(model, same, args)
     kinds = ("generate", "score")
@@ -271,12 +333,88 @@ def check_dtype(
     return report
 
 
+def bench_section(args: argparse.Namespace, script: str, *options: str) -> dict[str, Any]:
+    """`bench/SCRIPT --device D [--quick] OPTIONS` in a process of its own, writing into a
+    scratch folder: its report, wall time and peak device memory, or its failure's tail."""
+    scratch = args.output / ".sections" / Path(script).stem
+    scratch.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(ROOT / "bench" / script), "--device", str(args.device)]
+    command += ["--output", str(scratch), *(["--quick"] if args.quick else []), *options]
+    started = time.perf_counter()
+    with PeakDeviceMemory(args.device) as memory:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.section_s)
+    section: dict[str, Any] = {
+        "command": " ".join(["bench/" + script, *command[2:]]).replace(str(scratch), "SCRATCH"),
+        "seconds": round(time.perf_counter() - started, 1),
+        "peak_device_memory_mib": memory.mib,
+    }
+    if done.returncode != 0:
+        section["failed"] = {"returncode": done.returncode, "tail": done.stderr[-3000:]}
+    reports = sorted(scratch.glob("*.json"), key=lambda f: f.stat().st_mtime)
+    if reports:
+        section["report"] = json.loads(reports[-1].read_text())
+    print(script, json.dumps(section, indent=1)[:4000], flush=True)
+    return section
+
+
+def grpo(args: argparse.Namespace) -> dict[str, Any]:
+    """examples/grpo.py's loop for GRPO_STEPS steps, the trainer on the device beside the
+    server (weights over gloo: one device holds one NCCL rank), the server's weights put back
+    at the end: each step's reward and time."""
+    steps = 2 if args.quick else GRPO_STEPS
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__DEVICE": str(args.device),
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+    }
+    steps_log = args.output / "gpu-check-grpo-steps.jsonl"
+    steps_log.unlink(missing_ok=True)
+    started = time.perf_counter()
+    with (
+        PeakDeviceMemory(args.device) as memory,
+        running_server(
+            "--model",
+            args.model,
+            env=env,
+            log=args.output / "gpu-check-grpo.log",
+            ready_timeout=600,
+        ) as server,
+    ):
+        command = [sys.executable, str(ROOT / "examples" / "grpo.py"), "--url", server.url]
+        command += ["--steps", str(steps), "--device", str(args.device), "--transport", "gloo"]
+        command += ["--log", str(steps_log), "--restore"]
+        command += ["--prompts", "2"] if args.quick else []
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.section_s)
+    records = (
+        [json.loads(line) for line in steps_log.read_text().splitlines()]
+        if (steps_log.exists())
+        else []
+    )
+    section: dict[str, Any] = {
+        "command": f"examples/grpo.py --steps {steps} --device {args.device} --transport gloo",
+        "seconds": round(time.perf_counter() - started, 1),
+        "peak_device_memory_mib": memory.mib,
+        "reward": [round(r["reward"], 3) for r in records],
+        "step_s": [round(r["step_s"], 2) for r in records],
+        "train_s": [round(r["train_s"], 2) for r in records],
+        "push_s": [round(r["push_s"], 2) for r in records],
+        "policy_version": [r["policy_version"] for r in records],
+    }
+    if done.returncode != 0:
+        section["failed"] = {"returncode": done.returncode, "tail": done.stderr[-3000:]}
+    print("grpo", json.dumps(section), flush=True)
+    return section
+
+
 def main() -> None:
     parser = bench_arguments(__doc__)
     parser.add_argument("--device", type=torch.device, default=torch.device("cuda"))
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="builtin:tiny: a first look at a new host, fast"
     )
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--section-s", type=float, default=300, help="each benchmark's limit")
     args = parser.parse_args()
     args.requests = 8 if args.quick else 64
     args.clients = [4] if args.quick else [8, 32]
@@ -314,10 +452,24 @@ def main() -> None:
         },
         "dtypes": {},
     }
-    for name in DTYPES:
-        report["dtypes"][name] = check_dtype(args, name, model_dir, work, fp32)
+    if "serve" in args.sections:
+        for name in DTYPES:
+            report["dtypes"][name] = check_dtype(args, name, model_dir, work, fp32)
+    model = [] if args.model == DEFAULT_MODEL else ["--model", args.model]
+    benches = {
+        "adapters": ("adapters.py", *model),
+        "moe": ("moe_routing.py", "--dtypes", "bfloat16"),
+        "invariance": ("batch_invariance.py", *model),
+    }
+    for section, (script, *options) in benches.items():
+        if section in args.sections:
+            report[section] = bench_section(args, script, *options)
+    if "grpo" in args.sections:
+        report["grpo"] = grpo(args)
     report["seconds"] = round(time.perf_counter() - started, 1)
     stem = "gpu-check-quick" if args.quick or args.model != DEFAULT_MODEL else "gpu-check"
+    if set(args.sections) != set(SECTIONS):
+        stem += "-" + "-".join(args.sections)
     (args.output / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

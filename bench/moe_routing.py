@@ -43,11 +43,12 @@ from app.engine.loader import builtin_moe_dir
 NUM_PROMPTS, NEW_TOKENS = 16, 32
 
 
-def settings(model: Path, dtype: str, output: Path) -> Settings:
+def settings(model: Path, dtype: str, output: Path, device: str = "cpu") -> Settings:
     return Settings(
         models={
             "model": str(model),
             "dtype": dtype,
+            "device": device,
             "cache_dir": output / ".models",
             "load_reference": False,
             "backend": "transformers",
@@ -108,10 +109,10 @@ def gaps(got: list[torch.Tensor], sampled: list[torch.Tensor]) -> dict[str, floa
     return {"max": float(diff.max()), "mean": float(diff.mean())}
 
 
-async def measure(path: Path, dtype: str, output: Path) -> dict[str, Any]:
+async def measure(path: Path, dtype: str, output: Path, device: str = "cpu") -> dict[str, Any]:
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 250) for _ in range(rng.randrange(8, 49))] for _ in range(16)]
-    configured = settings(path, dtype, output)
+    configured = settings(path, dtype, output, device)
     async with in_process(configured) as client:
         body = {
             "tokens": prompts,
@@ -134,15 +135,17 @@ async def measure(path: Path, dtype: str, output: Path) -> dict[str, Any]:
         torch.tensor(o["log_probs"]["full"][len(s["tokens"]["prompt"]) :])
         for o, s in zip(rescored.json()["outputs"], samples, strict=True)
     ]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    ids, mask = padded(fulls)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    ids, mask = (t.to(device) for t in padded(fulls))
     routing = Routing(model)
     with torch.inference_mode(), routing.recording() as recorded:
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        trainer_routing = recorded.take().view(len(fulls), ids.shape[1], routing.num_layers, -1)
+        logits = model(input_ids=ids, attention_mask=mask).logits.cpu()
+        trainer_routing = recorded.take().cpu()
+        trainer_routing = trainer_routing.view(len(fulls), ids.shape[1], routing.num_layers, -1)
     routing.close()
     with torch.inference_mode(), replay_experts(model, routed):
-        replayed = model(input_ids=ids, attention_mask=mask).logits
+        replayed = model(input_ids=ids, attention_mask=mask).logits.cpu()
     layers = routing.moe_layers
     differs = tokens = pairs = pair_differs = 0
     for i, rows in enumerate(routed):
@@ -181,7 +184,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, path in models.items():
         report[name] = {}
         for dtype in args.dtypes:
-            report[name][dtype] = await measure(path, dtype, args.output)
+            report[name][dtype] = await measure(path, dtype, args.output, args.device)
             print(name, dtype, json.dumps(report[name][dtype], indent=1), flush=True)
     return report
 
@@ -189,6 +192,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = bench_arguments(__doc__)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="the server's and the trainer's")
     args = parser.parse_args()
     report = asyncio.run(run(args))
     args.output.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ the server in 'keep' mode so replies in flight finish under the new weights.
     ./scripts/serve.sh &     # SmolLM2-135M-Instruct
     .venv/bin/python examples/grpo.py --steps 40 [--max-staleness 1] [--restore]
     .venv/bin/python examples/grpo.py --steps 40 --lora      # train a LoRA adapter instead
+    python examples/grpo.py --device cuda --transport gloo  # trainer and server on one GPU
 
 The trained weights stay on the server (every later request samples them) unless `--restore`
 puts back the weights it started with when the run ends (`POST /v1/weights/restore`).
@@ -86,6 +87,14 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="leave out tokens whose importance weight exceeds this",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"))
+    parser.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="the collective transfer's (auto: nccl where CUDA is; one GPU holding both the "
+        "trainer and the server needs gloo: NCCL takes one rank per device)",
+    )
     parser.add_argument(
         "--restore",
         action="store_true",
@@ -111,6 +120,8 @@ def response_log_probs(model: torch.nn.Module, rollouts: list[Rollout]) -> list[
     attention = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, : len(row)], attention[i, : len(row)] = torch.tensor(row), 1
+    device = next(model.parameters()).device
+    ids, attention = ids.to(device), attention.to(device)
     if hasattr(model, "get_base_model"):  # a PEFT model: the transformers model it adapts
         model = model.get_base_model()
     hidden = model.base_model(input_ids=ids, attention_mask=attention).last_hidden_state
@@ -118,7 +129,7 @@ def response_log_probs(model: torch.nn.Module, rollouts: list[Rollout]) -> list[
     at = [
         (i, t) for i, r in enumerate(rollouts) for t in range(len(r.prompt) - 1, len(rows[i]) - 1)
     ]
-    rows_at, positions = (torch.tensor(x) for x in zip(*at, strict=True))
+    rows_at, positions = (torch.tensor(x, device=device) for x in zip(*at, strict=True))
     logits = model.get_output_embeddings()(hidden[rows_at, positions])
     tokens = ids[rows_at, positions + 1]
     picked = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)
@@ -139,11 +150,13 @@ def grpo_step(
     now = torch.cat(current)
     behaviour = torch.cat(
         [
-            torch.tensor(r.behaviour) if r.behaviour is not None else lp.detach()
+            torch.tensor(r.behaviour, device=now.device) if r.behaviour is not None else lp.detach()
             for r, lp in zip(rollouts, current, strict=True)
         ]
     )
-    advantages = torch.cat([torch.full((len(r.response),), r.advantage) for r in rollouts])
+    advantages = torch.cat(
+        [torch.full((len(r.response),), r.advantage, device=now.device) for r in rollouts]
+    )
     out = decoupled_ppo_loss(
         now,
         now.detach(),
@@ -187,8 +200,8 @@ def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
 class FullWeights:
     """Pushes every weight of the model over the collective transfer."""
 
-    def __init__(self, client: Client) -> None:
-        self.transfer = client.weight_transfer().open()
+    def __init__(self, client: Client, transport: str = "auto") -> None:
+        self.transfer = client.weight_transfer(transport=transport).open()
         self.model = "policy"
 
     def push(self, model: torch.nn.Module) -> int:
@@ -218,7 +231,7 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
     torch.manual_seed(args.seed)
     # The served folder, when the server runs on this host (else pass a copy of the policy).
     source = next(m.source for m in client.models().models if m.name == "policy")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(args.device)
     if args.lora:
         config = LoraConfig(
             r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear"
@@ -226,7 +239,9 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
         model = get_peft_model(model, config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
-    sync = Adapter(client, model, args.lora_name) if args.lora else FullWeights(client)
+    sync = (
+        Adapter(client, model, args.lora_name) if args.lora else FullWeights(client, args.transport)
+    )
     env = {"dataset": "addition", "reward": "number", "repeats": args.group_size, "max_turns": 1}
     generation = {
         "model": sync.model,

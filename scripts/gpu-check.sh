@@ -5,6 +5,7 @@
 #
 #   scripts/gpu-check.sh --wheels   # where pip works: the wheels a GPU host lacks, into .whl/
 #   scripts/gpu-check.sh            # on the GPU host (python3 with CUDA PyTorch, transformers)
+#   scripts/gpu-check.sh --sections serve grpo   # some of it (serve adapters moe invariance grpo)
 #   scripts/gpu-check.sh --trainers # on the GPU host: the trainers' NCCL transports
 #                                   # (tests/gpu; two CUDA devices; SkyRL's also vllm)
 #

@@ -242,10 +242,10 @@ def test_gpu_check_runs_its_steps_on_cpu(tmp_path):
     """The GPU check's steps, on the tiny model and the CPU, so the script is ready for the day
     a GPU host is: served scores and pushed weights match transformers' own forward."""
     command = [sys.executable, "bench/gpu_check.py", "--quick", "--device", "cpu"]
-    command += ["--model", "builtin:tiny", "--output", str(tmp_path)]
+    command += ["--model", "builtin:tiny", "--sections", "serve", "--output", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"gpu_check.py exited {done.returncode}:\n{done.stderr[-6000:]}"
-    report = json.loads((tmp_path / "gpu-check-quick.json").read_text())
+    report = json.loads((tmp_path / "gpu-check-quick-serve.json").read_text())
     float32 = report["dtypes"]["float32"]
     assert float32["scoring"]["vs_forward_same_dtype"]["max_abs"] < 1e-4
     assert float32["greedy"]["alone"]["identical"] == float32["greedy"]["prompts"] == 3
@@ -268,3 +268,19 @@ def test_decode_host_benchmark_quick(tmp_path):
         for figure in ("decode_step_ms", "score_ms_per_sequence"):
             assert set(report[vocab][figure]) == {"1", "8", "32", "64"}
             assert all(ms > 0 for ms in report[vocab][figure].values())
+
+
+def test_gpu_check_sections_run_on_cpu(tmp_path):
+    """The GPU check's benchmark and GRPO sections, small and on CPU, so they still run when a
+    GPU is next lent: each section's report folded in, no failure, and the GRPO loop's two
+    steps each pushed a version."""
+    command = [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--quick"]
+    command += ["--model", "builtin:tiny", "--sections", "moe", "grpo", "--output", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    report = json.loads((tmp_path / "gpu-check-quick-moe-grpo.json").read_text())
+    assert "failed" not in report["moe"], report["moe"]
+    assert report["moe"]["report"]["tiny-moe"]["bfloat16"]["tokens_fed"] > 0
+    assert "failed" not in report["grpo"], report["grpo"]
+    assert report["grpo"]["policy_version"] == [1, 2]
+    assert not report["dtypes"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from app.updates.protocol import PauseMode
-from app.updates.session import UpdateSession
+from app.updates.session import SessionRecord, UpdateSession
 from app.weights.shipment import Chunk, Held, Shipment, ShippedFile, ship_bytes
 
 
@@ -80,7 +80,10 @@ class Ledger(Protocol):
     async def session(self) -> UpdateSession:
         """The dialect update session open over the deployment (`app.updates.session`)."""
 
-    async def record_session(self, session: UpdateSession) -> None: ...
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        """`SessionRecord.swap`, in the one place every replica writes: atomic."""
+
+    async def reset_session(self) -> None: ...
 
     async def tidy(self) -> int:
         """Remove what earlier deployments of this application left; how many."""
@@ -95,7 +98,7 @@ class LocalLedger:
         self.latest: dict[str, Recorded] = {}
         self.leases: dict[str, tuple[str, float]] = {}  # model: (update id, expiry)
         self.paused: PauseMode | None = None
-        self.update_session = UpdateSession()
+        self.update_session = SessionRecord()
         self.adapters: dict[str, AdapterRecord] = {}
         self.adapter_versions: dict[str, int] = {}
 
@@ -161,10 +164,13 @@ class LocalLedger:
         )
 
     async def session(self) -> UpdateSession:
-        return self.update_session
+        return self.update_session.current
 
-    async def record_session(self, session: UpdateSession) -> None:
-        self.update_session = session
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        return self.update_session.swap(serial, session)
+
+    async def reset_session(self) -> None:
+        self.update_session.reset()
 
     async def tidy(self) -> int:
         return 0

@@ -67,8 +67,11 @@ class WeightLedger:
     async def session(self) -> UpdateSession:
         return await self.book.session()
 
-    async def record_session(self, session: UpdateSession) -> None:
-        await self.book.record_session(session)
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        return await self.book.swap_session(serial, session)
+
+    async def reset_session(self) -> None:
+        await self.book.reset_session()
 
 
 class RayLedger:
@@ -112,8 +115,12 @@ class RayLedger:
         session: UpdateSession = await self._actor().session.remote()
         return session
 
-    async def record_session(self, session: UpdateSession) -> None:
-        await self._actor().record_session.remote(session)
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        swapped: UpdateSession | None = await self._actor().swap_session.remote(serial, session)
+        return swapped
+
+    async def reset_session(self) -> None:
+        await self._actor().reset_session.remote()
 
     async def tidy(self) -> int:
         return await asyncio.to_thread(self._remove_earlier)

@@ -405,7 +405,7 @@ class ReplicatedWeights:
             await each(ReplicaEndpoint.transfer_close, join.model)
             raise cause(failed).failure(f"{len(failed)} of {len(joined)} replicas could not join")
         if join.model == "policy":
-            await self.record_session(UpdateSession())  # (a replaced group's is gone)
+            await self.replicas.ledger.reset_session()  # (a replaced group's is gone)
         return combined(join.model, joined)
 
     async def transfer_start(
@@ -491,15 +491,16 @@ class ReplicatedWeights:
     async def transfer_close(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)
         if model == "policy":
-            await self.record_session(UpdateSession())
+            await self.replicas.ledger.reset_session()
         return combined(model, states)
 
     async def session(self) -> UpdateSession:
         """The ledger's record: whichever replica the trainer's next call reaches reads it."""
         return await self.replicas.ledger.session()
 
-    async def record_session(self, session: UpdateSession) -> None:
-        await self.replicas.ledger.record_session(session)
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        """Compare-and-set in the ledger: two replicas' calls never undo each other's."""
+        return await self.replicas.ledger.swap_session(serial, session)
 
 
 def _every_one(answers: list[T | Refusal], doing: str) -> list[T]:

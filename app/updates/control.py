@@ -103,4 +103,6 @@ class WeightsControl(Protocol):
         """The update session a dialect's trainer has open (`app.updates.session`): the same
         record on every replica of a deployment."""
 
-    async def record_session(self, session: UpdateSession) -> None: ...
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        """`session` in place of the one read at `serial`, unless another call wrote it
+        since (then None): `SessionRecord.swap`."""

@@ -13,7 +13,7 @@ from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.registry import ModelRegistry
 from app.updates.service import WeightsService
-from app.updates.session import UpdateSession
+from app.updates.session import SessionRecord, UpdateSession
 from app.updates.transfer import TransferService
 from app.updates.types import (
     AdapterPush,
@@ -39,7 +39,7 @@ class LocalWeights:
             listen_grace_s=settings.rendezvous_grace_s,
             idle_timeout_s=settings.group_idle_timeout_s,
         )
-        self._session = UpdateSession()
+        self._session = SessionRecord()
 
     async def open(self) -> None:
         await asyncio.to_thread(self.files.clean_uploads)
@@ -101,7 +101,7 @@ class LocalWeights:
     async def transfer_init(self, join: Join) -> TransferStatus:
         status = await self.transfers.init(join)
         if join.model == "policy":
-            self._session = UpdateSession()  # (a session of a group it replaced is gone)
+            self._session.reset()  # (a session of a group it replaced is gone)
         return status
 
     async def transfer_start(
@@ -121,11 +121,11 @@ class LocalWeights:
     async def transfer_close(self, model: str) -> TransferStatus:
         status = await self.transfers.close(model)
         if model == "policy":
-            self._session = UpdateSession()
+            self._session.reset()
         return status
 
     async def session(self) -> UpdateSession:
-        return self._session
+        return self._session.current
 
-    async def record_session(self, session: UpdateSession) -> None:
-        self._session = session
+    async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
+        return self._session.swap(serial, session)

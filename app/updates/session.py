@@ -6,7 +6,7 @@ same record, so a call may reach any replica of a deployment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 SessionKind = Literal["explicit", "paused"]
@@ -37,3 +37,36 @@ class UpdateSession:
     """The version the session's buckets named last (None: the next one)."""
     announced: Bucket | None = None
     """Tensors named for the next receive (AReaL's meta call), not received yet."""
+    serial: int = 0
+    """The writes the record has taken: a write names the serial it read (`SessionRecord`)."""
+    opened: int | None = None
+    """The serial at which the open session opened: its identity (None: none is open)."""
+
+
+class SessionRecord:
+    """The one session record of a server, or of a whole deployment (in its ledger), written
+    by compare-and-set only: calls that reach two replicas at once each read the record, and a
+    write that another write overtook is refused instead of undoing it."""
+
+    def __init__(self) -> None:
+        self.current = UpdateSession()
+
+    def swap(self, serial: int, new: UpdateSession) -> UpdateSession | None:
+        """`new` in place of the record read at `serial`: the record written, or None when
+        another write came first. The record numbers the writes and keeps the identity of
+        the session open (a kind after none opens one; no kind closes it)."""
+        if serial != self.current.serial:
+            return None
+        if new.kind is None:
+            opened = None
+        elif self.current.kind is None:
+            opened = serial + 1
+        else:
+            opened = self.current.opened
+        self.current = replace(new, serial=serial + 1, opened=opened)
+        return self.current
+
+    def reset(self) -> None:
+        """No session open, nothing announced (the trainer's group is gone): a write that
+        read the record before this one is refused."""
+        self.current = UpdateSession(serial=self.current.serial + 1)

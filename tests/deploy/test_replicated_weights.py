@@ -447,3 +447,36 @@ def announce() -> Announcement:
         dtype_names=["float32"] * len(BASE),
         shapes=[list(t.shape) for t in BASE.values()],
     )
+
+
+async def test_sglang_session_calls_on_two_replicas_do_not_interleave(cluster: Cluster) -> None:
+    """Calls that reach two replicas at once read and write the one session of the ledger
+    atomically: of two begins, one opens the session and the other is refused; a bucket whose
+    call raced an end never reopens the session the end committed."""
+    dialects = [
+        SGLangWeights(replica.weights.registry, control)
+        for replica, control in zip(cluster.replicas, cluster.controls, strict=True)
+    ]
+    await cluster.controls[0].transfer_init(init())
+    begun = await asyncio.gather(dialects[0].begin(), dialects[1].begin(), return_exceptions=True)
+    refused = [b for b in begun if isinstance(b, Exception)]
+    assert len(refused) == 1 and isinstance(refused[0], Conflict), begun
+    assert "already open" in str(refused[0])
+
+    assert await dialects[1].update(bucket("7")) is None
+    sent = scaled(3.0)
+    cluster.trainer.send(sent)
+    # An end on one replica and a late bucket naming a version on another, at once.
+    late, ended = await asyncio.gather(
+        dialects[0].update(bucket("9")), dialects[2].end(), return_exceptions=True
+    )
+    assert not isinstance(ended, BaseException), ended
+    # The late bucket went into the committed update or was refused, naming why.
+    assert late is None or (isinstance(late, Conflict) and "committed" in str(late)), late
+    assert ended.versions.policy == 7 and cluster.versions() == [7, 7, 7]
+    # The session the end committed stays closed: whatever the late bucket became, no
+    # session is left open that no one began.
+    session = await cluster.controls[1].session()
+    assert session.kind is None, session
+    with pytest.raises(Conflict, match="no weight-update session is open"):
+        await dialects[1].end()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -36,41 +36,75 @@ from app.updates.control import WeightsControl
 from app.updates.session import Bucket, UpdateSession
 from app.updates.types import Announcement, Applied, Publish
 
+OPEN = "a weight-update session is already open; end it first"
+SWAP_ATTEMPTS = 8
+
 
 class SGLangWeights:
     """SGLang's weight-update flow over `WeightsControl`. Its session lives in the control
     (`app.updates.session`), not here: on a deployment of several replicas, a begin, its
-    buckets and its end may each reach another replica."""
+    buckets and its end may each reach another replica, at once. Every change to the session
+    is one compare-and-set (`_write`), made before the transfer step it stands for: of two
+    begins one opens the session, of two ends one commits it, and a bucket never reopens a
+    session another call committed."""
 
     def __init__(self, registry: ModelRegistry, weights: WeightsControl) -> None:
         self.registry = registry
         self.weights = weights
         self._lock = asyncio.Lock()
 
+    async def _write(
+        self, change: Callable[[UpdateSession], UpdateSession]
+    ) -> tuple[UpdateSession, UpdateSession]:
+        """The session read and the one written: `change` of the record as the control holds
+        it, written unless another call wrote first (then `change` again, of what that call
+        wrote). `change` raises to refuse, and returns what it read to leave it be."""
+        for _ in range(SWAP_ATTEMPTS):
+            read = await self.weights.session()
+            new = change(read)
+            if new is read:
+                return read, read
+            if (written := await self.weights.swap_session(read.serial, new)) is not None:
+                return read, written
+        raise Conflict("the weight-update session kept changing under other calls; retry")
+
+    async def _start(self, opened: UpdateSession) -> None:
+        """Start the transfer of a session this call opened; if it cannot, close it again."""
+        try:
+            await self.weights.transfer_start("policy")
+        except BaseException:
+            await self.weights.swap_session(opened.serial, replace(opened, kind=None))
+            raise
+
     async def begin(self) -> None:
-        async with self._lock:
-            session = await self.weights.session()
+        def opened(session: UpdateSession) -> UpdateSession:
             if session.kind == "explicit":
-                raise Conflict("a weight-update session is already open; end it first")
-            if session.kind is None:
-                await self.weights.transfer_start("policy")
-            await self.weights.record_session(UpdateSession("explicit"))
+                raise Conflict(OPEN)
+            return UpdateSession("explicit", announced=session.announced)
+
+        async with self._lock:
+            read, written = await self._write(opened)
+            if read.kind is None:
+                await self._start(written)
 
     async def end(self) -> Applied:
-        async with self._lock:
-            session = await self.weights.session()
+        def ended(session: UpdateSession) -> UpdateSession:
             if session.kind != "explicit":
                 raise Conflict("no weight-update session is open; begin one first")
-            return await self._commit(session)
+            return _closed(session)
+
+        async with self._lock:
+            read, _ = await self._write(ended)
+            return await self._publish(read)
 
     async def continue_generation(self) -> None:
         """Commit the buckets received while paused, then resume: serving resumes whether the
         commit succeeds or is refused (the refusal is then answered), never left paused."""
         async with self._lock:
-            session = await self.weights.session()
             try:
-                if session.kind == "paused":
-                    await self._commit(session)
+                read, written = await self._write(lambda s: _closed(s) if s.kind == "paused" else s)
+                if written is not read:
+                    await self._publish(read)
             finally:
                 await self.weights.resume()
 
@@ -87,44 +121,61 @@ class SGLangWeights:
             shapes=[list(shape) for shape in bucket.shapes],
             buckets=buckets,
         )
+
+        def held(session: UpdateSession) -> UpdateSession:
+            """While serving is paused, a bucket with no session opens one."""
+            if session.kind is None and self.registry.gate.state().paused:
+                return UpdateSession("paused", announced=session.announced)
+            return session
+
         async with self._lock:
             if bucket.abort_all and not self.registry.gate.state().paused:
                 await abort_all(self.registry, self.weights)
-            session = await self.weights.session()
-            if session.kind is None and self.registry.gate.state().paused:
+            read, session = await self._write(held)
+            if session.kind is None:  # an update of its own
                 await self.weights.transfer_start("policy")
-                session = UpdateSession("paused")
-                await self.weights.record_session(session)
-            if session.kind is not None:
                 await self.weights.transfer_update(announce)
-                if bucket.version is not None:
-                    await self.weights.record_session(replace(session, version=bucket.version))
-                return None
-            await self.weights.transfer_start("policy")
+                return await self.weights.transfer_finish(
+                    "policy", Publish(version=bucket.version, restartable=True)
+                )
+            if read.kind is None:
+                await self._start(session)
             await self.weights.transfer_update(announce)
-            return await self.weights.transfer_finish(
-                "policy", Publish(version=bucket.version, restartable=True)
-            )
+            if bucket.version is not None:
+
+                def named(now: UpdateSession) -> UpdateSession:
+                    if now.kind is None or now.opened != session.opened:
+                        raise Conflict(
+                            "the weight-update session this bucket was sent in was committed "
+                            "by another call before the bucket's version was recorded"
+                        )
+                    return replace(now, version=bucket.version)
+
+                await self._write(named)
+            return None
 
     async def announce(self, request: UpdateWeightsFromDistributed) -> None:
         """Remember the tensors of the next `update_announced` (AReaL's vLLM server takes
         them in a call of their own, before the one that receives them)."""
         bucket = _bucket(request)
         async with self._lock:
-            session = await self.weights.session()
-            await self.weights.record_session(replace(session, announced=bucket))
+            await self._write(lambda session: replace(session, announced=bucket))
 
     async def update_announced(self) -> Applied | None:
         """`update` with the tensors `announce` named (409 when none were)."""
-        async with self._lock:
-            session = await self.weights.session()
+
+        def taken(session: UpdateSession) -> UpdateSession:
             if session.announced is None:
                 raise Conflict("no tensors were announced; set the update's meta first")
-            await self.weights.record_session(replace(session, announced=None))
-        return await self.receive(session.announced)
+            return replace(session, announced=None)
 
-    async def _commit(self, session: UpdateSession) -> Applied:
-        await self.weights.record_session(replace(session, kind=None, version=None))
+        async with self._lock:
+            read, _ = await self._write(taken)
+        assert read.announced is not None
+        return await self.receive(read.announced)
+
+    async def _publish(self, session: UpdateSession) -> Applied:
+        """Commit what `session` received (this call closed it)."""
         return await self.weights.transfer_finish(
             "policy", Publish(version=session.version, restartable=True)
         )
@@ -132,7 +183,12 @@ class SGLangWeights:
     async def reset(self) -> None:
         """The group was closed: an open session has nothing left to commit."""
         async with self._lock:
-            await self.weights.record_session(UpdateSession())
+            await self._write(lambda session: UpdateSession())
+
+
+def _closed(session: UpdateSession) -> UpdateSession:
+    """`session` committed: none open, what was announced kept."""
+    return replace(session, kind=None, version=None)
 
 
 def _bucket(request: UpdateWeightsFromDistributed) -> Bucket:

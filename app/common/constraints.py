@@ -1,6 +1,6 @@
-"""The sampling parameters the vLLM, SGLang and OpenAI routes take beyond rlserve's own
-(min-tokens, stop ids, penalties, logit bias, allowed tokens, bad words), checked against the
-policy's vocabulary and resolved into `SamplingConfig` fields."""
+"""The sampling parameters that shape the logits beyond temperature, top-k, top-p, min-p and
+the repetition penalty (min-tokens, stop ids, penalties, logit bias, allowed tokens, bad
+words), checked against the policy's vocabulary and resolved into `SamplingConfig` fields."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.common.failures import invalid
+from app.common.sampling import Names, SamplingAsk
 from app.engine.served import ServedModel
 
 MAX_BAD_WORDS = 128
@@ -15,48 +16,37 @@ MAX_BAD_WORDS = 128
 
 
 def sampling_constraints(
-    served: ServedModel,
-    *,
-    prefix: str,
-    min_tokens: int = 0,
-    max_tokens: int | None = None,
-    stop_token_ids: Iterable[int] | None = None,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    logit_bias: Mapping[int, float] | Mapping[str, float] | None = None,
-    allowed_token_ids: Iterable[int] | None = None,
-    bad_words: Iterable[str] | None = None,
-    min_tokens_field: str = "min_tokens",
+    served: ServedModel, ask: SamplingAsk, max_tokens: int, names: Names
 ) -> dict[str, Any]:
-    """`SamplingConfig` keyword arguments for these parameters, checked against `served` (the
-    policy), refused by field name (under `prefix`, e.g. "sampling_params.") where vLLM
-    refuses them: out-of-vocabulary ids in `logit_bias` (keyed by ids or, as OpenAI and SGLang
-    send them, their strings) and `allowed_token_ids`, an empty `allowed_token_ids`, more min-
-    than max-tokens, a bad word that tokenizes to nothing."""
+    """`SamplingConfig` keyword arguments for these parameters of `ask`, checked against
+    `served` (the policy), refused by the caller's field name (`names`) where vLLM refuses
+    them: out-of-vocabulary ids in `logit_bias` (keyed by ids or, as OpenAI and SGLang send
+    them, their strings) and `allowed_token_ids`, an empty `allowed_token_ids`, more min- than
+    max-tokens, a bad word that tokenizes to nothing."""
     vocab_size = served.backend.info.vocab_size
-    if max_tokens is not None and min_tokens > max_tokens:
+    if ask.min_tokens > max_tokens:
         raise invalid(
-            prefix + min_tokens_field, f"{min_tokens} is more than the {max_tokens} max tokens"
+            names("min_tokens"), f"{ask.min_tokens} is more than the {max_tokens} max tokens"
         )
-    bias = _token_keys(logit_bias or {}, prefix + "logit_bias")
-    _in_vocab(bias, vocab_size, prefix + "logit_bias")
+    bias = _token_keys(ask.logit_bias or {}, names("logit_bias"))
+    _in_vocab(bias, vocab_size, names("logit_bias"))
     allowed = None
-    if allowed_token_ids is not None:
-        allowed = tuple(allowed_token_ids)
+    if ask.allowed_token_ids is not None:
+        allowed = tuple(ask.allowed_token_ids)
         if not allowed:
-            raise invalid(prefix + "allowed_token_ids", "is empty: no token could be sampled")
-        _in_vocab(allowed, vocab_size, prefix + "allowed_token_ids")
-    words = tuple(bad_words or ())
+            raise invalid(names("allowed_token_ids"), "is empty: no token could be sampled")
+        _in_vocab(allowed, vocab_size, names("allowed_token_ids"))
+    words = tuple(ask.bad_words or ())
     return {
-        "min_tokens": min_tokens,
-        "stop_token_ids": tuple(dict.fromkeys(stop_token_ids or ())),
-        "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty,
+        "min_tokens": ask.min_tokens,
+        "stop_token_ids": tuple(dict.fromkeys(ask.stop_token_ids or ())),
+        "presence_penalty": ask.presence_penalty,
+        "frequency_penalty": ask.frequency_penalty,
         "logit_bias": tuple(sorted(bias.items())),
         "allowed_token_ids": allowed,
         "bad_words": words,
         "bad_word_ids": (
-            bad_word_ids(words, served.preparer.tokenizer, prefix + "bad_words") if words else ()
+            bad_word_ids(words, served.preparer.tokenizer, names("bad_words")) if words else ()
         ),
     }
 

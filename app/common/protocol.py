@@ -342,6 +342,50 @@ class Message(WireModel):
 Conversation = Annotated[list[Message], Field(min_length=1)]
 
 
+class ShapingFields(WireModel):
+    """The sampling parameters that shape the distribution beyond temperature, top-k and
+    top-p, under vLLM's names and meanings (its dialects and OpenAI's routes take them too)."""
+
+    min_p: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Drop tokens less likely than min_p times the most likely one.",
+    )
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="End-of-sequence, stop_token_ids and stop strings take effect only from "
+        "this many generated tokens on.",
+    )
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = Field(
+        default=None, description="Stop after any of these tokens (stop_reason names it)."
+    )
+    presence_penalty: float = Field(
+        default=0.0, ge=-2, le=2, description="Minus this, once a token was generated."
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2, le=2, description="Minus this times how often a token was generated."
+    )
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
+    ) = Field(
+        default=None,
+        description="Token id (in digits) -> bias added to its logit, before the penalties.",
+        json_schema_extra=TOKEN_ID_KEYS,
+    )
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = (
+        Field(default=None, description="Sample only these tokens.")
+    )
+    bad_words: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=128)] | None
+    ) = Field(default=None, description="Words never generated (as vLLM's bad_words).")
+
+    def shaping(self) -> dict[str, Any]:
+        """These fields as `SamplingAsk` keywords."""
+        return {name: getattr(self, name) for name in ShapingFields.model_fields}
+
+
 class InputFields(WireModel):
     """Exactly one of `messages`, `text` or `tokens`; each a list with one entry per sequence."""
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
+from app.common.routed_experts import routing_of
+from app.common.sampling import OWN_NAMES, Names, SamplingAsk
 from app.config import LimitSettings
 from app.engine.registry import ModelRegistry, check_batch_invariant
 from app.engine.served import ServedModel
+from app.engine.types import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,44 @@ class ModelServing:
                 "raises it)",
             )
         return value
+
+    def sampling(
+        self, ask: SamplingAsk, model: str = "policy", names: Names = OWN_NAMES
+    ) -> SamplingConfig:
+        """The one resolver of sampling parameters, whatever the route (`app.common.sampling`):
+        the server's default and limit of new tokens, the greedy rule (greedy rows score at
+        temperature 1 without top-k, top-p or min-p, as vLLM treats them), the constraints
+        checked against the model's vocabulary, and whether the model can record routing.
+        A refusal names the caller's field (`names`)."""
+        max_new = self.max_new_tokens(ask.max_new_tokens, names("max_new_tokens"))
+        served = self.served(model)
+        if ask.return_routed_experts:
+            routing_of(served.backend, model, names("return_routed_experts"))
+        return SamplingConfig.resolve(
+            max_new,
+            greedy=ask.greedy,
+            temperature=ask.temperature,
+            stops=list(ask.stop or ()),
+            top_p=ask.top_p,
+            top_k=ask.top_k_or_none,
+            min_p=ask.min_p,
+            repetition_penalty=ask.repetition_penalty,
+            ignore_eos=ask.ignore_eos,
+            return_prompt_log_probs=ask.return_prompt_log_probs,
+            return_routed_experts=ask.return_routed_experts,
+            **sampling_constraints(served, ask, max_new, names),
+        )
+
+    def top_logprobs(self, k: int, field: str) -> int:
+        """`k` most likely tokens a request asks for at each position, within the server's
+        limit."""
+        if k > self.limits.max_top_logprobs:
+            raise invalid(
+                field,
+                f"at most {self.limits.max_top_logprobs} (the server's limit: "
+                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
+            )
+        return k
 
     def check_num_items(self, num_items: int, field: str) -> None:
         check_num_items(num_items, self.limits.max_items_per_request, field)

@@ -14,6 +14,7 @@ from app.common.protocol import (
     Sample,
     Seed,
     ServedName,
+    ShapingFields,
     Temperature,
     TopK,
     TopP,
@@ -22,14 +23,14 @@ from app.common.protocol import (
     check_exactly_one,
     field_error,
 )
-from app.engine.types import SamplingConfig
+from app.common.sampling import Names, SamplingAsk
 from app.scoring.protocol import TopLogProbs
 
 _GENERATE_INPUTS = ("messages", "text", "tokens")
 StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)]
 
 
-class GenerateRequest(InputFields):
+class GenerateRequest(InputFields, ShapingFields):
     """Inputs plus TorchRL-standard generation parameters. Backend names (`max_tokens`, `n`,
     `stop`, `logprobs`) are accepted as aliases and win when both are given."""
 
@@ -107,19 +108,22 @@ class GenerateRequest(InputFields):
     def wants_log_probs(self) -> bool:
         return self.return_log_probs if self.logprobs is None else self.logprobs
 
-    def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
-        return SamplingConfig.resolve(
-            max_new_tokens,
-            greedy=self.do_sample is False or self.temperature == 0,
+    def sampling_ask(self) -> tuple[SamplingAsk, Names]:
+        """The request's sampling parameters, and its names for them (an alias given wins)."""
+        ask = SamplingAsk(
+            max_new_tokens=self.max_tokens or self.max_new_tokens,
             temperature=self.temperature,
-            stops=self.stop if self.stop is not None else self.stop_sequences,
+            do_sample=self.do_sample,
             top_p=self.top_p,
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
+            stop=self.stop if self.stop is not None else self.stop_sequences,
             ignore_eos=self.ignore_eos,
             return_prompt_log_probs=self.return_prompt_log_probs,
             return_routed_experts=self.return_routed_experts,
+            **self.shaping(),
         )
+        return ask, Names(renamed={"max_new_tokens": "max_tokens"} if self.max_tokens else {})
 
 
 class GeneratedSample(Sample):
@@ -130,8 +134,10 @@ class GeneratedSample(Sample):
         default=None, description="Nats, one per response token (when asked)."
     )
     finish_reason: Literal["stop", "length", "abort"]
-    stop_reason: str | None = Field(
-        default=None, description="The stop sequence that ended generation, if one did."
+    stop_reason: str | int | None = Field(
+        default=None,
+        description="The stop sequence, or the token of stop_token_ids, that ended generation, "
+        "if one did.",
     )
     policy_versions: list[VersionSpan] | None = Field(
         default=None, description=VERSIONS_DESCRIPTION

@@ -9,10 +9,9 @@ from dataclasses import dataclass, replace
 
 from rlserve_client.sequences import SequenceSplit
 
-from app.common.failures import TooLarge, invalid
+from app.common.failures import TooLarge
 from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import HistoryFields, TextFields, wire_spans
-from app.common.routed_experts import routing_of
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
 from app.common.service import ModelServing
 from app.engine.base import Backend, ScoreItem
@@ -198,12 +197,7 @@ class GenerationService(ModelServing):
         """The per-step extras a request asks for, checked against the server's bounds."""
         if not request.top_logprobs and not request.entropy:
             return None
-        if request.top_logprobs > self.limits.max_top_logprobs:
-            raise invalid(
-                "top_logprobs",
-                f"at most {self.limits.max_top_logprobs} (the server's limit: "
-                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
-            )
+        self.top_logprobs(request.top_logprobs, "top_logprobs")
         limit = backend.full_distribution_limit()
         longest = max(len(p.ids) for p in prompts) + max_new_tokens
         if request.entropy and limit is not None and longest > limit:
@@ -231,16 +225,12 @@ class GenerationService(ModelServing):
         return await self.sample(model, prepared, config, seed=seed)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        max_new_tokens = self.max_new_tokens(
-            request.max_tokens or request.max_new_tokens,
-            "max_tokens" if request.max_tokens else "max_new_tokens",
-        )
+        ask, names = request.sampling_ask()
+        config = self.sampling(ask, request.model, names)
+        max_new_tokens = config.max_new_tokens
         inputs = await self.prompts(
             request, request.model, max_new_tokens=max_new_tokens, per_item=request.num_samples
         )
-        config = request.to_sampling_config(max_new_tokens)
-        if config.return_routed_experts:
-            routing_of(inputs.served.backend, request.model, "return_routed_experts")
         asks = self._asks(request, inputs.items, max_new_tokens, inputs.served.backend)
         sampled = await self.sample(
             request.model,
@@ -343,7 +333,7 @@ def generated_sample(
         history=history,
         finish_reason=generation.finish_reason,
         # (/v1/generate takes stop strings only: a stop id is a dialect's)
-        stop_reason=generation.stop_reason if isinstance(generation.stop_reason, str) else None,
+        stop_reason=generation.stop_reason,
         policy_versions=wire_spans(generation.versions),
         routed_experts=(
             None if generation.routed_experts is None else generation.routed_experts.tolist()

@@ -26,8 +26,8 @@ from app.common.protocol import (
     field_error,
     never_together,
     stop_list,
-    top_k_or_none,
 )
+from app.common.sampling import SamplingAsk
 
 Stop = Annotated[str, Field(min_length=1)]
 TRAJECTORY_ID = Annotated[
@@ -147,12 +147,27 @@ class SamplingFields(DialectModel):
         return self
 
     @property
-    def top_k_or_none(self) -> int | None:
-        return top_k_or_none(self.top_k)
-
-    @property
     def stops(self) -> list[str]:
         return stop_list(self.stop)
+
+    def sampling_ask(self, max_new_tokens: int) -> SamplingAsk:
+        return SamplingAsk(
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stops,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+        )
 
     @property
     def include_usage(self) -> bool:

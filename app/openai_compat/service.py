@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from app.common.constraints import sampling_constraints
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
@@ -219,12 +218,8 @@ class OpenAIService(ModelServing):
         self.check_num_items(len(prompts) * request.n, "n")
         warn_ignored(ROUTES[kind], request.model_extra or {})
         top_field = "top_logprobs" if kind == "chat" else "logprobs"
-        if logprobs and logprobs > self.limits.max_top_logprobs:
-            raise invalid(
-                top_field,
-                f"at most {self.limits.max_top_logprobs} (the server's limit: "
-                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
-            )
+        if logprobs:
+            self.top_logprobs(logprobs, top_field)
         capabilities = served.backend.capabilities
         if request.logprobs_mode == "processed" and not capabilities.processed_log_probs:
             raise invalid(
@@ -245,41 +240,14 @@ class OpenAIService(ModelServing):
         trajectory_id = request.trajectory_id or trajectory_id
         if trajectory_id is not None and len(prompts) * request.n != 1:
             raise invalid("n", "a completion recorded in a trajectory has one prompt and n = 1")
-        constraints = sampling_constraints(
-            served,
-            prefix="",
-            min_tokens=request.min_tokens,
-            max_tokens=max_new,
-            stop_token_ids=request.stop_token_ids,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            logit_bias=request.logit_bias,
-            allowed_token_ids=request.allowed_token_ids,
-            bad_words=request.bad_words,
-        )
-        config = SamplingConfig.resolve(
-            max_new,
-            greedy=request.temperature == 0,
-            temperature=request.temperature,
-            stops=request.stops,
-            top_p=request.top_p,
-            top_k=request.top_k_or_none,
-            min_p=request.min_p,
-            repetition_penalty=request.repetition_penalty,
-            ignore_eos=request.ignore_eos,
-            **constraints,
-        )
+        config = self.sampling(request.sampling_ask(max_new), request.model)
         start, lengths = request.routed_experts_prompt_start, [len(p.ids) for p in prompts]
         param = "routed_experts_prompt_start"
         if routing_to_return(self.routed_experts, served.backend, start, lengths, param):
             config = replace(config, return_routed_experts=True)
         prompt_logprobs = getattr(request, "prompt_logprobs", None)
-        if prompt_logprobs is not None and prompt_logprobs > self.limits.max_top_logprobs:
-            raise invalid(
-                "prompt_logprobs",
-                f"at most {self.limits.max_top_logprobs} (the server's limit: "
-                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
-            )
+        if prompt_logprobs is not None:
+            self.top_logprobs(prompt_logprobs, "prompt_logprobs")
         if prompt_logprobs is not None and request.stream:
             raise invalid("prompt_logprobs", "is not streamed: ask without stream")
         engine = served.backend.info.name  # an adapter shares its base's tokenizer

@@ -19,6 +19,7 @@ from app.common.protocol import (
     RoutedExperts,
     Seed,
     ServedName,
+    ShapingFields,
     Temperature,
     TextFields,
     TokenFields,
@@ -31,13 +32,14 @@ from app.common.protocol import (
     wire_spans,
 )
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
-from app.engine.types import Generation, SamplingConfig
+from app.common.sampling import SamplingAsk
+from app.engine.types import Generation
 from app.envs.engine import RowOutcome
 from app.envs.protocol import EnvConfig, step_info
 from app.generation.protocol import StopList
 
 
-class RolloutGeneration(WireModel):
+class RolloutGeneration(ShapingFields):
     """Sampling parameters of every turn (the generate route's names and rules)."""
 
     model: ServedName = Field(
@@ -62,17 +64,17 @@ class RolloutGeneration(WireModel):
         "returns them, over the step's tokens.full). transformers backend only.",
     )
 
-    def to_sampling_config(self, max_new_tokens: int) -> SamplingConfig:
-        return SamplingConfig.resolve(
-            max_new_tokens,
-            greedy=self.temperature == 0,
+    def sampling_ask(self) -> SamplingAsk:
+        return SamplingAsk(
+            max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
-            stops=self.stop,
             top_p=self.top_p,
             top_k=self.top_k,
             repetition_penalty=self.repetition_penalty,
+            stop=self.stop,
             ignore_eos=self.ignore_eos,
             return_routed_experts=self.return_routed_experts,
+            **self.shaping(),
         )
 
 

@@ -13,7 +13,7 @@ from rlserve_client.rounds import Turn, Versioned, play_round
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer
-from app.common.routed_experts import routing_of
+from app.common.sampling import Names
 from app.engine.types import Generation, SamplingConfig
 from app.envs.engine import RowOutcome
 from app.envs.episodes import Act, Observation
@@ -27,6 +27,9 @@ from app.rollouts.protocol import (
     RolloutStep,
     Trajectory,
 )
+
+NAMES = Names("generation.")
+"""A rollout's sampling fields, as its refusals name them."""
 
 
 class RolloutService:
@@ -47,10 +50,8 @@ class RolloutService:
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
         registry = self.envs.registry
         if registry.not_ready_reason() is None:  # (a model still loading is answered later)
-            served = registry.get(request.generation.model, param="generation.model")
-            if request.generation.return_routed_experts:
-                param = "generation.return_routed_experts"
-                routing_of(served.backend, request.generation.model, param)
+            registry.get(request.generation.model, param="generation.model")
+            self._sampling(request.generation)  # refused now, before any episode starts
             if config.kl is not None and config.kl.model is not None:
                 where = "env.kl.model" if request.env is not None else "env_id"
                 registry.get_pair(config.kl.model, param=where)
@@ -92,6 +93,9 @@ class RolloutService:
                 with contextlib.suppress(Exception):
                     await self.envs.delete(env_id, owner)
 
+    def _sampling(self, generation: RolloutGeneration) -> SamplingConfig:
+        return self.generation.sampling(generation.sampling_ask(), generation.model, NAMES)
+
     async def _round(
         self,
         env_id: str,
@@ -101,9 +105,7 @@ class RolloutService:
         index: int,
     ) -> list[Trajectory]:
         """One batch of episodes in one session (the loop `collect` runs too)."""
-        sampling = generation.to_sampling_config(
-            self.generation.max_new_tokens(generation.max_new_tokens, "generation.max_new_tokens")
-        )
+        sampling = self._sampling(generation)
         session = _PolicySession(self, env_id, owner, sampling, generation.model)
         played = await play_round(session, generation.seed, index)
         preparer = self.envs.registry.get("policy").preparer

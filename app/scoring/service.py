@@ -86,12 +86,7 @@ class ScoringService(ModelServing):
         return LogProbsResponse.model_validate({**head, "outputs": outputs})
 
     def _check_asks(self, request: LogProbsRequest, vocab_size: int) -> None:
-        if request.top_logprobs > self.limits.max_top_logprobs:
-            raise invalid(
-                "top_logprobs",
-                f"at most {self.limits.max_top_logprobs} (the server's limit: "
-                "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
-            )
+        self.top_logprobs(request.top_logprobs, "top_logprobs")
         if request.token_ids is not None:
             if len(request.token_ids) > self.limits.max_candidate_ids:
                 raise invalid(

@@ -24,8 +24,8 @@ from app.common.protocol import (
     never_together,
     one_of,
     stop_list,
-    top_k_or_none,
 )
+from app.common.sampling import SamplingAsk
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -109,9 +109,24 @@ class SamplingParams(DialectModel):
     def stops(self) -> list[str]:
         return stop_list(self.stop)
 
-    @property
-    def top_k_or_none(self) -> int | None:
-        return None if self.top_k == 1 << 30 else top_k_or_none(self.top_k)
+    def sampling_ask(self, *, return_prompt_log_probs: bool, routed: bool) -> SamplingAsk:
+        return SamplingAsk(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stops,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            return_prompt_log_probs=return_prompt_log_probs,
+            return_routed_experts=routed,
+        )
 
     def ignored(self) -> list[str]:
         return [name for name in ("custom_params", "stream_interval") if getattr(self, name)]

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from app.common.constraints import sampling_constraints
 from app.common.failures import Conflict, invalid
 from app.common.protocol import warn_ignored
-from app.common.routed_experts import check_prompt_start, int32_base64, routing_of
+from app.common.routed_experts import check_prompt_start, int32_base64
+from app.common.sampling import Names
 from app.dialects.common import Prompts, abort_all, label, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
@@ -29,7 +29,7 @@ from app.dialects.sglang.protocol import (
     UpdateWeightsFromDistributed,
 )
 from app.engine.registry import ModelRegistry
-from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
+from app.engine.types import Generation, Scores, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.openai_compat.streaming import final_text
 from app.updates.control import WeightsControl
@@ -257,42 +257,16 @@ async def _sample(
     model: str,
 ) -> Sampled:
     warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
-    max_new = generation.max_new_tokens(p.max_new_tokens, f"{field}.max_new_tokens")
-    served = generation.served(model)
-    constraints = sampling_constraints(
-        served,
-        prefix=f"{field}.",
-        min_tokens=p.min_new_tokens,
-        max_tokens=max_new,
-        stop_token_ids=p.stop_token_ids,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        logit_bias=p.logit_bias,
-        min_tokens_field="min_new_tokens",
-    )
-    config = SamplingConfig.resolve(
-        max_new,
-        greedy=p.temperature < 1e-6,
-        temperature=p.temperature,
-        stops=p.stops,
-        top_p=p.top_p,
-        top_k=p.top_k_or_none,
-        min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty,
-        ignore_eos=p.ignore_eos,
+    ask = p.sampling_ask(
         return_prompt_log_probs=request.return_logprob and request.logprob_start_len >= 0,
-        return_routed_experts=request.return_routed_experts,
-        **constraints,
+        routed=request.return_routed_experts,
     )
-    if request.return_routed_experts:
-        routing_of(served.backend, model, "return_routed_experts")
-    k = request.top_logprobs_num
-    if k > generation.limits.max_top_logprobs:
-        raise invalid(
-            "top_logprobs_num",
-            f"at most {generation.limits.max_top_logprobs} (the server's limit: "
-            "RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
-        )
+    names = Names(
+        f"{field}.",
+        {"min_tokens": f"{field}.min_new_tokens", "return_routed_experts": "return_routed_experts"},
+    )
+    config = generation.sampling(ask, model, names)
+    k = generation.top_logprobs(request.top_logprobs_num, "top_logprobs_num")
     asks = ScoreSpec(top_logprobs=k) if k and request.return_logprob else None
     return await sample(
         generation, prompt, config, n=p.n, seed=p.sampling_seed, asks=asks, model=model

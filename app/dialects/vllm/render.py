@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from app.common.failures import invalid
+from app.common.protocol import top_k_or_none
 from app.dialects.vllm.protocol import (
     DerenderChatRequest,
     DerenderCompletionRequest,
@@ -39,7 +40,7 @@ def sampling_params(job: Job) -> SamplingParams:
     request = job.request
     # OpenAI's top_p 0 keeps the most likely token alone, which vLLM's sampling (top_p in
     # (0, 1]) says as top_k 1: the same token from the same random stream.
-    top_p, top_k = request.top_p, request.top_k_or_none or 0
+    top_p, top_k = request.top_p, top_k_or_none(request.top_k) or 0
     if top_p == 0:
         top_p, top_k = 1.0, 1
     return SamplingParams(

@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from app.common.constraints import sampling_constraints
-from app.common.failures import invalid
-from app.common.protocol import top_k_or_none, warn_ignored
+from app.common.protocol import warn_ignored
 from app.common.routed_experts import npy_base64, routing_to_return
+from app.common.sampling import Names
 from app.dialects import common
 from app.dialects.common import Prompts, policy_side, sample
 from app.dialects.vllm.protocol import (
@@ -43,43 +42,8 @@ def config_of(
 ) -> SamplingConfig:
     """vLLM's sampling parameters as rlserve's, checked against the policy (its vocabulary,
     the server's limits), naming the field of a refusal."""
-    served = generation.served("policy")
-    max_new = generation.max_new_tokens(params.max_tokens, prefix + "max_tokens")
-    constraints = sampling_constraints(
-        served,
-        prefix=prefix,
-        min_tokens=params.min_tokens,
-        max_tokens=max_new,
-        stop_token_ids=params.stop_token_ids,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        logit_bias=params.logit_bias,
-        allowed_token_ids=params.allowed_token_ids,
-        bad_words=params.bad_words,
-    )
-    return SamplingConfig.resolve(
-        max_new,
-        # vLLM samples greedily below its _SAMPLING_EPS (1e-5), where dividing the logits by
-        # the temperature would overflow
-        greedy=params.temperature < 1e-5,
-        temperature=params.temperature,
-        stops=params.stops,
-        top_p=params.top_p,
-        top_k=top_k_or_none(params.top_k),
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        ignore_eos=params.ignore_eos,
-        **constraints,
-    )
-
-
-def top_k_asked(generation: GenerationService, k: int | None, field: str) -> int | None:
-    if k is not None and k > generation.limits.max_top_logprobs:
-        raise invalid(
-            field,
-            f"at most {generation.limits.max_top_logprobs} (RLSERVE_LIMITS__MAX_TOP_LOGPROBS)",
-        )
-    return k
+    names = Names(prefix, {"max_new_tokens": prefix + "max_tokens"})
+    return generation.sampling(params.sampling_ask(), "policy", names)
 
 
 async def generate(
@@ -108,8 +72,10 @@ async def generate(
     )
     if routing is not None:
         config = replace(config, return_routed_experts=True)
-    k = top_k_asked(generation, params.logprobs, FIELD + "logprobs")
-    prompt_k = top_k_asked(generation, params.prompt_logprobs, FIELD + "prompt_logprobs")
+    k, prompt_k = params.logprobs, params.prompt_logprobs
+    for asked, name in ((k, "logprobs"), (prompt_k, "prompt_logprobs")):
+        if asked is not None:
+            generation.top_logprobs(asked, FIELD + name)
     sampled = await sample(
         generation,
         Prompts(token_ids=[token_ids], field="token_ids"),

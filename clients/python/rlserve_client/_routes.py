@@ -29,7 +29,9 @@ def generate(
     **params: Any,
 ) -> Call[types.GenerateResult]:
     """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
-    top_k, repetition_penalty, seed, stop, return_prompt_log_probs, top_logprobs (k most
+    top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
+    min_tokens, stop, stop_token_ids, allowed_token_ids, bad_words, seed,
+    return_prompt_log_probs, top_logprobs (k most
     likely tokens at every generated step), entropy, return_routed_experts (mixture-of-experts
     models: each sample's `routed_experts`, for `rlserve_client.moe.replay_experts`), ...
     `tensors=True`: the reply travels as binary and its arrays are torch tensors (for

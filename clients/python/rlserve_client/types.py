@@ -87,7 +87,8 @@ class Sample(Result):
     text: Text | None = None
     history: History | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
+    """The stop string, or the token of stop_token_ids, that ended generation."""
     policy_versions: list[VersionSpan] | None = None
     top_logprobs: TopLogProbs | None = None
     """Scored: one row per token of the span; generated: one per response token (asked for)."""

@@ -272,18 +272,30 @@ class InputPreparer:
 
     # -- per request kind ---------------------------------------------------------------
 
-    def prompts(self, messages: Any, text: Any, tokens: Any, field: str) -> list[Prepared]:
-        """Generation prompts; conversations get the generation prompt appended."""
+    def prompts(
+        self,
+        messages: Any,
+        text: Any,
+        tokens: Any,
+        field: str,
+        options: dict[str, Any] | None = None,
+    ) -> list[Prepared]:
+        """Generation prompts; conversations get the generation prompt appended (`options`:
+        more variables for the template)."""
         if messages is not None:
             self._require_template(field)
-            return [self.template(_plain(conv), generation_prompt=True) for conv in messages]
+            return [
+                self.template(_plain(conv), generation_prompt=True, options=options)
+                for conv in messages
+            ]
         if text is not None:
             return [Prepared(ids=self.encode(t), text=t) for t in text]
         return [Prepared(ids=list(seq)) for seq in tokens]
 
     def checked_prompts(self, request: Any, field: str, *, max_new_tokens: int) -> list[Prepared]:
         """A generation request's prompts, checked against the vocabulary and length."""
-        prompts = self.prompts(request.messages, request.text, request.tokens, field)
+        options = template_kwargs(getattr(request, "chat_template_kwargs", None))
+        prompts = self.prompts(request.messages, request.text, request.tokens, field, options)
         self.check(prompts, field, max_new_tokens=max_new_tokens)
         return prompts
 
@@ -297,7 +309,8 @@ class InputPreparer:
         """Scoring sequences: whole conversations, texts, token lists or prompt/response splits."""
         if request.messages is not None:
             self._require_template(field)
-            return [self._scored_conversation(_plain(conv)) for conv in request.messages]
+            options = template_kwargs(getattr(request, "chat_template_kwargs", None))
+            return [self._scored_conversation(_plain(conv), options) for conv in request.messages]
         if request.prompt_text is not None:
             return [
                 self._split(self.encode(p), self.encode(r, special=False), prompt_text=p)
@@ -310,10 +323,12 @@ class InputPreparer:
             ]
         return self.prompts(None, request.text, request.tokens, field)
 
-    def _scored_conversation(self, conversation: Conversation) -> Prepared:
-        prepared = self.template(conversation, generation_prompt=False)
+    def _scored_conversation(
+        self, conversation: Conversation, options: dict[str, Any] | None = None
+    ) -> Prepared:
+        prepared = self.template(conversation, generation_prompt=False, options=options)
         if len(conversation) > 1 and conversation[-1]["role"] == "assistant":
-            prompt = self.template(conversation[:-1], generation_prompt=True)
+            prompt = self.template(conversation[:-1], generation_prompt=True, options=options)
             if prepared.ids[: len(prompt.ids)] == prompt.ids:
                 prepared.prompt_len = len(prompt.ids)
                 prepared.prompt_text = prompt.text
@@ -374,7 +389,24 @@ def check_num_items(num_items: int, limit: int, field: str) -> None:
 
 
 def _plain(conversation: Any) -> Conversation:
-    return [{"role": m.role, "content": m.content} for m in conversation]
+    """Wire messages as the template takes them (an assistant turn's reasoning, if any)."""
+    out: Conversation = []
+    for m in conversation:
+        message = {"role": m.role, "content": m.content}
+        if (reasoning := getattr(m, "reasoning_content", None)) is not None:
+            message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
+RESERVED_TEMPLATE_NAMES = ("add_generation_prompt", "tools", "conversation", "messages")
+"""Template variables rlserve sets itself: a request's chat_template_kwargs cannot."""
+
+
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A request's chat_template_kwargs as its template gets them."""
+    options = {k: v for k, v in (given or {}).items() if k not in RESERVED_TEMPLATE_NAMES}
+    return options or None
 
 
 def _as_object(call: Any) -> Any:

@@ -53,10 +53,15 @@ def assistant_spans(
     preparer: ChatTemplate, conversation: Conversation, text: str, *, generation_prompt: bool
 ) -> Spans | None:
     """Spans from one marked rendering; None when the markers cannot be trusted."""
-    if any(c in m["content"] for m in conversation for c in (_OPEN, _CLOSE, _END, _PROBE)):
+    written = [m["content"] + (m.get("reasoning_content") or "") for m in conversation]
+    if any(c in text for text in written for c in (_OPEN, _CLOSE, _END, _PROBE)):
         return None
+    # An assistant turn's reasoning is the assistant's too: where the template renders it
+    # (before the content, in its own tags), the turn is marked from its header on.
     marked = [
         {**m, "content": _marker(_OPEN, i) + m["content"] + _marker(_CLOSE, i)}
+        if m["role"] == "assistant" and not m.get("reasoning_content")
+        else {**m, "content": m["content"] + _marker(_CLOSE, i)}
         if m["role"] == "assistant"
         else m
         for i, m in enumerate(conversation)

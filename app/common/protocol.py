@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from fastapi import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -73,16 +73,22 @@ TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
-def one_of(*choices: tuple[str, ...], optional: bool = False) -> Callable[[dict[str, Any]], None]:
+def one_of(
+    *choices: tuple[str, ...], optional: bool = False, only_with: dict[str, str] | None = None
+) -> Callable[[dict[str, Any]], None]:
     """A model's JSON-schema hook (`json_schema_extra`) stating what its validator checks:
     exactly one choice (at most one with `optional`) has all its fields given (non-null),
     and every field of the other choices is absent or null. So the spec promises no more
-    than validation allows."""
+    than validation allows. `only_with`: a field given only in the choice holding another
+    (chat_template_kwargs with messages)."""
     fields = [name for choice in choices for name in choice]
 
     def given(choice: tuple[str, ...]) -> dict[str, Any]:
         properties: dict[str, Any] = {n: {"not": {"type": "null"}} for n in choice}
         properties |= {n: {"type": "null"} for n in fields if n not in choice}
+        for name, needs in (only_with or {}).items():
+            if needs not in choice:
+                properties[name] = {"type": "null"}
         return {"required": list(choice), "properties": properties}
 
     def hook(schema: dict[str, Any]) -> None:
@@ -342,6 +348,19 @@ class Message(WireModel):
 Conversation = Annotated[list[Message], Field(min_length=1)]
 
 
+class InputMessage(Message):
+    """A message of a conversation to template: an assistant turn may carry its reasoning."""
+
+    reasoning_content: str | None = Field(
+        default=None,
+        description="An assistant turn's reasoning, rendered where its chat template renders "
+        "it (Qwen3's <think> block), as on the chat route.",
+    )
+
+
+InputConversation = Annotated[list[InputMessage], Field(min_length=1)]
+
+
 class ShapingFields(WireModel):
     """The sampling parameters that shape the distribution beyond temperature, top-k and
     top-p, under vLLM's names and meanings (its dialects and OpenAI's routes take them too)."""
@@ -386,12 +405,18 @@ class ShapingFields(WireModel):
         return {name: getattr(self, name) for name in ShapingFields.model_fields}
 
 
+TEMPLATED = {"chat_template_kwargs": "messages"}
+"""The fields given only with a conversation to template."""
+
+
 class InputFields(WireModel):
     """Exactly one of `messages`, `text` or `tokens`; each a list with one entry per sequence."""
 
-    model_config = ConfigDict(json_schema_extra=one_of(("messages",), ("text",), ("tokens",)))
+    model_config = ConfigDict(
+        json_schema_extra=one_of(("messages",), ("text",), ("tokens",), only_with=TEMPLATED)
+    )
 
-    messages: Annotated[list[Conversation], Field(min_length=1)] | None = Field(
+    messages: Annotated[list[InputConversation], Field(min_length=1)] | None = Field(
         default=None, description="Chat conversations, templated with the model's chat template."
     )
     text: Annotated[list[NonEmptyText], Field(min_length=1)] | None = Field(
@@ -400,6 +425,17 @@ class InputFields(WireModel):
     tokens: Annotated[list[TokenList], Field(min_length=1)] | None = Field(
         default=None, description="Token ids, used exactly as given."
     )
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = Field(
+        default=None,
+        description="With messages: more variables for the chat template, as on the chat route "
+        "(Qwen3's enable_thinking).",
+    )
+
+    @model_validator(mode="after")
+    def _template_kwargs_with_messages(self) -> Self:
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise field_error("chat_template_kwargs", "only with messages (a chat template)")
+        return self
 
     def given_inputs(self) -> list[str]:
         return [name for name in _INPUT_FIELDS if getattr(self, name, None) is not None]
@@ -427,6 +463,7 @@ class SplitInputFields(InputFields):
             ("tokens",),
             ("prompt_text", "response_text"),
             ("prompt_tokens", "response_tokens"),
+            only_with=TEMPLATED,
         )
     )
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from app.common.inputs import template_kwargs
 from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
     POSITIVE,
@@ -342,9 +343,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_options(self) -> dict[str, Any] | None:
         """What the chat template gets beyond the messages and tools."""
-        options = dict(self.chat_template_kwargs or {})
-        for name in ("add_generation_prompt", "tools", "conversation", "messages"):
-            options.pop(name, None)
+        options = template_kwargs(self.chat_template_kwargs) or {}
         if self.continue_final_message:
             options["continue_final_message"] = True
         return options or None

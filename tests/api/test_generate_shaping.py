@@ -1,7 +1,8 @@
 """rlserve's own `/v1/generate` and `/v1/rollouts` take every sampling parameter its dialects
 take (min-p, min-tokens, stop ids, penalties, logit bias, allowed tokens, bad words), through
 the one resolver: checked against a greedy decoder written here over a plain forward, against
-the vLLM dialect's answer for the same seed, and refused by each route's own field names."""
+the vLLM dialect's answer for the same seed, and refused by each route's own field names;
+template variables only with a conversation."""
 
 from __future__ import annotations
 
@@ -137,3 +138,11 @@ async def test_rollouts_take_the_same_parameters_under_generation(client):
     )
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"]["param"] == "generation.logit_bias"
+
+
+@pytest.mark.parametrize("route", ["/v1/generate", "/v1/logprobs"])
+async def test_template_variables_need_a_conversation(client, route):
+    body = {"tokens": [PROMPT], "chat_template_kwargs": {"enable_thinking": False}}
+    answer = await client.post(route, json=body)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["param"] == "chat_template_kwargs"

@@ -229,3 +229,36 @@ async def test_a_streamed_call_gives_the_same_reasoning_answer_and_arguments(scr
     (call,) = [c for d in deltas for c in d.get("tool_calls") or []]
     assert call["function"] == {"name": "add", "arguments": '{"a":2,  "b": 3}'}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+ANSWERED = [*QUESTION, {"role": "assistant", "content": "5", "reasoning_content": "Two and three."}]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}], ids=["plain", "no-thinking"])
+async def test_generate_and_logprobs_template_as_the_chat_route(qwen3, qwen3_tokenizer, kwargs):
+    """rlserve's own routes take what the chat route takes: chat_template_kwargs, and an
+    assistant turn's reasoning_content, rendered as Qwen3's own template renders them."""
+
+    def ids(messages: list[dict[str, Any]], prompt: bool) -> list[int]:
+        text = qwen3_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=prompt, tokenize=False, **kwargs
+        )
+        return qwen3_tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[no-any-return]
+
+    extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+    body = {"messages": [QUESTION], "max_new_tokens": 1, **extra}
+    generated = await qwen3.post("/v1/generate", json=body)
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["outputs"][0][0]["tokens"]["prompt"] == ids(QUESTION, True)
+    scored = await qwen3.post("/v1/logprobs", json={"messages": [ANSWERED], **extra})
+    assert scored.status_code == 200, scored.text
+    tokens = scored.json()["outputs"][0]["tokens"]
+    whole = ids(ANSWERED, False)
+    assert tokens["full"] == whole
+    assert qwen3_tokenizer.decode(whole).count("Two and three.") == 1  # the reasoning rendered
+    # The assistant's turn, its reasoning included, is the assistant's: from after its
+    # header to its end-of-turn token.
+    header = qwen3_tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    start = max(k for k in range(len(whole)) if whole[k : k + len(header)] == header)
+    mask = scored.json()["outputs"][0]["masks"]["all_assistant_mask"]
+    assert mask == [0] * (start + len(header)) + [1] * (len(whole) - start - len(header) - 1) + [0]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from common import bench_arguments, bench_model
 
-from app.openai_compat.streaming import IncrementalText
+from app.common.text import IncrementalText
 
 # Multi-byte characters split over byte tokens, and a stop string that never occurs.
 TEXT = "The answer is 42: naïve café, 你好, 世界 🙂 — step by step. "

@@ -332,7 +332,6 @@ def generated_sample(
         log_probs=log_probs,
         history=history,
         finish_reason=generation.finish_reason,
-        # (/v1/generate takes stop strings only: a stop id is a dialect's)
         stop_reason=generation.stop_reason,
         policy_versions=wire_spans(generation.versions),
         routed_experts=(

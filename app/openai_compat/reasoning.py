@@ -77,12 +77,3 @@ class ReasoningReader:
         """(the reasoning, or None where the reply had none; the answer, or None if empty)."""
         reasoning = "".join(self.reasoning) if self.thought else None
         return reasoning, "".join(self.answer) or None
-
-
-def split_reasoning(
-    text: str, parser: ReasoningParser, *, opened: bool
-) -> tuple[str | None, str | None]:
-    """A whole reply's (reasoning, answer)."""
-    reader = ReasoningReader(parser, opened=opened)
-    reader.feed(text, last=True)
-    return reader.result()

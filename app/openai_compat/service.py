@@ -20,6 +20,7 @@ from app.common.inputs import Prepared
 from app.common.protocol import warn_ignored, wire_spans
 from app.common.routed_experts import npy_base64, routing_to_return
 from app.common.service import ModelServing
+from app.common.text import IncrementalText, final_text
 from app.config import LimitSettings, ReasoningParser
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
@@ -46,13 +47,7 @@ from app.openai_compat.protocol import (
     Usage,
 )
 from app.openai_compat.reasoning import ReasoningReader, prompt_opens_thinking
-from app.openai_compat.streaming import (
-    IncrementalText,
-    Tokens,
-    TokenStream,
-    final_text,
-    sse_event,
-)
+from app.openai_compat.streaming import Tokens, TokenStream, sse_event
 from app.openai_compat.tokens import TokenTexts, Tops
 from app.openai_compat.tools import parse_tool_calls
 from app.scoring.extras import extras

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from app.openai_compat.streaming import IncrementalText
+from app.common.text import IncrementalText
 
 TEXT = "Hello wörld! 你好, 世界 🙂🎉 naïve café — done. Stop here: END and more 😀 after."
 

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from app.openai_compat.reasoning import ReasoningReader, prompt_opens_thinking, split_reasoning
+from app.config import ReasoningParser
+from app.openai_compat.reasoning import ReasoningReader, prompt_opens_thinking
 
 CASES = [
     # (parser, the prompt left <think> open, reply, expected (reasoning, answer))
@@ -23,6 +24,15 @@ CASES = [
     ("deepseek_r1", False, "<think>hm</think>Yes.", ("hm", "Yes.")),
     ("deepseek_r1", True, "</think>Yes.", ("", "Yes.")),
 ]
+
+
+def split_reasoning(
+    text: str, parser: ReasoningParser, *, opened: bool
+) -> tuple[str | None, str | None]:
+    """A whole reply's (reasoning, answer): the reader fed it at once."""
+    reader = ReasoningReader(parser, opened=opened)
+    reader.feed(text, last=True)
+    return reader.result()
 
 
 @pytest.mark.parametrize(("parser", "opened", "text", "expected"), CASES)

@@ -20,6 +20,7 @@ from app.common.failures import Conflict, invalid
 from app.common.protocol import warn_ignored
 from app.common.routed_experts import check_prompt_start, int32_base64
 from app.common.sampling import Names
+from app.common.text import final_text
 from app.dialects.common import Prompts, abort_all, label, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
@@ -31,7 +32,6 @@ from app.dialects.sglang.protocol import (
 from app.engine.registry import ModelRegistry
 from app.engine.types import Generation, Scores, ScoreSpec
 from app.generation.service import GenerationService, Sampled
-from app.openai_compat.streaming import final_text
 from app.updates.control import WeightsControl
 from app.updates.session import Bucket, UpdateSession
 from app.updates.types import Announcement, Applied, Publish

@@ -13,6 +13,7 @@ from typing import Any
 from app.common.protocol import warn_ignored
 from app.common.routed_experts import npy_base64, routing_to_return
 from app.common.sampling import Names
+from app.common.text import final_text
 from app.dialects import common
 from app.dialects.common import Prompts, policy_side, sample
 from app.dialects.vllm.protocol import (
@@ -32,7 +33,6 @@ from app.dialects.vllm.protocol import (
 )
 from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.service import GenerationService
-from app.openai_compat.streaming import final_text
 
 FIELD = "sampling_params."
 

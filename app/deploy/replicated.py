@@ -389,15 +389,15 @@ class ReplicatedWeights:
         counted = await each(ReplicaEndpoint.transfer_ranks, join.model)
         if failed := [r for r in counted if isinstance(r, Refusal)]:
             raise failed[0].failure(f"{len(failed)} of {len(counted)} replicas")
-        offsets, next_rank = {}, join.rank_offset
+        offsets, next_rank = {}, join.connection.rank_offset
         for replica in sorted(of_kind(counted, Ranks), key=lambda r: r.replica):
             offsets[replica.replica] = next_rank
             next_rank += replica.ranks
-        if next_rank > join.world_size:
+        if next_rank > join.connection.world_size:
             raise InvalidInput(
-                f"world_size: {join.world_size} leaves no room for the "
-                f"{next_rank - join.rank_offset} ranks of {len(counted)} replicas from "
-                f"rank_offset {join.rank_offset} (GET /v1/weights/transfer counts them)",
+                f"world_size: {join.connection.world_size} leaves no room for the "
+                f"{next_rank - join.connection.rank_offset} ranks of {len(counted)} replicas from "
+                f"rank_offset {join.connection.rank_offset} (GET /v1/weights/transfer counts them)",
                 param="world_size",
             )
         joined = await each(ReplicaEndpoint.transfer_join, join, offsets)

@@ -38,7 +38,8 @@ from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import CONFIG, WEIGHTS, parse_adapter
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import TransferSetup, WeightTransfer, rendezvous_listening
+from app.weights.transfer_engine import WeightTransfer, rendezvous_listening
+from app.weights.transport import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -472,11 +473,11 @@ class VLLMTransfer(WeightTransfer):
         self._announced: set[str] = set()
         self._adapter = False
 
-    async def init(self, setup: TransferSetup) -> None:
+    async def init(self, connection: Connection) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await rendezvous_listening(setup)
-        info = dataclasses.asdict(setup)
+        await rendezvous_listening(connection)
+        info = dataclasses.asdict(connection)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
     async def start(self, *, adapter: bool = False) -> None:

@@ -24,8 +24,7 @@ import torch
 
 from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
-from app.weights.transfer_engine import TransferSetup
-from app.weights.transport import TransferGroup
+from app.weights.transport import Connection, Group, open_group
 
 logger = logging.getLogger(__name__)
 ENGINE_NAME = "rlserve"
@@ -85,17 +84,17 @@ def _engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     class StagedTransferEngine(WeightTransferEngine[Any, Any]):
-        init_info_cls = TransferSetup  # what the backend's init sends, field for field
+        init_info_cls = Connection  # what the backend's init sends, field for field
         update_info_cls = StagedUpdateInfo
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.group: TransferGroup | None = None
+            self.group: Group | None = None
             self.bucket_bytes = 0
             self.reception: Reception | None = None
 
-        def init_transfer_engine(self, init_info: TransferSetup) -> None:
-            self.group = TransferGroup(init_info.rendezvous(self.parallel_config.rank), self.device)
+        def init_transfer_engine(self, init_info: Connection) -> None:
+            self.group = open_group(init_info, self.parallel_config.rank, self.device)
             self.bucket_bytes = init_info.bucket_bytes
 
         def start_weight_update(self) -> None:

@@ -13,6 +13,7 @@ from app.updates.types import (
     TIMEOUT_S,
     Announcement,
     Applied,
+    Connection,
     Join,
     Packing,
     PauseMode,
@@ -160,18 +161,20 @@ class TransferInit(TransferTarget):
 
     def join(self) -> Join:
         return Join(
-            model=self.model,
-            address=self.master_address,
-            port=self.master_port,
-            world_size=self.world_size,
-            rank_offset=self.rank_offset,
-            transport=self.transport,
-            bucket_bytes=self.bucket_bytes,
-            streams=self.streams,
-            timeout_s=self.timeout_s,
-            rendezvous=self.rendezvous,
-            group_name=self.group_name,
-            packing=self.packing,
+            self.model,
+            Connection(
+                address=self.master_address,
+                port=self.master_port,
+                world_size=self.world_size,
+                rank_offset=self.rank_offset,
+                transport=self.transport,
+                bucket_bytes=self.bucket_bytes,
+                streams=self.streams,
+                timeout_s=self.timeout_s,
+                style=self.rendezvous,
+                group_name=self.group_name,
+                packing=self.packing,
+            ),
         )
 
 

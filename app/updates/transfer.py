@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import safetensors.torch
 
@@ -44,13 +44,8 @@ from app.updates.outcome import updated
 from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import (
-    JOIN_CLOSED,
-    TransferSetup,
-    WeightTransfer,
-    rendezvous_answers,
-)
-from app.weights.transport import Transport
+from app.weights.transfer_engine import JOIN_CLOSED, WeightTransfer, rendezvous_answers
+from app.weights.transport import Connection, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +60,7 @@ class _Link:
     """One model's transfer state."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    setup: TransferSetup | None = None
+    setup: Connection | None = None
     updating: bool = False
     started_at: float = 0.0
     announced: list[TransferPlan] = field(default_factory=list)
@@ -126,9 +121,9 @@ class TransferService:
             model=model,
             state="updating" if link.updating else "joined" if setup else "idle",
             server_ranks=engine.ranks,
-            transport=setup.transport if setup else None,
+            transport=setup.transport if setup and setup.transport != "auto" else None,
             world_size=setup.world_size if setup else None,
-            packing=setup.packing if setup else None,  # type: ignore[arg-type]
+            packing=setup.packing if setup else None,
             announced_bytes=sum(plan.nbytes for plan in link.announced),
             last_error=link.last_error,
         )
@@ -138,8 +133,8 @@ class TransferService:
         return self._engine(model).ranks
 
     async def init(self, join: Join) -> TransferStatus:
-        """Join the trainer's group at `join.rank_offset`, in place of a group whose trainer
-        is gone or joins again (see the module's doc)."""
+        """Join the trainer's group at its connection's rank_offset, in place of a group whose
+        trainer is gone or joins again (see the module's doc)."""
         idle_since = self._links[join.model].last_call if join.model in self._links else 0.0
         async with self._link(join.model) as (link, engine):
             if link.setup is not None:
@@ -161,38 +156,29 @@ class TransferService:
                     reason,
                 )
                 await self._leave(link, engine)
-            last = join.rank_offset + engine.ranks
-            if last > join.world_size:
+            last = join.connection.rank_offset + engine.ranks
+            if last > join.connection.world_size:
                 raise InvalidInput(
-                    f"world_size: {join.world_size} leaves no room for the server's "
-                    f"{engine.ranks} rank(s) from rank_offset {join.rank_offset}",
+                    f"world_size: {join.connection.world_size} leaves no room for the server's "
+                    f"{engine.ranks} rank(s) from rank_offset {join.connection.rank_offset}",
                     param="world_size",
                 )
-            setup = TransferSetup(
+            setup = replace(
+                join.connection,
                 transport=self._transport(join),
-                address=join.address,
-                port=join.port,
-                world_size=join.world_size,
-                rank_offset=join.rank_offset,
-                timeout_s=join.timeout_s,
-                streams=join.streams,
-                bucket_bytes=join.bucket_bytes,
-                style=join.rendezvous,
-                group_name=join.group_name,
-                packing=join.packing,
                 listen_grace_s=self.listen_grace_s,
             )
             link.joining = closed = asyncio.Event()
             joining = JOIN_CLOSED.set(closed)  # (rendezvous_listening gives way when set)
             try:
-                await asyncio.wait_for(engine.init(setup), timeout=join.timeout_s + 5)
+                await asyncio.wait_for(engine.init(setup), timeout=join.connection.timeout_s + 5)
             except Failure:
                 raise
             except Exception as exc:
                 text = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
                 raise PeerAbsent(
-                    f"timeout_s: no trainer joined the group at {join.address}:"
-                    f"{join.port} within {join.timeout_s:g} s ({text})",
+                    f"timeout_s: no trainer joined the group at {join.connection.address}:"
+                    f"{join.connection.port} within {join.connection.timeout_s:g} s ({text})",
                     param="timeout_s",
                 ) from exc
             finally:
@@ -202,14 +188,9 @@ class TransferService:
         self._sweep_idle()
         return await self.state(join.model)
 
-    async def _replaceable(self, setup: TransferSetup, join: Join, idle_since: float) -> str | None:
+    async def _replaceable(self, setup: Connection, join: Join, idle_since: float) -> str | None:
         """Why the group of `setup` may give way to `join` (None: it may not)."""
-        same_group = setup.style == join.rendezvous and (
-            setup.group_name == join.group_name
-            if setup.style == "torch"
-            else (setup.address, setup.port) == (join.address, join.port)
-        )
-        if same_group:
+        if setup.same_group(join.connection):
             return "the trainer joins the same group again (a restarted trainer)"
         idle = time.monotonic() - idle_since
         if self.idle_timeout_s is not None and idle > self.idle_timeout_s:
@@ -250,14 +231,14 @@ class TransferService:
     def _transport(self, join: Join) -> Transport:
         device = self.registry.get(join.model).backend.info.device
         on_gpu = device.startswith("cuda")
-        if join.transport == "auto":
+        if join.connection.transport == "auto":
             return "nccl" if on_gpu else "gloo"
-        if join.transport == "nccl" and not on_gpu:
+        if join.connection.transport == "nccl" and not on_gpu:
             raise InvalidInput(
                 f"transport: NCCL needs the model on a GPU; '{join.model}' is on {device}",
                 param="transport",
             )
-        return join.transport
+        return join.connection.transport
 
     async def start(self, model: str, adapter: AdapterPush | None = None) -> TransferStatus:
         """Begin an update of `model`'s weights, or of `adapter` (a LoRA adapter of the
@@ -311,7 +292,7 @@ class TransferService:
         return await self.state(announced.model)
 
     async def _watch(
-        self, link: _Link, engine: WeightTransfer, setup: TransferSetup, session: int
+        self, link: _Link, engine: WeightTransfer, setup: Connection, session: int
     ) -> None:
         """A trainer that dies or stalls mid-transfer may never call finish or abort: the
         failed receive drops the update (and the group) by itself. Other failures (a bad
@@ -487,19 +468,19 @@ class TransferService:
         logger.warning("weight transfer update dropped: %s", link.last_error)
 
     @staticmethod
-    def _joined(link: _Link) -> TransferSetup:
+    def _joined(link: _Link) -> Connection:
         if link.setup is None:
             raise Conflict("model: not in a weight-transfer group; call init first", param="model")
         return link.setup
 
-    def _updating(self, link: _Link) -> TransferSetup:
+    def _updating(self, link: _Link) -> Connection:
         setup = self._joined(link)
         if not link.updating:
             raise Conflict("model: no weight update in progress; call start first", param="model")
         return setup
 
 
-async def _received(engine: WeightTransfer, setup: TransferSetup) -> None:
+async def _received(engine: WeightTransfer, setup: Connection) -> None:
     """Wait for the announced data; a lost or stuck trainer is a PeerFailed or TimedOut."""
     try:
         await engine.received(setup.timeout_s)

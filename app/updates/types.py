@@ -10,13 +10,26 @@ from typing import Any, Literal
 
 from app.common.caller import Caller
 from app.engine.gate import PauseMode
-from app.weights.transport import RendezvousStyle, Transport
+from app.weights.transport import (
+    BUCKET_BYTES,
+    STREAMS,
+    TIMEOUT_S,
+    Connection,
+    Packing,
+    RendezvousStyle,
+    Transport,
+    TransportChoice,
+)
 
 __all__ = [
+    "BUCKET_BYTES",
+    "STREAMS",
+    "TIMEOUT_S",
     "AdapterPush",
     "AdapterVersion",
     "Announcement",
     "Applied",
+    "Connection",
     "Join",
     "Packing",
     "PauseMode",
@@ -26,18 +39,6 @@ __all__ = [
     "TransportChoice",
     "Versions",
 ]
-
-TransportChoice = Literal["auto", "gloo", "nccl"]
-"""auto: NCCL for a model on a GPU, gloo otherwise."""
-Packing = Literal["announced", "vllm", "in_band"]
-"""How updates that name no buckets are cut: one tensor per bucket, or as vLLM's packed
-transfer cuts them (tensors until a bucket passes the join's bucket_bytes); or the trainer
-names each update's tensors over the group itself, as prime-rl's does (`in_band`: an
-announcement names none)."""
-
-BUCKET_BYTES = 512 << 20
-STREAMS = 4
-TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -112,26 +113,13 @@ class AdapterPush:
 @dataclass(frozen=True)
 class Join:
     """A trainer's process group for `model`'s collective transfer, which the server's ranks
-    join from `rank_offset`."""
+    join from the connection's `rank_offset`."""
 
     model: str
-    address: str
-    port: int
-    world_size: int
-    rank_offset: int = 1
-    transport: TransportChoice = "auto"
-    bucket_bytes: int = BUCKET_BYTES
-    """The largest bucket an update may pack (one tensor alone may be larger)."""
-    streams: int = STREAMS
-    """Broadcasts in flight per bucket (rlserve's rendezvous only)."""
-    timeout_s: float = TIMEOUT_S
-    rendezvous: RendezvousStyle = "rlserve"
-    group_name: str = ""
-    """The torch rendezvous' group name."""
-    packing: Packing = "announced"
+    connection: Connection
 
     def at(self, rank_offset: int) -> Join:
-        return replace(self, rank_offset=rank_offset)
+        return replace(self, connection=replace(self.connection, rank_offset=rank_offset))
 
 
 @dataclass(frozen=True)

@@ -14,63 +14,28 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 
 import torch
 
 from app.common.failures import Conflict, PeerAbsent
 from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
-from app.weights.transport import Rendezvous, RendezvousStyle, TransferGroup, Transport
-
-
-@dataclass(frozen=True)
-class TransferSetup:
-    """What the trainer asked for at init (ranks are given to each server rank from here)."""
-
-    transport: Transport
-    address: str
-    port: int
-    world_size: int
-    rank_offset: int
-    timeout_s: float
-    streams: int
-    bucket_bytes: int
-    listen_grace_s: float
-    """How long the rendezvous may refuse connections before the join is refused (the
-    server's weights.rendezvous_grace_s)."""
-    style: RendezvousStyle = "rlserve"
-    group_name: str = ""
-    packing: str = "announced"
-
-    def rendezvous(self, local_rank: int) -> Rendezvous:
-        return Rendezvous(
-            transport=self.transport,
-            address=self.address,
-            port=self.port,
-            rank=self.rank_offset + local_rank,
-            world_size=self.world_size,
-            timeout_s=self.timeout_s,
-            streams=self.streams,
-            style=self.style,
-            group_name=self.group_name,
-        )
-
+from app.weights.transport import Connection, Group, open_group
 
 JOIN_CLOSED: ContextVar[asyncio.Event | None] = ContextVar("join_closed", default=None)
 """Set around a join by the transfer service: a close call sets the event, and a join still
 waiting for its trainer's rendezvous to listen gives way at once (`rendezvous_listening`)."""
 
 
-async def rendezvous_listening(setup: TransferSetup) -> None:
+async def rendezvous_listening(connection: Connection) -> None:
     """Return once something accepts connections at the trainer's address; a PeerAbsent
-    naming `master_address` when nothing does within the setup's grace (or its timeout, if
+    naming `master_address` when nothing does within the connection's grace (or its timeout, if
     shorter), so a wrong address is refused well before the whole join timeout. (A trainer
     opens its rendezvous before or just after it asks the server to join, maybe from a
     process still importing torch: seconds on a loaded host.)"""
-    address, port = setup.address, setup.port
+    address, port = connection.address, connection.port
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(setup.listen_grace_s, setup.timeout_s)
+    deadline = loop.time() + min(connection.listen_grace_s, connection.timeout_s)
     closed = JOIN_CLOSED.get()
     # (each probe at most a second, so a close is seen within one)
     while refused := await _refused(address, port, min(max(deadline - loop.time(), 0.05), 1.0)):
@@ -125,7 +90,7 @@ class WeightTransfer(ABC):
     """How many ranks this model's workers add to the group."""
 
     @abstractmethod
-    async def init(self, setup: TransferSetup) -> None: ...
+    async def init(self, connection: Connection) -> None: ...
 
     @abstractmethod
     async def start(self, *, adapter: bool = False) -> None:
@@ -168,14 +133,14 @@ class InProcessTransfer(WeightTransfer):
     def __init__(self, device: torch.device, apply: Apply) -> None:
         self.device = device
         self._apply = apply
-        self._group: TransferGroup | None = None
+        self._group: Group | None = None
         self._reception: Reception | None = None
 
-    async def init(self, setup: TransferSetup) -> None:
+    async def init(self, connection: Connection) -> None:
         if self._group is not None:
             raise Conflict("the model is already in a weight-transfer group; close it first")
-        await rendezvous_listening(setup)
-        self._group = await asyncio.to_thread(TransferGroup, setup.rendezvous(0), self.device)
+        await rendezvous_listening(connection)
+        self._group = await asyncio.to_thread(open_group, connection, 0, self.device)
 
     async def start(self, *, adapter: bool = False) -> None:
         group = self._joined()
@@ -209,7 +174,7 @@ class InProcessTransfer(WeightTransfer):
         if group is not None:
             await asyncio.to_thread(group.close)
 
-    def _joined(self) -> TransferGroup:
+    def _joined(self) -> Group:
         if self._group is None:
             raise Conflict("no weight-transfer group: call init first")
         return self._group

@@ -1,5 +1,7 @@
 """The server's member of the weight-transfer collective: it joins the trainer's rendezvous at
-its rank and receives each bucket into a buffer.
+its rank and receives each bucket into a buffer. One `Connection` says which group; each
+rendezvous protocol is one `Group` class, registered by style (and transport, where that
+decides): a new one is a class and its `@registered` line.
 
 Three rendezvous, one per protocol a trainer may speak (the trainer is rank 0 and hosts the
 `TCPStore` in each):
@@ -16,6 +18,7 @@ Three rendezvous, one per protocol a trainer may speak (the trainer is rank 0 an
 from __future__ import annotations
 
 import datetime
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,132 +34,244 @@ from rlserve_client.collective import (
     warm_up,
 )
 
-__all__ = ["Rendezvous", "RendezvousStyle", "TransferGroup", "Transport"]
+__all__ = [
+    "BUCKET_BYTES",
+    "STREAMS",
+    "TIMEOUT_S",
+    "Connection",
+    "Group",
+    "Packing",
+    "RendezvousStyle",
+    "Transport",
+    "TransportChoice",
+    "open_group",
+]
 
 RendezvousStyle = Literal["rlserve", "vllm", "torch"]
+TransportChoice = Literal["auto", "gloo", "nccl"]
+"""auto: NCCL for a model on a GPU, gloo otherwise."""
+Packing = Literal["announced", "vllm", "in_band"]
+"""How updates that name no buckets are cut: one tensor per bucket, or as vLLM's packed
+transfer cuts them (tensors until a bucket passes the join's bucket_bytes); or the trainer
+names each update's tensors over the group itself, as prime-rl's does (`in_band`: an
+announcement names none)."""
+
+BUCKET_BYTES = 512 << 20
+STREAMS = 4
+TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
-class Rendezvous:
-    """Where and how to join: the trainer's store, this process's rank, the group's shape."""
+class Connection:
+    """A trainer's collective group as the server joins it, one type from the request that
+    asks (`app.updates.types.Join`) to each rank's group (`open_group`): where the trainer's
+    rendezvous listens (it is rank 0 and hosts the store), the group's shape and protocol,
+    and how its updates are cut. Flat, as vLLM's engine passes it to its workers."""
 
-    transport: Transport
     address: str
     port: int
-    rank: int
     world_size: int
-    timeout_s: float
-    streams: int = 4
+    rank_offset: int = 1
+    """The server's first rank (each of its ranks follows)."""
+    transport: TransportChoice = "auto"
     style: RendezvousStyle = "rlserve"
     group_name: str = ""
     """The "torch" style's group name (its store prefix)."""
+    streams: int = STREAMS
+    """Broadcasts in flight per bucket (rlserve's rendezvous only)."""
+    timeout_s: float = TIMEOUT_S
+    bucket_bytes: int = BUCKET_BYTES
+    """The largest bucket an update may pack (one tensor alone may be larger)."""
+    packing: Packing = "announced"
+    listen_grace_s: float = 0.0
+    """How long the rendezvous may refuse connections before the join is refused (the
+    server's weights.rendezvous_grace_s, which the server sets)."""
 
     @property
     def tcp_uri(self) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"tcp://{host}:{self.port}"
 
+    def same_group(self, other: Connection) -> bool:
+        """Whether `other` names this very group (a restarted trainer joining again)."""
+        if self.style != other.style:
+            return False
+        if self.style == "torch":
+            return self.group_name == other.group_name
+        return (self.address, self.port) == (other.address, other.port)
 
-class TransferGroup:
-    """A joined group; `receive` fills a buffer from rank 0 (the trainer)."""
 
-    def __init__(self, rendezvous: Rendezvous, device: torch.device) -> None:
-        self.rendezvous = rendezvous
-        self.device = device
-        self._store: Any = None
-        self._nccl: Any = None
-        if rendezvous.style == "rlserve":
-            self._store = _store(rendezvous, wait_for_workers=False)
-            prefixed = dist.PrefixStore(STORE_PREFIX, self._store)
-            self.group: Any = process_group(
-                rendezvous.transport,
-                prefixed,
-                rendezvous.rank,
-                rendezvous.world_size,
-                rendezvous.timeout_s,
-            )
-            warm_up(self.group, device, rendezvous.streams, rendezvous.timeout_s)
-        elif rendezvous.style == "vllm" and rendezvous.transport == "nccl":
-            self.group = None
-            self._nccl = _vllm_nccl(rendezvous, device)
-        elif rendezvous.style == "vllm":
-            # The store counts its workers: a trainer's master waits until all joined.
-            self._store = _store(rendezvous, wait_for_workers=True)
-            prefixed = dist.PrefixStore(rendezvous.tcp_uri, self._store)
-            self.group = process_group(
-                "gloo", prefixed, rendezvous.rank, rendezvous.world_size, rendezvous.timeout_s
-            )
-        else:
-            self.group = _torch_group(rendezvous)
+class Group(ABC):
+    """A joined group, at one rank; `receive` fills a buffer from rank 0 (the trainer)."""
 
+    def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
+        self.connection, self.rank, self.device = connection, rank, device
+
+    @abstractmethod
     def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
         """Start filling `buffer` (1-D bytes) with rank 0's next bucket; the returned call
         waits for it (raising on timeout or a lost peer). Buckets arrive in call order."""
-        if self._nccl is not None:
-            self._nccl.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-            return torch.cuda.current_stream().synchronize
-        streams = self.rendezvous.streams if self.rendezvous.style == "rlserve" else 1
-        works = broadcast_slices(self.group, buffer, streams)
-        return lambda: wait_all(works, self.rendezvous.timeout_s)
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+GROUPS: dict[tuple[RendezvousStyle, Transport | None], type[Group]] = {}
+"""The groups by rendezvous style and, where it decides, transport."""
+
+
+def registered(
+    style: RendezvousStyle, transport: Transport | None = None
+) -> Callable[[type[Group]], type[Group]]:
+    def register(cls: type[Group]) -> type[Group]:
+        GROUPS[style, transport] = cls
+        return cls
+
+    return register
+
+
+def open_group(connection: Connection, local_rank: int, device: torch.device) -> Group:
+    """Join `connection`'s group as this process's rank `local_rank` of the server's."""
+    assert connection.transport != "auto", "the server resolves the transport first"
+    transport: Transport = connection.transport
+    cls = GROUPS.get((connection.style, transport)) or GROUPS[connection.style, None]
+    return cls(connection, connection.rank_offset + local_rank, device)
+
+
+@registered("rlserve")
+class RlserveGroup(Group):
+    """rlserve's own: a bare group over the store under STORE_PREFIX, a warm-up broadcast,
+    each bucket broadcast as `streams` slices."""
+
+    def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
+        super().__init__(connection, rank, device)
+        self.store: Any = _store(connection, wait_for_workers=False)
+        prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
+        self.group: Any = process_group(
+            _transport(connection), prefixed, rank, connection.world_size, connection.timeout_s
+        )
+        warm_up(self.group, device, connection.streams, connection.timeout_s)
+
+    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
+        works = broadcast_slices(self.group, buffer, self.connection.streams)
+        return lambda: wait_all(works, self.connection.timeout_s)
 
     def close(self) -> None:
-        if self._nccl is not None:
-            self._nccl.destroy()
-        elif self.rendezvous.style == "torch":
-            dist.destroy_process_group(self.group)
-        else:
-            shutdown = getattr(self.group, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-        self.group = self._store = self._nccl = None
+        _shutdown(self.group)
+        self.group = self.store = None
 
 
-def _store(rendezvous: Rendezvous, *, wait_for_workers: bool) -> dist.TCPStore:
-    return dist.TCPStore(
-        rendezvous.address,
-        rendezvous.port,
-        rendezvous.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=rendezvous.timeout_s),
-        wait_for_workers=wait_for_workers,
-    )
+@registered("vllm", "gloo")
+class VllmGlooGroup(Group):
+    """vLLM's stateless gloo group, as `vllm.distributed.utils.
+    stateless_init_torch_distributed_process_group` opens it: the store (which counts its
+    workers: a trainer's master waits until all joined) under the `tcp://host:port` prefix.
+    One broadcast per bucket, no warm-up."""
+
+    def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
+        super().__init__(connection, rank, device)
+        self.store: Any = _store(connection, wait_for_workers=True)
+        prefixed = dist.PrefixStore(connection.tcp_uri, self.store)
+        self.group: Any = process_group(
+            "gloo", prefixed, rank, connection.world_size, connection.timeout_s
+        )
+
+    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
+        works = broadcast_slices(self.group, buffer, 1)
+        return lambda: wait_all(works, self.connection.timeout_s)
+
+    def close(self) -> None:
+        _shutdown(self.group)
+        self.group = self.store = None
 
 
-def _torch_group(rendezvous: Rendezvous) -> Any:
-    """SGLang's `init_custom_process_group`, step for step: torch's rendezvous, the store
-    under the group name, torch's factory (the group is registered under that name)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(rendezvous.tcp_uri, rendezvous.rank, rendezvous.world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    prefixed = dist.PrefixStore(rendezvous.group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        rendezvous.transport,
-        prefixed,
-        group_name=c10d.GroupName(rendezvous.group_name),
-        backend_options=None,
-        timeout=timeout,
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-def _vllm_nccl(rendezvous: Rendezvous, device: torch.device) -> Any:
+@registered("vllm", "nccl")
+class VllmNcclGroup(Group):
     """vLLM's NCCL rendezvous (what its trainer engine and TRL open): its own store protocol
-    and communicator, so it needs vllm here too."""
-    try:
-        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-    except ImportError as exc:
-        raise RuntimeError(
-            "vLLM's NCCL weight-transfer rendezvous needs vllm installed on the server "
-            "(the vLLM image has it); rlserve's own /v1/weights/transfer needs nothing"
-        ) from exc
-    return stateless_init_process_group(
-        rendezvous.address, rendezvous.port, rendezvous.rank, rendezvous.world_size, device
+    and communicator (`StatelessProcessGroup`, `PyNcclCommunicator`), so it needs vllm
+    installed here too."""
+
+    def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
+        super().__init__(connection, rank, device)
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import (
+                stateless_init_process_group,
+            )
+        except ImportError as exc:
+            raise RuntimeError(
+                "vLLM's NCCL weight-transfer rendezvous needs vllm installed on the server "
+                "(the vLLM image has it); rlserve's own /v1/weights/transfer needs nothing"
+            ) from exc
+        self.communicator: Any = stateless_init_process_group(
+            connection.address, connection.port, rank, connection.world_size, device
+        )
+
+    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
+        self.communicator.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+        return torch.cuda.current_stream().synchronize
+
+    def close(self) -> None:
+        self.communicator.destroy()
+        self.communicator = None
+
+
+@registered("torch")
+class TorchGroup(Group):
+    """torch.distributed's `init_process_group` recipe with a group name, step for step as
+    SGLang's `init_custom_process_group` (and the trainers that drive SGLang: slime, AReaL)
+    opens it: torch's tcp:// rendezvous, the store under the group name, torch's own
+    process-group factory (the group is registered under that name). One broadcast per
+    bucket."""
+
+    def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
+        super().__init__(connection, rank, device)
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = datetime.timedelta(seconds=connection.timeout_s)
+        store, rank, world_size = next(
+            c10d.rendezvous(connection.tcp_uri, rank, connection.world_size, timeout=timeout)
+        )
+        store.set_timeout(timeout)
+        prefixed = dist.PrefixStore(connection.group_name, store)
+        self.group: Any
+        self.group, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            _transport(connection),
+            prefixed,
+            group_name=c10d.GroupName(connection.group_name),
+            backend_options=None,
+            timeout=timeout,
+        )
+        c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world_size)}
+
+    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
+        works = broadcast_slices(self.group, buffer, 1)
+        return lambda: wait_all(works, self.connection.timeout_s)
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
+        self.group = None
+
+
+def _transport(connection: Connection) -> Transport:
+    assert connection.transport != "auto"
+    return connection.transport
+
+
+def _shutdown(group: Any) -> None:
+    shutdown = getattr(group, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def _store(connection: Connection, *, wait_for_workers: bool) -> dist.TCPStore:
+    return dist.TCPStore(
+        connection.address,
+        connection.port,
+        connection.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=connection.timeout_s),
+        wait_for_workers=wait_for_workers,
     )

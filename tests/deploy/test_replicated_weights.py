@@ -28,7 +28,8 @@ from app.updates.local import LocalWeights
 from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import TransferSetup, WeightTransfer
+from app.weights.transfer_engine import WeightTransfer
+from app.weights.transport import Connection
 from tests.deploy.replicas import FakeReplicas, InProcessReplica
 from tests.fake.backend import FakeBackend
 
@@ -64,7 +65,7 @@ class FakeTransfer(WeightTransfer):
         self.staged = {k: v.clone() for k, v in tensors.items()}
         self.arrived.set()
 
-    async def init(self, setup: TransferSetup) -> None:
+    async def init(self, connection: Connection) -> None:
         self.trainer.group[self.replica] = self
 
     async def start(self, *, adapter: bool = False) -> None:
@@ -437,7 +438,7 @@ async def test_a_replica_that_cannot_join_leaves_no_one_in_the_group(cluster: Cl
 
 
 def init(world_size: int = 4) -> Join:
-    return Join("policy", "127.0.0.1", 29500, world_size=world_size, timeout_s=1.0)
+    return Join("policy", Connection("127.0.0.1", 29500, world_size=world_size, timeout_s=1.0))
 
 
 def announce() -> Announcement:

@@ -49,7 +49,7 @@ from app.errors import (
     WEIGHTS_ERROR_RESPONSES,
 )
 from app.ops.access import Access, access
-from app.updates.types import Join
+from app.updates.types import Connection, Join
 
 router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -196,16 +196,18 @@ async def init_weights_update_group(
     at ranks rank_offset… (returns once every rank is in)."""
     await weights.transfer_init(
         Join(
-            model="policy",
-            address=request.master_address,
-            port=request.master_port,
-            world_size=request.world_size,
-            rank_offset=request.rank_offset,
-            transport=request.backend,
-            streams=1,
-            timeout_s=request.timeout_s,
-            rendezvous="torch",
-            group_name=request.group_name,
+            "policy",
+            Connection(
+                address=request.master_address,
+                port=request.master_port,
+                world_size=request.world_size,
+                rank_offset=request.rank_offset,
+                transport=request.backend,
+                streams=1,
+                timeout_s=request.timeout_s,
+                style="torch",
+                group_name=request.group_name,
+            ),
         )
     )
     return Success(message="Succeeded to initialize custom process group.")

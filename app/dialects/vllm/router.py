@@ -65,7 +65,7 @@ from app.openai_compat.protocol import (
 from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
 from app.updates.control import WeightsControl
-from app.updates.types import Announcement, Join, Publish
+from app.updates.types import Announcement, Connection, Join, Publish
 
 router = APIRouter(tags=["vLLM dialect"], responses=ERROR_RESPONSES)
 ADMIN = access(Access.ADMIN)
@@ -160,16 +160,18 @@ async def init_weight_transfer_engine(request: InitWeightTransfer, weights: Weig
     info = request.init_info
     await weights.transfer_init(
         Join(
-            model="policy",
-            address=info.master_address,
-            port=info.master_port,
-            world_size=info.world_size,
-            rank_offset=info.rank_offset,
-            bucket_bytes=info.packed_buffer_size_bytes,
-            streams=1,
-            timeout_s=info.timeout_s,
-            rendezvous="vllm",
-            packing="vllm" if info.packed else "announced",
+            "policy",
+            Connection(
+                address=info.master_address,
+                port=info.master_port,
+                world_size=info.world_size,
+                rank_offset=info.rank_offset,
+                bucket_bytes=info.packed_buffer_size_bytes,
+                streams=1,
+                timeout_s=info.timeout_s,
+                style="vllm",
+                packing="vllm" if info.packed else "announced",
+            ),
         )
     )
     return Message(message="Weight transfer initialized")
@@ -188,15 +190,17 @@ async def init_broadcaster(request: InitBroadcaster, weights: WeightsDep) -> Sta
     broadcast, the tensors named over the group itself, and swaps them in whole."""
     await weights.transfer_init(
         Join(
-            model="policy",
-            address=request.host,
-            port=request.port,
-            world_size=request.inference_world_size + 1,
-            rank_offset=request.rank_offset + 1,
-            streams=1,
-            timeout_s=request.timeout,
-            rendezvous="vllm",
-            packing="in_band",
+            "policy",
+            Connection(
+                address=request.host,
+                port=request.port,
+                world_size=request.inference_world_size + 1,
+                rank_offset=request.rank_offset + 1,
+                streams=1,
+                timeout_s=request.timeout,
+                style="vllm",
+                packing="in_band",
+            ),
         )
     )
     return Status(status="ok")

@@ -20,6 +20,7 @@ from app.updates.types import (
     Publish,
     RendezvousStyle,
     TransferStatus,
+    Transport,
     TransportChoice,
     Versions,
 )
@@ -223,7 +224,7 @@ class TransferState(WireModel):
         "and finish or abort."
     )
     server_ranks: int = Field(description="Ranks the server adds to the group.")
-    transport: Literal["gloo", "nccl"] | None = None
+    transport: Transport | None = None
     world_size: int | None = None
     announced_bytes: int = Field(default=0, description="Bytes announced by this update so far.")
     last_error: str | None = Field(

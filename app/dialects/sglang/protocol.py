@@ -26,6 +26,7 @@ from app.common.protocol import (
     stop_list,
 )
 from app.common.sampling import SamplingAsk
+from app.weights.transport import Transport
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -352,7 +353,7 @@ class InitWeightsUpdateGroup(DialectModel):
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2, le=4096)
     group_name: str = Field(default="weight_update_group", min_length=1, max_length=256)
-    backend: Literal["nccl", "gloo"] = "nccl"
+    backend: Transport = "nccl"
     timeout_s: float = Field(
         default=300.0, gt=0, le=3600, description="rlserve's: how long to wait for the trainer."
     )

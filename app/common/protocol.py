@@ -400,10 +400,6 @@ class ShapingFields(WireModel):
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=128)] | None
     ) = Field(default=None, description="Words never generated (as vLLM's bad_words).")
 
-    def shaping(self) -> dict[str, Any]:
-        """These fields as `SamplingAsk` keywords."""
-        return {name: getattr(self, name) for name in ShapingFields.model_fields}
-
 
 TEMPLATED = {"chat_template_kwargs": "messages"}
 """The fields given only with a conversation to template."""

@@ -7,7 +7,10 @@ rule, the vocabulary checks, what the model can do) into the engine's `SamplingC
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pydantic import BaseModel
 
 GREEDY_BELOW = 1e-5
 """A temperature below this samples greedily (vLLM's _SAMPLING_EPS: dividing the logits by
@@ -44,6 +47,20 @@ class SamplingAsk:
     bad_words: Sequence[str] | None = None
     return_prompt_log_probs: bool = False
     return_routed_experts: bool = False
+
+    @classmethod
+    def taken(cls, source: BaseModel, **given: Any) -> SamplingAsk:
+        """The ask of a wire model whose declared fields of rlserve's names mean what
+        rlserve's do (every vocabulary's do, vLLM's names being rlserve's): those read from
+        `source`, the others `given` (renamed, or resolved first, as a stop list). Keys a
+        dialect accepts and ignores (its model's extras) are never read."""
+        declared = type(source).model_fields
+        taken = {
+            f.name: getattr(source, f.name)
+            for f in fields(cls)
+            if f.name not in given and f.name in declared
+        }
+        return cls(**taken, **given)
 
     @property
     def greedy(self) -> bool:

@@ -110,18 +110,10 @@ class GenerateRequest(InputFields, ShapingFields):
 
     def sampling_ask(self) -> tuple[SamplingAsk, Names]:
         """The request's sampling parameters, and its names for them (an alias given wins)."""
-        ask = SamplingAsk(
+        ask = SamplingAsk.taken(
+            self,
             max_new_tokens=self.max_tokens or self.max_new_tokens,
-            temperature=self.temperature,
-            do_sample=self.do_sample,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
             stop=self.stop if self.stop is not None else self.stop_sequences,
-            ignore_eos=self.ignore_eos,
-            return_prompt_log_probs=self.return_prompt_log_probs,
-            return_routed_experts=self.return_routed_experts,
-            **self.shaping(),
         )
         return ask, Names(renamed={"max_new_tokens": "max_tokens"} if self.max_tokens else {})
 

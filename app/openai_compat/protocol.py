@@ -152,23 +152,7 @@ class SamplingFields(DialectModel):
         return stop_list(self.stop)
 
     def sampling_ask(self, max_new_tokens: int) -> SamplingAsk:
-        return SamplingAsk(
-            max_new_tokens=max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            stop=self.stops,
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            stop_token_ids=self.stop_token_ids,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words,
-        )
+        return SamplingAsk.taken(self, max_new_tokens=max_new_tokens, stop=self.stops)
 
     @property
     def include_usage(self) -> bool:

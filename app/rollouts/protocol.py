@@ -65,17 +65,7 @@ class RolloutGeneration(ShapingFields):
     )
 
     def sampling_ask(self) -> SamplingAsk:
-        return SamplingAsk(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
-            stop=self.stop,
-            ignore_eos=self.ignore_eos,
-            return_routed_experts=self.return_routed_experts,
-            **self.shaping(),
-        )
+        return SamplingAsk.taken(self)
 
 
 def _rollout_choices(schema: dict[str, Any]) -> None:

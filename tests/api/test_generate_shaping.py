@@ -146,3 +146,15 @@ async def test_template_variables_need_a_conversation(client, route):
     answer = await client.post(route, json=body)
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"]["param"] == "chat_template_kwargs"
+
+
+async def test_a_dialects_ignored_keys_never_reach_the_sampling(client):
+    """vLLM's sampling_params take unknown keys and ignore them (trainers pass their own
+    configs through): one named as an rlserve parameter changes nothing."""
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "seed": 3}}
+    plain = await client.post("/inference/v1/generate", json=body)
+    body["sampling_params"] |= {"do_sample": False, "return_routed_experts": True}
+    extra = await client.post("/inference/v1/generate", json=body)
+    assert plain.status_code == extra.status_code == 200, extra.text
+    tokens = [r.json()["choices"][0]["token_ids"] for r in (plain, extra)]
+    assert tokens[0] == tokens[1]

@@ -111,20 +111,10 @@ class SamplingParams(DialectModel):
         return stop_list(self.stop)
 
     def sampling_ask(self, *, return_prompt_log_probs: bool, routed: bool) -> SamplingAsk:
-        return SamplingAsk(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+        return SamplingAsk.taken(
+            self,
             stop=self.stops,
-            ignore_eos=self.ignore_eos,
             min_tokens=self.min_new_tokens,
-            stop_token_ids=self.stop_token_ids,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
             return_prompt_log_probs=return_prompt_log_probs,
             return_routed_experts=routed,
         )

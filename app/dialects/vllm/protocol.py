@@ -465,23 +465,7 @@ class SamplingParams(DialectModel):
         return stop_list(self.stop)
 
     def sampling_ask(self) -> SamplingAsk:
-        return SamplingAsk(
-            max_new_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            stop=self.stops,
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            stop_token_ids=self.stop_token_ids,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words,
-        )
+        return SamplingAsk.taken(self, max_new_tokens=self.max_tokens, stop=self.stops)
 
     def ignored(self) -> list[str]:
         """The given fields that change nothing here (logged)."""

@@ -87,7 +87,7 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="leave out tokens whose importance weight exceeds this",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"))
+    parser.add_argument("--device", default="cpu", help="the trainer's model (cuda, cuda:1, ...)")
     parser.add_argument(
         "--transport",
         default="auto",

@@ -361,6 +361,13 @@ class InputMessage(Message):
 InputConversation = Annotated[list[InputMessage], Field(min_length=1)]
 
 
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+"""OpenAI's presence and frequency penalties."""
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)]
+"""Token id, in digits (as JSON keys are), to the bias added to its logit."""
+BadWords = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=128)]
+
+
 class ShapingFields(WireModel):
     """The sampling parameters that shape the distribution beyond temperature, top-k and
     top-p, under vLLM's names and meanings (its dialects and OpenAI's routes take them too)."""
@@ -380,15 +387,13 @@ class ShapingFields(WireModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = Field(
         default=None, description="Stop after any of these tokens (stop_reason names it)."
     )
-    presence_penalty: float = Field(
-        default=0.0, ge=-2, le=2, description="Minus this, once a token was generated."
+    presence_penalty: Penalty = Field(
+        default=0.0, description="Minus this, once a token was generated."
     )
-    frequency_penalty: float = Field(
-        default=0.0, ge=-2, le=2, description="Minus this times how often a token was generated."
+    frequency_penalty: Penalty = Field(
+        default=0.0, description="Minus this times how often a token was generated."
     )
-    logit_bias: (
-        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
-    ) = Field(
+    logit_bias: LogitBias | None = Field(
         default=None,
         description="Token id (in digits) -> bias added to its logit, before the penalties.",
         json_schema_extra=TOKEN_ID_KEYS,
@@ -396,9 +401,9 @@ class ShapingFields(WireModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = (
         Field(default=None, description="Sample only these tokens.")
     )
-    bad_words: (
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=128)] | None
-    ) = Field(default=None, description="Words never generated (as vLLM's bad_words).")
+    bad_words: BadWords | None = Field(
+        default=None, description="Words never generated (as vLLM's bad_words)."
+    )
 
 
 TEMPLATED = {"chat_template_kwargs": "messages"}

@@ -16,7 +16,10 @@ from app.common.protocol import (
     POSITIVE,
     STREAMED,
     TOKEN_ID_KEYS,
+    BadWords,
     DialectModel,
+    LogitBias,
+    Penalty,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -74,15 +77,13 @@ class SamplingFields(DialectModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(
-        default=0.0, ge=-2, le=2, description="Minus this once a token was generated."
+    presence_penalty: Penalty = Field(
+        default=0.0, description="Minus this once a token was generated."
     )
-    frequency_penalty: float = Field(
-        default=0.0, ge=-2, le=2, description="Minus this times how often a token was generated."
+    frequency_penalty: Penalty = Field(
+        default=0.0, description="Minus this times how often a token was generated."
     )
-    logit_bias: (
-        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None
-    ) = Field(
+    logit_bias: LogitBias | None = Field(
         default=None,
         description="Token id (a string) -> bias added to its logit.",
         json_schema_extra=TOKEN_ID_KEYS,
@@ -109,9 +110,9 @@ class SamplingFields(DialectModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
         default=None, description="Extension (vLLM's): sample only these tokens."
     )
-    bad_words: (
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=128)] | None
-    ) = Field(default=None, description="Extension (vLLM's): words never generated.")
+    bad_words: BadWords | None = Field(
+        default=None, description="Extension (vLLM's): words never generated."
+    )
     return_token_ids: bool = Field(
         default=False,
         description="Extension: prompt_token_ids (as templated) and each choice's token_ids "

@@ -67,8 +67,8 @@ STATED_RULES: list[tuple[str, str]] = [
     ),
     (
         r"has \d+ entries|\d+ (entries|ids|lists) for \d+|one entry per input"
-        r"|\d+ values for the \d+ tokens",
-        "two lists' lengths must agree",
+        r"|\d+ values for the \d+ tokens|has \d+ values but sequence \d+ has \d+ tokens",
+        "two lists' lengths must agree (a conversation's, once templated)",
     ),
     (r"best_of: (only unset or equal to n|must equal n)", "one field must equal another"),
     (

@@ -56,16 +56,7 @@ def assistant_spans(
     written = [m["content"] + (m.get("reasoning_content") or "") for m in conversation]
     if any(c in text for text in written for c in (_OPEN, _CLOSE, _END, _PROBE)):
         return None
-    # An assistant turn's reasoning is the assistant's too: where the template renders it
-    # (before the content, in its own tags), the turn is marked from its header on.
-    marked = [
-        {**m, "content": _marker(_OPEN, i) + m["content"] + _marker(_CLOSE, i)}
-        if m["role"] == "assistant" and not m.get("reasoning_content")
-        else {**m, "content": m["content"] + _marker(_CLOSE, i)}
-        if m["role"] == "assistant"
-        else m
-        for i, m in enumerate(conversation)
-    ]
+    marked = [_marked(i, m) for i, m in enumerate(conversation)]
     rendered = preparer.render(marked, generation_prompt=generation_prompt)
     clean, places = _strip_markers(rendered)
     if clean != text:
@@ -86,6 +77,16 @@ def assistant_spans(
             end += len(end_of_turn)
         spans.append((start, end))
     return spans
+
+
+def _marked(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message with markers around what it wrote. Its reasoning is the
+    assistant's too: where the template renders it (before the content, in its own tags),
+    no opening marker is set, and the turn is marked from its header on."""
+    if message["role"] != "assistant":
+        return message
+    opening = "" if message.get("reasoning_content") else _marker(_OPEN, i)
+    return {**message, "content": opening + message["content"] + _marker(_CLOSE, i)}
 
 
 def _strip_markers(rendered: str) -> tuple[str, dict[tuple[str, int], int]]:

@@ -138,31 +138,44 @@ def open_group(connection: Connection, local_rank: int, device: torch.device) ->
     return cls(connection, connection.rank_offset + local_rank, device)
 
 
+class BroadcastGroup(Group):
+    """A torch process group that receives each bucket as one broadcast from rank 0, or as
+    `streams` slices in flight at once."""
+
+    group: Any
+    store: Any = None
+    """The trainer's store, held while the group lives (rlserve's and vLLM's rendezvous)."""
+    streams = 1
+
+    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
+        works = broadcast_slices(self.group, buffer, self.streams)
+        return lambda: wait_all(works, self.connection.timeout_s)
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self.group = self.store = None
+
+
 @registered("rlserve")
-class RlserveGroup(Group):
+class RlserveGroup(BroadcastGroup):
     """rlserve's own: a bare group over the store under STORE_PREFIX, a warm-up broadcast,
     each bucket broadcast as `streams` slices."""
 
     def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
         super().__init__(connection, rank, device)
-        self.store: Any = _store(connection, wait_for_workers=False)
+        self.store = _store(connection, wait_for_workers=False)
         prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
-        self.group: Any = process_group(
+        self.group = process_group(
             _transport(connection), prefixed, rank, connection.world_size, connection.timeout_s
         )
+        self.streams = connection.streams
         warm_up(self.group, device, connection.streams, connection.timeout_s)
-
-    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
-        works = broadcast_slices(self.group, buffer, self.connection.streams)
-        return lambda: wait_all(works, self.connection.timeout_s)
-
-    def close(self) -> None:
-        _shutdown(self.group)
-        self.group = self.store = None
 
 
 @registered("vllm", "gloo")
-class VllmGlooGroup(Group):
+class VllmGlooGroup(BroadcastGroup):
     """vLLM's stateless gloo group, as `vllm.distributed.utils.
     stateless_init_torch_distributed_process_group` opens it: the store (which counts its
     workers: a trainer's master waits until all joined) under the `tcp://host:port` prefix.
@@ -170,19 +183,11 @@ class VllmGlooGroup(Group):
 
     def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
         super().__init__(connection, rank, device)
-        self.store: Any = _store(connection, wait_for_workers=True)
+        self.store = _store(connection, wait_for_workers=True)
         prefixed = dist.PrefixStore(connection.tcp_uri, self.store)
-        self.group: Any = process_group(
+        self.group = process_group(
             "gloo", prefixed, rank, connection.world_size, connection.timeout_s
         )
-
-    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
-        works = broadcast_slices(self.group, buffer, 1)
-        return lambda: wait_all(works, self.connection.timeout_s)
-
-    def close(self) -> None:
-        _shutdown(self.group)
-        self.group = self.store = None
 
 
 @registered("vllm", "nccl")
@@ -216,7 +221,7 @@ class VllmNcclGroup(Group):
 
 
 @registered("torch")
-class TorchGroup(Group):
+class TorchGroup(BroadcastGroup):
     """torch.distributed's `init_process_group` recipe with a group name, step for step as
     SGLang's `init_custom_process_group` (and the trainers that drive SGLang: slime, AReaL)
     opens it: torch's tcp:// rendezvous, the store under the group name, torch's own
@@ -233,7 +238,6 @@ class TorchGroup(Group):
         )
         store.set_timeout(timeout)
         prefixed = dist.PrefixStore(connection.group_name, store)
-        self.group: Any
         self.group, _ = c10d._new_process_group_helper(
             world_size,
             rank,
@@ -246,24 +250,14 @@ class TorchGroup(Group):
         )
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world_size)}
 
-    def receive(self, buffer: torch.Tensor) -> Callable[[], None]:
-        works = broadcast_slices(self.group, buffer, 1)
-        return lambda: wait_all(works, self.connection.timeout_s)
-
     def close(self) -> None:
-        dist.destroy_process_group(self.group)
+        dist.destroy_process_group(self.group)  # (registered under its name: unregistered too)
         self.group = None
 
 
 def _transport(connection: Connection) -> Transport:
     assert connection.transport != "auto"
     return connection.transport
-
-
-def _shutdown(group: Any) -> None:
-    shutdown = getattr(group, "shutdown", None)
-    if callable(shutdown):
-        shutdown()
 
 
 def _store(connection: Connection, *, wait_for_workers: bool) -> dist.TCPStore:

@@ -221,10 +221,9 @@ async def init_weights_update_group(
     openapi_extra=ADMIN,
 )
 async def destroy_weights_update_group(
-    session: SGLangWeightsDep, weights: WeightsDep, body: Annotated[GroupName | None, Body()] = None
+    weights: WeightsDep, body: Annotated[GroupName | None, Body()] = None
 ) -> Success:
-    await weights.transfer_close("policy")
-    await session.reset()
+    await weights.transfer_close("policy")  # (which ends any update session with the group)
     return Success(message="Succeeded to destroy custom process group.")
 
 

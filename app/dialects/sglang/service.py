@@ -73,7 +73,7 @@ class SGLangWeights:
         try:
             await self.weights.transfer_start("policy")
         except BaseException:
-            await self.weights.swap_session(opened.serial, replace(opened, kind=None))
+            await self.weights.swap_session(opened.serial, _closed(opened))
             raise
 
     async def begin(self) -> None:
@@ -179,11 +179,6 @@ class SGLangWeights:
         return await self.weights.transfer_finish(
             "policy", Publish(version=session.version, restartable=True)
         )
-
-    async def reset(self) -> None:
-        """The group was closed: an open session has nothing left to commit."""
-        async with self._lock:
-            await self._write(lambda session: UpdateSession())
 
 
 def _closed(session: UpdateSession) -> UpdateSession:

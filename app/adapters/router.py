@@ -18,12 +18,18 @@ from app.adapters.protocol import (
     LoadAdapterRequest,
     PauseAdapterRequest,
 )
+from app.common.failures import worded
 from app.common.protocol import ADAPTER_NAME_PATTERN
 from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.errors import ADAPTER_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
+from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE
 
 router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
+LOADED = {ADAPTER: "name", ADAPTER_SOURCE: "path", ADAPTER_CONFIG: "path"}
+"""The fields an adapter's refusals name (`app.updates.adapters`' roles), per route."""
+PUSHED = {ADAPTER: "name", ADAPTER_SOURCE: "body", ADAPTER_CONFIG: "name"}
+NAMED = {ADAPTER: "name"}
 AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN)]
 
 
@@ -57,7 +63,8 @@ async def load_adapter(
     as its `model`, and its rows batch with the policy's and other adapters'. Loading a served
     name again serves the new tensors as its next version to new requests, while requests in
     flight finish on theirs: no pause."""
-    adapter = await weights.load_adapter(request.name, request.path, "path", caller=caller)
+    with worded(LOADED):
+        adapter = await weights.load_adapter(request.name, request.path, caller=caller)
     return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
 
@@ -88,7 +95,8 @@ async def push_adapter(
     config under `adapter_config` (the text of PEFT's adapter_config.json): a name not served
     yet needs it, and is then served at version 0, owned by the pushing key. A served adapter
     keeps its layers and shapes; without that metadata, its config too."""
-    adapter = await weights.push_adapter(name, request.stream(), caller=caller)
+    with worded(PUSHED):
+        adapter = await weights.push_adapter(name, request.stream(), caller=caller)
     return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
 
@@ -104,7 +112,8 @@ async def pause_adapter(
     """Hold back new requests naming the adapter until its resume; returns once its requests
     inside met `mode`. The policy and other adapters serve on, and a global pause
     (`/v1/pause`) is separate from this one."""
-    return AdapterInfo.of(*await weights.pause_adapter(name, request.mode, caller=caller))
+    with worded(NAMED):
+        return AdapterInfo.of(*await weights.pause_adapter(name, request.mode, caller=caller))
 
 
 @router.post(
@@ -114,7 +123,8 @@ async def pause_adapter(
     openapi_extra=access(Access.OWNER),
 )
 async def resume_adapter(name: AdapterPath, weights: WeightsDep, caller: CallerDep) -> AdapterInfo:
-    return AdapterInfo.of(*await weights.resume_adapter(name, caller=caller))
+    with worded(NAMED):
+        return AdapterInfo.of(*await weights.resume_adapter(name, caller=caller))
 
 
 @router.get("/v1/adapters", response_model=AdapterList, summary="Served adapters")
@@ -134,4 +144,5 @@ async def list_adapters(registry: RegistryDep) -> AdapterList:
 async def unload_adapter(name: AdapterPath, weights: WeightsDep, caller: CallerDep) -> AdapterInfo:
     """New requests can no longer name it (those waiting on its pause are refused); requests
     in flight finish with it."""
-    return AdapterInfo.of(await weights.unload_adapter(name, "name", caller=caller))
+    with worded(NAMED):
+        return AdapterInfo.of(await weights.unload_adapter(name, caller=caller))

@@ -4,14 +4,29 @@ routes decides an HTTP status."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+
 
 class Failure(Exception):
-    """A failure the caller caused or must wait out; `param` names the request field at fault."""
+    """A failure the caller caused or must wait out; `param` names the request field at fault
+    (or a role, which the route that called names in its own words: `worded`)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+    def reword(self, words: Mapping[str, str]) -> None:
+        """Name the caller's field in place of the role `param` is, when `words` names it
+        (the message's leading role too)."""
+        word = words.get(self.param) if self.param is not None else None
+        if word is None or self.param is None:
+            return
+        if self.message.startswith(self.param):
+            self.message = word + self.message[len(self.param) :]
+        self.param = word
+        self.args = (self.message,)
 
 
 class InvalidInput(Failure):
@@ -89,3 +104,15 @@ def file_failure(error: OSError, param: str) -> Failure:
     if isinstance(error, PermissionError):
         return Forbidden(f"{param}: the server may not read {where} ({reason})", param=param)
     return invalid(param, f"the server cannot use {where}: {reason}")
+
+
+@contextlib.contextmanager
+def worded(words: Mapping[str, str]) -> Iterator[None]:
+    """Failures raised inside that name one of the roles in `words` (the core's names for what
+    a request carries, e.g. `app.weights.lora.ADAPTER`) name the caller's field instead: each
+    route maps the roles to its own vocabulary's words."""
+    try:
+        yield
+    except Failure as exc:
+        exc.reword(words)
+        raise

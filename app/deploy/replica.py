@@ -16,6 +16,7 @@ from app.common.caller import Caller
 from app.common.failures import Conflict, Failure, PeerFailed
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
+from app.updates.adapters import Serving
 from app.updates.local import LocalWeights
 from app.updates.types import (
     AdapterPush,
@@ -26,7 +27,7 @@ from app.updates.types import (
     Publish,
     TransferStatus,
 )
-from app.weights.lora import LoraAdapter
+from app.weights.lora import ADAPTER_SOURCE, LoraAdapter
 from app.weights.lora_layout import read_upload
 from app.weights.shipment import Shipment
 
@@ -93,11 +94,6 @@ class AdapterServe:
     version: int
     caller: Caller
     source: str
-    param: str
-    """The request field the tensors came from (named in a refusal)."""
-    name_param: str
-    first: str
-    """How a first push serves a new adapter (said when this one carries no config)."""
     keep_layout: bool
     """Refuse other layers or shapes than the version served (a push); a load may change
     them."""
@@ -115,19 +111,17 @@ async def serve_shipped_adapter(
     """Serve `step`'s shipped tensors on this replica, with `config` (default: the one in
     the file's metadata, else the one the adapter is served with)."""
     async with weights.files.unpacked(step.shipment) as file:
-        shipped_config, tensors = await asyncio.to_thread(read_upload, file, step.param)
-    return await weights.registry.push_adapter_tensors(
+        shipped_config, tensors = await asyncio.to_thread(read_upload, file, ADAPTER_SOURCE)
+    serving = Serving(
         step.name,
         tensors,
         config or shipped_config,
         source=step.source,
-        param=step.param,
         caller=step.caller,
-        first=step.first,
-        name_param=step.name_param,
         version=step.version,
         keep_layout=step.keep_layout,
     )
+    return await weights.adapters.serve(serving)
 
 
 def answered(step: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T | Refusal]]:
@@ -182,9 +176,9 @@ class ReplicaEndpoint:
         return (await serve_shipped_adapter(self.local_weights(), step)).version
 
     @answered
-    async def adapter_unload(self, name: str, param: str, caller: Caller) -> int:
+    async def adapter_unload(self, name: str, caller: Caller) -> int:
         """Stop serving the adapter to new requests; the version it had."""
-        return (await self.local_weights().unload_adapter(name, param, caller=caller)).version
+        return (await self.local_weights().unload_adapter(name, caller=caller)).version
 
     @answered
     async def adapter_pause(self, name: str, mode: PauseMode, caller: Caller) -> AdapterGateState:

@@ -41,9 +41,9 @@ from app.deploy.replica import (
 )
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState, resolve_version
-from app.engine.registry import FIRST_UPLOAD
 from app.updates.local import LocalWeights
 from app.updates.session import UpdateSession
+from app.updates.transfer import ADAPTER_VERSIONS
 from app.updates.types import (
     AdapterPush,
     Announcement,
@@ -54,7 +54,7 @@ from app.updates.types import (
     TransferStatus,
     Versions,
 )
-from app.weights.lora import LoraAdapter
+from app.weights.lora import ADAPTER, ADAPTER_SOURCE, LoraAdapter
 from app.weights.lora_layout import read_folder, upload_bytes
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
 
@@ -124,37 +124,32 @@ class ReplicatedWeights:
 
     async def _catch_up_adapter(self, name: str, record: AdapterRecord) -> None:
         """Serve the adapter's recorded version, owned by its owner, paused if it is."""
-        registry, owner = self.local.registry, Caller(owner=record.owner, admin=True)
-        served = registry.adapters.get(name)
+        owner = Caller(owner=record.owner, admin=True)
+        served = self.local.registry.adapters.get(name)
         if served is None or served.version < record.version:
             step = AdapterServe(
-                name,
-                record.shipment,
-                record.version,
-                owner,
-                record.source,
-                param="path",
-                name_param="name",
-                first="",
+                name=name,
+                shipment=record.shipment,
+                version=record.version,
+                caller=owner,
+                source=record.source,
                 keep_layout=False,
             )
             await serve_shipped_adapter(self.local, step, record.config)
             logger.info("caught up with version %d of adapter %s", record.version, name)
         if record.paused is not None:
-            await registry.pause_adapter(name, record.paused, caller=owner)
+            await self.local.adapters.pause(name, record.paused, owner)
 
     # -- LoRA adapters: every replica serves each one at the same version ------------------
 
-    async def load_adapter(
-        self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
-    ) -> LoraAdapter:
+    async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         """Read here, shipped to every replica."""
-        self.local.registry.check_adapter_push(name, caller, name_param=name_param, param=param)
-        config, tensors = await asyncio.to_thread(read_folder, Path(path), param)
+        self.local.adapters.check_push(name, caller)
+        config, tensors = await asyncio.to_thread(read_folder, Path(path), ADAPTER_SOURCE)
         data = await asyncio.to_thread(upload_bytes, config, tensors)
         shipment = ship_bytes({ADAPTER_FILE: data}, self.replicas.put, self.chunk_bytes)
         step = AdapterServe(
-            name, shipment, 0, caller, path, param, name_param, FIRST_UPLOAD, keep_layout=False
+            name=name, shipment=shipment, version=0, caller=caller, source=path, keep_layout=False
         )
         return await self._serve_adapter(step)
 
@@ -162,13 +157,18 @@ class ReplicatedWeights:
         self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
     ) -> LoraAdapter:
         """Streamed to disk here, then shipped to every replica from there."""
-        self.local.registry.check_adapter_push(name, caller, name_param="name", param="body")
+        self.local.adapters.check_push(name, caller)
         files = self.local.files
         async with files.received(chunks) as path:
             put = self.replicas.put
-            shipment = await files.ship({ADAPTER_FILE: path}, put, "body", self.chunk_bytes)
+            shipment = await files.ship({ADAPTER_FILE: path}, put, ADAPTER_SOURCE, self.chunk_bytes)
         step = AdapterServe(
-            name, shipment, 0, caller, "upload", "body", "name", FIRST_UPLOAD, keep_layout=True
+            name=name,
+            shipment=shipment,
+            version=0,
+            caller=caller,
+            source="upload",
+            keep_layout=True,
         )
         return await self._serve_adapter(step)
 
@@ -179,15 +179,12 @@ class ReplicatedWeights:
             versioned = replace(step, version=version)
             return await self.replicas.each(ReplicaEndpoint.adapter_serve, versioned)
 
-        await self._next_adapter_version(
-            step.name, step.name_param, serve, step.source, step.shipment
-        )
+        await self._next_adapter_version(step.name, serve, step.source, step.shipment)
         return self.local.registry.adapters[step.name]
 
     async def _next_adapter_version(
         self,
         name: str,
-        param: str,
         serve: Callable[[int], Awaitable[list[T | Refusal]]],
         source: str,
         shipment: Shipment,
@@ -197,26 +194,24 @@ class ReplicatedWeights:
         the adapter's lease orders its versions."""
         ledger, update_id = self.replicas.ledger, uuid.uuid4().hex
         lease = f"adapter:{name}"
-        await self._acquire(lease, update_id, f"adapter '{name}'", param)
+        await self._acquire(lease, update_id, f"adapter '{name}'", ADAPTER)
         try:
             last = (await ledger.state()).adapter_versions.get(name)
             version = last + 1 if last is not None else 0
             served = await serve(version)
-            registry = self.local.registry
-            adapter = registry.adapters.get(name)
-            if adapter is not None and adapter.version == version:
-                owner = registry.adapter_gates[name].owner
+            adapter = self.local.registry.adapters.get(name)
+            owner = self.local.adapters.owner(name)
+            if adapter is not None and adapter.version == version and owner is not None:
                 record = AdapterRecord(version, owner, adapter.config, source, shipment)
                 await ledger.record_adapter(name, record)
         finally:
             await ledger.release(lease, update_id)
         return _every_one(served, "serve the adapter's new version")
 
-    async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
-        registry = self.local.registry
-        registry.check_adapter_change(name, caller, param)
-        adapter = registry.adapters[name]
-        unloaded = await self.replicas.each(ReplicaEndpoint.adapter_unload, name, param, caller)
+    async def unload_adapter(self, name: str, *, caller: Caller) -> LoraAdapter:
+        self.local.adapters.check_change(name, caller)
+        adapter = self.local.registry.adapters[name]
+        unloaded = await self.replicas.each(ReplicaEndpoint.adapter_unload, name, caller)
         if any(not isinstance(r, Refusal) for r in unloaded):
             await self.replicas.ledger.record_adapter(name, None)
         _every_one(unloaded, "unload the adapter")
@@ -227,20 +222,18 @@ class ReplicatedWeights:
     ) -> tuple[LoraAdapter, AdapterGateState]:
         """Every replica pauses it (the ledger first: a replica starting meanwhile pauses it
         too)."""
-        registry = self.local.registry
-        registry.check_adapter_change(name, caller, "name")
+        self.local.adapters.check_change(name, caller)
         await self.replicas.ledger.record_adapter_pause(name, mode)
         states = await self.replicas.each(ReplicaEndpoint.adapter_pause, name, mode, caller)
-        return registry.adapters[name], _adapter_states(states, "pause the adapter")
+        return self.local.registry.adapters[name], _adapter_states(states, "pause the adapter")
 
     async def resume_adapter(
         self, name: str, *, caller: Caller
     ) -> tuple[LoraAdapter, AdapterGateState]:
-        registry = self.local.registry
-        registry.check_adapter_change(name, caller, "name")
+        self.local.adapters.check_change(name, caller)
         await self.replicas.ledger.record_adapter_pause(name, None)
         states = await self.replicas.each(ReplicaEndpoint.adapter_resume, name, caller)
-        return registry.adapters[name], _adapter_states(states, "resume the adapter")
+        return self.local.registry.adapters[name], _adapter_states(states, "resume the adapter")
 
     # -- checkpoint updates ----------------------------------------------------------------
 
@@ -461,9 +454,7 @@ class ReplicatedWeights:
         each = self.replicas.each
         problem: Failure | None = None
         if publish.version is not None:
-            problem = invalid(
-                "version", "an adapter's versions are counted by the server: leave it out"
-            )
+            problem = invalid("version", ADAPTER_VERSIONS)
         else:
             received = await each(ReplicaEndpoint.transfer_received, model)
             if refused := [r for r in received if isinstance(r, Refusal)]:
@@ -479,9 +470,7 @@ class ReplicatedWeights:
         async def serve(version: int) -> list[Applied | Refusal]:
             return await each(ReplicaEndpoint.transfer_serve_adapter, model, version)
 
-        served = await self._next_adapter_version(
-            pushed.name, "adapter.name", serve, "transfer", shipment
-        )
+        served = await self._next_adapter_version(pushed.name, serve, "transfer", shipment)
         return served[0]
 
     async def transfer_abort(self, model: str) -> TransferStatus:

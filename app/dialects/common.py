@@ -1,5 +1,6 @@
 """What both dialects share: token prompts sampled through the generation service, weight
-versions given as strings, aborting every generation, and the `/server_info` both name."""
+versions given as strings, aborting every generation, the `/server_info` both name, and the
+words of their LoRA routes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from app.engine.types import SamplingConfig, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.updates.control import WeightsControl
 from app.updates.types import Publish
+from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE
+
+LORA_WORDS = {ADAPTER: "lora_name", ADAPTER_SOURCE: "lora_path", ADAPTER_CONFIG: "lora_path"}
+"""The fields both dialects' LoRA routes name in an adapter's refusals
+(`app.updates.adapters`' roles)."""
 
 
 @dataclass(frozen=True)

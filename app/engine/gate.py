@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from app.common.failures import Conflict, Paused
 from app.engine.abandon import unless_set
@@ -42,6 +42,7 @@ from app.engine.base import Backend
 PauseMode = Literal["wait", "abort", "keep"]
 WorkKind = Literal["score", "generate"]
 R = TypeVar("R")
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -56,6 +57,71 @@ async def wait_for_resume(opened: asyncio.Event, wait_s: float | None, what: str
             f"{what} has been paused for over {wait_s:g} s (the longest a request waits for a "
             "resume: RLSERVE_LIMITS__PAUSED_WAIT_S); nothing was started, send it again later"
         ) from None
+
+
+class Admission(Generic[T]):
+    """The admission both gates share (serving's, `ServingGate`, and each adapter's,
+    `app.engine.adapter_gate`): requests wait while it is paused (at most `paused_wait_s`,
+    then a `Paused` refusal saying that `what` is still paused), and each one admitted is
+    counted inside, with a tag, until it leaves; a pause waits for those its mode waits for."""
+
+    def __init__(self, what: str, *, paused_wait_s: float | None = None) -> None:
+        """`paused_wait_s`: how long a request may wait for the resume (None: no limit)."""
+        self.what = what
+        self.paused_wait_s = paused_wait_s
+        self._open = asyncio.Event()
+        self._open.set()
+        self._changed = asyncio.Condition()
+        self._control = asyncio.Lock()
+        """Held by a pause, a resume or an update: they never interleave."""
+        self._mode: PauseMode | None = None
+        self._inside: dict[object, T] = {}
+        self._waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def _entered(self, tag: T) -> AsyncIterator[None]:
+        """Wait while paused; then hold a place inside, tagged `tag`, for the block."""
+        while not self._open.is_set():
+            self._waiting += 1
+            try:
+                await wait_for_resume(self._open, self.paused_wait_s, self.what)
+            finally:
+                self._waiting -= 1
+        place = object()
+        self._inside[place] = tag
+        try:
+            yield
+        finally:
+            del self._inside[place]
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _inside_with(self, tagged: Callable[[T], bool]) -> list[T]:
+        return [tag for tag in self._inside.values() if tagged(tag)]
+
+    def _already(self, mode: PauseMode) -> bool:
+        """Whether a pause with `mode` holds already (a pause with another mode: Conflict)."""
+        if self._mode is None:
+            return False
+        if self._mode == mode:
+            return True
+        raise Conflict(
+            f"mode: {self.what} is already paused with mode '{self._mode}'; resume it first",
+            param="mode",
+        )
+
+    def _close(self, mode: PauseMode) -> None:
+        self._open.clear()
+        self._mode = mode
+
+    def _reopen(self) -> None:
+        self._mode = None
+        self._open.set()
+
+    async def _drained(self, tagged: Callable[[T], bool] = lambda _: True) -> None:
+        """Until no request inside has a tag `tagged` picks."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._inside_with(tagged))
 
 
 @dataclass(frozen=True)
@@ -111,23 +177,16 @@ def resolve_version(
     return requested, None
 
 
-class ServingGate:
+class ServingGate(Admission[WorkKind]):
     def __init__(
         self, backends: Callable[[], Mapping[str, Backend]], *, paused_wait_s: float | None = None
     ) -> None:
         """`paused_wait_s`: how long a request may wait for a paused gate (None: no limit)."""
+        super().__init__("serving", paused_wait_s=paused_wait_s)
         self.versions = {"policy": 0, "reference": 0}
         self._lineages: dict[str, list[Lineage]] = {name: [Lineage()] for name in self.versions}
         """Each model's lineages, in order (the last is the current one)."""
-        self.paused_wait_s = paused_wait_s
         self._backends = backends
-        self._open = asyncio.Event()
-        self._open.set()
-        self._changed = asyncio.Condition()
-        self._in_flight: dict[WorkKind, int] = {"score": 0, "generate": 0}
-        self._waiting = 0
-        self._control = asyncio.Lock()
-        self._mode: PauseMode | None = None
         self._by: Literal["request", "update"] | None = None
         self._aborting = asyncio.Event()  # set while an abort pause holds
 
@@ -137,19 +196,8 @@ class ServingGate:
     async def admitted(self, kind: WorkKind) -> AsyncIterator[int]:
         """Hold a place for one request's model work; yields the policy version it starts on.
         Scoring never spans an update; a generation may (its tokens carry their versions)."""
-        while not self._open.is_set():
-            self._waiting += 1
-            try:
-                await wait_for_resume(self._open, self.paused_wait_s, "serving")
-            finally:
-                self._waiting -= 1
-        self._in_flight[kind] += 1
-        try:
+        async with self._entered(kind):
             yield self.versions["policy"]
-        finally:
-            self._in_flight[kind] -= 1
-            async with self._changed:
-                self._changed.notify_all()
 
     async def unless_aborted(self, work: Awaitable[R]) -> R | None:
         """`work`, model work a generation does after its tokens (inside its `admitted`), or
@@ -163,8 +211,8 @@ class ServingGate:
             paused=self._mode is not None,
             mode=self._mode,
             paused_by=self._by,
-            in_flight_generations=self._in_flight["generate"],
-            in_flight_scoring=self._in_flight["score"],
+            in_flight_generations=len(self._inside_with(lambda kind: kind == "generate")),
+            in_flight_scoring=len(self._inside_with(lambda kind: kind == "score")),
             waiting=self._waiting,
         )
 
@@ -173,14 +221,8 @@ class ServingGate:
     async def pause(self, mode: PauseMode) -> GateState:
         """Pause on request; returns once in-flight work is finished, aborted or frozen."""
         async with self._control:
-            if self._mode is not None:
-                if self._mode == mode:
-                    return self.state()
-                raise Conflict(
-                    f"mode: serving is already paused with mode '{self._mode}'; resume first",
-                    param="mode",
-                )
-            await self._pause(mode, "request")
+            if not self._already(mode):
+                await self._pause(mode, "request")
             return self.state()
 
     async def resume(self) -> GateState:
@@ -190,17 +232,17 @@ class ServingGate:
             return self.state()
 
     async def _pause(self, mode: PauseMode, by: Literal["request", "update"]) -> None:
-        self._open.clear()
-        self._mode, self._by = mode, by
+        self._close(mode)
+        self._by = by
         try:
-            await self._drained("score")
+            await self._drained(lambda kind: kind == "score")
             if mode == "wait":
-                await self._drained("generate")
+                await self._drained()
             elif mode == "abort":
                 self._aborting.set()
                 for backend in self._backends().values():
                     await backend.abort_generations()
-                await self._drained("generate")
+                await self._drained()
             for backend in self._backends().values():
                 await backend.freeze()
         except BaseException:
@@ -210,13 +252,9 @@ class ServingGate:
     async def _resume(self) -> None:
         for backend in self._backends().values():
             await backend.thaw()
-        self._mode = self._by = None
+        self._by = None
         self._aborting.clear()
-        self._open.set()
-
-    async def _drained(self, kind: WorkKind) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._in_flight[kind] == 0)
+        self._reopen()
 
     # -- updates ---------------------------------------------------------------------------
 

@@ -13,16 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from app.batching import BatchingConfig
-from app.common.caller import UNKEYED, Caller
-from app.common.failures import (
-    Conflict,
-    Forbidden,
-    NotFound,
-    NotReady,
-    QuotaExceeded,
-    Unsupported,
-    invalid,
-)
+from app.common.failures import NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
@@ -30,8 +21,7 @@ from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import load_backend, resolve_model, resolve_source
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
-from app.weights.lora import LoraAdapter
-from app.weights.lora_layout import CONFIG, CONFIG_METADATA, read_folder, read_upload
+from app.weights.lora import ADAPTER, ADAPTER_SOURCE, LoraAdapter
 
 if TYPE_CHECKING:
     import torch
@@ -48,13 +38,6 @@ class Origin:
 
     source: str
     read_at: float
-
-
-FIRST_UPLOAD = (
-    f"a first upload carries its config in the file's metadata (key '{CONFIG_METADATA}': the "
-    f"text of {CONFIG}), or load it from its folder (POST /v1/adapters)"
-)
-"""How an upload serves an adapter not served yet (said when it cannot)."""
 
 
 def check_batch_invariant(served: ServedModel, param: str) -> None:
@@ -99,11 +82,8 @@ class ModelRegistry:
         """Each adapter's versions before its current one still resident (newest first): a
         request names one as `NAME@VERSION` (`models.resident_adapter_versions`)."""
         self.adapter_gates: dict[str, AdapterGate] = {}
-        """Each served adapter's own pause and owner."""
-        self._adapter_lock = asyncio.Lock()
-        self._adapter_versions: dict[str, int] = {}
-        """Each adapter name's last version, kept across an unload: a name unloaded and
-        loaded again (verl's way of refreshing one) goes on counting, never back to 0."""
+        """Each served adapter's own pause (`app.engine.adapter_gate`). Who may change an
+        adapter, and its versions' numbering, are `app.updates.adapters`' rules."""
         self.paused_wait_s = paused_wait_s
         """How long a request waits for a paused model or adapter (None: no limit)."""
         self.gate = ServingGate(
@@ -350,228 +330,74 @@ class ModelRegistry:
         the policy version its work was admitted at."""
         return served.adapter.version if isinstance(served, AdaptedModel) else policy_version
 
-    async def load_adapter(
-        self,
-        name: str,
-        path: Path,
-        *,
-        param: str,
-        name_param: str = "name",
-        caller: Caller = UNKEYED,
-    ) -> LoraAdapter:
-        """Serve the LoRA adapter in folder `path` on the policy as `name`: a new name at
-        version 0 (owned by `caller`), a name served before as its next version (rows in
-        flight keep the version they started with; only its owner or an admin may)."""
-        base = self._adapter_base(param)
-        self.check_adapter_push(name, caller, name_param=name_param, param=param)
-        config, tensors = await asyncio.to_thread(read_folder, path, param)
-        return await self._serve_adapter(
-            base, name, config, tensors, str(path), param, caller=caller, name_param=name_param
-        )
-
-    async def push_adapter(
-        self, name: str, file: Path, *, param: str, caller: Caller = UNKEYED
-    ) -> LoraAdapter:
-        """New tensors for adapter `name` (a safetensors file, PEFT's tensor names), served as
-        its next version: with the layers and shapes it has, and its config unless the file's
-        metadata gives one (`CONFIG_METADATA`). A name not served needs that config, and is
-        then served at version 0, owned by `caller`."""
-        self.check_adapter_push(name, caller, name_param="name", param=param)
-        config, tensors = await asyncio.to_thread(read_upload, file, param)
-        return await self.push_adapter_tensors(
-            name, tensors, config, source="upload", param=param, caller=caller, first=FIRST_UPLOAD
-        )
-
-    def check_adapter_push(self, name: str, caller: Caller, *, name_param: str, param: str) -> None:
-        """Before the tensors of a push arrive: the policy serves adapters, `name` names no
-        model, and `caller` may change it (refusals name `name_param`, or `param`)."""
-        self._adapter_base(param)
-        if self.canonical(name) is not None:
-            raise Conflict(
-                f"{name_param}: '{name}' names a served model, not an adapter", param=name_param
-            )
-        self._check_owner(name, caller, name_param)
-        self._check_room(name, caller, name_param)
-
-    def _check_room(self, name: str, caller: Caller, param: str) -> None:
-        """A name not served yet fits the bounds on adapter names (`models.max_adapters`,
-        and `models.max_adapters_per_key` for a key that is not an admin's)."""
-        if name in self.adapters:
-            return
-        settings = self.model_settings
-        if len(self.adapters) >= settings.max_adapters:
-            raise QuotaExceeded(
-                f"{param}: the server serves {len(self.adapters)} adapters, the most "
-                "models.max_adapters (RLSERVE_MODELS__MAX_ADAPTERS) allows; unload one "
-                "(DELETE /v1/adapters/NAME) before serving another name",
-                param=param,
-            )
-        owned = sum(gate.owner == caller.owner for gate in self.adapter_gates.values())
-        if owned >= settings.max_adapters_per_key and not (caller.admin and caller.owner):
-            raise QuotaExceeded(
-                f"{param}: this API key serves {owned} adapters, the most "
-                "models.max_adapters_per_key (RLSERVE_MODELS__MAX_ADAPTERS_PER_KEY) allows; "
-                "unload one of them (DELETE /v1/adapters/NAME) before serving another name",
-                param=param,
-            )
-
-    async def push_adapter_tensors(
-        self,
-        name: str,
-        tensors: dict[str, torch.Tensor],
-        config: dict[str, Any] | None,
-        *,
-        source: str,
-        param: str,
-        caller: Caller,
-        first: str,
-        name_param: str = "name",
-        version: int | None = None,
-        keep_layout: bool = True,
-    ) -> LoraAdapter:
-        """`tensors` (PEFT's names) as adapter `name`'s next version (`push_adapter`), once
-        `check_adapter_push` passed (the owner is checked again as it is served); `first` says
-        how a push serves a new adapter, when this one cannot. `version`: the one a
-        deployment's ledger counted (default: this server's count); `keep_layout=False`
-        serves another layout too, as a folder's load does."""
-        current = self.adapters.get(name)
-        if current is None and config is None:
-            raise NotFound(
-                f"{name_param}: no adapter '{name}' is served; {first}", param=name_param
-            )
-        return await self._serve_adapter(
-            self._adapter_base(param),
-            name,
-            config if config is not None else current.config,  # type: ignore[union-attr]
-            tensors,
-            source,
-            param,
-            caller=caller,
-            name_param=name_param,
-            layout_of=current if keep_layout else None,
-            version=version,
-        )
-
-    def _adapter_base(self, param: str) -> ServedModel:
+    def adapter_base(self) -> ServedModel:
+        """The policy, when its engine serves LoRA adapters."""
         base = self.get("policy")
         if not base.backend.capabilities.adapters:
             raise Unsupported(
-                f"{param}: the {base.backend.info.backend} backend serves no LoRA adapters "
-                "here (the transformers backend does; a vLLM engine does when started with "
-                "RLSERVE_VLLM__MAX_LORAS)",
-                param=param,
+                f"{ADAPTER_SOURCE}: the {base.backend.info.backend} backend serves no LoRA "
+                "adapters here (the transformers backend does; a vLLM engine does when started "
+                "with RLSERVE_VLLM__MAX_LORAS)",
+                param=ADAPTER_SOURCE,
             )
         return base
 
-    def _check_owner(self, name: str, caller: Caller, param: str) -> None:
-        gate = self.adapter_gates.get(name)
-        if gate is not None and not caller.may_change(gate.owner):
-            raise Forbidden(
-                f"{param}: adapter '{name}' belongs to another API key (only its owner, or an "
-                "admin key, may change it)",
-                param=param,
-            )
-
-    async def _serve_adapter(
+    async def build_adapter(
         self,
-        base: ServedModel,
-        name: str,
         config: dict[str, Any],
         tensors: dict[str, torch.Tensor],
-        source: str,
-        param: str,
         *,
-        caller: Caller,
-        name_param: str = "name",
-        layout_of: LoraAdapter | None = None,
-        version: int | None = None,
+        name: str,
+        version: int,
+        source: str,
     ) -> LoraAdapter:
-        """`name`'s next version (or `version`); with `layout_of`, refused unless it has that
-        one's layout."""
-        async with self._adapter_lock:
-            self._check_owner(name, caller, name_param)  # (again: it may have changed hands)
-            self._check_room(name, caller, name_param)  # (and others may have filled it)
-            if layout_of is not None:  # the latest version (another push may have come first)
-                layout_of = self.adapters.get(name)
-            if version is None:
-                last = self._adapter_versions.get(name)
-                version = last + 1 if last is not None else 0
-            adapter = await base.backend.build_adapter(
-                config, tensors, name=name, version=version, source=source, param=param
-            )
-            if layout_of is not None and not adapter.same_layout(layout_of):
-                raise invalid(
-                    param,
-                    f"the tensors adapt other layers, or have other shapes, than adapter "
-                    f"'{name}' (version {layout_of.version}); load a folder to change its layout",
-                )
-            if (previous := self.adapters.get(name)) is not None:
-                kept = self.model_settings.resident_adapter_versions - 1
-                self._older[name] = [previous, *self._older.get(name, [])][:kept]
-            self.adapters[name] = adapter
-            self._adapter_versions[name] = version
-            if name not in self.adapter_gates:
-                self.adapter_gates[name] = AdapterGate(
-                    name, caller.owner, paused_wait_s=self.paused_wait_s
-                )
+        """`tensors` (PEFT's names) as adapter `name` at `version`, fit to the policy (refused
+        naming the role `ADAPTER_SOURCE`), not served yet (`install`)."""
+        return await self.adapter_base().backend.build_adapter(
+            config, tensors, name=name, version=version, source=source, param=ADAPTER_SOURCE
+        )
+
+    def install(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` to new requests under its name (rows in flight keep the version
+        they started with; `models.resident_adapter_versions` stay resident by version)."""
+        name = adapter.name
+        if (previous := self.adapters.get(name)) is not None:
+            kept = self.model_settings.resident_adapter_versions - 1
+            self._older[name] = [previous, *self._older.get(name, [])][:kept]
+        self.adapters[name] = adapter
+        if name not in self.adapter_gates:
+            self.adapter_gates[name] = AdapterGate(name, paused_wait_s=self.paused_wait_s)
         logger.info(
             "adapter %s v%d served from %s (rank %d, %d layers)",
             name,
-            version,
-            source,
+            adapter.version,
+            adapter.source,
             adapter.rank,
             len(adapter.modules),
         )
-        return adapter
 
-    def _gate_of(self, name: str, caller: Caller, param: str) -> AdapterGate:
-        """Served adapter `name`'s gate, when `caller` may change it."""
+    def adapter_gate(self, name: str) -> AdapterGate:
+        """Served adapter `name`'s gate (refused naming the role `ADAPTER` when none is)."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         gate = self.adapter_gates.get(name)
         if gate is None:
             raise NotFound(
-                f"{param}: no adapter '{name}' is served (have {sorted(self.adapters)})",
-                param=param,
+                f"{ADAPTER}: no adapter '{name}' is served (have {sorted(self.adapters)})",
+                param=ADAPTER,
             )
-        self._check_owner(name, caller, param)
         return gate
 
-    def check_adapter_change(self, name: str, caller: Caller, param: str) -> None:
-        """Adapter `name` is served, and `caller` may unload or pause it (else refused,
-        naming `param`)."""
-        self._gate_of(name, caller, param)
-
-    def unload_adapter(self, name: str, *, param: str, caller: Caller = UNKEYED) -> LoraAdapter:
-        """Stop serving adapter `name` to new requests (rows in flight finish with it; requests
-        waiting on its pause are refused)."""
-        gate = self._gate_of(name, caller, param)
+    def remove(self, name: str) -> LoraAdapter:
+        """Stop serving adapter `name` to new requests (rows in flight finish with it;
+        requests waiting on its pause are refused)."""
+        gate = self.adapter_gate(name)
         adapter = self.adapters.pop(name)
         self._older.pop(name, None)
         del self.adapter_gates[name]
         gate.close()
         logger.info("adapter %s unloaded", name)
         return adapter
-
-    async def pause_adapter(
-        self, name: str, mode: PauseMode, *, caller: Caller = UNKEYED
-    ) -> tuple[LoraAdapter, AdapterGateState]:
-        """Pause adapter `name` alone (`app.engine.adapter_gate`); its version now, and its
-        state once paused."""
-        gate = self._gate_of(name, caller, "name")
-        adapter = self.adapters[name]
-        state = await gate.pause(mode)
-        logger.info("adapter %s paused (%s)", name, mode)
-        return adapter, state
-
-    async def resume_adapter(
-        self, name: str, *, caller: Caller = UNKEYED
-    ) -> tuple[LoraAdapter, AdapterGateState]:
-        gate = self._gate_of(name, caller, "name")
-        adapter = self.adapters[name]
-        state = await gate.resume()
-        logger.info("adapter %s resumed", name)
-        return adapter, state
 
     def adapter_state(self, name: str) -> AdapterGateState | None:
         """Served adapter `name`'s pause state (None once unloaded)."""

@@ -53,12 +53,10 @@ class WeightsControl(Protocol):
     async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
         """Apply a checkpoint streamed as `chunks`, whole or not at all."""
 
-    async def load_adapter(
-        self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
-    ) -> LoraAdapter:
+    async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` as `name` (a served name: its next
-        version, if `caller` may change it); refused naming `param` when it does not fit the
-        policy."""
+        version, if `caller` may change it). Refusals name the roles of
+        `app.updates.adapters`."""
 
     async def push_adapter(
         self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
@@ -67,7 +65,7 @@ class WeightsControl(Protocol):
         (or its first, owned by `caller`, when the file's metadata carries its config), to new
         requests (those in flight keep theirs)."""
 
-    async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
+    async def unload_adapter(self, name: str, *, caller: Caller) -> LoraAdapter:
         """Stop serving adapter `name` to new requests; requests in flight finish with it."""
 
     async def pause_adapter(

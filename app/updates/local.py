@@ -12,6 +12,7 @@ from app.config import WeightSettings
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.registry import ModelRegistry
+from app.updates.adapters import AdapterCatalog
 from app.updates.service import WeightsService
 from app.updates.session import SessionRecord, UpdateSession
 from app.updates.transfer import TransferService
@@ -33,9 +34,11 @@ class LocalWeights:
 
     def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
         self.registry = registry
+        self.adapters = AdapterCatalog(registry)
         self.files = WeightsService(registry, settings, data_dir)
         self.transfers = TransferService(
             registry,
+            self.adapters,
             listen_grace_s=settings.rendezvous_grace_s,
             idle_timeout_s=settings.group_idle_timeout_s,
         )
@@ -69,31 +72,27 @@ class LocalWeights:
     async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
         return await self.files.upload(chunks, model, publish)
 
-    async def load_adapter(
-        self, name: str, path: str, param: str, *, name_param: str = "name", caller: Caller
-    ) -> LoraAdapter:
-        return await self.registry.load_adapter(
-            name, Path(path), param=param, name_param=name_param, caller=caller
-        )
+    async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
+        return await self.adapters.load(name, Path(path), caller)
 
     async def push_adapter(
         self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
     ) -> LoraAdapter:
         async with self.files.received(chunks) as path:
-            return await self.registry.push_adapter(name, path, param="body", caller=caller)
+            return await self.adapters.push(name, path, caller)
 
-    async def unload_adapter(self, name: str, param: str, *, caller: Caller) -> LoraAdapter:
-        return self.registry.unload_adapter(name, param=param, caller=caller)
+    async def unload_adapter(self, name: str, *, caller: Caller) -> LoraAdapter:
+        return self.adapters.unload(name, caller)
 
     async def pause_adapter(
         self, name: str, mode: PauseMode, *, caller: Caller
     ) -> tuple[LoraAdapter, AdapterGateState]:
-        return await self.registry.pause_adapter(name, mode, caller=caller)
+        return await self.adapters.pause(name, mode, caller)
 
     async def resume_adapter(
         self, name: str, *, caller: Caller
     ) -> tuple[LoraAdapter, AdapterGateState]:
-        return await self.registry.resume_adapter(name, caller=caller)
+        return await self.adapters.resume(name, caller)
 
     async def transfer_state(self, model: str) -> TransferStatus:
         return await self.transfers.state(model)

@@ -38,11 +38,14 @@ from app.common.failures import (
     TimedOut,
     Unsupported,
     invalid,
+    worded,
 )
 from app.engine.registry import ModelRegistry
+from app.updates.adapters import AdapterCatalog, Serving
 from app.updates.outcome import updated
 from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
+from app.weights.lora import ADAPTER_SOURCE
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import JOIN_CLOSED, WeightTransfer, rendezvous_answers
 from app.weights.transport import Connection, Transport
@@ -53,6 +56,10 @@ logger = logging.getLogger(__name__)
 ADAPTER_VERSIONS = "an adapter's versions are counted by the server: leave it out"
 """Why an adapter's push names no version."""
 _FIRST_PUSH = "a first push over the transfer gives its config at start (adapter.config)"
+_STARTED_WORDS = {ADAPTER_SOURCE: "adapter"}
+"""What an adapter's refusals name at start (`app.updates.adapters`' roles): the push itself."""
+_RECEIVED_WORDS = {ADAPTER_SOURCE: "names"}
+"""What they name at finish: the tensors announced."""
 
 
 @dataclass
@@ -80,11 +87,13 @@ class TransferService:
     def __init__(
         self,
         registry: ModelRegistry,
+        adapters: AdapterCatalog,
         *,
         listen_grace_s: float,
         idle_timeout_s: float | None = None,
     ) -> None:
         self.registry = registry
+        self.adapters = adapters
         self.listen_grace_s = listen_grace_s
         """How long a join waits for the trainer's rendezvous to listen (settings)."""
         self.idle_timeout_s = idle_timeout_s
@@ -256,11 +265,9 @@ class TransferService:
     def _check_adapter(self, model: str, adapter: AdapterPush) -> None:
         if model != "policy":
             raise invalid("adapter", f"adapters adapt the policy; the update names '{model}'")
-        registry = self.registry
-        registry.check_adapter_push(
-            adapter.name, adapter.caller, name_param="adapter.name", param="adapter"
-        )
-        if adapter.config is None and adapter.name not in registry.adapters:
+        with worded(_STARTED_WORDS):
+            self.adapters.check_push(adapter.name, adapter.caller)
+        if adapter.config is None and adapter.name not in self.registry.adapters:
             raise NotFound(
                 f"adapter.config: no adapter '{adapter.name}' is served; {_FIRST_PUSH}",
                 param="adapter.config",
@@ -339,17 +346,17 @@ class TransferService:
         try:
             data = await engine.checkpoint()
             tensors = await asyncio.to_thread(safetensors.torch.load, data)
-            served = await self.registry.push_adapter_tensors(
+            step = Serving(
                 adapter.name,
                 tensors,
                 adapter.config,
                 source="transfer",
-                param="names",
-                name_param="adapter.name",
                 caller=adapter.caller,
                 first=_FIRST_PUSH,
                 version=version,
             )
+            with worded(_RECEIVED_WORDS):
+                served = await self.adapters.serve(step)
         except BaseException as exc:
             await self._drop(link, engine, exc)
             raise

@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+ADAPTER = "adapter.name"
+"""Roles a refusal about an adapter names (`app.common.failures.worded`): its name, where its
+tensors came from, and its config, each route calling them in its own words."""
+ADAPTER_SOURCE = "adapter.source"
+ADAPTER_CONFIG = "adapter.config"
+
 
 @dataclass(frozen=True)
 class LoraModule:

@@ -14,8 +14,9 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import save
 
+from app.adapters.router import PUSHED
 from app.common.caller import Caller
-from app.common.failures import Forbidden, InvalidInput, NotFound, PeerFailed
+from app.common.failures import Forbidden, InvalidInput, NotFound, PeerFailed, worded
 from app.config import Settings
 from app.deploy.ledger import LocalLedger
 from app.deploy.replicated import ReplicatedWeights
@@ -101,9 +102,7 @@ async def test_every_replica_serves_an_adapter_and_a_new_one_catches_up(
 ) -> None:
     first, second = peft_model(model_dir, 1, **QV), peft_model(model_dir, 2, **QV)
     control = deployment.controls[1]
-    loaded = await control.load_adapter(
-        "a", str(saved(first, tmp_path / "a")), "path", caller=ALICE
-    )
+    loaded = await control.load_adapter("a", str(saved(first, tmp_path / "a")), caller=ALICE)
     assert loaded.version == 0
     await deployment.assert_serve("a", 0, first)
     # (the adapter matters, so the comparison above could fail)
@@ -126,7 +125,7 @@ async def test_every_replica_serves_an_adapter_and_a_new_one_catches_up(
     await late.catch_up()
     await deployment.assert_serve("a", 1, second)
     registry = deployment.registries()[2]
-    assert registry.adapter_gates["a"].owner == "alice"
+    assert late.local.adapters.owner("a") == "alice"
     assert registry.adapter_state("a").paused == "wait"
     assert registry.adapters["a"].source == "upload"  # (its last version's)
 
@@ -143,23 +142,24 @@ async def test_refusals_leave_every_replica_as_it_was(
 ) -> None:
     control = deployment.controls[0]
     qv = peft_model(model_dir, 1, **QV)
-    await control.load_adapter("a", str(saved(qv, tmp_path / "a")), "path", caller=ALICE)
+    await control.load_adapter("a", str(saved(qv, tmp_path / "a")), caller=ALICE)
 
-    # another key's push, pause or unload: refused by name, nothing changes anywhere
-    with pytest.raises(Forbidden) as refused:
+    # another key's push, pause or unload: refused by name (the role the push route words
+    # as "name", once the refusal crossed the replicas), nothing changes anywhere
+    with pytest.raises(Forbidden) as refused, worded(PUSHED):
         await control.push_adapter("a", body(tensors_of(qv)), caller=BOB)
-    assert refused.value.param == "name"
+    assert refused.value.param == "name" and refused.value.message.startswith("name: ")
     with pytest.raises(Forbidden):
         await control.pause_adapter("a", "keep", caller=BOB)
     with pytest.raises(Forbidden):
-        await control.unload_adapter("a", "name", caller=BOB)
+        await control.unload_adapter("a", caller=BOB)
     # another layout, pushed: every replica refuses it, naming the body
     other = peft_model(model_dir, 2, **MLP)
-    with pytest.raises(InvalidInput) as refused:
+    with pytest.raises(InvalidInput) as refused, worded(PUSHED):
         await control.push_adapter("a", body(tensors_of(other)), caller=ALICE)
     assert refused.value.param == "body" and "2 of 2 replicas refused it" in refused.value.message
     # a name never served, pushed without a config
-    with pytest.raises(NotFound) as refused:
+    with pytest.raises(NotFound) as refused, worded(PUSHED):
         await control.push_adapter("b", body(tensors_of(qv)), caller=ALICE)
     assert refused.value.param == "name"
     for registry in deployment.registries():
@@ -179,14 +179,14 @@ async def test_an_unloaded_adapter_is_gone_everywhere_and_its_versions_go_on(
 ) -> None:
     control = deployment.controls[0]
     first, other = peft_model(model_dir, 1, **QV), peft_model(model_dir, 2, **MLP)
-    await control.load_adapter("a", str(saved(first, tmp_path / "a")), "path", caller=ALICE)
-    assert (await deployment.controls[1].unload_adapter("a", "name", caller=ALICE)).version == 0
+    await control.load_adapter("a", str(saved(first, tmp_path / "a")), caller=ALICE)
+    assert (await deployment.controls[1].unload_adapter("a", caller=ALICE)).version == 0
     for registry in deployment.registries():
         assert "a" not in registry.adapters
     late = await deployment.start_replica()
     await late.catch_up()
     assert "a" not in deployment.registries()[2].adapters
     # loaded again (another layout: a load may change it), as its next version
-    again = await late.load_adapter("a", str(saved(other, tmp_path / "b")), "path", caller=ALICE)
+    again = await late.load_adapter("a", str(saved(other, tmp_path / "b")), caller=ALICE)
     assert again.version == 1
     await deployment.assert_serve("a", 1, other)

@@ -27,6 +27,7 @@ from app.engine.registry import ModelRegistry
 from app.updates.local import LocalWeights
 from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
+from app.weights.lora import ADAPTER_SOURCE
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import WeightTransfer
 from app.weights.transport import Connection
@@ -387,8 +388,8 @@ async def test_adapter_refusals_across_replicas_name_the_field(cluster: Cluster)
         await control.transfer_start("policy", pushed)
     assert refused.value.param == "adapter"
     with pytest.raises(Unsupported) as refused:
-        await control.load_adapter("a", "/nowhere", "path", caller=UNKEYED)
-    assert refused.value.param == "path"
+        await control.load_adapter("a", "/nowhere", caller=UNKEYED)
+    assert refused.value.param == ADAPTER_SOURCE  # (each route names it in its words)
     assert (await control.transfer_state("policy")).state == "joined"
     assert cluster.versions() == [0, 0, 0]
 

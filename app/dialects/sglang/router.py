@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Response
 
-from app.common.failures import Conflict
+from app.common.failures import Conflict, worded
 from app.deps import (
     CallerDep,
     GenerationDep,
@@ -18,6 +18,7 @@ from app.deps import (
     WeightsDep,
 )
 from app.dialects import common
+from app.dialects.common import LORA_WORDS
 from app.dialects.sglang import service
 from app.dialects.sglang.protocol import (
     AbortRequest,
@@ -312,9 +313,8 @@ async def load_lora_adapter(
             f"lora_name: Failed to load LoRA adapter {name} because it is already loaded",
             param="lora_name",
         )
-    await weights.load_adapter(
-        name, request.lora_path, "lora_path", name_param="lora_name", caller=caller
-    )
+    with worded(LORA_WORDS):
+        await weights.load_adapter(name, request.lora_path, caller=caller)
     return _adapters(registry)
 
 
@@ -328,7 +328,8 @@ async def load_lora_adapter(
 async def unload_lora_adapter(
     request: UnloadLoRAAdapter, weights: WeightsDep, registry: RegistryDep, caller: CallerDep
 ) -> LoRAUpdated:
-    await weights.unload_adapter(request.lora_name, "lora_name", caller=caller)
+    with worded(LORA_WORDS):
+        await weights.unload_adapter(request.lora_name, caller=caller)
     return _adapters(registry)
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import PlainTextResponse
 
-from app.common.failures import Unsupported, invalid
+from app.common.failures import Unsupported, invalid, worded
 from app.deps import (
     CallerDep,
     GenerationDep,
@@ -20,6 +20,7 @@ from app.deps import (
     WeightsDep,
 )
 from app.dialects import common
+from app.dialects.common import LORA_WORDS
 from app.dialects.vllm import render, service
 from app.dialects.vllm.protocol import (
     Aborted,
@@ -376,9 +377,8 @@ async def load_lora_adapter(
             f"The lora adapter '{name}' has already been loaded. If you want to load the "
             "adapter in place, set 'load_inplace' to True.",
         )
-    await weights.load_adapter(
-        name, request.lora_path, "lora_path", name_param="lora_name", caller=caller
-    )
+    with worded(LORA_WORDS):
+        await weights.load_adapter(name, request.lora_path, caller=caller)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -393,7 +393,8 @@ async def unload_lora_adapter(
     request: UnloadLoRAAdapter, weights: WeightsDep, caller: CallerDep
 ) -> PlainTextResponse:
     """DELETE /v1/adapters/{name} in vLLM's words (404 for a name not loaded)."""
-    await weights.unload_adapter(request.lora_name, "lora_name", caller=caller)
+    with worded(LORA_WORDS):
+        await weights.unload_adapter(request.lora_name, caller=caller)
     return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from common import ROOT  # noqa: F401 - puts the project on sys.path
 
 from app.config import Settings
-from app.engine import memory
 from app.engine.registry import ModelRegistry
+from app.engine.transformers import memory
 from app.engine.types import SamplingConfig
 from app.generation.service import GenerationService
 

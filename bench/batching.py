@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from common import Figures, bench_arguments, bench_model, running_server, summarize
 
-from app.engine.transformers_backend import TransformersBackend
+from app.engine.transformers.backend import TransformersBackend
 from app.engine.types import GenerateItem, SamplingConfig
 
 

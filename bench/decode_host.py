@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from common import bench_arguments
 
-from app.engine import hf_decode
+from app.engine.transformers import decode as hf_decode
 from app.engine.types import GenerateItem, SamplingConfig, ScoreSpec
 
 BATCHES = (1, 8, 32, 64)

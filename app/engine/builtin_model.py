@@ -135,7 +135,8 @@ def build_model(
         max_position_embeddings=4096,
         # Wide initialisation so that the random model has peaked, non-uniform distributions.
         initializer_range=0.2,
-        # Untied by default: vLLM cannot update tied-embedding models in place (vllm_backend).
+        # Untied by default: vLLM cannot update tied-embedding models in place
+        # (app.engine.vllm.backend).
         tie_word_embeddings=tie_embeddings,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

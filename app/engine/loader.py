@@ -117,7 +117,7 @@ def resolve_backend(models: ModelSettings) -> str:
         return models.backend
     import torch
 
-    from app.engine.vllm_backend import vllm_available
+    from app.engine.vllm.backend import vllm_available
 
     return "vllm" if vllm_available() and torch.cuda.is_available() else "transformers"
 
@@ -160,7 +160,7 @@ async def load_backend(
     """Load one model with the configured backend, off the event loop where it blocks
     (`state_dir`: where a vLLM engine keeps its weight-update state)."""
     kind = resolve_backend(models)
-    from app.engine.transformers_backend import resolve_device
+    from app.engine.transformers.backend import resolve_device
 
     cuda = resolve_device(models.device).type == "cuda"
     dtype = await asyncio.to_thread(
@@ -172,7 +172,7 @@ async def load_backend(
     )
     logger.info("loading %s model from %s (backend=%s, dtype=%s)", name, source, kind, dtype)
     if kind == "vllm":
-        from app.engine.vllm_backend import VLLMBackend
+        from app.engine.vllm.backend import VLLMBackend
 
         options = {
             "gpu_memory_utilization": vllm.gpu_memory_utilization / num_engines,
@@ -202,7 +202,7 @@ async def load_backend(
             processed_log_probs=vllm.processed_log_probs,
             state_dir=state_dir,
         )
-    from app.engine.transformers_backend import TransformersBackend
+    from app.engine.transformers.backend import TransformersBackend
 
     return await asyncio.to_thread(
         TransformersBackend.load,

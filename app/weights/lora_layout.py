@@ -1,8 +1,8 @@
 """PEFT's LoRA adapter layout (`adapter_config.json` beside `adapter_model.safetensors`, what
 `PeftModel.save_pretrained` writes), read and checked against the served model. What the
-per-row LoRA of `app.engine.lora` computes is plain LoRA on the decoder's linear layers; an
-adapter that needs more (DoRA, biases, embeddings, the output head, modules saved whole) is
-refused by name rather than served without it."""
+per-row LoRA of `app.engine.transformers.lora` computes is plain LoRA on the decoder's linear
+layers; an adapter that needs more (DoRA, biases, embeddings, the output head, modules saved
+whole) is refused by name rather than served without it."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ MLP = {
 def llama_dir(into: Path, tokenizer_dir: Path, seed: int) -> Path:
     """A random-weights model of SmolLM2's architecture (Llama), the built-in model's size:
     vLLM gives Llama, unlike Qwen2, LoRA on the output head, whose scoring path
-    `app.engine.vllm_worker.fix_lora_ops` fixes."""
+    `app.engine.vllm.worker.fix_lora_ops` fixes."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from app.engine import hf_decode
+from app.engine.transformers import decode as hf_decode
 from tests.conftest import assert_close
 
 TOL = 1e-5
@@ -181,7 +181,7 @@ async def test_chunked_positions_give_the_same_answers(client, backend_name, mon
 async def test_vllm_refuses_full_distribution_work_beyond_its_bound(client, backend_name):
     if backend_name != "vllm":
         pytest.skip("the transformers backend chunks instead")
-    from app.engine import vllm_backend
+    from app.engine.vllm import backend as vllm_backend
 
     limit = vllm_backend.FULL_VOCAB_ELEMENTS
     try:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from app.engine import hf_decode
+from app.engine.transformers import decode as hf_decode
 from app.engine.types import SamplingConfig
 
 MAX_NEW = 400

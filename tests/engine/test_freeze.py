@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from app.engine import hf_decode
-from app.engine.freeze import ModelThreadControl
+from app.engine.transformers import decode as hf_decode
+from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.types import GenerateItem, SamplingConfig, VersionSpan
 from tests.conftest import assert_close, forward_log_probs
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from app.engine import hf_decode
+from app.engine.transformers import decode as hf_decode
 
 SMALL = {
     "vocab_size": 97,

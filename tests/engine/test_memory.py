@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine import memory
+from app.engine.transformers import memory
 
 
 def test_only_large_calls_trim(monkeypatch: pytest.MonkeyPatch) -> None:

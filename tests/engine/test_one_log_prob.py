@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from app.engine import hf_decode
+from app.engine.transformers import decode as hf_decode
 from app.engine.types import GenerateItem, SamplingConfig, ScoreSpec
 
 VOCAB = 2048

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-import app.engine.hf_decode as hd
+import app.engine.transformers.decode as hd
 from app.engine.types import ScoreSpec
 
 

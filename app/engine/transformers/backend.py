@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from rlserve_client.moe import Routing
 
-from app.engine import hf_decode
 from app.engine.base import Backend, Capabilities, ScoreItem
-from app.engine.freeze import ModelThreadControl
-from app.engine.lora import LoraHooks
-from app.engine.memory import release_after
+from app.engine.transformers import decode as hf_decode
+from app.engine.transformers.freeze import ModelThreadControl
+from app.engine.transformers.lora import LoraHooks
+from app.engine.transformers.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
 from app.weights.expert_names import checkpoint_views

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from app.engine.distribution import assemble, log_probs_of, position_scores
-from app.engine.freeze import ModelThreadControl
-from app.engine.lora import LoraHooks
-from app.engine.moe import RoutedRows, recording, replayed
 from app.engine.sampling import RowSampler
+from app.engine.transformers.freeze import ModelThreadControl
+from app.engine.transformers.lora import LoraHooks
+from app.engine.transformers.moe import RoutedRows, recording, replayed
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 from app.weights.lora import LoraAdapter
 
@@ -57,7 +57,8 @@ full-vocabulary work of a call stays bounded however long its sequences are."""
 def _adapted(
     lora: LoraHooks | None, adapters: Sequence[LoraAdapter | None]
 ) -> contextlib.AbstractContextManager[None]:
-    """Forwards in this block run each row with its LoRA adapter (`app.engine.lora`)."""
+    """Forwards in this block run each row with its LoRA adapter
+    (`app.engine.transformers.lora`)."""
     if lora is None:
         if any(a is not None for a in adapters):
             raise ValueError("a row asks for a LoRA adapter, but this model serves none")

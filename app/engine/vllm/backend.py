@@ -131,7 +131,7 @@ class VLLMBackend(Backend):
             max_model_len=max_model_len,
             trust_remote_code=trust_remote_code,
             seed=0,
-            worker_extension_cls="app.engine.vllm_worker.WeightLoaderExtension",
+            worker_extension_cls="app.engine.vllm.worker.WeightLoaderExtension",
             weight_transfer_config={"backend": "rlserve"},
             **options,
         )
@@ -461,7 +461,7 @@ class VLLMBackend(Backend):
 
 class VLLMTransfer(WeightTransfer):
     """vLLM's own weight-transfer calls on the engine, served in the workers by the "rlserve"
-    engine (app.engine.vllm_worker): the data arrives while the engine keeps generating."""
+    engine (app.engine.vllm.worker): the data arrives while the engine keeps generating."""
 
     POLL_S = 0.02
 

@@ -26,7 +26,7 @@ from pydantic_settings import (
 from app.batching import BatchingConfig
 
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
-"""The reasoning parsers (vLLM's and SGLang's names): app/openai_compat/reasoning.py."""
+"""The reasoning parsers (vLLM's and SGLang's names): app/dialects/openai/reasoning.py."""
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CommaList = Annotated[list[str], NoDecode]

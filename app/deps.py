@@ -9,13 +9,13 @@ from fastapi import Depends, Request
 from app.common.caller import Caller
 from app.config import Settings
 from app.datasets.service import DatasetService
+from app.dialects.openai.service import OpenAIService
 from app.dialects.sglang.service import SGLangWeights
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
 from app.generation.service import GenerationService
 from app.kl.service import KLService
-from app.openai_compat.service import OpenAIService
 from app.ops.metrics import Metrics
 from app.rollouts.service import RolloutService
 from app.scoring.service import ScoringService

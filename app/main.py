@@ -24,6 +24,8 @@ from app.datasets.service import DatasetService
 from app.datasets.store import DatasetStore, SQLiteDatasetStore
 from app.deploy.replicated import Replicas, ReplicatedWeights
 from app.dialects.areal import router as areal_router
+from app.dialects.openai.router import router as openai_router
+from app.dialects.openai.service import OpenAIService
 from app.dialects.refusals import router as refused_router
 from app.dialects.sglang.gateway import router as sglang_gateway_router
 from app.dialects.sglang.router import router as sglang_router
@@ -42,8 +44,6 @@ from app.generation.router import router as generation_router
 from app.generation.service import GenerationService
 from app.kl.router import router as kl_router
 from app.kl.service import KLService
-from app.openai_compat.router import router as openai_router
-from app.openai_compat.service import OpenAIService
 from app.ops.access import Access, policy_of
 from app.ops.auth import AuthMiddleware
 from app.ops.context import RequestContextMiddleware

@@ -1,5 +1,5 @@
 """What showing a stream's text costs the event loop, in-process on the built-in model's
-tokenizer: the text of an OpenAI stream (`app.openai_compat.streaming.IncrementalText`) fed
+tokenizer: the text of an OpenAI stream (`app.dialects.openai.streaming.IncrementalText`) fed
 one token at a time, against decoding the whole token list at every token (what a stream
 cost before the windowed decode). Both must show the same text.
 

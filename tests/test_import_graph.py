@@ -147,7 +147,7 @@ def test_no_module_imports_itself_in_a_circle(package: Path) -> None:
 # update control and know no caller (who owns an adapter, who may change it, and the words a
 # route names a field with are `app.updates.adapters`' and the routes'); the update control
 # (`app.updates`) drives both.
-CALLERS = ("app.common.caller", "app.adapters", "app.openai_compat", "app.ops")
+CALLERS = ("app.common.caller", "app.adapters", "app.ops")
 LAYERS = [
     ("app.weights", ("app.engine", "app.updates", "app.deploy", "app.dialects", *CALLERS)),
     ("app.engine", ("app.updates", "app.deploy", "app.dialects", *CALLERS)),

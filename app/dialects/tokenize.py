@@ -21,9 +21,9 @@ from app.common.protocol import (
 )
 from app.deps import GenerationDep
 from app.dialects.common import policy_side
+from app.dialects.openai.protocol import ChatMessage, Tool
 from app.errors import ERROR_RESPONSES
 from app.generation.service import GenerationService
-from app.openai_compat.protocol import ChatMessage, Tool
 
 router = APIRouter(tags=["vLLM and SGLang dialects"], responses=ERROR_RESPONSES)
 

@@ -300,7 +300,7 @@ async def test_tools_are_templated_and_calls_in_history_are_accepted(sdk, hf_tok
 
 
 def test_tool_calls_are_parsed_from_hermes_blocks():
-    from app.openai_compat.tools import parse_tool_calls
+    from app.dialects.openai.tools import parse_tool_calls
 
     names = {"calculator", "search"}
     text = (

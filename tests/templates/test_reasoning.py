@@ -8,7 +8,7 @@ import random
 import pytest
 
 from app.config import ReasoningParser
-from app.openai_compat.reasoning import ReasoningReader, prompt_opens_thinking
+from app.dialects.openai.reasoning import ReasoningReader, prompt_opens_thinking
 
 CASES = [
     # (parser, the prompt left <think> open, reply, expected (reasoning, answer))

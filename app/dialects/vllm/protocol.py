@@ -27,8 +27,8 @@ from app.common.protocol import (
     stop_list,
 )
 from app.common.sampling import SamplingAsk
+from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.engine.types import VersionSpan as EngineSpan
-from app.openai_compat.protocol import ChatCompletionRequest, CompletionRequest
 from app.updates.types import Announcement
 
 

@@ -11,6 +11,14 @@ import math
 
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none
+from app.dialects.openai.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+)
+from app.dialects.openai.service import Job, OpenAIService
+from app.dialects.openai.tokens import Tops
 from app.dialects.vllm.protocol import (
     DerenderChatRequest,
     DerenderCompletionRequest,
@@ -24,14 +32,6 @@ from app.dialects.vllm.protocol import (
 from app.engine.registry import ModelRegistry
 from app.engine.types import Generation, VersionSpan
 from app.generation.service import Sampled
-from app.openai_compat.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-)
-from app.openai_compat.service import Job, OpenAIService
-from app.openai_compat.tokens import Tops
 
 
 def sampling_params(job: Job) -> SamplingParams:

@@ -21,6 +21,13 @@ from app.deps import (
 )
 from app.dialects import common
 from app.dialects.common import LORA_WORDS
+from app.dialects.openai.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+)
+from app.dialects.openai.router import RESPONSES, OpenAIRoute
 from app.dialects.vllm import render, service
 from app.dialects.vllm.protocol import (
     Aborted,
@@ -57,13 +64,6 @@ from app.errors import (
     WEIGHTS_ERROR_RESPONSES,
     ErrorResponse,
 )
-from app.openai_compat.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-)
-from app.openai_compat.router import RESPONSES, OpenAIRoute
 from app.ops.access import Access, access
 from app.updates.control import WeightsControl
 from app.updates.types import Announcement, Connection, Join, Publish

@@ -22,11 +22,7 @@ from app.common.routed_experts import npy_base64, routing_to_return
 from app.common.service import ModelServing
 from app.common.text import IncrementalText, final_text
 from app.config import LimitSettings, ReasoningParser
-from app.engine.registry import ModelRegistry
-from app.engine.served import ServedModel
-from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
-from app.generation.service import GenerationService, Sampled
-from app.openai_compat.protocol import (
+from app.dialects.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -46,10 +42,14 @@ from app.openai_compat.protocol import (
     ToolCallDelta,
     Usage,
 )
-from app.openai_compat.reasoning import ReasoningReader, prompt_opens_thinking
-from app.openai_compat.streaming import Tokens, TokenStream, sse_event
-from app.openai_compat.tokens import TokenTexts, Tops
-from app.openai_compat.tools import parse_tool_calls
+from app.dialects.openai.reasoning import ReasoningReader, prompt_opens_thinking
+from app.dialects.openai.streaming import Tokens, TokenStream, sse_event
+from app.dialects.openai.tokens import TokenTexts, Tops
+from app.dialects.openai.tools import parse_tool_calls
+from app.engine.registry import ModelRegistry
+from app.engine.served import ServedModel
+from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
+from app.generation.service import GenerationService, Sampled
 from app.scoring.extras import extras
 from app.trajectories.service import TrajectoryService
 

@@ -11,7 +11,7 @@ import json
 import re
 import uuid
 
-from app.openai_compat.protocol import FunctionCall, ToolCall
+from app.dialects.openai.protocol import FunctionCall, ToolCall
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _SPACE = re.compile(r"\s*")

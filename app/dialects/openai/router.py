@@ -14,6 +14,14 @@ from app.common.disconnect import CancellableRoute, cancellable
 from app.common.failures import Failure
 from app.common.protocol import json_response
 from app.deps import OpenAIDep, OwnerDep
+from app.dialects.openai.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+)
+from app.dialects.openai.service import Job, OpenAIService
+from app.dialects.openai.streaming import sse_event
 from app.errors import (
     ERROR_RESPONSES,
     APIError,
@@ -23,14 +31,6 @@ from app.errors import (
     failure_error,
     validation_error,
 )
-from app.openai_compat.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-)
-from app.openai_compat.service import Job, OpenAIService
-from app.openai_compat.streaming import sse_event
 
 logger = logging.getLogger(__name__)
 

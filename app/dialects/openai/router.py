@@ -20,7 +20,8 @@ from app.dialects.openai.protocol import (
     Completion,
     CompletionRequest,
 )
-from app.dialects.openai.service import Job, OpenAIService
+from app.dialects.openai.replies import Job
+from app.dialects.openai.service import OpenAIService
 from app.dialects.openai.streaming import sse_event
 from app.errors import (
     ERROR_RESPONSES,

@@ -8,94 +8,51 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
-from app.common.protocol import warn_ignored, wire_spans
-from app.common.routed_experts import npy_base64, routing_to_return
+from app.common.protocol import warn_ignored
+from app.common.routed_experts import routing_to_return
 from app.common.service import ModelServing
-from app.common.text import IncrementalText, final_text
 from app.config import LimitSettings, ReasoningParser
+from app.dialects.openai.chunks import Chunks
 from app.dialects.openai.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
-    FinishReason,
-    PromptLogprob,
     SamplingFields,
-    ToolCall,
-    ToolCallDelta,
-    Usage,
 )
-from app.dialects.openai.reasoning import ReasoningReader, prompt_opens_thinking
-from app.dialects.openai.streaming import Tokens, TokenStream, sse_event
+from app.dialects.openai.replies import (
+    ROUTES,
+    Job,
+    Kind,
+    chat_message,
+    echoed_scores,
+    echoes,
+    extensions_of,
+    prompt_logprobs_of,
+    reasoning_of,
+    reply_text,
+    usage_of,
+    values_of,
+)
+from app.dialects.openai.streaming import Tokens, TokenStream
 from app.dialects.openai.tokens import TokenTexts, Tops
-from app.dialects.openai.tools import parse_tool_calls
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
-from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
+from app.engine.types import Generation, Scores, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.scoring.extras import extras
 from app.trajectories.service import TrajectoryService
-
-Kind = Literal["chat", "completion"]
-ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-
-
-@dataclass
-class Job:
-    """A checked OpenAI request, ready to sample."""
-
-    kind: Kind
-    model: str
-    served: ServedModel
-    prompts: list[Prepared]
-    config: SamplingConfig
-    request: SamplingFields
-    logprobs: int | None
-    """None: no log-probs; k: the chosen token's and the k most likely."""
-    tool_names: set[str] | None
-    trajectory_id: str | None
-    owner: str
-    texts: TokenTexts
-    as_ids: bool = False
-    """Name tokens in log-probs as 'token_id:<id>' (the request's return_tokens_as_token_ids,
-    else the server's)."""
-    reasoning: ReasoningParser | None = None
-    """The reasoning parser a chat reply is read with (None: the text is all content)."""
-    show_reasoning: bool = True
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def n(self) -> int:
-        return self.request.n
-
-    @property
-    def asks(self) -> ScoreSpec | None:
-        return ScoreSpec(top_logprobs=self.logprobs) if self.logprobs else None
-
-    @property
-    def processed(self) -> bool:
-        return self.request.logprobs_mode == "processed"
-
-    def prompt_of(self, choice: int) -> Prepared:
-        return self.prompts[choice // self.n]
 
 
 class OpenAIService(ModelServing):
@@ -273,7 +230,7 @@ class OpenAIService(ModelServing):
         # likely tokens at each position (scored in the generation's own pass where it can);
         # an echo with logprobs shows the prompt's too.
         k = getattr(job.request, "prompt_logprobs", None)
-        if _echoes(job) and job.logprobs is not None:
+        if echoes(job) and job.logprobs is not None:
             k = max(k or 0, job.logprobs)
         sampled = await self.generation.sample(
             job.model,
@@ -293,7 +250,7 @@ class OpenAIService(ModelServing):
         """The reply to `job` for what was sampled; `tops`: each generation's most likely
         tokens where they come from elsewhere (derendering), else from `sampled`'s scores."""
         generations = sampled.generations
-        usage = _usage(job, generations)
+        usage = usage_of(job, generations)
         common: dict[str, Any] = {
             "created": job.created,
             "model": job.request.model,
@@ -317,7 +274,7 @@ class OpenAIService(ModelServing):
         asked = getattr(job.request, "prompt_logprobs", None)
         if sampled.prompt_scores is not None and asked is not None:
             prompt_logprobs = [  # (null for a prompt aborted before it was scored)
-                None if s is None else _prompt_logprobs(job, p.ids, s, asked)
+                None if s is None else prompt_logprobs_of(job, p.ids, s, asked)
                 for p, s in zip(job.prompts, sampled.prompt_scores, strict=True)
             ]
             for choice in completion_choices:
@@ -344,19 +301,21 @@ class OpenAIService(ModelServing):
         g: Generation,
         tops: list[list[tuple[int, float]]] | None,
     ) -> ChatChoice:
-        content, calls, reader = _chat_message(job, g)
+        content, calls, reader = chat_message(job, g)
         logprobs = None
         if job.logprobs is not None:
-            entries = job.texts.chat_entries(g.token_ids, _values(job, g), tops, as_ids=job.as_ids)
+            entries = job.texts.chat_entries(
+                g.token_ids, values_of(job, g), tops, as_ids=job.as_ids
+            )
             logprobs = ChoiceLogprobs(content=entries)
         return ChatChoice(
             index=index,
             message=AssistantMessage(
-                content=content, tool_calls=calls or None, **_reasoning(job, reader)
+                content=content, tool_calls=calls or None, **reasoning_of(job, reader)
             ),
             logprobs=logprobs,
             finish_reason="tool_calls" if calls else g.finish_reason,
-            **_choice_extensions(job, g),
+            **extensions_of(job, g),
         )
 
     def _completion_choice(
@@ -367,20 +326,20 @@ class OpenAIService(ModelServing):
         tops: list[list[tuple[int, float]]] | None,
         prompt_scores: Scores | None,
     ) -> CompletionChoice:
-        text = _reply_text(job, g)
+        text = reply_text(job, g)
         echoed = ""
-        if _echoes(job):
+        if echoes(job):
             prompt = job.prompt_of(index)
             echoed = prompt.text or job.served.preparer.decode(prompt.ids, skip_special=True)
         logprobs = None
         if job.logprobs is not None:
             as_ids = job.as_ids
             logprobs = job.texts.completion_logprobs(
-                g.token_ids, _values(job, g), tops, start=len(echoed), as_ids=as_ids
+                g.token_ids, values_of(job, g), tops, start=len(echoed), as_ids=as_ids
             )
-            if _echoes(job):
+            if echoes(job):
                 ids = job.prompt_of(index).ids
-                values, prompt_tops = _echoed_scores(ids, prompt_scores, job.logprobs)
+                values, prompt_tops = echoed_scores(ids, prompt_scores, job.logprobs)
                 shown = job.texts.completion_logprobs(ids, values, prompt_tops, as_ids=as_ids)
                 shown.top_logprobs = [
                     None if v is None else row
@@ -393,7 +352,7 @@ class OpenAIService(ModelServing):
                     text_offset=shown.text_offset + logprobs.text_offset,
                 )
         text = echoed + text
-        extensions = _choice_extensions(job, g)
+        extensions = extensions_of(job, g)
         if job.request.return_token_ids:
             extensions["prompt_token_ids"] = job.prompt_of(index).ids
         return CompletionChoice(
@@ -412,7 +371,7 @@ class OpenAIService(ModelServing):
             return None  # nothing was completed: the caller will ask again
         finish: str = generation.finish_reason
         if job.kind == "chat" and job.tool_names is not None:  # the reply's own reason
-            _, calls, _ = await job.served.preparer.off_loop(_chat_message, job, generation)
+            _, calls, _ = await job.served.preparer.off_loop(chat_message, job, generation)
             finish = "tool_calls" if calls else finish
         return await self.trajectories.record(
             job.trajectory_id,
@@ -464,7 +423,7 @@ class OpenAIService(ModelServing):
         queue: asyncio.Queue[tuple[int, Tokens]],
         version: int,
     ) -> AsyncIterator[str]:
-        chunks = _Chunks(job, version)
+        chunks = Chunks(job, version)
         try:
             for line in chunks.opening():
                 yield line
@@ -496,270 +455,3 @@ async def _stop(task: asyncio.Task[Sampled]) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-
-
-class _Chunks:
-    """The chunks of one stream, choice by choice."""
-
-    def __init__(self, job: Job, version: int) -> None:
-        self.job = job
-        self.texts = job.texts
-        self.count = len(job.prompts) * job.n
-        decode = _decoder(job)
-        self.text = [IncrementalText(decode, job.request.stops) for _ in range(self.count)]
-        self.readers = [_reasoning_reader(job) for _ in range(self.count)]
-        self.version = version
-
-    def _chunk(self, choices: list[Any], **extra: Any) -> str:
-        job = self.job
-        common: dict[str, Any] = {
-            "created": job.created,
-            "model": job.request.model,
-            "policy_version": self.version,
-            "trajectory_id": job.trajectory_id,
-            **extra,
-        }
-        if job.kind == "chat":
-            body: Any = ChatCompletionChunk(id=f"chatcmpl-{job.id}", choices=choices, **common)
-        else:
-            body = Completion(id=f"cmpl-{job.id}", choices=choices, **common)
-        return sse_event(body.model_dump(mode="json", exclude_none=True))
-
-    def opening(self) -> list[str]:
-        if self.job.kind != "chat":
-            return []
-        extra = {}
-        if self.job.request.return_token_ids:
-            extra["prompt_token_ids"] = self.job.prompts[0].ids
-        role = [
-            ChatChunkChoice(index=k, delta=ChatDelta(role="assistant", content=""))
-            for k in range(self.count)
-        ]
-        return [self._chunk(role, **extra)]
-
-    def tokens(self, index: int, tokens: Tokens) -> list[str]:
-        job = self.job
-        text = self.text[index]
-        held = job.tool_names is not None  # a reply may turn out to be a tool call: its text
-        if held:  # is held to the end (its tokens and log-probs are not)
-            text.ids += tokens.ids
-            new = ""
-        else:
-            new = text.add(tokens.ids)
-        reader = self.readers[index]
-        reasoning = ""
-        if reader is not None and new:
-            reasoning, new = reader.feed(new)
-        with_ids = job.request.return_token_ids
-        if not new and not reasoning and job.logprobs is None and not with_ids:
-            return []
-        ids = tokens.ids if with_ids else None
-        if job.kind == "chat":
-            logprobs = None
-            if job.logprobs is not None:
-                logprobs = ChoiceLogprobs(
-                    content=self.texts.chat_entries(
-                        tokens.ids,
-                        tokens.log_probs,
-                        None,
-                        as_ids=self.job.as_ids,
-                    )
-                )
-            delta = ChatDelta(
-                content=None if held or (reasoning and not new) else new,
-                **_reasoning(job, reader, reasoning),
-            )
-            choice: Any = ChatChunkChoice(
-                index=index, delta=delta, logprobs=logprobs, token_ids=ids
-            )
-        else:
-            completion_logprobs = None
-            if job.logprobs is not None:
-                completion_logprobs = self.texts.completion_logprobs(
-                    tokens.ids,
-                    tokens.log_probs,
-                    None,
-                    start=text.shown_length - len(new),
-                    as_ids=job.as_ids,
-                )
-            choice = CompletionChoice(
-                index=index, text=new, logprobs=completion_logprobs, token_ids=ids
-            )
-        return [self._chunk([choice])]
-
-    def closing(self, generations: list[Generation], turn: int | None) -> list[str]:
-        job = self.job
-        lines = []
-        for index, g in enumerate(generations):
-            text = self.text[index]
-            missing = g.token_ids[len(text.ids) :]  # tokens an engine did not stream
-            if missing:
-                lines += self.tokens(index, Tokens(missing, _values(job, g)[len(text.ids) :]))
-            finish: FinishReason = g.finish_reason
-            reader = self.readers[index]
-            if job.tool_names is not None:
-                content: str | None = text.full_text()
-                calls: list[ToolCall] = []
-                if reader is not None:
-                    reader.feed(content or "", last=True)
-                    content = reader.result()[1]
-                if content is not None:
-                    content, calls = parse_tool_calls(content, job.tool_names)
-                delta = ChatDelta(
-                    content=content,
-                    **_reasoning(job, reader),
-                    tool_calls=[
-                        ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
-                        for i, c in enumerate(calls)
-                    ]
-                    or None,
-                )
-                finish = "tool_calls" if calls else finish
-                lines.append(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
-            elif reader is not None:
-                reasoning, rest = reader.feed(text.finish(), last=True)
-                if reasoning or rest:
-                    delta = ChatDelta(content=rest or None, **_reasoning(job, reader, reasoning))
-                    lines.append(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
-            elif rest := text.finish():
-                if job.kind == "chat":
-                    lines.append(
-                        self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=rest))])
-                    )
-                else:
-                    lines.append(self._chunk([CompletionChoice(index=index, text=rest)]))
-            extensions = _choice_extensions(job, g)
-            extensions.pop("token_ids", None)  # streamed with the tokens
-            if job.kind == "chat":
-                last: Any = ChatChunkChoice(
-                    index=index, delta=ChatDelta(), finish_reason=finish, **extensions
-                )
-            else:
-                last = CompletionChoice(index=index, text="", finish_reason=finish, **extensions)
-            lines.append(self._chunk([last], turn=turn))
-        if job.request.include_usage:
-            lines.append(self._chunk([], usage=_usage(job, generations)))
-        return lines
-
-
-def _chat_message(
-    job: Job, g: Generation
-) -> tuple[str | None, list[ToolCall], ReasoningReader | None]:
-    """A chat reply's content (its reasoning and tool calls taken out), its tool calls, and
-    the reader that took the reasoning out (None without a reasoning parser)."""
-    reader = _reasoning_reader(job)
-    text = _reply_text(job, g)
-    content: str | None = text
-    if reader is not None:
-        reader.feed(text, last=True)
-        content = reader.result()[1]
-    calls: list[ToolCall] = []
-    if job.tool_names is not None and content is not None:
-        content, calls = parse_tool_calls(content, job.tool_names)
-    return content, calls, reader
-
-
-def _reply_text(job: Job, g: Generation) -> str:
-    """What the reply shows: the sampled text without special tokens, cut at a stop string."""
-    return final_text(job.served.preparer.decode(g.token_ids, skip_special=True), job.request.stops)
-
-
-def _reasoning_reader(job: Job) -> ReasoningReader | None:
-    """A reader for one chat reply's reasoning, where the server runs a parser."""
-    if job.reasoning is None or job.kind != "chat":
-        return None
-    opened = prompt_opens_thinking(job.prompts[0].text or "")
-    return ReasoningReader(job.reasoning, opened=opened)
-
-
-def _reasoning(job: Job, reader: ReasoningReader | None, text: str | None = None) -> dict[str, Any]:
-    """The reply's (or a delta's) reasoning fields: `text`, or the reader's whole reasoning."""
-    if reader is None or not job.show_reasoning:
-        return {}
-    if text is None:
-        text = reader.result()[0]
-    return {"reasoning": text, "reasoning_content": text} if text else {}
-
-
-def _echoes(job: Job) -> bool:
-    return bool(getattr(job.request, "echo", False))
-
-
-def _echoed_scores(
-    ids: list[int], scores: Scores | None, k: int
-) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
-    """An echoed prompt's log-probs as a completion's: null for the first token (and where a
-    prompt aborted before it was scored, or a log-prob is -infinity), then each token's; and
-    at each position the k most likely tokens (k = 0: the token itself, as vLLM answers)."""
-    if scores is None:
-        return [None] * len(ids), [[] for _ in ids]
-    own = scores.log_probs.tolist()
-    values = [None, *(v if math.isfinite(v) else None for v in own[1 : len(ids)])]
-    if k == 0 or scores.top_ids is None or scores.top_log_probs is None:
-        return values, [[] if v is None else [(t, v)] for t, v in zip(ids, values, strict=True)]
-    rows = zip(scores.top_ids.tolist(), scores.top_log_probs.tolist(), strict=True)
-    tops = [[], *([(i, v) for i, v in zip(r[:k], lp[:k], strict=True)] for r, lp in rows)]
-    return values, tops[: len(ids)]
-
-
-def _prompt_logprobs(
-    job: Job, ids: list[int], scores: Scores, k: int
-) -> list[dict[str, PromptLogprob] | None]:
-    """vLLM's layout: null for the first token, then per token id -> log-prob, rank, text
-    (the prompt's own token first, then the k most likely in order)."""
-    texts = job.texts
-    as_ids = job.as_ids
-
-    def entry(token: int, value: float, rank: int) -> PromptLogprob:
-        name = f"token_id:{token}" if as_ids else texts.text(token)[0]
-        return PromptLogprob(
-            logprob=value if math.isfinite(value) else None, rank=rank, decoded_token=name
-        )
-
-    out: list[dict[str, PromptLogprob] | None] = [None]
-    own = scores.log_probs.tolist()
-    ranks = scores.ranks.tolist() if scores.ranks is not None else []
-    top_ids = scores.top_ids.tolist() if scores.top_ids is not None else [[] for _ in ranks]
-    top_values = scores.top_log_probs.tolist() if scores.top_log_probs is not None else top_ids
-    for p in range(1, len(ids)):
-        row = {str(ids[p]): entry(ids[p], own[p], ranks[p - 1])}
-        row_tops = zip(top_ids[p - 1][:k], top_values[p - 1][:k], strict=True)
-        for r, (token, value) in enumerate(row_tops):
-            row.setdefault(str(token), entry(token, value, r + 1))
-        out.append(row)
-    return out
-
-
-def _values(job: Job, g: Generation) -> list[float]:
-    """The log-probs the request asked for (processed ones exist wherever they may be asked
-    for: checked against the engine's capabilities; an aborted row has none at all)."""
-    values = g.processed_log_probs if job.processed else g.log_probs
-    return values if values is not None else []
-
-
-def _decoder(job: Job) -> Any:
-    preparer = job.served.preparer
-
-    def decode(ids: list[int]) -> str:
-        return preparer.decode(ids, skip_special=True)
-
-    return decode
-
-
-def _choice_extensions(job: Job, g: Generation) -> dict[str, Any]:
-    extensions: dict[str, Any] = {"stop_reason": g.stop_reason}
-    routing = job.served.backend.routing
-    if g.routed_experts is not None and routing is not None:
-        start = job.request.routed_experts_prompt_start
-        extensions["routed_experts"] = npy_base64(g.routed_experts[start:], routing)
-    if job.request.return_token_ids:
-        extensions |= {"token_ids": g.token_ids, "policy_versions": wire_spans(g.versions)}
-    return extensions
-
-
-def _usage(job: Job, generations: list[Generation]) -> Usage:
-    prompt = sum(len(p.ids) for p in job.prompts)
-    completion = sum(len(g.token_ids) for g in generations)
-    return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )

@@ -17,7 +17,8 @@ from app.dialects.openai.protocol import (
     Completion,
     CompletionRequest,
 )
-from app.dialects.openai.service import Job, OpenAIService
+from app.dialects.openai.replies import Job
+from app.dialects.openai.service import OpenAIService
 from app.dialects.openai.tokens import Tops
 from app.dialects.vllm.protocol import (
     DerenderChatRequest,

@@ -5,7 +5,6 @@ budget so full-vocabulary logits are never computed for more prompt tokens than 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import itertools
 import json
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from app.common.failures import Conflict, InvalidInput, Unsupported, invalid
+from app.common.failures import Conflict, Unsupported, invalid
 from app.engine.abandon import unless_abandoned, unless_set
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import assemble, position_scores
@@ -28,20 +27,29 @@ from app.engine.types import (
     GenerateItem,
     Generation,
     ModelInfo,
-    SamplingConfig,
     Scores,
     ScoreSpec,
     TokenSink,
     VersionSpan,
 )
-from app.weights.checkpoint import Layout, checkpoint_files, read_layout
+from app.engine.vllm.outputs import (
+    final_only,
+    own_log_probs,
+    prompt_grid,
+    prompt_scores,
+    returned_log_probs,
+    sampling_params,
+)
+from app.engine.vllm.weights import VLLMTransfer, WeightFiles
+from app.weights.checkpoint import Layout
 from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import CONFIG, WEIGHTS, parse_adapter
-from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import WeightTransfer, rendezvous_listening
-from app.weights.transport import Connection
+from app.weights.transfer_engine import WeightTransfer
 
 logger = logging.getLogger(__name__)
+FULL_VOCAB_ELEMENTS = 1 << 24
+"""The most vocabulary entries (sequence length x vocabulary) one full-distribution scoring
+request may make vLLM return."""
 
 
 def vllm_available() -> bool:
@@ -195,7 +203,7 @@ class VLLMBackend(Backend):
                 completion = output.outputs[0]
                 new = list(completion.token_ids[sent:])
                 if new:
-                    sink.put(new, _own_log_probs(completion.logprobs, sent, sent + len(new)))
+                    sink.put(new, own_log_probs(completion.logprobs, sent, sent + len(new)))
                     sent += len(new)
         if final is None:
             raise RuntimeError("vLLM returned no output")
@@ -291,10 +299,10 @@ class VLLMBackend(Backend):
             prompt_logprobs=0,
             flat_logprobs=True,
             detokenize=False,
-            output_kind=_final_only(),
+            output_kind=final_only(),
         )
         final = await self._final(sequence, params, adapter=adapter)
-        return [0.0, *_prompt_grid(final.prompt_logprobs, len(sequence), 0).own]
+        return [0.0, *prompt_grid(final.prompt_logprobs, len(sequence), 0).own]
 
     def full_distribution_limit(self) -> int | None:
         return max(1, FULL_VOCAB_ELEMENTS // self.info.vocab_size)
@@ -317,14 +325,14 @@ class VLLMBackend(Backend):
             prompt_logprobs=-1 if full else spec.top_logprobs,
             flat_logprobs=True,
             detokenize=False,
-            output_kind=_final_only(),
+            output_kind=final_only(),
         )
         flat = (await self._final(sequence, params, adapter=spec.adapter)).prompt_logprobs
         if not full:
-            return _prompt_scores(flat, len(sequence), spec)
+            return prompt_scores(flat, len(sequence), spec)
         # log-probs of the whole vocabulary: logits up to a constant per position
         targets = torch.tensor(sequence[1:], dtype=torch.long)
-        returned = _returned_log_probs(flat, len(sequence), self.info.vocab_size)
+        returned = returned_log_probs(flat, len(sequence), self.info.vocab_size)
         part = position_scores(returned, targets, spec, extras=True)
         return assemble([part], spec.start, len(sequence))
 
@@ -349,14 +357,14 @@ class VLLMBackend(Backend):
         completion = final.outputs[0]
         finish = completion.finish_reason
         tokens = list(completion.token_ids)
-        sampled = _own_log_probs(completion.logprobs, 0, len(tokens))
+        sampled = own_log_probs(completion.logprobs, 0, len(tokens))
         length = len(item.prompt_ids)
         # One grid serves both: the prompt's own log-probs and what `asks` wants of it
         # (`asks` is top-k and ranks only). A request aborted before its prompt was scored
         # has none.
         flat, grid = final.prompt_logprobs, None
         if flat is not None and len(flat) == length:
-            grid = _prompt_grid(flat, length, 0 if asks is None else asks.top_logprobs)
+            grid = prompt_grid(flat, length, 0 if asks is None else asks.top_logprobs)
         prompt = None
         if processed_mode:
             # The sampled values are processed; the raw ones come from one scoring pass over
@@ -459,75 +467,6 @@ class VLLMBackend(Backend):
             gc.collect()  # let vLLM's finaliser run now, not at interpreter exit
 
 
-class VLLMTransfer(WeightTransfer):
-    """vLLM's own weight-transfer calls on the engine, served in the workers by the "rlserve"
-    engine (app.engine.vllm.worker): the data arrives while the engine keeps generating."""
-
-    POLL_S = 0.02
-
-    def __init__(self, engine: Any, transferred: set[str]) -> None:
-        self.engine = engine
-        self.ranks = int(engine.vllm_config.parallel_config.world_size)
-        self.transferred = transferred
-        """The backend's record of the tensors transfers set (committed updates add theirs)."""
-        self._announced: set[str] = set()
-        self._adapter = False
-
-    async def init(self, connection: Connection) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await rendezvous_listening(connection)
-        info = dataclasses.asdict(connection)
-        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
-
-    async def start(self, *, adapter: bool = False) -> None:
-        await self.engine.collective_rpc("rlserve_transfer_abort")
-        self._announced, self._adapter = set(), adapter
-        await self.engine.start_weight_update()
-
-    async def update(self, plan: TransferPlan) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        request = WeightTransferUpdateRequest(update_info=plan.announcement())
-        await self.engine.update_weights(request)
-        self._announced |= {spec.name for spec in plan.tensors}
-
-    async def received(self, timeout_s: float) -> None:
-        """Poll the workers (a call that waited would stall the engine's loop)."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                states = await self.engine.collective_rpc(
-                    "rlserve_transfer_status", args=(not self._adapter,)
-                )
-                problems = [s for s in states if s is not None]
-                if not problems:
-                    return
-                failed = [p for p in problems if p != "pending"]
-                if failed:
-                    if failed[0].startswith("InvalidInput: "):
-                        raise InvalidInput(
-                            failed[0].removeprefix("InvalidInput: "), param="weights"
-                        )
-                    raise RuntimeError(failed[0])
-                await asyncio.sleep(self.POLL_S)
-
-    async def checkpoint(self) -> bytes:
-        """From the first worker (every worker received every tensor whole)."""
-        files = await self.engine.collective_rpc("rlserve_transfer_checkpoint")
-        return next(f for f in files if f is not None)
-
-    async def commit(self, version: int) -> None:
-        await self.engine.finish_weight_update(weight_version=str(version))
-        self.transferred |= self._announced
-
-    async def abort(self) -> None:
-        await self.engine.collective_rpc("rlserve_transfer_abort")
-
-    async def close(self) -> None:
-        await self.abort()
-        await self.engine.shutdown_weight_transfer_engine()
-
-
 def _write_peft_folder(
     folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
 ) -> None:
@@ -557,191 +496,3 @@ def platform_options() -> dict[str, Any]:
         # never split across engine steps there.
         return {"enable_chunked_prefill": False}
     return {}
-
-
-def sampling_params(
-    config: SamplingConfig,
-    seed: int,
-    *,
-    prompt_log_probs: bool = True,
-    streaming: bool = False,
-    prompt_top: int | None = None,
-) -> Any:
-    """The standardized parameters as vLLM `SamplingParams` (the sampled token's log-prob, in
-    the engine's logprobs_mode; prompt log-probs when asked and `prompt_log_probs`, and with
-    the `prompt_top` most likely tokens at each prompt position when that is given). Only the
-    final output comes back unless `streaming` (then every step's, cumulative), and text is
-    detokenized only to find stop strings. Log-probs come back flat (a few lists per request,
-    not objects per token)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    if prompt_top is None and config.return_prompt_log_probs and prompt_log_probs:
-        prompt_top = 0  # the prompt's own log-probs alone
-    # top_p 0 keeps the most likely token alone (OpenAI's meaning, and the transformers
-    # backend's), which vLLM, taking top_p in (0, 1], says as top_k 1.
-    top_p, top_k = config.top_p, config.top_k or 0
-    if top_p == 0:
-        top_p, top_k = 1.0, 1
-    return SamplingParams(
-        output_kind=RequestOutputKind.CUMULATIVE if streaming else _final_only(),
-        detokenize=bool(config.stop_sequences),
-        n=1,
-        max_tokens=config.max_new_tokens,
-        temperature=config.temperature if config.do_sample else 0.0,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=config.min_p,
-        repetition_penalty=config.repetition_penalty,
-        seed=seed,
-        stop=list(config.stop_sequences) or None,
-        include_stop_str_in_output=True,
-        ignore_eos=config.ignore_eos,
-        min_tokens=config.min_tokens,
-        stop_token_ids=list(config.stop_token_ids) or None,
-        presence_penalty=config.presence_penalty,
-        frequency_penalty=config.frequency_penalty,
-        logit_bias=dict(config.logit_bias) or None,
-        allowed_token_ids=None
-        if config.allowed_token_ids is None
-        else list(config.allowed_token_ids),
-        bad_words=list(config.bad_words) or None,
-        logprobs=0,
-        prompt_logprobs=prompt_top,
-        flat_logprobs=True,
-        skip_special_tokens=False,
-        spaces_between_special_tokens=False,
-    )
-
-
-FULL_VOCAB_ELEMENTS = 1 << 24
-"""The most vocabulary entries (sequence length x vocabulary) one full-distribution scoring
-request may make vLLM return."""
-
-
-def _returned_log_probs(flat: Any, length: int, vocab: int) -> torch.Tensor:
-    """[length - 1, vocab]: the log-probs vLLM returned for positions 1… (flat layout), -inf
-    where it returned none."""
-    dense = torch.full((length - 1, vocab), float("-inf"))
-    for row in range(length - 1):
-        span = slice(flat.start_indices[row + 1], flat.end_indices[row + 1])
-        dense[row, torch.tensor(flat.token_ids[span])] = torch.tensor(flat.logprobs[span])
-    return dense
-
-
-def _own_log_probs(flat: Any, begin: int, end: int) -> list[float]:
-    """Positions [begin, end) of vLLM's flat sample log-probs: each position's own (sampled)
-    token comes first, before any top-k."""
-    return [flat.logprobs[flat.start_indices[p]] for p in range(begin, end)]
-
-
-@dataclasses.dataclass
-class _PromptGrid:
-    """vLLM's flat prompt log-probs of a sequence, positions 1… as rows: each row is the
-    position's own token, then the k most likely tokens in order (possibly itself again)."""
-
-    rows: int
-    k: int
-    token_ids: list[int]
-    log_probs: list[float]
-    ranks: list[int]
-
-    @property
-    def own(self) -> list[float]:
-        """The log-prob of each position's own token."""
-        return self.log_probs[:: self.k + 1]
-
-    def scores(self, spec: ScoreSpec) -> Scores:
-        part = {"log_probs": torch.tensor(self.own, dtype=torch.float32)}
-        if spec.ranks:
-            part["ranks"] = torch.tensor(self.ranks[:: self.k + 1])
-        if self.k:
-            shape = (self.rows, self.k + 1)
-            part["top_ids"] = torch.tensor(self.token_ids).view(shape)[:, 1:]
-            part["top_log_probs"] = torch.tensor(self.log_probs).view(shape)[:, 1:]
-        return assemble([part], spec.start, self.rows + 1)
-
-
-def _prompt_grid(flat: Any, length: int, k: int) -> _PromptGrid:
-    rows = length - 1
-    if len(flat.logprobs) != rows * (k + 1):  # (position 0 has none)
-        raise RuntimeError(
-            f"vLLM returned {len(flat.logprobs)} prompt log-probs for {rows} positions with "
-            f"top {k}; expected {rows * (k + 1)}"
-        )
-    return _PromptGrid(
-        rows=rows,
-        k=k,
-        token_ids=flat.token_ids,
-        log_probs=flat.logprobs,
-        ranks=flat.ranks,
-    )
-
-
-def _prompt_scores(flat: Any, length: int, spec: ScoreSpec) -> Scores:
-    """Log-probs, top-k and ranks of a whole sequence, read off vLLM's prompt log-probs."""
-    return _prompt_grid(flat, length, spec.top_logprobs).scores(spec)
-
-
-def _final_only() -> Any:
-    from vllm.sampling_params import RequestOutputKind
-
-    return RequestOutputKind.FINAL_ONLY
-
-
-class WeightFiles:
-    """Where the current value of every tensor lives: the served checkpoint's files, or kept
-    copies of later updates. vLLM reloads whole models (it repacks layers after loading), so a
-    partial update is completed with the current values of the other tensors."""
-
-    def __init__(self, location: dict[str, Path], layout: Layout, directory: Path) -> None:
-        self.location = location
-        self.layout = layout
-        self.directory = directory
-        self._staged: tuple[dict[str, Path], list[Path]] | None = None
-
-    @classmethod
-    def of_source(cls, source: str, directory: Path) -> WeightFiles | None:
-        path = Path(source)
-        if not path.is_dir():
-            logger.warning("%s is not a local directory: weight updates are refused", source)
-            return None
-        location: dict[str, Path] = {}
-        layout: Layout = {}
-        for file in checkpoint_files(path):
-            file_layout = read_layout([file], "model")
-            layout |= file_layout
-            location |= dict.fromkeys(file_layout, file)
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True, exist_ok=True)
-        return cls(location, layout, directory)
-
-    def stage(self, files: list[Path]) -> list[tuple[str, list[str]]]:
-        """Keep copies of `files`; return (file, names) covering every tensor."""
-        location = dict(self.location)
-        copies = []
-        for file in files:
-            copy = self.directory / f"{uuid.uuid4().hex}.safetensors"
-            shutil.copyfile(file, copy)
-            copies.append(copy)
-            location |= dict.fromkeys(read_layout([copy], "weights"), copy)
-        self._staged = (location, copies)
-        by_file: dict[Path, list[str]] = {}
-        for name, file in location.items():
-            by_file.setdefault(file, []).append(name)
-        return [(str(file), names) for file, names in by_file.items()]
-
-    def commit(self) -> None:
-        assert self._staged is not None
-        self.location, _ = self._staged
-        self._staged = None
-        used = set(self.location.values())
-        for kept in self.directory.glob("*.safetensors"):
-            if kept not in used:
-                kept.unlink()
-
-    def rollback(self) -> None:
-        if self._staged is not None:
-            for copy in self._staged[1]:
-                copy.unlink(missing_ok=True)
-        self._staged = None

@@ -1,0 +1,147 @@
+"""Weight updates on a vLLM engine: by files (`WeightFiles`: where every tensor's current value
+lives, since vLLM reloads whole models) and over the collective transfer (`VLLMTransfer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from app.common.failures import InvalidInput
+from app.weights.checkpoint import Layout, checkpoint_files, read_layout
+from app.weights.staging import TransferPlan
+from app.weights.transfer_engine import WeightTransfer, rendezvous_listening
+from app.weights.transport import Connection
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMTransfer(WeightTransfer):
+    """vLLM's own weight-transfer calls on the engine, served in the workers by the "rlserve"
+    engine (app.engine.vllm.worker): the data arrives while the engine keeps generating."""
+
+    POLL_S = 0.02
+
+    def __init__(self, engine: Any, transferred: set[str]) -> None:
+        self.engine = engine
+        self.ranks = int(engine.vllm_config.parallel_config.world_size)
+        self.transferred = transferred
+        """The backend's record of the tensors transfers set (committed updates add theirs)."""
+        self._announced: set[str] = set()
+        self._adapter = False
+
+    async def init(self, connection: Connection) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await rendezvous_listening(connection)
+        info = dataclasses.asdict(connection)
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def start(self, *, adapter: bool = False) -> None:
+        await self.engine.collective_rpc("rlserve_transfer_abort")
+        self._announced, self._adapter = set(), adapter
+        await self.engine.start_weight_update()
+
+    async def update(self, plan: TransferPlan) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info=plan.announcement())
+        await self.engine.update_weights(request)
+        self._announced |= {spec.name for spec in plan.tensors}
+
+    async def received(self, timeout_s: float) -> None:
+        """Poll the workers (a call that waited would stall the engine's loop)."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                states = await self.engine.collective_rpc(
+                    "rlserve_transfer_status", args=(not self._adapter,)
+                )
+                problems = [s for s in states if s is not None]
+                if not problems:
+                    return
+                failed = [p for p in problems if p != "pending"]
+                if failed:
+                    if failed[0].startswith("InvalidInput: "):
+                        raise InvalidInput(
+                            failed[0].removeprefix("InvalidInput: "), param="weights"
+                        )
+                    raise RuntimeError(failed[0])
+                await asyncio.sleep(self.POLL_S)
+
+    async def checkpoint(self) -> bytes:
+        """From the first worker (every worker received every tensor whole)."""
+        files = await self.engine.collective_rpc("rlserve_transfer_checkpoint")
+        return next(f for f in files if f is not None)
+
+    async def commit(self, version: int) -> None:
+        await self.engine.finish_weight_update(weight_version=str(version))
+        self.transferred |= self._announced
+
+    async def abort(self) -> None:
+        await self.engine.collective_rpc("rlserve_transfer_abort")
+
+    async def close(self) -> None:
+        await self.abort()
+        await self.engine.shutdown_weight_transfer_engine()
+
+
+class WeightFiles:
+    """Where the current value of every tensor lives: the served checkpoint's files, or kept
+    copies of later updates. vLLM reloads whole models (it repacks layers after loading), so a
+    partial update is completed with the current values of the other tensors."""
+
+    def __init__(self, location: dict[str, Path], layout: Layout, directory: Path) -> None:
+        self.location = location
+        self.layout = layout
+        self.directory = directory
+        self._staged: tuple[dict[str, Path], list[Path]] | None = None
+
+    @classmethod
+    def of_source(cls, source: str, directory: Path) -> WeightFiles | None:
+        path = Path(source)
+        if not path.is_dir():
+            logger.warning("%s is not a local directory: weight updates are refused", source)
+            return None
+        location: dict[str, Path] = {}
+        layout: Layout = {}
+        for file in checkpoint_files(path):
+            file_layout = read_layout([file], "model")
+            layout |= file_layout
+            location |= dict.fromkeys(file_layout, file)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        return cls(location, layout, directory)
+
+    def stage(self, files: list[Path]) -> list[tuple[str, list[str]]]:
+        """Keep copies of `files`; return (file, names) covering every tensor."""
+        location = dict(self.location)
+        copies = []
+        for file in files:
+            copy = self.directory / f"{uuid.uuid4().hex}.safetensors"
+            shutil.copyfile(file, copy)
+            copies.append(copy)
+            location |= dict.fromkeys(read_layout([copy], "weights"), copy)
+        self._staged = (location, copies)
+        by_file: dict[Path, list[str]] = {}
+        for name, file in location.items():
+            by_file.setdefault(file, []).append(name)
+        return [(str(file), names) for file, names in by_file.items()]
+
+    def commit(self) -> None:
+        assert self._staged is not None
+        self.location, _ = self._staged
+        self._staged = None
+        used = set(self.location.values())
+        for kept in self.directory.glob("*.safetensors"):
+            if kept not in used:
+                kept.unlink()
+
+    def rollback(self) -> None:
+        if self._staged is not None:
+            for copy in self._staged[1]:
+                copy.unlink(missing_ok=True)
+        self._staged = None

@@ -1,13 +1,13 @@
-"""Wire models of vLLM's RL routes (vLLM 0.32: `vllm/entrypoints/rl/online/api_router.py`,
-`vllm/distributed/weight_transfer/`, and `/inference/v1/generate`), field for field where
-rlserve honours them; a field rlserve cannot honour is refused by name."""
+"""Wire models of vLLM's RL routes (vLLM 0.32: `vllm/entrypoints/rl/online/api_router.py` and
+`/inference/v1/generate`) but its weight transfer's (`app.dialects.vllm.transfer`), field for
+field where rlserve honours them; a field rlserve cannot honour is refused by name."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, RootModel, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from app.common.constraints import MAX_BAD_WORDS
 from app.common.protocol import (
@@ -19,17 +19,14 @@ from app.common.protocol import (
     Seed,
     ServerPath,
     TokenId,
-    VersionText,
     dialect_schema,
     field_error,
     never_together,
-    one_of,
     stop_list,
 )
 from app.common.sampling import SamplingAsk
 from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.engine.types import VersionSpan as EngineSpan
-from app.updates.types import Announcement
 
 
 class Message(DialectModel):
@@ -71,252 +68,6 @@ class AbortRequests(DialectModel):
                 "request_ids", "aborting chosen requests is not supported; send none for all"
             )
         return self
-
-
-DEFAULT_PACKED_BUFFER_BYTES = 1 << 30
-"""vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES."""
-
-
-class InitInfo(DialectModel):
-    """vLLM's NCCLWeightTransferInitInfo (what its trainer engine and TRL send)."""
-
-    master_address: str = Field(min_length=1, max_length=253)
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(default=1, ge=1)
-    world_size: int = Field(ge=2, le=4096)
-    packed: bool = False
-    packed_buffer_size_bytes: int = Field(
-        default=DEFAULT_PACKED_BUFFER_BYTES, ge=1 << 16, le=16 << 30
-    )
-    packed_num_buffers: int = Field(
-        default=2, ge=1, le=64, description="Accepted: buffers in flight change no byte."
-    )
-    nccl_unique_id_b64: str | None = Field(
-        default=None,
-        description="Not supported: rendezvous at master_address/master_port.",
-        json_schema_extra=ONLY_UNSET,
-    )
-    timeout_s: float = Field(
-        default=300.0, gt=0, le=3600, description="rlserve's: how long to wait for the trainer."
-    )
-
-    @model_validator(mode="after")
-    def _rendezvous(self) -> InitInfo:
-        if self.nccl_unique_id_b64 is not None:
-            raise field_error(
-                "init_info.nccl_unique_id_b64",
-                "is not supported: give master_address and master_port (a TCPStore)",
-            )
-        return self
-
-
-class InitBroadcaster(DialectModel):
-    """prime-rl's NCCL weight broadcast, as its orchestrator joins each server to it
-    (`init_nccl_broadcast`, src/prime_rl/utils/client.py at 559b4477): the trainer is rank 0
-    and hosts the rendezvous at host:port; the server's ranks follow rank_offset."""
-
-    host: str = Field(min_length=1, max_length=253)
-    port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(default=0, ge=0, description="The server's first rank, less one.")
-    inference_world_size: int = Field(
-        ge=1, le=4095, description="Every server's ranks together (the trainer is one more)."
-    )
-    timeout: float = Field(
-        default=1200, gt=0, le=86400, description="Seconds the join and each receive may take."
-    )
-    quantize_in_weight_transfer: bool = Field(
-        default=False,
-        description="Only false: the weights come in the checkpoint's names and dtypes.",
-        json_schema_extra={"const": False},
-    )
-    session_id: str = Field(default="default", max_length=256, description="Accepted (NIXL's).")
-
-    @model_validator(mode="after")
-    def _unquantized(self) -> InitBroadcaster:
-        if self.quantize_in_weight_transfer:
-            raise field_error(
-                "quantize_in_weight_transfer",
-                "is not supported: rlserve takes the checkpoint's tensors, as sent unquantized",
-            )
-        return self
-
-
-class InitWeightTransfer(DialectModel):
-    init_info: InitInfo
-
-
-class StartWeightUpdate(DialectModel):
-    is_checkpoint_format: bool = Field(
-        default=True,
-        description="Only true: tensors named and shaped as in the checkpoint.",
-        json_schema_extra={"const": True},
-    )
-
-    @model_validator(mode="after")
-    def _checkpoint(self) -> StartWeightUpdate:
-        if not self.is_checkpoint_format:
-            raise field_error("is_checkpoint_format", "only checkpoint-format tensors are loaded")
-        return self
-
-
-class UpdateInfo(DialectModel):
-    """vLLM's NCCLWeightTransferUpdateInfo: the tensors of the next broadcasts. Releases
-    before 0.32 (SkyRL 0.3.0's and 0.4.0's) name the packing here, per update; 0.32 names it
-    once, in the init info."""
-
-    names: list[str] = Field(min_length=1, max_length=1 << 20)
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    packed: bool | None = Field(
-        default=None,
-        description="vLLM before 0.32: the tensors come packed into buckets (unset: as the "
-        "init info said).",
-    )
-    packed_buffer_size_bytes: int | None = Field(
-        default=None,
-        ge=1 << 16,
-        le=16 << 30,
-        description="vLLM before 0.32: the packed buckets' size (unset with packed: vLLM's "
-        "default, 1 GiB; unset without: the init info's).",
-    )
-    packed_num_buffers: int | None = Field(
-        default=None, ge=1, le=64, description="Accepted: buffers in flight change no byte."
-    )
-
-    def announcement(self) -> Announcement:
-        """The policy's tensors this announces, cut as it says."""
-        size = self.packed_buffer_size_bytes
-        if self.packed is not None and size is None:
-            size = DEFAULT_PACKED_BUFFER_BYTES
-        return Announcement(
-            "policy",
-            self.names,
-            self.dtype_names,
-            self.shapes,
-            packing=None if self.packed is None else "vllm" if self.packed else "announced",
-            bucket_bytes=size,
-        )
-
-
-class UpdateWeights(DialectModel):
-    """vLLM's announcement of the tensors the trainer broadcasts next (`update_info`), or the
-    folder of a checkpoint to load (`weight_dir`: prime-rl's vLLM sends it)."""
-
-    model_config = ConfigDict(
-        json_schema_extra=dialect_schema(one_of(("update_info",), ("weight_dir",)))
-    )
-
-    update_info: (
-        UpdateInfo | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024)] | None
-    ) = None
-    weight_dir: ServerPath | None = Field(
-        default=None, description="A safetensors checkpoint the server can read."
-    )
-
-    @model_validator(mode="after")
-    def _one(self) -> UpdateWeights:
-        if (self.update_info is None) == (self.weight_dir is None):
-            raise field_error("update_info", "give exactly one of update_info and weight_dir")
-        return self
-
-    @property
-    def infos(self) -> list[UpdateInfo]:
-        if self.update_info is None:
-            return []
-        return self.update_info if isinstance(self.update_info, list) else [self.update_info]
-
-
-class RpcCall(DialectModel):
-    """`/collective_rpc`'s body: a worker method's name, its arguments, a timeout."""
-
-    args: list[Any] = Field(
-        default_factory=list, description="Only empty: the methods take keywords.", max_length=0
-    )
-    timeout: float | None = Field(default=None, gt=0, description="Accepted and ignored.")
-
-
-class StartKwargs(DialectModel):
-    is_checkpoint_format: bool = Field(
-        default=True,
-        description="Only true: tensors named and shaped as in the checkpoint.",
-        json_schema_extra={"const": True},
-    )
-
-    @model_validator(mode="after")
-    def _checkpoint(self) -> StartKwargs:
-        if not self.is_checkpoint_format:
-            raise field_error(
-                "kwargs.is_checkpoint_format", "only checkpoint-format tensors are loaded"
-            )
-        return self
-
-
-class StartRpc(RpcCall):
-    """SkyRL's worker extension's `skyrl_start_weight_update`: POST /start_weight_update."""
-
-    method: Literal["skyrl_start_weight_update"]
-    kwargs: StartKwargs = Field(default_factory=StartKwargs)
-
-
-class UpdateKwargs(DialectModel):
-    update_info: UpdateInfo
-
-
-class UpdateRpc(RpcCall):
-    """SkyRL's `update_weights_nccl`: POST /update_weights (the tensors of the trainer's
-    broadcast, packed as `update_info` says)."""
-
-    method: Literal["update_weights_nccl"]
-    kwargs: UpdateKwargs
-
-
-class NoKwargs(DialectModel):
-    pass
-
-
-class FinishRpc(RpcCall):
-    """SkyRL's `skyrl_finish_weight_update`: POST /finish_weight_update (the next version)."""
-
-    method: Literal["skyrl_finish_weight_update"]
-    kwargs: NoKwargs = Field(default_factory=NoKwargs)
-
-
-class CollectiveRpc(
-    RootModel[Annotated[StartRpc | UpdateRpc | FinishRpc, Field(discriminator="method")]]
-):
-    """The worker methods of SkyRL's vLLM extension (`NewInferenceWorkerWrap`, SkyRL 0.3.0)
-    its trainer calls through vLLM's `/collective_rpc`, over the same weight controls as vLLM's
-    own routes. Others (CUDA IPC's `update_weights_ipc`, sleep and wake) are refused by name."""
-
-
-class RpcResults(DialectModel):
-    results: list[Any] = Field(description="Each worker's return value (null: none).")
-
-
-class FinishWeightUpdate(DialectModel):
-    weight_version: VersionText | None = Field(
-        default=None,
-        description="A whole number (default: the next version); one not above the served "
-        "version is a restarted trainer's count: served as the next version, in a new lineage.",
-    )
-
-
-class NewVersion(DialectModel):
-    new_version: str
-    abort_all_requests: bool = Field(default=False, description="Accepted (SGLang's); ignored.")
-
-
-class VersionConfirmed(DialectModel):
-    success: bool = True
-    new_version: str
-    message: str
-
-
-class WeightInfo(DialectModel):
-    weight_version: str
-
-
-# -- /inference/v1/generate ------------------------------------------------------------------
 
 
 IGNORED = {

@@ -13,7 +13,6 @@ generated prompts on the left and responses on the right, scored sequences on th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 try:
@@ -25,32 +24,25 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "RemotePolicy needs torch and tensordict: pip install 'rlserve-client[torch]'"
     ) from error
 
-try:
-    from torchrl.data.llm import History as _History
-    from torchrl.modules.llm.policies import ChatHistory as _ChatHistory
-    from torchrl.modules.llm.policies import LLMWrapperBase as _Base
-    from torchrl.modules.llm.policies import LogProbs as _LogProbs
-    from torchrl.modules.llm.policies import Masks as _Masks
-    from torchrl.modules.llm.policies import Text as _Text
-    from torchrl.modules.llm.policies import Tokens as _Tokens
-
-    HAS_TORCHRL = True
-except ImportError:  # plain TensorDicts in TorchRL's key layout
-    HAS_TORCHRL = False
-
-    class _Base:  # type: ignore[no-redef]
-        def __call__(self, tensordict: TensorDictBase, **kwargs: Any) -> TensorDictBase:
-            return self.forward(tensordict, **kwargs)  # type: ignore[attr-defined,no-any-return]
-
-
 from rlserve_client._client import Client
 from rlserve_client.distributions import TopKCategorical
 from rlserve_client.seeds import turn_seed
-from rlserve_client.tensordicts import padded_row
+from rlserve_client.torchrl_layout import (
+    RowLayout,
+    WrapperBase,
+    chat_history,
+    container,
+    generated_full_log_probs,
+    given,
+    pad_token,
+    read_rows,
+    row_widths,
+    token_versions,
+    unpadded_tokens,
+)
 from rlserve_client.types import Sample, ScoredSample
 
 InputMode = Literal["history", "text", "tokens"]
-Chat = list[dict[str, str]]
 
 # Generation keywords the server takes as they are (TorchRL's common names and vLLM's).
 _GENERATE_KWARGS = frozenset(
@@ -74,7 +66,7 @@ _GENERATE_KWARGS = frozenset(
 _IGNORED_KWARGS = frozenset({"logprobs", "return_dict_in_generate", "output_scores"})
 
 
-class RemotePolicy(_Base):  # type: ignore[misc]
+class RemotePolicy(WrapperBase):  # type: ignore[misc]
     """Called on a TensorDict like TorchRL's `TransformersWrapper`/`vLLMWrapper`, with the same
     keyword arguments where they make sense for a served model (`model` names the served
     model, "policy" or "reference"). `generate=True` reads `(input_mode, "prompt")` and writes
@@ -262,13 +254,13 @@ class RemotePolicy(_Base):  # type: ignore[misc]
                 params["n"] = self.num_samples
             inputs = self._inputs(td)
             result = self.client.generate(model=self.model, tensors=True, **inputs, **params)
-            pad = _pad_token(result.pad_token_id)
+            pad = pad_token(result.pad_token_id)
             groups = result.outputs
         else:
             scored, pad = self._score(td)
             groups = [[sample] for sample in scored]
         samples = [s for group in groups for s in group]
-        widths = _widths(samples, generated=self.generate) if self.pad_output else None
+        widths = row_widths(samples, generated=self.generate) if self.pad_output else None
         built = [self._row(s, pad, widths) for s in samples]
         if self.num_samples is None:
             return lazy_stack(built)
@@ -280,11 +272,11 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         model's pad token."""
         inputs = self._inputs(td)
         scored = self.client.logprobs(model=self.model, tensors=True, **inputs, **extras)
-        return scored.outputs, _pad_token(scored.pad_token_id)
+        return scored.outputs, pad_token(scored.pad_token_id)
 
     def _inputs(self, td: TensorDictBase) -> dict[str, Any]:
         """The request's input field: `td`'s rows at the input key."""
-        rows = _read_rows(td, self.input_key, self.input_mode, self.attention_mask_key)
+        rows = read_rows(td, self.input_key, self.input_mode, self.attention_mask_key)
         field = {"history": "messages", "text": "text", "tokens": "tokens"}[self.input_mode]
         return {field: rows}
 
@@ -332,7 +324,7 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         with _set_list_to_stack(True):
             samples, _ = scorer._score(flat, top_logprobs=top_logprobs, span="full")
             rows = flat.unbind(0)
-            width = max(len(_given(s.tokens.full)) for s in samples)
+            width = max(len(given(s.tokens.full)) for s in samples)
             ids = torch.full((len(samples), width, top_logprobs), -1, dtype=torch.long)
             log_probs = torch.full((len(samples), width, top_logprobs), torch.nan)
             mask = torch.zeros(len(samples), width, dtype=torch.bool)
@@ -364,7 +356,7 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         if len(key) == 2 and key[0] == self.masks_key:
             values = getattr(sample.masks, key[1], None)
         if values is None and key in row.keys(include_nested=True):
-            values = _unpadded_tokens(row, key, self.attention_mask_key)
+            values = unpadded_tokens(row, key, self.attention_mask_key)
         if values is None or len(values) != n:
             raise KeyError(f"mask_key {key!r}: no mask with one value per token of the sequence")
         return torch.as_tensor(values).bool()
@@ -405,182 +397,40 @@ class RemotePolicy(_Base):  # type: ignore[misc]
         Its arrays may be lists (JSON) or tensors (binary replies)."""
         generated = self.generate
         tokens = sample.tokens
-        full = _given(tokens.full)
+        full = given(tokens.full)
         prompt_len = len(tokens.prompt) if tokens.prompt is not None else None
-        lay = _Layout(widths, prompt_len, len(full), generated)
+        lay = RowLayout(widths, prompt_len, len(full), generated)
         row = TensorDict({}, batch_size=[])
         token_fields: dict[str, Any] = {"full": lay.full(full, pad, torch.long)}
         if generated:
-            token_fields["prompt"] = lay.prompt(_given(tokens.prompt), pad, torch.long)
-            token_fields["response"] = lay.response(_given(tokens.response), pad, torch.long)
-        row.set(self.tokens_key, _container("Tokens", token_fields, self.pad_output))
+            token_fields["prompt"] = lay.prompt(given(tokens.prompt), pad, torch.long)
+            token_fields["response"] = lay.response(given(tokens.response), pad, torch.long)
+        row.set(self.tokens_key, container("Tokens", token_fields, self.pad_output))
         ones = torch.ones(len(full), dtype=torch.bool)
         mask_fields = {"all_attention_mask": lay.full(ones, False, torch.bool)}
         if sample.masks.all_assistant_mask is not None:
             mask = sample.masks.all_assistant_mask
             mask_fields["all_assistant_mask"] = lay.full(mask, False, torch.bool)
-        row.set(self.masks_key, _container("Masks", mask_fields, self.pad_output))
+        row.set(self.masks_key, container("Masks", mask_fields, self.pad_output))
         if self.return_log_probs and sample.log_probs is not None:
             lp = sample.log_probs
             lp_fields: dict[str, Any] = {}
             full_lp: Any = lp.full
             if full_lp is None and generated and lp.response is not None:
-                full_lp = _generated_full_log_probs(lp.prompt, lp.response, prompt_len or 0)
+                full_lp = generated_full_log_probs(lp.prompt, lp.response, prompt_len or 0)
             if full_lp is not None:
                 lp_fields["full"] = lay.full(full_lp, 0.0, torch.float32)
             if generated and lp.response is not None:
                 lp_fields["response"] = lay.response(lp.response, 0.0, torch.float32)
             if generated and lp.prompt is not None:
                 lp_fields["prompt"] = lay.prompt(lp.prompt, 0.0, torch.float32)
-            row.set(self.log_probs_key, _container("LogProbs", lp_fields, self.pad_output))
+            row.set(self.log_probs_key, container("LogProbs", lp_fields, self.pad_output))
         if self.input_mode in ("text", "history") and sample.text is not None:
             text = {k: v for k, v in sample.text.model_dump().items() if v is not None}
-            row.set(self.text_key, _container("Text", text, None))
+            row.set(self.text_key, container("Text", text, None))
         if self.input_mode == "history" and sample.history is not None:
-            row.set(self.history_key, _chat_history(sample))
+            row.set(self.history_key, chat_history(sample))
         if self.versions_key is not None and generated:
-            versions = _token_versions(sample, len(_given(tokens.response)))
+            versions = token_versions(sample, len(given(tokens.response)))
             row.set(self.versions_key, lay.response(versions, -1, torch.long))
         return row
-
-
-def _generated_full_log_probs(prompt: Any, response: Any, prompt_len: int) -> torch.Tensor:
-    """A generation's `log_probs.full` as TorchRL's wrappers write it: the prompt's scores
-    when they were asked for, else NaN over the prompt (not 0.0, a real log-prob: GRPOLoss
-    and the KL transforms skip non-finite positions), then the response's."""
-    response = torch.as_tensor(response, dtype=torch.float32)
-    if prompt is not None:
-        head = torch.as_tensor(prompt, dtype=torch.float32)
-    else:
-        head = torch.full((prompt_len,), float("nan"))
-    return torch.cat([head, response])
-
-
-def _token_versions(sample: Sample, length: int) -> list[int]:
-    """The policy version that sampled each response token (-1 where the server did not say,
-    an old server)."""
-    versions = sample.token_versions()
-    return versions if versions is not None else [-1] * length
-
-
-def _given(values: Any) -> Any:
-    """A list or tensor of values; an empty list for None."""
-    return [] if values is None else values
-
-
-class _Layout:
-    """Where one row's values (a list or a tensor) sit in the padded layout (or as they are,
-    unpadded)."""
-
-    def __init__(
-        self, widths: tuple[int, int] | None, prompt_len: int | None, full_len: int, gen: bool
-    ) -> None:
-        self.widths = widths
-        self.prompt_len = prompt_len or 0
-        self.full_len = full_len
-        self.generated = gen
-
-    def prompt(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
-        left = self.widths[0] - len(values) if self.widths else 0
-        return padded_row(values, left, 0, pad, dtype)
-
-    def response(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
-        right = self.widths[1] - len(values) if self.widths else 0
-        return padded_row(values, 0, right, pad, dtype)
-
-    def full(self, values: Any, pad: Any, dtype: torch.dtype) -> torch.Tensor:
-        if self.widths is None:
-            return padded_row(values, 0, 0, pad, dtype)
-        if not self.generated:  # scored sequences: left padding
-            return padded_row(values, self.widths[1] - len(values), 0, pad, dtype)
-        left = self.widths[0] - self.prompt_len
-        right = self.widths[1] - (self.full_len - self.prompt_len)
-        return padded_row(values, left, right, pad, dtype)
-
-
-def _widths(samples: Sequence[Sample], *, generated: bool) -> tuple[int, int]:
-    """(longest prompt, longest response) for generations; (0, longest sequence) for scores."""
-    if not generated:
-        return 0, max(len(_given(s.tokens.full)) for s in samples)
-    return (
-        max(len(_given(s.tokens.prompt)) for s in samples),
-        max(len(_given(s.tokens.response)) for s in samples),
-    )
-
-
-def _container(kind: str, fields: dict[str, Any], padded: bool | None) -> Any:
-    """A TorchRL container when torchrl is importable, else a TensorDict with the same keys."""
-    if HAS_TORCHRL:
-        cls = {
-            "Tokens": _Tokens,
-            "Masks": _Masks,
-            "LogProbs": _LogProbs,
-            "Text": _Text,
-        }[kind]
-        extra = {} if padded is None else {"padded": padded}
-        return cls(**fields, **extra, batch_size=[])
-    return TensorDict(fields, batch_size=[])
-
-
-def _chat_history(sample: Sample) -> Any:
-    history = sample.history
-    assert history is not None
-    prompt = [m.model_dump() for m in history.prompt or []]
-    response = [m.model_dump() for m in history.response or []]
-    # A reply is complete when it ended on the end-of-sequence token (not a length cap or a
-    # stop string), as TorchRL's History.is_complete says.
-    complete = sample.finish_reason != "length" and sample.stop_reason is None
-    response = [{**m, "is_complete": complete} for m in response]
-    parts = {"prompt": prompt, "response": response, "full": prompt + response}
-    if not HAS_TORCHRL:
-        plain = TensorDict({}, batch_size=[])
-        for name, messages in parts.items():
-            plain.set_non_tensor(name, messages)
-        return plain
-    built = {k: _History.from_chats(v) for k, v in parts.items() if v}
-    return _ChatHistory(**built, batch_size=[])
-
-
-def _pad_token(served: int | None) -> int:
-    if served is None:
-        raise ValueError("the server did not report pad_token_id (upgrade the server)")
-    return served
-
-
-def _read_rows(td: TensorDictBase, key: Any, mode: str, attention_mask_key: str) -> list[Any]:
-    """Per-row request inputs: message lists, strings or unpadded token-id lists."""
-    rows = td.unbind(0)
-    if mode == "tokens":
-        return [_unpadded_tokens(row, key, attention_mask_key) for row in rows]
-    values = [row.get(key) if mode == "history" else row.get_non_tensor(key) for row in rows]
-    if mode == "text":
-        return [str(v) for v in values]
-    return [_chat(v) for v in values]
-
-
-def _unpadded_tokens(row: TensorDictBase, key: Any, attention_mask_key: str) -> torch.Tensor:
-    """A row's token ids without padding, as a tensor (the request then travels as binary)."""
-    tokens = row.get(key)
-    for mask_key in (("masks", "all_attention_mask"), attention_mask_key):
-        mask = row.get(mask_key, None)
-        if isinstance(mask, torch.Tensor) and mask.shape == tokens.shape:
-            masked: torch.Tensor = tokens[mask.bool()]
-            return masked
-    return torch.as_tensor(tokens)
-
-
-def _chat(value: Any) -> Chat:
-    """A conversation from a TorchRL History (or a list of messages)."""
-    if hasattr(value, "unbind") and hasattr(value, "role"):
-        return [
-            {"role": str(m.role), "content": str(m.content)}
-            for m in (value.unbind(0) if value.ndim else [value])
-        ]
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return [
-        {"role": m["role"], "content": m["content"]}
-        if isinstance(m, dict)
-        else {"role": m.role, "content": m.content}
-        for m in value
-    ]

@@ -9,15 +9,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
+from app.common.dialect_models import (
+    DialectModel,
+    dialect_schema,
+    warn_ignored,
+)
 from app.common.failures import invalid
 from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
-    DialectModel,
     TokenId,
-    dialect_schema,
     field_error,
     one_of,
-    warn_ignored,
 )
 from app.deps import GenerationDep
 from app.dialects.common import policy_side

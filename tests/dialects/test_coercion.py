@@ -75,7 +75,9 @@ def _subclasses(cls: type) -> set[type]:
 def test_every_dialect_models_schema_says_its_booleans_coerce(app):  # type: ignore[no-untyped-def]
     """A dialect model with a schema hook of its own (`json_schema_extra`) keeps the stated
     coercions (`dialect_schema`): no property of any of them is a bare boolean."""
-    from app.common.protocol import DialectModel
+    from app.common.dialect_models import (
+        DialectModel,
+    )
 
     def bare(node: dict[str, Any]) -> bool:
         if "anyOf" in node:

@@ -10,6 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from app.common.dialect_models import (
+    DialectModel,
+    dialect_schema,
+)
 from app.common.inputs import template_kwargs
 from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
@@ -17,7 +21,6 @@ from app.common.protocol import (
     STREAMED,
     TOKEN_ID_KEYS,
     BadWords,
-    DialectModel,
     LogitBias,
     Penalty,
     RepetitionPenalty,
@@ -26,7 +29,6 @@ from app.common.protocol import (
     TokenId,
     TopP,
     VersionSpan,
-    dialect_schema,
     field_error,
     never_together,
     stop_list,

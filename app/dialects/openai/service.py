@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+from app.common.dialect_models import (
+    warn_ignored,
+)
 from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
-from app.common.protocol import warn_ignored
 from app.common.routed_experts import routing_to_return
 from app.common.service import ModelServing
 from app.config import LimitSettings, ReasoningParser

@@ -8,18 +8,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from app.common.dialect_models import (
+    DialectModel,
+    dialect_schema,
+)
 from app.common.protocol import (
     ONLY_UNSET,
     POSITIVE,
     TOKEN_ID_KEYS,
     AdapterName,
-    DialectModel,
     RepetitionPenalty,
     Seed,
     ServerPath,
     TokenId,
     VersionText,
-    dialect_schema,
     field_error,
     never_together,
     one_of,

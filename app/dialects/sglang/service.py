@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from app.common.dialect_models import (
+    warn_ignored,
+)
 from app.common.failures import Conflict, invalid
-from app.common.protocol import warn_ignored
 from app.common.routed_experts import check_prompt_start, int32_base64
 from app.common.sampling import Names
 from app.common.text import final_text

@@ -10,16 +10,18 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.constraints import MAX_BAD_WORDS
+from app.common.dialect_models import (
+    DialectModel,
+    dialect_schema,
+)
 from app.common.protocol import (
     ONLY_UNSET,
     TOKEN_ID_KEYS,
     AdapterName,
-    DialectModel,
     RepetitionPenalty,
     Seed,
     ServerPath,
     TokenId,
-    dialect_schema,
     field_error,
     never_together,
     stop_list,

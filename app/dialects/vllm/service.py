@@ -10,7 +10,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from app.common.protocol import warn_ignored
+from app.common.dialect_models import (
+    warn_ignored,
+)
 from app.common.routed_experts import npy_base64, routing_to_return
 from app.common.sampling import Names
 from app.common.text import final_text

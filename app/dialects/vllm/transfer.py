@@ -9,12 +9,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, RootModel, model_validator
 
+from app.common.dialect_models import (
+    DialectModel,
+    dialect_schema,
+)
 from app.common.protocol import (
     ONLY_UNSET,
-    DialectModel,
     ServerPath,
     VersionText,
-    dialect_schema,
     field_error,
     one_of,
 )

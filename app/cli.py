@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
-from app.config import ReasoningParser
+from app.config_groups import ReasoningParser
 
 DEFAULT_SPEC = Path("openapi/openapi.json")
 

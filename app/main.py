@@ -17,7 +17,8 @@ from rlserve_client import tensor_wire
 
 from app import __version__
 from app.adapters.router import router as adapters_router
-from app.config import HttpSettings, Settings, StorageSettings
+from app.config import Settings
+from app.config_groups import HttpSettings, StorageSettings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService

@@ -36,7 +36,8 @@ from common import bench_arguments, in_process
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from app.config import DEFAULT_MODEL, Settings
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

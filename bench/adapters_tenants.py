@@ -28,7 +28,7 @@ from typing import Any
 
 from common import ROOT, PeakRSS, bench_arguments, rss_bytes, running_server
 
-from app.config import DEFAULT_MODEL
+from app.config_groups import DEFAULT_MODEL
 
 EXAMPLE = ROOT / "examples" / "grpo.py"
 

@@ -30,7 +30,7 @@ from common import bench_arguments, reward_plot, running_server, standard_error
 from rlserve_client import Client
 from rlserve_client.async_collector import AsyncCollector
 
-from app.config import DEFAULT_MODEL
+from app.config_groups import DEFAULT_MODEL
 from examples.grpo import arguments, train
 
 

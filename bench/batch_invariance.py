@@ -28,7 +28,8 @@ from typing import Any
 import httpx
 from common import bench_arguments, in_process
 
-from app.config import DEFAULT_MODEL, Settings
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
 
 
 @asynccontextmanager

@@ -49,7 +49,8 @@ from common import ROOT, bench_arguments, running_server, throughput_ratios
 from real_model import SCORE_TOKENS, in_process, workloads
 from vs_vllm_serve import measure, rlserve_bodies
 
-from app.config import DEFAULT_MODEL, Settings
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
 from app.engine.loader import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -30,7 +30,8 @@ from common import bench_arguments, reward_plot, running_server, standard_error
 from rlserve_client import Client
 from rlserve_client.advantages import group_advantages
 
-from app.config import DEFAULT_MODEL, Settings
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
 from app.datasets.bundled import sum_problems
 from app.engine.loader import smollm2_dir
 from app.envs.rewards import Sample, score_reward

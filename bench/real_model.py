@@ -34,7 +34,8 @@ from common import (
 )
 from vs_vllm_serve import measure, rlserve_bodies, vllm_bodies
 
-from app.config import DEFAULT_MODEL, Settings
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
 from app.datasets.bundled import arithmetic_problems
 from app.engine.loader import smollm2_dir
 

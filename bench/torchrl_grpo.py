@@ -19,7 +19,7 @@ from common import bench_arguments, reward_plot, running_server, standard_error
 from rlserve_client import Client
 from tensordict import set_list_to_stack
 
-from app.config import DEFAULT_MODEL
+from app.config_groups import DEFAULT_MODEL
 from examples.torchrl_grpo import arguments, train
 
 

@@ -12,7 +12,7 @@ from app.common.failures import invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.common.routed_experts import routing_of
 from app.common.sampling import OWN_NAMES, Names, SamplingAsk
-from app.config import LimitSettings
+from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry, check_batch_invariant
 from app.engine.served import ServedModel
 from app.engine.types import SamplingConfig

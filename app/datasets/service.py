@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.common.failures import Conflict, NotFound, QuotaExceeded, TooLarge, invalid
-from app.config import DatasetSettings
+from app.config_groups import DatasetSettings
 from app.datasets.bundled import BundledDatasets
 from app.datasets.protocol import DatasetInfo, DatasetList, DatasetUpload
 from app.datasets.rows import FieldMapping, Problem, parse_jsonl

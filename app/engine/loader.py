@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from app.config import ModelSettings, VllmSettings
+from app.config_groups import ModelSettings, VllmSettings
 from app.engine import smollm2
 from app.engine.base import Backend
 from app.engine.builtin_model import BUILDER_VERSION, DEMO_MARKER, build_model

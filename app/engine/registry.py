@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from app.batching import BatchingConfig
 from app.common.failures import NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
-from app.config import ModelSettings, VllmSettings
+from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate

@@ -3,7 +3,7 @@ each part receives only the numbers it needs."""
 
 from __future__ import annotations
 
-from app.config import EnvSettings, ToolSettings
+from app.config_groups import EnvSettings, ToolSettings
 from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
 from app.envs.engine import EpisodeEngine, ToolLimits

@@ -12,7 +12,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.config import AuthSettings
+from app.config_groups import AuthSettings
 from app.errors import APIError, error_response
 from app.ops.access import Access, matched_route, policy_of
 

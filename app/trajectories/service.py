@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from app.common.failures import Conflict, NotFound
 from app.common.protocol import LogProbFields, Masks, TokenFields
 from app.common.routed_experts import npy_base64
-from app.config import TrajectorySettings
+from app.config_groups import TrajectorySettings
 from app.engine.registry import ModelRegistry
 from app.engine.types import Generation
 from app.trajectories.assemble import Segment, segments

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from app.common.caller import Caller
-from app.config import WeightSettings
+from app.config_groups import WeightSettings
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.registry import ModelRegistry

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.common.failures import Conflict, Malformed, TimedOut, TooLarge, file_failure
-from app.config import WeightSettings
+from app.config_groups import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.updates.origin import origin_checkpoint
 from app.updates.outcome import updated

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.config import DEFAULT_MODEL
+from app.config_groups import DEFAULT_MODEL
 from tests.e2e.server import running_server
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.config import ModelSettings
+from app.config_groups import ModelSettings
 from app.engine import smollm2
 from app.engine.loader import resolve_model, smollm2_dir
 

@@ -14,7 +14,8 @@ import torch
 from fastapi import FastAPI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from app.config import DEFAULT_MODEL, Settings
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
 from app.engine.loader import smollm2_dir
 from app.main import create_app
 from tests.conftest import BACKENDS, backend_settings, started

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from app.config import ReasoningParser
+from app.config_groups import ReasoningParser
 from app.dialects.openai.reasoning import ReasoningReader, prompt_opens_thinking
 
 CASES = [

@@ -32,7 +32,8 @@ GREEDY = {"max_new_tokens": 24, "do_sample": False}
 
 @pytest.fixture(scope="module")
 def real_dir():  # type: ignore[no-untyped-def]
-    from app.config import DEFAULT_MODEL, Settings
+    from app.config import Settings
+    from app.config_groups import DEFAULT_MODEL
     from app.engine.loader import smollm2_dir
 
     return smollm2_dir(Settings(models={"model": DEFAULT_MODEL}).models)

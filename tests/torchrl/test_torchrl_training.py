@@ -258,7 +258,7 @@ def test_the_examples_reward_reads_each_rows_reply_and_answer():
 def test_torchrl_grpo_example_learns_on_the_default_model(tmp_path):
     """examples/torchrl_grpo.py for two steps on SmolLM2-135M-Instruct (the served default,
     with its reference): TorchRL's loop, one-step-off with the decoupled loss and KL."""
-    from app.config import DEFAULT_MODEL
+    from app.config_groups import DEFAULT_MODEL
 
     env = {
         "RLSERVE_MODELS__MODEL": DEFAULT_MODEL,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from app.config import ReasoningParser
+from app.config_groups import ReasoningParser
 
 START = "<think>"
 END = "</think>"

@@ -13,7 +13,7 @@ from app.common.inputs import Prepared
 from app.common.protocol import wire_spans
 from app.common.routed_experts import npy_base64
 from app.common.text import final_text
-from app.config import ReasoningParser
+from app.config_groups import ReasoningParser
 from app.dialects.openai.protocol import (
     PromptLogprob,
     SamplingFields,

@@ -19,7 +19,7 @@ from app.common.failures import NotFound, invalid
 from app.common.inputs import Prepared
 from app.common.routed_experts import routing_to_return
 from app.common.service import ModelServing
-from app.config import LimitSettings, ReasoningParser
+from app.config_groups import LimitSettings, ReasoningParser
 from app.dialects.openai.chunks import Chunks
 from app.dialects.openai.protocol import (
     AssistantMessage,

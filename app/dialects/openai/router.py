@@ -14,12 +14,8 @@ from app.common.disconnect import CancellableRoute, cancellable
 from app.common.failures import Failure
 from app.common.protocol import json_response
 from app.deps import OpenAIDep, OwnerDep
-from app.dialects.openai.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-)
+from app.dialects.openai.answers import ChatCompletion, Completion
+from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.dialects.openai.replies import Job
 from app.dialects.openai.service import OpenAIService
 from app.dialects.openai.streaming import sse_event

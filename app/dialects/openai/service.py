@@ -20,19 +20,17 @@ from app.common.inputs import Prepared
 from app.common.routed_experts import routing_to_return
 from app.common.service import ModelServing
 from app.config_groups import LimitSettings, ReasoningParser
-from app.dialects.openai.chunks import Chunks
-from app.dialects.openai.protocol import (
+from app.dialects.openai.answers import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
-    ChatCompletionRequest,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
-    SamplingFields,
 )
+from app.dialects.openai.chunks import Chunks
+from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.dialects.openai.replies import (
     ROUTES,
     Job,

@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 from app.common.inputs import InputPreparer
-from app.dialects.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from app.dialects.openai.answers import CompletionLogprobs, TokenLogprob, TopLogprob
 
 Tops = list[list[tuple[int, float]]] | None
 

@@ -11,12 +11,8 @@ import math
 
 from app.common.failures import invalid
 from app.common.protocol import top_k_or_none
-from app.dialects.openai.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-)
+from app.dialects.openai.answers import ChatCompletion, Completion
+from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.dialects.openai.replies import Job
 from app.dialects.openai.service import OpenAIService
 from app.dialects.openai.tokens import Tops

@@ -21,12 +21,8 @@ from app.deps import (
 )
 from app.dialects import common
 from app.dialects.common import LORA_WORDS
-from app.dialects.openai.protocol import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-)
+from app.dialects.openai.answers import ChatCompletion, Completion
+from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.dialects.openai.router import RESPONSES, OpenAIRoute
 from app.dialects.vllm import render, service
 from app.dialects.vllm.protocol import (

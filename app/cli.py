@@ -63,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {
         "models.model": args.model,
         "models.ref_model": args.ref_model,
+        "models.reward_model": args.reward_model,
         "models.served_model_name": args.served_model_name,
         "models.reasoning_parser": args.reasoning_parser,
         "models.return_routed_experts": args.enable_return_routed_experts or None,
@@ -190,6 +191,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     serve.add_argument(
         "--ref-model", help="reference model for /v1/kl, as --model (default: policy copy)"
+    )
+    serve.add_argument(
+        "--reward-model",
+        help="a sequence-classification reward model served beside the policy (/v1/rewards)",
     )
     serve.add_argument(
         "--served-model-name",

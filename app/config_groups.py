@@ -52,6 +52,14 @@ class ModelSettings(Group):
         "the policy as loaded.",
     )
     load_reference: bool = Field(default=True, description="Serve a reference model at all.")
+    reward_model: str | None = Field(
+        default=None,
+        description="A reward model served beside the policy as 'reward' (and under this "
+        "source as its name, as verl's reward loop names it): any transformers "
+        "sequence-classification model with a `score` head (a folder or hub id), or "
+        "builtin:tiny-reward (random weights, for tests); its own tokenizer and chat template. "
+        "Unset: no reward routes (they answer 404 naming this setting).",
+    )
     served_model_name: CommaList = Field(
         default_factory=list,
         description="More names for the policy (vLLM's --served-model-name): a trainer's "
@@ -154,7 +162,7 @@ class ModelSettings(Group):
             raise ValueError(f"{sorted(both)} name both the policy and the reference")
         return self
 
-    @field_validator("ref_model", mode="before")
+    @field_validator("ref_model", "reward_model", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value

@@ -17,6 +17,7 @@ from app.envs.service import EnvService
 from app.generation.service import GenerationService
 from app.kl.service import KLService
 from app.ops.metrics import Metrics
+from app.rewards.service import RewardService
 from app.rollouts.service import RolloutService
 from app.scoring.service import ScoringService
 from app.trajectories.service import TrajectoryService
@@ -67,6 +68,11 @@ async def _kl(request: Request) -> KLService:
     return kl
 
 
+async def _rewards(request: Request) -> RewardService:
+    rewards: RewardService = request.app.state.rewards
+    return rewards
+
+
 async def _envs(request: Request) -> EnvService:
     envs: EnvService = request.app.state.envs
     return envs
@@ -115,6 +121,7 @@ RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
 GenerationDep = Annotated[GenerationService, Depends(_generation)]
 ScoringDep = Annotated[ScoringService, Depends(_scoring)]
 KLDep = Annotated[KLService, Depends(_kl)]
+RewardsDep = Annotated[RewardService, Depends(_rewards)]
 EnvsDep = Annotated[EnvService, Depends(_envs)]
 DatasetsDep = Annotated[DatasetService, Depends(_datasets)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]

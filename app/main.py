@@ -51,6 +51,8 @@ from app.ops.context import RequestContextMiddleware
 from app.ops.limits import BodyLimitMiddleware
 from app.ops.metrics import Metrics
 from app.ops.router import router as ops_router
+from app.rewards.router import router as rewards_router
+from app.rewards.service import RewardService
 from app.rollouts.router import router as rollouts_router
 from app.rollouts.service import RolloutService
 from app.scoring.router import router as scoring_router
@@ -139,6 +141,7 @@ def build_services(
     app.state.generation = generation = GenerationService(registry, limits)
     app.state.scoring = ScoringService(registry, limits)
     app.state.kl = KLService(registry, limits)
+    app.state.rewards = RewardService(registry, limits)
     app.state.rollouts = RolloutService(
         envs, generation, max_rollout_turns=limits.max_rollout_turns
     )
@@ -234,6 +237,7 @@ def create_app(
         generation_router,
         scoring_router,
         kl_router,
+        rewards_router,
         envs_router,
         datasets_router,
         rollouts_router,

@@ -1,6 +1,7 @@
-"""The tiny built-in models: a random-weights Qwen2 LM (`builtin:tiny`) and a random-weights
-Qwen3-MoE LM (`builtin:tiny-moe`, for routed experts), each with a byte-level ChatML tokenizer,
-for fast tests.
+"""The tiny built-in models: a random-weights Qwen2 LM (`builtin:tiny`), a random-weights
+Qwen3-MoE LM (`builtin:tiny-moe`, for routed experts) and a random-weights Qwen2 reward model
+(`builtin:tiny-reward`: a sequence-classification head of one label), each with a byte-level
+ChatML tokenizer, for fast tests.
 
 It is built offline and deterministically from a seed, so tests and newcomers never need a hub.
 """
@@ -99,14 +100,22 @@ def build_model(
     moe: bool = False,
     num_experts: int = 8,
     top_k: int = 2,
+    reward: bool = False,
 ) -> Path:
     """Write the built-in model and tokenizer to `directory` with `save_pretrained`. With `moe`,
     a Qwen3-MoE model: `num_experts` experts, `top_k` per token, and with more than two layers
-    layer 1 dense (as `mlp_only_layers` makes some layers of real MoE models)."""
+    layer 1 dense (as `mlp_only_layers` makes some layers of real MoE models). With `reward`, a
+    Qwen2 reward model: a sequence-classification head of one label."""
     import json
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     if hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size must be a multiple of {HEAD_DIM}, got {hidden_size}")
@@ -125,6 +134,8 @@ def build_model(
             "norm_topk_prob": True,
             "mlp_only_layers": [1] if num_layers > 2 else [],
         }
+    if reward:
+        model_class, extra = Qwen2ForSequenceClassification, {"num_labels": 1}
     config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -150,8 +161,9 @@ def build_model(
         model = model_class(config).eval()
     finally:
         torch.random.set_rng_state(generator_state)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if not reward:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -163,6 +175,7 @@ def build_model(
         "seed": seed,
         "tie_embeddings": tie_embeddings,
         "moe": moe,
+        "reward": reward,
         **({"num_experts": num_experts, "top_k": top_k} if moe else {}),
     }
     (directory / DEMO_MARKER).write_text(json.dumps(marker))

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 BUILTIN_PREFIX = "builtin:"
 TINY = "tiny"
 TINY_MOE = "tiny-moe"
+TINY_REWARD = "tiny-reward"
 
 
 def builtin_model_dir(models: ModelSettings) -> Path:
@@ -35,7 +36,16 @@ def builtin_moe_dir(models: ModelSettings) -> Path:
     return _builtin_dir(models, "qwen3moe", 3, moe=True)
 
 
-def _builtin_dir(models: ModelSettings, arch: str, num_layers: int, *, moe: bool = False) -> Path:
+def builtin_reward_dir(models: ModelSettings) -> Path:
+    """The tiny random-weights reward model (`builtin:tiny-reward`): Qwen2 with a one-label
+    sequence-classification head, the built-in tokenizer, built once into the cache
+    directory."""
+    return _builtin_dir(models, "qwen2reward", models.builtin_num_layers, reward=True)
+
+
+def _builtin_dir(
+    models: ModelSettings, arch: str, num_layers: int, *, moe: bool = False, reward: bool = False
+) -> Path:
     size, seed = models.builtin_hidden_size, models.builtin_seed
     name = f"builtin-v{BUILDER_VERSION}-{arch}-h{size}-l{num_layers}-s{seed}"
     return _cached(
@@ -43,7 +53,7 @@ def _builtin_dir(models: ModelSettings, arch: str, num_layers: int, *, moe: bool
         name,
         DEMO_MARKER,
         lambda staging: build_model(
-            staging, hidden_size=size, num_layers=num_layers, seed=seed, moe=moe
+            staging, hidden_size=size, num_layers=num_layers, seed=seed, moe=moe, reward=reward
         ),
     )
 
@@ -84,6 +94,7 @@ BUILTIN_MODELS: dict[str, Callable[[ModelSettings], Path]] = {
     smollm2.NAME: smollm2_dir,
     TINY: builtin_model_dir,
     TINY_MOE: builtin_moe_dir,
+    TINY_REWARD: builtin_reward_dir,
 }
 
 
@@ -97,7 +108,7 @@ def resolve_model(models: ModelSettings, model: str) -> tuple[str, bool]:
         known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
         raise ValueError(f"unknown built-in model {model!r} (have {known})")
     path = build(models)
-    if name == TINY:
+    if name in (TINY, TINY_REWARD):
         logger.warning(
             "serving the tiny built-in model (%s): random weights, for tests only. "
             "Leave RLSERVE_MODELS__MODEL unset for the default real model.",

@@ -19,12 +19,14 @@ from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
-from app.engine.loader import load_backend, resolve_model, resolve_source
+from app.engine.loader import load_backend, resolve_dtype, resolve_model, resolve_source
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
 from app.weights.lora import ADAPTER, ADAPTER_SOURCE, LoraAdapter
 
 if TYPE_CHECKING:
     import torch
+
+    from app.engine.reward import RewardModel
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
@@ -76,6 +78,8 @@ class ModelRegistry:
         self.loaded_at = 0.0  # time.time() when the models were ready
         self.error: str | None = None
         self.pair: ModelPair | None = None
+        self.reward: RewardModel | None = None
+        """The reward model (`models.reward_model`), when one is served."""
         self.adapters: dict[str, LoraAdapter] = {}
         """LoRA adapters on the policy by name, each the version new requests get."""
         self._older: dict[str, list[LoraAdapter]] = {}
@@ -171,6 +175,8 @@ class ModelRegistry:
                 self.pair = ModelPair(
                     self.models["policy"], self.models["reference"], self.batching
                 )
+            if self.model_settings.reward_model:
+                self.reward = await self._load_reward(self.model_settings.reward_model)
             if self.invariant:
                 for served in self.models.values():
                     check_batch_invariant(served, "batching.invariant")
@@ -193,6 +199,56 @@ class ModelRegistry:
             state_dir=self.state_dir / name,
             num_engines=num_engines,
         )
+
+    async def _load_reward(self, model: str) -> RewardModel:
+        settings = self.model_settings
+        source, builtin = await asyncio.to_thread(resolve_model, settings, model)
+        self.origins["reward"] = Origin(source, time.time())
+        from app.engine.reward import RewardModel
+        from app.engine.transformers.backend import resolve_device
+
+        dtype = await asyncio.to_thread(
+            resolve_dtype,
+            settings.dtype,
+            source,
+            cuda=resolve_device(settings.device).type == "cuda",
+            trust_remote_code=settings.trust_remote_code,
+        )
+        logger.info("loading reward model from %s (dtype=%s)", source, dtype)
+        return await asyncio.to_thread(
+            RewardModel.load,
+            source,
+            dtype=dtype,
+            device=settings.device,
+            max_model_len=settings.max_model_len,
+            trust_remote_code=settings.trust_remote_code,
+            builtin=builtin,
+            batching=self.batching,
+        )
+
+    def reward_names(self) -> list[str]:
+        """The names the reward model answers to: 'reward', and the source it was started
+        with (`models.reward_model`, as verl's reward loop names it)."""
+        if self.reward is None:
+            return []
+        return sorted({"reward", str(self.model_settings.reward_model)})
+
+    def get_reward(self, name: str, param: str = "model") -> RewardModel:
+        """The reward model, named `name` (refused naming `param` for another name, and
+        NotFound naming the setting when no reward model is served)."""
+        if (reason := self.not_ready_reason()) is not None:
+            raise NotReady(reason)
+        if self.reward is None:
+            raise NotFound(
+                f"{param}: no reward model is served (start the server with --reward-model "
+                "PATH, or RLSERVE_MODELS__REWARD_MODEL)",
+                param=param,
+            )
+        if name not in self.reward_names():
+            raise invalid(
+                param, f"'{name}' is not the reward model (its names: {self.reward_names()})"
+            )
+        return self.reward
 
     def add(self, backend: Backend) -> ServedModel:
         preparer = InputPreparer(
@@ -414,6 +470,8 @@ class ModelRegistry:
             await self.pair.aclose()
         for served in self.models.values():
             await served.aclose()
+        if self.reward is not None:
+            await self.reward.aclose()
 
 
 def _at_version(name: str) -> tuple[str, int] | None:

@@ -82,6 +82,18 @@ async def models(registry: RegistryDep) -> ModelsResponse:
         update = {"id": adapter.name, "name": adapter.name, "source": adapter.source}
         update |= {"root": adapter.source, "parent": "policy"}
         cards.append(by_name["policy"].model_copy(update=update))
+    # And the reward model under each of its names ('reward', its source).
+    if registry.reward is not None:
+        fields = asdict(registry.reward.info)
+        fields.pop("extra")
+        card = ModelCard(
+            id="reward",
+            created=int(registry.loaded_at),
+            **fields,
+            pad_token_id=registry.reward.preparer.pad_token_id,
+            root=registry.reward.info.source,
+        )
+        cards += [card.model_copy(update={"id": name}) for name in registry.reward_names()]
     return ModelsResponse(data=cards, models=cards, policy_version=registry.policy_version)
 
 

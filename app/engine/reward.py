@@ -1,0 +1,150 @@
+"""A reward model served beside the policy: a transformers sequence-classification model (a
+decoder with a `score` head, as RLHF reward models are), its calls batched like scoring.
+
+A row's reward is the head's output where the model's own forward pools it: its last token that
+is not the pad token (`AutoModelForSequenceClassification`'s rule, so a sequence ending in an
+end-of-text token that is also the pad token is read before it); the head's output at every
+token comes with it (a process reward model reads those). Rows are left-padded with explicit
+position ids, so a row's values do not depend on the rows beside it beyond float rounding."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.batching import Batcher, BatchingConfig
+from app.common.inputs import InputPreparer
+from app.common.lane import Lane
+from app.engine.types import ModelInfo
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Rewarded:
+    """One row's head outputs: at its last token (`num_labels` values), and at every token
+    ([tokens, num_labels], float32 on the CPU)."""
+
+    reward: list[float]
+    values: torch.Tensor
+
+
+class RewardModel:
+    def __init__(
+        self, model: Any, tokenizer: Any, info: ModelInfo, batching: BatchingConfig | None
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.num_labels = int(model.config.num_labels)
+        pad = model.config.get_text_config().pad_token_id
+        self.pooling_pad: int | None = int(pad) if pad is not None else None
+        """The token the head is not read at (the model config's pad token)."""
+        self.preparer = InputPreparer(
+            tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len
+        )
+        self.version = 0
+        """Its weights' version (0 as loaded)."""
+        self._lane = Lane("reward-model")
+        self._batcher: Batcher[list[int], Rewarded] | None = None
+        if batching is not None:
+            self._batcher = Batcher("reward", self._call, len, batching)
+
+    @classmethod
+    def load(
+        cls,
+        source: str,
+        *,
+        dtype: str,
+        device: str,
+        max_model_len: int | None,
+        trust_remote_code: bool,
+        builtin: bool,
+        batching: BatchingConfig | None,
+    ) -> RewardModel:
+        """Load it (blocking: call off the event loop). A model whose head is not a `score`
+        layer on a decoder (BERT's pooler and classifier) is refused: its pooling is not the
+        last token's."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from app.engine.transformers.backend import resolve_device
+
+        target = resolve_device(device)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            source,
+            dtype=_DTYPES[dtype] if dtype != "auto" else "auto",
+            trust_remote_code=trust_remote_code,
+        )
+        if not isinstance(getattr(model, "score", None), torch.nn.Module):
+            raise ValueError(
+                f"{source}: {type(model).__name__} has no `score` head on a decoder; a reward "
+                "model is a causal LM's sequence-classification model (…ForSequenceClassification "
+                "of Llama, Qwen2, Mistral, Gemma, ...), read at its last token"
+            )
+        model = model.to(device=target).eval()
+        model.requires_grad_(False)
+        native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        info = ModelInfo(
+            name="reward",
+            source=str(source),
+            backend="transformers",
+            dtype=str(model.dtype).removeprefix("torch."),
+            device=str(target),
+            max_model_len=min(max_model_len or native_len, native_len),
+            vocab_size=int(model.config.vocab_size),
+            builtin=builtin,
+        )
+        return cls(model, tokenizer, info, batching)
+
+    async def score(self, sequences: Sequence[list[int]]) -> list[Rewarded]:
+        """Each sequence's head outputs (batched with other requests' rows when batching is
+        on)."""
+        if self._batcher is not None:
+            return await self._batcher.submit(list(sequences))
+        return await self._call(list(sequences))
+
+    async def _call(self, sequences: list[list[int]]) -> list[Rewarded]:
+        return await self._lane.run(self._forward, sequences)
+
+    @torch.inference_mode()
+    def _forward(self, sequences: list[list[int]]) -> list[Rewarded]:
+        model = self.model
+        device = next(model.parameters()).device
+        width = max(len(ids) for ids in sequences)
+        pad = self.preparer.pad_token_id
+        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, width - len(sequence) :] = torch.tensor(sequence)
+            mask[row, width - len(sequence) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        base = getattr(model, model.base_model_prefix)
+        hidden = base(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+        ).last_hidden_state
+        values = model.score(hidden).float().cpu()
+        rows = [values[row, width - len(sequence) :] for row, sequence in enumerate(sequences)]
+        return [
+            Rewarded(row[self._pooled(sequence)].tolist(), row)
+            for row, sequence in zip(rows, sequences, strict=True)
+        ]
+
+    def _pooled(self, sequence: list[int]) -> int:
+        """Where the model's forward reads a sequence's reward: its last token that is not the
+        pad token (the first token when every one is)."""
+        if self.pooling_pad is None:
+            return len(sequence) - 1
+        return max((i for i, t in enumerate(sequence) if t != self.pooling_pad), default=0)
+
+    async def aclose(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.aclose()
+        self._lane.close(wait=False)
+        self.preparer.close()

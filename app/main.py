@@ -32,6 +32,7 @@ from app.dialects.sglang.gateway import router as sglang_gateway_router
 from app.dialects.sglang.router import router as sglang_router
 from app.dialects.sglang.service import SGLangWeights
 from app.dialects.tokenize import router as tokenize_router
+from app.dialects.vllm.pooling import router as vllm_pooling_router
 from app.dialects.vllm.router import render_router as vllm_render_router
 from app.dialects.vllm.router import router as vllm_router
 from app.engine.health import EngineProbe
@@ -250,6 +251,7 @@ def create_app(
         ops_router,
         vllm_router,
         vllm_render_router,
+        vllm_pooling_router,
         sglang_router,
         sglang_gateway_router,
         tokenize_router,

@@ -1,14 +1,27 @@
 """Rewards: the reward model's head on given sequences, one reward per row (and per token on
 request), after the same input checks as scoring, against the reward model's own tokenizer and
-length."""
+length. rlserve's `/v1/rewards` and the trainers' shapes (vLLM's `/classify` and `/pooling`,
+SGLang's embeddings, OpenRLHF's and slime's reward calls) are vocabularies over `score`."""
 
 from __future__ import annotations
 
-from app.common.inputs import check_num_items
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry
-from app.engine.reward import Rewarded
+from app.engine.reward import Rewarded, RewardModel
 from app.rewards.protocol import Reward, RewardsRequest, RewardsResponse
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One call's sequences as the reward model read them, and its outputs for each."""
+
+    model: RewardModel
+    items: list[Prepared]
+    values: list[Rewarded]
 
 
 class RewardService:
@@ -16,19 +29,46 @@ class RewardService:
         self.registry = registry
         self.limits = limits
 
-    async def rewards(self, request: RewardsRequest) -> RewardsResponse:
-        model = self.registry.get_reward(request.model)
-        field = request.given_inputs()[0]
-        check_num_items(request.num_items(), self.limits.max_items_per_request, field)
+    async def score(
+        self,
+        name: str,
+        num_items: int,
+        build: Callable[[InputPreparer], list[Prepared]],
+        *,
+        field: str,
+        param: str = "model",
+    ) -> Scored:
+        """The reward model `name` (refused naming `param`) on the `num_items` sequences
+        `build` prepares with its tokenizer (off the event loop), each checked against its
+        vocabulary and length (refusals name `field[i]`)."""
+        model = self.registry.get_reward(name, param)
+        check_num_items(num_items, self.limits.max_items_per_request, field)
         preparer = model.preparer
-        items = await preparer.off_loop(preparer.checked_sequences, request, field)
-        scored = await model.score([item.ids for item in items])
+
+        def checked() -> list[Prepared]:
+            items = build(preparer)
+            preparer.check(items, field)
+            return items
+
+        items = await preparer.off_loop(checked)
+        return Scored(model, items, await model.score([item.ids for item in items]))
+
+    async def rewards(self, request: RewardsRequest) -> RewardsResponse:
+        field = request.given_inputs()[0]
+        scored = await self.score(
+            request.model,
+            request.num_items(),
+            lambda preparer: preparer.sequences(request, field),
+            field=field,
+        )
         with_ids = field not in ("tokens", "prompt_tokens")
         outputs = [
             _reward(values, item.ids if with_ids else None, request.token_values)
-            for item, values in zip(items, scored, strict=True)
+            for item, values in zip(scored.items, scored.values, strict=True)
         ]
-        return RewardsResponse(model=request.model, reward_version=model.version, outputs=outputs)
+        return RewardsResponse(
+            model=request.model, reward_version=scored.model.version, outputs=outputs
+        )
 
 
 def _reward(values: Rewarded, token_ids: list[int] | None, per_token: bool) -> Reward:

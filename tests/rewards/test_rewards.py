@@ -5,17 +5,15 @@ whatever the batch; bad input is a 4xx naming its field."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoTokenizer
 
 from app.config import Settings
-from app.engine.loader import builtin_reward_dir
 from tests.conftest import served_app
+from tests.rewards.conftest import forward_reward
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}],
@@ -27,41 +25,8 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reward_dir(settings: Settings) -> Path:
-    return builtin_reward_dir(settings.models)
-
-
-@pytest.fixture(scope="module")
-def reward_model(reward_dir: Path) -> torch.nn.Module:
-    """An independent copy of the reward model, loaded the plain transformers way."""
-    return AutoModelForSequenceClassification.from_pretrained(
-        reward_dir, dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="module")
-async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    rewarded = settings.replace(
-        models={
-            "reward_model": "builtin:tiny-reward",
-            "load_reference": False,
-            "max_model_len": 300,
-        },
-        storage={"data_dir": settings.storage.data_dir / "rewards"},
-        batching={"timeout_s": 0.05, "max_batch_size": 16},
-    )
-    async with served_app(rewarded) as c:
-        yield c
-
-
-@torch.inference_mode()
-def forward_reward(model: torch.nn.Module, ids: list[int]) -> float:
-    return float(model(torch.tensor([ids])).logits[0, 0])
-
-
 async def test_rewards_equal_the_models_own_forward_whatever_the_batch(
-    client: httpx.AsyncClient, reward_model: torch.nn.Module, reward_dir: Path
+    rewarded: httpx.AsyncClient, reward_model: torch.nn.Module, reward_dir: Path
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(reward_dir)
     texts = ["a short one", "a longer answer, " * 9 + "with a tail"]
@@ -73,7 +38,7 @@ async def test_rewards_equal_the_models_own_forward_whatever_the_batch(
         {"prompt_text": ["Q: 1+1?\nA:"], "response_text": [" 2"]},
     ]
     # sent at once, so their rows share model calls
-    answers = await asyncio.gather(*(client.post("/v1/rewards", json=b) for b in bodies))
+    answers = await asyncio.gather(*(rewarded.post("/v1/rewards", json=b) for b in bodies))
     for answer in answers:
         assert answer.status_code == 200, answer.text
     expected_ids = [
@@ -96,10 +61,10 @@ async def test_rewards_equal_the_models_own_forward_whatever_the_batch(
 
 
 async def test_token_values_are_the_head_at_every_token(
-    client: httpx.AsyncClient, reward_model: torch.nn.Module
+    rewarded: httpx.AsyncClient, reward_model: torch.nn.Module
 ) -> None:
     ids = [12, 200, 45, 45, 9, 31]
-    answer = await client.post("/v1/rewards", json={"tokens": [ids], "token_values": True})
+    answer = await rewarded.post("/v1/rewards", json={"tokens": [ids], "token_values": True})
     assert answer.status_code == 200, answer.text
     (output,) = answer.json()["outputs"]
     with torch.inference_mode():
@@ -111,37 +76,37 @@ async def test_token_values_are_the_head_at_every_token(
 
 
 async def test_a_sequence_ending_in_the_pad_token_is_read_where_the_model_reads_it(
-    client: httpx.AsyncClient, reward_model: torch.nn.Module
+    rewarded: httpx.AsyncClient, reward_model: torch.nn.Module
 ) -> None:
     pad = reward_model.config.pad_token_id
     ids = [70, 71, 72, pad]
-    answer = await client.post("/v1/rewards", json={"tokens": [ids], "token_values": True})
+    answer = await rewarded.post("/v1/rewards", json={"tokens": [ids], "token_values": True})
     (output,) = answer.json()["outputs"]
     assert abs(output["reward"] - forward_reward(reward_model, ids)) <= 1e-5
     assert output["reward"] == output["token_values"][2]  # (the last token that is not pad)
 
 
-async def test_the_reward_model_is_listed_under_its_names(client: httpx.AsyncClient) -> None:
-    cards = (await client.get("/v1/models")).json()["data"]
+async def test_the_reward_model_is_listed_under_its_names(rewarded: httpx.AsyncClient) -> None:
+    cards = (await rewarded.get("/v1/models")).json()["data"]
     ids = {card["id"] for card in cards}
     assert {"policy", "reward", "builtin:tiny-reward"} <= ids
     reward = next(card for card in cards if card["id"] == "reward")
     assert "reward" in reward["root"]
-    by_source = await client.post(
+    by_source = await rewarded.post(
         "/v1/rewards", json={"model": "builtin:tiny-reward", "tokens": [[1, 2, 3]]}
     )
     assert by_source.status_code == 200, by_source.text
 
 
-async def test_bad_input_is_refused_by_name(client: httpx.AsyncClient) -> None:
-    too_long = await client.post("/v1/rewards", json={"tokens": [[1, 2], [5] * 301]})
+async def test_bad_input_is_refused_by_name(rewarded: httpx.AsyncClient) -> None:
+    too_long = await rewarded.post("/v1/rewards", json={"tokens": [[1, 2], [5] * 301]})
     assert too_long.status_code == 422
     assert too_long.json()["error"]["param"] == "tokens[1]"
-    other = await client.post("/v1/rewards", json={"model": "policy", "tokens": [[1, 2]]})
+    other = await rewarded.post("/v1/rewards", json={"model": "policy", "tokens": [[1, 2]]})
     assert other.status_code == 422 and other.json()["error"]["param"] == "model"
-    outside = await client.post("/v1/rewards", json={"tokens": [[1, 10**6]]})
+    outside = await rewarded.post("/v1/rewards", json={"tokens": [[1, 10**6]]})
     assert outside.status_code == 422 and outside.json()["error"]["param"] == "tokens[0]"
-    none = await client.post("/v1/rewards", json={})
+    none = await rewarded.post("/v1/rewards", json={})
     assert none.status_code == 422
 
 

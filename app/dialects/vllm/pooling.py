@@ -1,0 +1,233 @@
+"""vLLM's pooling routes on the reward model (vLLM 0.32: `vllm/entrypoints/pooling/classify` and
+`pooling`): `/classify` answers each sequence's head output as `probs` (raw with
+`use_activation: false`, as verl's reward loop asks: it reads `data[-1].probs[-1]`; else
+vLLM's default, a sigmoid for one label and a softmax for several), `/pooling` the same, or the
+head at every token (`task: "token_classify"`). The model answers to 'reward' and to the source
+it was started with, as verl names it; inputs are a string, strings, token ids, or one
+conversation (`messages`, templated with the reward model's own chat template)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import torch
+from fastapi import APIRouter
+from pydantic import ConfigDict, Field, model_validator
+
+from app.common.dialect_models import DialectModel, dialect_schema, warn_ignored
+from app.common.inputs import InputPreparer, Prepared, template_kwargs
+from app.common.protocol import field_error
+from app.deps import RewardsDep
+from app.engine.reward import Rewarded, RewardModel
+from app.errors import ERROR_RESPONSES
+
+router = APIRouter(tags=["dialects: vLLM"], responses=ERROR_RESPONSES)
+
+Input = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[list[int]], Field(min_length=1)]
+)
+
+
+class PoolingInput(DialectModel):
+    """The completion form (`input`) or the chat form (`messages`) of vLLM's pooling
+    requests; fields that change nothing here are accepted and logged, as vLLM does."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra=dialect_schema(
+            {"oneOf": [{"required": ["input"]}, {"required": ["messages"]}]}
+        ),
+    )
+
+    model: str | None = Field(default=None, description="'reward' or the reward model's source.")
+    input: Input | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = Field(
+        default=None, description="One conversation, templated with the reward model's template."
+    )
+    use_activation: bool | None = Field(
+        default=None,
+        description="false: the head's raw output (verl's reward loop); true or unset: a "
+        "sigmoid for one label, a softmax for several (vLLM's default).",
+    )
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="With input: add the tokenizer's special tokens (default true). With "
+        "messages: only unset or false.",
+    )
+    add_generation_prompt: bool = Field(default=False, description="With messages.")
+    chat_template_kwargs: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = Field(
+        default=None,
+        description="Only unset or -1: a sequence longer than the reward model's context is "
+        "refused, never cut.",
+        json_schema_extra={"enum": [None, -1]},
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PoolingInput:
+        if (self.input is None) == (self.messages is None):
+            raise field_error("input", "give exactly one of input or messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise field_error(
+                "add_special_tokens", "only unset or false with messages (the template adds them)"
+            )
+        if self.truncate_prompt_tokens not in (None, -1):
+            raise field_error(
+                "truncate_prompt_tokens",
+                "rlserve scores sequences whole: a sequence over the reward model's context is "
+                "refused, never cut",
+            )
+        return self
+
+    def ignored(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+    def num_items(self) -> int:
+        value = self.input
+        if value is None or isinstance(value, str):
+            return 1
+        return len(value) if isinstance(value[0], str | list) else 1
+
+    def prepared(self, preparer: InputPreparer) -> list[Prepared]:
+        """The sequences as the reward model's tokenizer gives them."""
+        if self.messages is not None:
+            conversation = [dict(m) for m in self.messages]
+            options = template_kwargs(self.chat_template_kwargs)
+            generation = self.add_generation_prompt
+            return [preparer.template(conversation, generation_prompt=generation, options=options)]
+        special = self.add_special_tokens is not False
+        given: Any = self.input
+        rows: list[str | list[int]] = (
+            [given] if isinstance(given, str) or isinstance(given[0], int) else list(given)
+        )
+        return [
+            Prepared(ids=preparer.encode(row, special=special) if isinstance(row, str) else row)
+            for row in rows
+        ]
+
+
+class ClassifyRequest(PoolingInput):
+    pass
+
+
+class PoolingRequest(PoolingInput):
+    task: Literal["classify", "token_classify"] | None = Field(
+        default=None,
+        description="classify (the default): the head at the pooled token; token_classify: "
+        "at every token.",
+    )
+
+
+class Usage(DialectModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ClassificationData(DialectModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(DialectModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+
+
+class PoolingData(DialectModel):
+    index: int
+    object: str = "pooling"
+    data: list[float] | list[list[float]]
+
+
+class PoolingResponse(DialectModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+
+
+@router.post("/classify", response_model=ClassificationResponse, summary="Classify (vLLM)")
+async def classify(request: ClassifyRequest, rewards: RewardsDep) -> ClassificationResponse:
+    """The reward model's head on each sequence, as vLLM's `/classify` answers it."""
+    warn_ignored("/classify", request.ignored())
+    name = request.model or "reward"
+    scored = await rewards.score(name, request.num_items(), request.prepared, field=_field(request))
+    labels = scored.model.model.config.id2label or {}
+    data = []
+    for index, values in enumerate(scored.values):
+        probs = _activated(scored.model, values.reward, request.use_activation)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(
+            ClassificationData(
+                index=index, label=labels.get(best), probs=probs, num_classes=len(probs)
+            )
+        )
+    return ClassificationResponse(
+        id=f"classify-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=name,
+        data=data,
+        usage=_usage(scored.values),
+    )
+
+
+@router.post("/pooling", response_model=PoolingResponse, summary="Pooling (vLLM)")
+async def pooling(request: PoolingRequest, rewards: RewardsDep) -> PoolingResponse:
+    """The reward model's head, as vLLM's `/pooling` answers it for a classification model."""
+    warn_ignored("/pooling", request.ignored())
+    name = request.model or "reward"
+    scored = await rewards.score(name, request.num_items(), request.prepared, field=_field(request))
+    data = []
+    for index, values in enumerate(scored.values):
+        if request.task == "token_classify":
+            table = values.values
+            rows = [_activated(scored.model, row.tolist(), request.use_activation) for row in table]
+            data.append(PoolingData(index=index, data=rows))
+        else:
+            data.append(
+                PoolingData(
+                    index=index,
+                    data=_activated(scored.model, values.reward, request.use_activation),
+                )
+            )
+    return PoolingResponse(
+        id=f"pool-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=name,
+        data=data,
+        usage=_usage(scored.values),
+    )
+
+
+def _field(request: PoolingInput) -> str:
+    return "messages" if request.messages is not None else "input"
+
+
+def _activated(model: RewardModel, values: list[float], use_activation: bool | None) -> list[float]:
+    """vLLM's classification activation (`PoolerClassify`): a sigmoid for one label, a softmax
+    for several, unless `use_activation` is false."""
+    if use_activation is False:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float32)
+    if len(values) < 2 or model.model.config.problem_type == "multi_label_classification":
+        return tensor.sigmoid().tolist()
+    return tensor.softmax(-1).tolist()
+
+
+def _usage(values: list[Rewarded]) -> Usage:
+    tokens = sum(int(v.values.shape[0]) for v in values)
+    return Usage(prompt_tokens=tokens, total_tokens=tokens)

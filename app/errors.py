@@ -131,6 +131,14 @@ ADAPTER_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     409: {"model": ErrorResponse, "description": "Already paused with another mode"},
 }
 
+REWARD_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    404: {
+        "model": ErrorResponse,
+        "description": "No reward model is served (start the server with --reward-model)",
+    },
+}
+
 PAUSE_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
     409: {"model": ErrorResponse, "description": "Already paused with another mode"},

@@ -27,10 +27,13 @@ from app.deploy.replicated import Replicas, ReplicatedWeights
 from app.dialects.areal import router as areal_router
 from app.dialects.openai.router import router as openai_router
 from app.dialects.openai.service import OpenAIService
+from app.dialects.openrlhf import router as openrlhf_router
 from app.dialects.refusals import router as refused_router
+from app.dialects.sglang.embeddings import router as sglang_embeddings_router
 from app.dialects.sglang.gateway import router as sglang_gateway_router
 from app.dialects.sglang.router import router as sglang_router
 from app.dialects.sglang.service import SGLangWeights
+from app.dialects.slime import router as slime_router
 from app.dialects.tokenize import router as tokenize_router
 from app.dialects.vllm.pooling import router as vllm_pooling_router
 from app.dialects.vllm.router import render_router as vllm_render_router
@@ -254,6 +257,9 @@ def create_app(
         vllm_pooling_router,
         sglang_router,
         sglang_gateway_router,
+        sglang_embeddings_router,
+        openrlhf_router,
+        slime_router,
         tokenize_router,
         areal_router,
         refused_router,

@@ -2,10 +2,10 @@ from fastapi import APIRouter
 
 from app.common.disconnect import cancellable
 from app.deps import RewardsDep
-from app.errors import ERROR_RESPONSES
+from app.errors import REWARD_ERROR_RESPONSES
 from app.rewards.protocol import RewardsRequest, RewardsResponse
 
-router = APIRouter(tags=["rewards"], responses=ERROR_RESPONSES)
+router = APIRouter(tags=["rewards"], responses=REWARD_ERROR_RESPONSES)
 
 
 @router.post(

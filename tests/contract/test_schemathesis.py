@@ -152,6 +152,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Serve
         "RLSERVE_TOOLS__TIMEOUT_S": "1",
         "RLSERVE_AUTH__API_KEYS": "fuzz-user-key",
         "RLSERVE_AUTH__ADMIN_API_KEYS": ADMIN_KEY,
+        # a reward model, so the reward routes are fuzzed past their 404
+        "RLSERVE_MODELS__REWARD_MODEL": "builtin:tiny-reward",
     }
     with running_server(env=env, log=tmp / "server.log") as running:
         yield running

@@ -21,9 +21,9 @@ from app.common.inputs import InputPreparer, Prepared, template_kwargs
 from app.common.protocol import field_error
 from app.deps import RewardsDep
 from app.engine.reward import Rewarded, RewardModel
-from app.errors import ERROR_RESPONSES
+from app.errors import REWARD_ERROR_RESPONSES
 
-router = APIRouter(tags=["dialects: vLLM"], responses=ERROR_RESPONSES)
+router = APIRouter(tags=["dialects: vLLM"], responses=REWARD_ERROR_RESPONSES)
 
 Input = (
     str

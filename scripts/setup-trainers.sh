@@ -54,6 +54,12 @@ art_previous_needs=(
   "polars>=1.26" "weave>=0.52.24" "litellm>=1.71.1,<=1.82.0" nest-asyncio setproctitle tblib
   typer python-dotenv "openai>=2.54,<3"
 )
+# verl 0.9.1's reward loop (verl.experimental.reward_loop: its discriminative reward model over
+# HTTP) and OpenRLHF 0.11.2's HTTP reward call (openrlhf.utils.agent), from their releases with
+# --no-deps: their import chains need only what is here already (ray, omegaconf, tensordict,
+# aiohttp, sympy, transformers, torch) plus codetiming (verl) and pylatexenc (OpenRLHF).
+rewards=(verl==0.9.1 openrlhf==0.11.2)
+rewards_needs=(codetiming pylatexenc)
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"
 
@@ -67,8 +73,9 @@ python3 -m venv "$venv"
 # (the silenced UserWarning: setuptools' editable-install notice, see install.sh)
 PYTHONWARNINGS=ignore::UserWarning flock pyproject.toml \
   "$venv/bin/python" -m pip install --quiet -e ".[test]" -e "clients/python[torch]"
-"$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}"
-"$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" "${renderers_needs[@]}" torch==2.13.0
+"$venv/bin/python" -m pip install --quiet --no-deps "${areal[@]}" "${renderers[@]}" "${rewards[@]}"
+"$venv/bin/python" -m pip install --quiet "${areal_needs[@]}" "${renderers_needs[@]}" \
+  "${rewards_needs[@]}" torch==2.13.0
 "$venv/bin/python" -m pip install --quiet --no-deps --upgrade --target "$venv/art-0.5.18" \
   "${art_previous[@]}"
 "$venv/bin/python" -m pip install --quiet "${art_previous_needs[@]}" torch==2.13.0

@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field, Strict
 
 from app.common.protocol import WireModel
 
 _log = logging.getLogger("rlserve.requests")
+
+StrictTokenId = Annotated[int, Strict(), Field(ge=0, le=(1 << 31) - 1)]
+"""A token id in a dialect's body: an integer, never a boolean or a float coerced to one."""
+TokenInput = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[StrictTokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[StrictTokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+"""The pooling routes' `input` (vLLM's and SGLang's): a string, strings, one sequence of token
+ids, or several."""
 
 
 BOOL_STRINGS = (

@@ -245,9 +245,8 @@ class ModelRegistry:
                 param=param,
             )
         if name not in self.reward_names():
-            raise invalid(
-                param, f"'{name}' is not the reward model (its names: {self.reward_names()})"
-            )
+            names = ", ".join(self.reward_names())
+            raise invalid(param, f"'{name}' is not served (have {names}: the reward model's names)")
         return self.reward
 
     def add(self, backend: Backend) -> ServedModel:

@@ -6,12 +6,12 @@ model's tokenizer with its special tokens, as SGLang tokenizes them."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field
 
-from app.common.dialect_models import DialectModel, warn_ignored
+from app.common.dialect_models import DialectModel, TokenInput, warn_ignored
 from app.common.inputs import InputPreparer, Prepared
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES
@@ -22,12 +22,7 @@ router = APIRouter(tags=["dialects: SGLang"], responses=REWARD_ERROR_RESPONSES)
 class EmbeddingRequest(DialectModel):
     model_config = ConfigDict(extra="allow")
 
-    input: (
-        str
-        | Annotated[list[str], Field(min_length=1)]
-        | Annotated[list[int], Field(min_length=1)]
-        | Annotated[list[list[int]], Field(min_length=1)]
-    )
+    input: TokenInput
     model: str | None = Field(default=None, description="'reward' or the reward model's source.")
 
     def rows(self) -> list[str | list[int]]:

@@ -16,7 +16,7 @@ import torch
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
-from app.common.dialect_models import DialectModel, dialect_schema, warn_ignored
+from app.common.dialect_models import DialectModel, TokenInput, dialect_schema, warn_ignored
 from app.common.inputs import InputPreparer, Prepared, template_kwargs
 from app.common.protocol import field_error
 from app.deps import RewardsDep
@@ -24,13 +24,6 @@ from app.engine.reward import Rewarded, RewardModel
 from app.errors import REWARD_ERROR_RESPONSES
 
 router = APIRouter(tags=["dialects: vLLM"], responses=REWARD_ERROR_RESPONSES)
-
-Input = (
-    str
-    | Annotated[list[str], Field(min_length=1)]
-    | Annotated[list[int], Field(min_length=1)]
-    | Annotated[list[list[int]], Field(min_length=1)]
-)
 
 
 class PoolingInput(DialectModel):
@@ -45,7 +38,7 @@ class PoolingInput(DialectModel):
     )
 
     model: str | None = Field(default=None, description="'reward' or the reward model's source.")
-    input: Input | None = None
+    input: TokenInput | None = None
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = Field(
         default=None, description="One conversation, templated with the reward model's template."
     )

@@ -8,14 +8,22 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, Strict
+from pydantic import BeforeValidator, ConfigDict, Field
 
 from app.common.protocol import WireModel
 
 _log = logging.getLogger("rlserve.requests")
 
-StrictTokenId = Annotated[int, Strict(), Field(ge=0, le=(1 << 31) - 1)]
-"""A token id in a dialect's body: an integer, never a boolean or a float coerced to one."""
+
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a token id is an integer, not a boolean")
+    return value
+
+
+StrictTokenId = Annotated[int, BeforeValidator(_not_a_boolean), Field(ge=0, le=(1 << 31) - 1)]
+"""A token id in a dialect's body: an integer (2.0 too, as the origin's lax models take it, and
+as JSON Schema's integer is), never a boolean."""
 TokenInput = (
     str
     | Annotated[list[str], Field(min_length=1)]

@@ -285,7 +285,7 @@ class InputPreparer:
         if messages is not None:
             self._require_template(field)
             return [
-                self.template(_plain(conv), generation_prompt=True, options=options)
+                self.template(plain_messages(conv), generation_prompt=True, options=options)
                 for conv in messages
             ]
         if text is not None:
@@ -310,7 +310,10 @@ class InputPreparer:
         if request.messages is not None:
             self._require_template(field)
             options = template_kwargs(getattr(request, "chat_template_kwargs", None))
-            return [self._scored_conversation(_plain(conv), options) for conv in request.messages]
+            return [
+                self._scored_conversation(plain_messages(conv), options)
+                for conv in request.messages
+            ]
         if request.prompt_text is not None:
             return [
                 self._split(self.encode(p), self.encode(r, special=False), prompt_text=p)
@@ -388,7 +391,7 @@ def check_num_items(num_items: int, limit: int, field: str) -> None:
         )
 
 
-def _plain(conversation: Any) -> Conversation:
+def plain_messages(conversation: Any) -> Conversation:
     """Wire messages as the template takes them (an assistant turn's reasoning, if any)."""
     out: Conversation = []
     for m in conversation:

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Query
 from pydantic import ConfigDict, Field
 
 from app.common.dialect_models import DialectModel, warn_ignored
-from app.common.inputs import InputPreparer, Prepared
+from app.common.inputs import InputPreparer, Prepared, plain_messages
+from app.common.protocol import InputConversation
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES
 
@@ -25,14 +26,17 @@ router = APIRouter(tags=["dialects: slime"], responses=REWARD_ERROR_RESPONSES)
 class SampleBody(DialectModel):
     model_config = ConfigDict(extra="allow")
 
-    prompt: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    prompt: str | InputConversation
     response: str
     label: Any = Field(default=None, description="Accepted; not read.")
 
     def prepared(self, preparer: InputPreparer) -> list[Prepared]:
         if isinstance(self.prompt, str):
             return [Prepared(ids=preparer.encode(self.prompt + self.response, special=False))]
-        conversation = [*self.prompt, {"role": "assistant", "content": self.response}]
+        conversation = [
+            *plain_messages(self.prompt),
+            {"role": "assistant", "content": self.response},
+        ]
         return [preparer.template(conversation, generation_prompt=False)]
 
 

@@ -13,11 +13,11 @@ from typing import Any
 from rlserve_client.sequences import SequenceSplit
 
 from app.common.failures import Conflict, NotReady, invalid
-from app.common.inputs import InputPreparer
+from app.common.inputs import Conversation, InputPreparer
 from app.datasets.rows import Problem
 from app.envs import episodes
 from app.envs.episodes import Act, ActionTokens, EpisodeState, Observation, Prompts, Row
-from app.envs.rewards import Sample, first_bad_row, score_reward
+from app.envs.rewards import Sample, by_model, first_bad_row, score_reward
 from app.envs.sandbox import Sandbox, SandboxUnavailable
 from app.envs.spec import EnvSpec, KLSpec
 from app.envs.tools import BlockResult, ToolBudget, run_python_blocks, tool_messages
@@ -42,6 +42,9 @@ class Turn:
     breakdown: dict[str, object]
     info: dict[str, object]
     tool_results: list[BlockResult] | None = None
+    read: Conversation | str | None = None
+    """What a model-based reward reads of the turn: the conversation up to and including the
+    action (chat), or the row's text with it (text)."""
 
 
 @dataclass(frozen=True)
@@ -182,8 +185,8 @@ class EpisodeEngine:
     ) -> StepResult:
         """`act` then `finish` in one trip to the tokenizer thread, for a step with nothing
         to wait for between them: no tools to run, no KL penalty to score."""
-        if runs_tools(config) or config.kl is not None:
-            raise ValueError("act_and_finish is for steps without tools or a KL penalty")
+        if runs_tools(config) or config.kl is not None or by_model(config.reward):
+            raise ValueError("act_and_finish is for steps without tools, models to call between")
         outputs = await preparer.off_loop(_act_and_finish, env_id, config, state, actions, preparer)
         return StepResult(env_id=env_id, policy_version=policy_version, outputs=outputs)
 
@@ -329,6 +332,9 @@ def _turn(
     prompt = row.history[-1]["content"] if row.history else row.text
     following = tool_messages(results) if results else []
     episodes.apply_action(config, row, act, preparer, following)
+    read: Conversation | str | None = row.text
+    if row.history is not None:
+        read = row.history[: len(row.history) - len(following)]
     sample = Sample(act.text, row.answer, prompt, row.fields)
     result = score_reward(config.reward, config.reward_options, sample)
     info: dict[str, object] = {}
@@ -341,6 +347,7 @@ def _turn(
         breakdown={"task": result.reward, **result.info},
         info=info,
         tool_results=results or None,
+        read=read,
     )
 
 

@@ -55,7 +55,13 @@ class Reward:
     check_fields: FieldCheck | None = None
     unavailable: Callable[[], str | None] | None = None
     """Why the reward cannot run on this server (a package missing), or None."""
+    by_model: bool = False
+    """Scored by the served reward model after the turn (`fn` only holds its place)."""
 
+
+MODEL = "model"
+"""The reward the served reward model gives (`--reward-model`): each turn's conversation (or
+text) as the reward model reads it, scored in one batched call per step."""
 
 REWARDS: dict[str, Reward] = {}
 """What `register_reward` registered; read it through `rewards()`."""
@@ -78,6 +84,7 @@ def register_reward(
     options: type[BaseModel] | None = None,
     check_fields: FieldCheck | None = None,
     unavailable: Callable[[], str | None] | None = None,
+    by_model: bool = False,
 ) -> Callable[[Callable[..., RewardResult]], Callable[..., RewardResult]]:
     """`@register_reward("name")` makes `reward: "name"` available to environments. The
     function takes a `Sample`, plus the parsed options when `options` is given.
@@ -85,7 +92,7 @@ def register_reward(
     `unavailable` says why the reward cannot run here (sessions asking for it get a 422)."""
 
     def decorate(fn: Callable[..., RewardResult]) -> Callable[..., RewardResult]:
-        REWARDS[name] = Reward(fn, options, check_fields, unavailable)
+        REWARDS[name] = Reward(fn, options, check_fields, unavailable, by_model)
         return fn
 
     return decorate
@@ -133,6 +140,16 @@ async def require(name: str, param: str = "reward") -> None:
 @register_reward("none")
 def no_reward(sample: Sample) -> RewardResult:
     return RewardResult(0.0)
+
+
+@register_reward(MODEL, by_model=True)
+def model_reward(sample: Sample) -> RewardResult:
+    return RewardResult(0.0)  # (the reward model's, set once it has scored the turn)
+
+
+def by_model(name: str) -> bool:
+    """Whether reward `name` is the served reward model's."""
+    return rewards()[name].by_model
 
 
 def normalize_number(text: str) -> str:

@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.common.failures import Conflict, invalid
-from app.common.inputs import InputPreparer
+from app.common.inputs import InputPreparer, Prepared
 from app.datasets.rows import Problem
 from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
 from app.envs.engine import EpisodeEngine, StepResult, Turn, penalise_kl, runs_tools
 from app.envs.episodes import Act, EpisodeState, Observation, Prompts
-from app.envs.rewards import parse_options, require
+from app.envs.rewards import by_model, parse_options, require
 from app.envs.sessions import SessionRepository, SessionView
 from app.envs.spec import EnvSpec
 
@@ -41,6 +41,15 @@ class EnvService:
     async def create(self, config: EnvSpec, owner: str) -> SessionView:
         await require(config.reward)
         parse_options(config.reward, config.reward_options)
+        if by_model(config.reward):
+            if config.kind == "tokens":
+                raise invalid(
+                    "reward",
+                    "a tokens environment gives the reward model no text to read (use a chat or "
+                    "text environment)",
+                )
+            if self.registry.not_ready_reason() is None:
+                self.registry.get_reward("reward", param="reward")  # (else at the first step)
         self.engine.check_tools(config.tools)
         if config.max_turns is None:
             config = config.with_max_turns(self.max_turns)
@@ -126,14 +135,42 @@ class EnvService:
         preparer: InputPreparer,
         sampler: str | None,
     ) -> StepResult:
-        if config.kl is None and not runs_tools(config):
+        scored_by_model = by_model(config.reward)
+        if config.kl is None and not runs_tools(config) and not scored_by_model:
             version = self.registry.policy_version
             return await self.engine.act_and_finish(
                 env_id, version, config, state, actions, preparer
             )
         turns = await self.engine.act(env_id, config, state, actions, preparer)
-        version = await self._penalise_kl(config, [t for t in turns if t is not None], sampler)
+        taken = [t for t in turns if t is not None]
+        if scored_by_model:
+            await self._reward_by_model(taken)
+        version = await self._penalise_kl(config, taken, sampler)
         return await self.engine.finish(env_id, version, config, state, turns, preparer)
+
+    async def _reward_by_model(self, turns: list[Turn]) -> None:
+        """Every turn's reward from the served reward model, in one batched call: what
+        `/v1/rewards` answers for the same conversation (or text). A turn longer than the
+        reward model's context refuses the step (nothing applied), naming the row."""
+        if not turns:
+            return
+        model = self.registry.get_reward("reward", param="reward")
+
+        def prepared(preparer: InputPreparer) -> list[Prepared]:
+            items = []
+            for turn in turns:
+                if isinstance(turn.read, str):
+                    items.append(Prepared(ids=preparer.encode(turn.read)))
+                else:
+                    items.append(preparer.template(turn.read or [], generation_prompt=False))
+            preparer.check(items, "actions")
+            return items
+
+        items = await model.preparer.off_loop(prepared, model.preparer)
+        scored = await model.score([item.ids for item in items])
+        for turn, values in zip(turns, scored, strict=True):
+            turn.reward = values.reward[0]
+            turn.breakdown = {**turn.breakdown, "task": turn.reward, "reward_model": turn.reward}
 
     async def _penalise_kl(self, config: EnvSpec, turns: list[Turn], sampler: str | None) -> int:
         """Score every action in one batched call under a read lease (tools ran before it, so

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.dialect_models import DialectModel, TokenInput, dialect_schema, warn_ignored
-from app.common.inputs import InputPreparer, Prepared, template_kwargs
-from app.common.protocol import field_error
+from app.common.inputs import InputPreparer, Prepared, plain_messages, template_kwargs
+from app.common.protocol import InputConversation, field_error
 from app.deps import RewardsDep
 from app.engine.reward import Rewarded, RewardModel
 from app.errors import REWARD_ERROR_RESPONSES
@@ -39,7 +39,7 @@ class PoolingInput(DialectModel):
 
     model: str | None = Field(default=None, description="'reward' or the reward model's source.")
     input: TokenInput | None = None
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)] | None = Field(
+    messages: InputConversation | None = Field(
         default=None, description="One conversation, templated with the reward model's template."
     )
     use_activation: bool | None = Field(
@@ -89,7 +89,7 @@ class PoolingInput(DialectModel):
     def prepared(self, preparer: InputPreparer) -> list[Prepared]:
         """The sequences as the reward model's tokenizer gives them."""
         if self.messages is not None:
-            conversation = [dict(m) for m in self.messages]
+            conversation = plain_messages(self.messages)
             options = template_kwargs(self.chat_template_kwargs)
             generation = self.add_generation_prompt
             return [preparer.template(conversation, generation_prompt=generation, options=options)]

@@ -21,7 +21,7 @@ def _not_a_boolean(value: Any) -> Any:
     return value
 
 
-StrictTokenId = Annotated[int, BeforeValidator(_not_a_boolean), Field(ge=0, le=(1 << 31) - 1)]
+StrictTokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_a_boolean)]
 """A token id in a dialect's body: an integer (2.0 too, as the origin's lax models take it, and
 as JSON Schema's integer is), never a boolean."""
 TokenInput = (

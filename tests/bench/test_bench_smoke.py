@@ -284,3 +284,14 @@ def test_gpu_check_sections_run_on_cpu(tmp_path):
     assert "failed" not in report["grpo"], report["grpo"]
     assert report["grpo"]["policy_version"] == [1, 2]
     assert not report["dtypes"]
+
+
+def test_reward_model_benchmark_quick(tmp_path):
+    """Rewards per second served and in-process at 1/8/32 clients; the served rewards equal
+    the in-process ones (the benchmark asserts it)."""
+    report = run_quick("reward_model", tmp_path)
+    assert set(report["rlserve"]) == {"1", "8", "32"}
+    for clients in ("1", "8", "32"):
+        assert report["rlserve"][clients]["requests"] == 16
+        assert report["in_process_rewards_per_s"][clients] > 0
+    assert report["max_abs_diff_vs_in_process"] <= 1e-5

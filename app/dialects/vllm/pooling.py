@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from app.common.dialect_models import DialectModel, TokenInput, dialect_schema, warn_ignored
 from app.common.inputs import InputPreparer, Prepared, plain_messages, template_kwargs
-from app.common.protocol import InputConversation, field_error
+from app.common.protocol import InputConversation, field_error, one_of
 from app.deps import RewardsDep
 from app.engine.reward import Rewarded, RewardModel
 from app.errors import REWARD_ERROR_RESPONSES
@@ -32,9 +32,7 @@ class PoolingInput(DialectModel):
 
     model_config = ConfigDict(
         extra="allow",
-        json_schema_extra=dialect_schema(
-            {"oneOf": [{"required": ["input"]}, {"required": ["messages"]}]}
-        ),
+        json_schema_extra=dialect_schema(one_of(("input",), ("messages",))),
     )
 
     model: str | None = Field(default=None, description="'reward' or the reward model's source.")
@@ -49,8 +47,8 @@ class PoolingInput(DialectModel):
     )
     add_special_tokens: bool | None = Field(
         default=None,
-        description="With input: add the tokenizer's special tokens (default true). With "
-        "messages: only unset or false.",
+        description="Add the tokenizer's special tokens (default: true with input, false with "
+        "messages, whose template writes its own).",
     )
     add_generation_prompt: bool = Field(default=False, description="With messages.")
     chat_template_kwargs: dict[str, Any] | None = None
@@ -65,10 +63,6 @@ class PoolingInput(DialectModel):
     def _one_input(self) -> PoolingInput:
         if (self.input is None) == (self.messages is None):
             raise field_error("input", "give exactly one of input or messages")
-        if self.messages is not None and self.add_special_tokens:
-            raise field_error(
-                "add_special_tokens", "only unset or false with messages (the template adds them)"
-            )
         if self.truncate_prompt_tokens not in (None, -1):
             raise field_error(
                 "truncate_prompt_tokens",
@@ -92,7 +86,10 @@ class PoolingInput(DialectModel):
             conversation = plain_messages(self.messages)
             options = template_kwargs(self.chat_template_kwargs)
             generation = self.add_generation_prompt
-            return [preparer.template(conversation, generation_prompt=generation, options=options)]
+            item = preparer.template(conversation, generation_prompt=generation, options=options)
+            if self.add_special_tokens:  # (the templated text tokenized again, as vLLM does)
+                item = Prepared(ids=preparer.encode(item.text or "", special=True))
+            return [item]
         special = self.add_special_tokens is not False
         given: Any = self.input
         rows: list[str | list[int]] = (

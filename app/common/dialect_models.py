@@ -5,11 +5,12 @@ fields they accept and ignore logged."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, Field
 
+from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import WireModel
 
 _log = logging.getLogger("rlserve.requests")
@@ -133,3 +134,30 @@ def warn_ignored(route: str, fields: Iterable[str]) -> None:
     names = sorted(fields)
     if names:
         _log.warning("%s: accepted and ignored (no effect on this server): %s", route, names)
+
+
+def token_rows(given: Any) -> list[str | list[int]]:
+    """A `TokenInput` as the sequences it is: one string or one list of ids is one sequence."""
+    return [given] if isinstance(given, str) or isinstance(given[0], int) else list(given)
+
+
+def token_items(preparer: InputPreparer, given: Any, *, special: bool = True) -> list[Prepared]:
+    """A `TokenInput`'s sequences, strings tokenized with the model's special tokens unless
+    `special` is false."""
+    return [
+        Prepared(ids=preparer.encode(row, special=special) if isinstance(row, str) else row)
+        for row in token_rows(given)
+    ]
+
+
+class TokenUsage(DialectModel):
+    """The pooling routes' `usage`: the tokens read (no completion)."""
+
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+    @classmethod
+    def of(cls, items: Sequence[Prepared]) -> TokenUsage:
+        tokens = sum(len(item.ids) for item in items)
+        return cls(prompt_tokens=tokens, total_tokens=tokens)

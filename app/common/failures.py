@@ -20,8 +20,7 @@ class Failure(Exception):
     def reword(self, words: Mapping[str, str]) -> None:
         """Name the caller's field in place of the role `param` is, when `words` names it
         (the message's leading role too)."""
-        word = words.get(self.param) if self.param is not None else None
-        if word is None or self.param is None:
+        if self.param is None or (word := words.get(self.param)) is None:
             return
         if self.message.startswith(self.param):
             self.message = word + self.message[len(self.param) :]

@@ -158,6 +158,20 @@ def resolve_dtype(setting: str, source: str, *, cuda: bool, trust_remote_code: b
     return resolved
 
 
+async def checkpoint_dtype(models: ModelSettings, source: str) -> str:
+    """The dtype `source` is served in (`models.dtype`; `auto` read from its checkpoint off
+    the event loop, `resolve_dtype`)."""
+    from app.engine.transformers.backend import resolve_device
+
+    return await asyncio.to_thread(
+        resolve_dtype,
+        models.dtype,
+        source,
+        cuda=resolve_device(models.device).type == "cuda",
+        trust_remote_code=models.trust_remote_code,
+    )
+
+
 async def load_backend(
     models: ModelSettings,
     vllm: VllmSettings,
@@ -171,16 +185,7 @@ async def load_backend(
     """Load one model with the configured backend, off the event loop where it blocks
     (`state_dir`: where a vLLM engine keeps its weight-update state)."""
     kind = resolve_backend(models)
-    from app.engine.transformers.backend import resolve_device
-
-    cuda = resolve_device(models.device).type == "cuda"
-    dtype = await asyncio.to_thread(
-        resolve_dtype,
-        models.dtype,
-        source,
-        cuda=cuda,
-        trust_remote_code=models.trust_remote_code,
-    )
+    dtype = await checkpoint_dtype(models, source)
     logger.info("loading %s model from %s (backend=%s, dtype=%s)", name, source, kind, dtype)
     if kind == "vllm":
         from app.engine.vllm.backend import VLLMBackend

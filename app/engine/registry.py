@@ -19,14 +19,14 @@ from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.base import Backend
 from app.engine.gate import PauseMode, ServingGate
-from app.engine.loader import load_backend, resolve_dtype, resolve_model, resolve_source
+from app.engine.loader import checkpoint_dtype, load_backend, resolve_model, resolve_source
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
 from app.weights.lora import ADAPTER, ADAPTER_SOURCE, LoraAdapter
 
 if TYPE_CHECKING:
     import torch
 
-    from app.engine.reward import RewardModel
+    from app.engine.transformers.reward import RewardModel
 
 logger = logging.getLogger(__name__)
 Status = Literal["loading", "ready", "failed", "stopped"]
@@ -204,16 +204,9 @@ class ModelRegistry:
         settings = self.model_settings
         source, builtin = await asyncio.to_thread(resolve_model, settings, model)
         self.origins["reward"] = Origin(source, time.time())
-        from app.engine.reward import RewardModel
-        from app.engine.transformers.backend import resolve_device
+        from app.engine.transformers.reward import RewardModel
 
-        dtype = await asyncio.to_thread(
-            resolve_dtype,
-            settings.dtype,
-            source,
-            cuda=resolve_device(settings.device).type == "cuda",
-            trust_remote_code=settings.trust_remote_code,
-        )
+        dtype = await checkpoint_dtype(settings, source)
         logger.info("loading reward model from %s (dtype=%s)", source, dtype)
         return await asyncio.to_thread(
             RewardModel.load,

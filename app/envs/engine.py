@@ -332,9 +332,9 @@ def _turn(
     prompt = row.history[-1]["content"] if row.history else row.text
     following = tool_messages(results) if results else []
     episodes.apply_action(config, row, act, preparer, following)
-    read: Conversation | str | None = row.text
-    if row.history is not None:
-        read = row.history[: len(row.history) - len(following)]
+    read: Conversation | str | None = None
+    if by_model(config.reward):  # (what the reward model reads: the turn up to the action)
+        read = row.text if row.history is None else row.history[: len(row.history) - len(following)]
     sample = Sample(act.text, row.answer, prompt, row.fields)
     result = score_reward(config.reward, config.reward_options, sample)
     info: dict[str, object] = {}

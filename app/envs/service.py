@@ -157,17 +157,14 @@ class EnvService:
         model = self.registry.get_reward("reward", param="reward")
 
         def prepared(preparer: InputPreparer) -> list[Prepared]:
-            items = []
-            for turn in turns:
-                if isinstance(turn.read, str):
-                    items.append(Prepared(ids=preparer.encode(turn.read)))
-                else:
-                    items.append(preparer.template(turn.read or [], generation_prompt=False))
-            preparer.check(items, "actions")
-            return items
+            return [
+                Prepared(ids=preparer.encode(turn.read))
+                if isinstance(turn.read, str)
+                else preparer.template(turn.read or [], generation_prompt=False)
+                for turn in turns
+            ]
 
-        items = await model.preparer.off_loop(prepared, model.preparer)
-        scored = await model.score([item.ids for item in items])
+        _, scored = await model.read(prepared, "actions")
         for turn, values in zip(turns, scored, strict=True):
             turn.reward = values.reward[0]
             turn.breakdown = {**turn.breakdown, "task": turn.reward, "reward_model": turn.reward}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry
-from app.engine.reward import Rewarded, RewardModel
+from app.engine.transformers.reward import Rewarded, RewardModel
 from app.rewards.protocol import Reward, RewardsRequest, RewardsResponse
 
 
@@ -43,15 +43,7 @@ class RewardService:
         vocabulary and length (refusals name `field[i]`)."""
         model = self.registry.get_reward(name, param)
         check_num_items(num_items, self.limits.max_items_per_request, field)
-        preparer = model.preparer
-
-        def checked() -> list[Prepared]:
-            items = build(preparer)
-            preparer.check(items, field)
-            return items
-
-        items = await preparer.off_loop(checked)
-        return Scored(model, items, await model.score([item.ids for item in items]))
+        return Scored(model, *await model.read(build, field))
 
     async def rewards(self, request: RewardsRequest) -> RewardsResponse:
         field = request.given_inputs()[0]

@@ -15,7 +15,7 @@ from app.engine.types import ScoreSpec
 
 def per_row(model, items):  # type: ignore[no-untyped-def]
     with torch.inference_mode():
-        ids, mask = hd._padded([s for s, _ in items], 0, model.device, left=False)
+        ids, mask = hd.padded([s for s, _ in items], 0, model.device, left=False)
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
         head = model.get_output_embeddings()
         chunk = max(1, hd.LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])

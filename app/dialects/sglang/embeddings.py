@@ -6,12 +6,17 @@ model's tokenizer with its special tokens, as SGLang tokenizes them."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field
 
-from app.common.dialect_models import DialectModel, TokenInput, warn_ignored
+from app.common.dialect_models import (
+    DialectModel,
+    TokenInput,
+    TokenUsage,
+    token_items,
+    token_rows,
+    warn_ignored,
+)
 from app.common.inputs import InputPreparer, Prepared
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES
@@ -25,15 +30,8 @@ class EmbeddingRequest(DialectModel):
     input: TokenInput
     model: str | None = Field(default=None, description="'reward' or the reward model's source.")
 
-    def rows(self) -> list[str | list[int]]:
-        given: Any = self.input
-        return [given] if isinstance(given, str) or isinstance(given[0], int) else list(given)
-
     def prepared(self, preparer: InputPreparer) -> list[Prepared]:
-        return [
-            Prepared(ids=preparer.encode(row) if isinstance(row, str) else row)
-            for row in self.rows()
-        ]
+        return token_items(preparer, self.input)
 
 
 class EmbeddingObject(DialectModel):
@@ -42,17 +40,11 @@ class EmbeddingObject(DialectModel):
     object: str = "embedding"
 
 
-class EmbeddingUsage(DialectModel):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-
-
 class EmbeddingResponse(DialectModel):
     data: list[EmbeddingObject]
     model: str
     object: str = "list"
-    usage: EmbeddingUsage
+    usage: TokenUsage
 
 
 @router.post(
@@ -62,13 +54,14 @@ async def embeddings(request: EmbeddingRequest, rewards: RewardsDep) -> Embeddin
     """Each input's reward-model head output, as SGLang answers for a classification model."""
     warn_ignored("/v1/embeddings", sorted(request.model_extra or {}))
     name = request.model or "reward"
-    scored = await rewards.score(name, len(request.rows()), request.prepared, field="input")
-    tokens = sum(len(item.ids) for item in scored.items)
+    scored = await rewards.score(
+        name, len(token_rows(request.input)), request.prepared, field="input"
+    )
     return EmbeddingResponse(
         data=[
             EmbeddingObject(embedding=values.reward, index=index)
             for index, values in enumerate(scored.values)
         ],
         model=scored.model.info.source,
-        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+        usage=TokenUsage.of(scored.items),
     )

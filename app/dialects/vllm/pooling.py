@@ -16,12 +16,21 @@ import torch
 from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
-from app.common.dialect_models import DialectModel, TokenInput, dialect_schema, warn_ignored
+from app.common.dialect_models import (
+    DialectModel,
+    TokenInput,
+    TokenUsage,
+    dialect_schema,
+    token_items,
+    token_rows,
+    warn_ignored,
+)
 from app.common.inputs import InputPreparer, Prepared, plain_messages, template_kwargs
 from app.common.protocol import InputConversation, field_error, one_of
 from app.deps import RewardsDep
-from app.engine.reward import Rewarded, RewardModel
+from app.engine.transformers.reward import RewardModel
 from app.errors import REWARD_ERROR_RESPONSES
+from app.rewards.service import RewardService, Scored
 
 router = APIRouter(tags=["dialects: vLLM"], responses=REWARD_ERROR_RESPONSES)
 
@@ -74,12 +83,6 @@ class PoolingInput(DialectModel):
     def ignored(self) -> list[str]:
         return sorted(self.model_extra or {})
 
-    def num_items(self) -> int:
-        value = self.input
-        if value is None or isinstance(value, str):
-            return 1
-        return len(value) if isinstance(value[0], str | list) else 1
-
     def prepared(self, preparer: InputPreparer) -> list[Prepared]:
         """The sequences as the reward model's tokenizer gives them."""
         if self.messages is not None:
@@ -90,15 +93,7 @@ class PoolingInput(DialectModel):
             if self.add_special_tokens:  # (the templated text tokenized again, as vLLM does)
                 item = Prepared(ids=preparer.encode(item.text or "", special=True))
             return [item]
-        special = self.add_special_tokens is not False
-        given: Any = self.input
-        rows: list[str | list[int]] = (
-            [given] if isinstance(given, str) or isinstance(given[0], int) else list(given)
-        )
-        return [
-            Prepared(ids=preparer.encode(row, special=special) if isinstance(row, str) else row)
-            for row in rows
-        ]
+        return token_items(preparer, self.input, special=self.add_special_tokens is not False)
 
 
 class ClassifyRequest(PoolingInput):
@@ -111,12 +106,6 @@ class PoolingRequest(PoolingInput):
         description="classify (the default): the head at the pooled token; token_classify: "
         "at every token.",
     )
-
-
-class Usage(DialectModel):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
 
 
 class ClassificationData(DialectModel):
@@ -132,7 +121,7 @@ class ClassificationResponse(DialectModel):
     created: int
     model: str
     data: list[ClassificationData]
-    usage: Usage
+    usage: TokenUsage
 
 
 class PoolingData(DialectModel):
@@ -147,19 +136,17 @@ class PoolingResponse(DialectModel):
     created: int
     model: str
     data: list[PoolingData]
-    usage: Usage
+    usage: TokenUsage
 
 
 @router.post("/classify", response_model=ClassificationResponse, summary="Classify (vLLM)")
 async def classify(request: ClassifyRequest, rewards: RewardsDep) -> ClassificationResponse:
     """The reward model's head on each sequence, as vLLM's `/classify` answers it."""
-    warn_ignored("/classify", request.ignored())
-    name = request.model or "reward"
-    scored = await rewards.score(name, request.num_items(), request.prepared, field=_field(request))
+    scored = await _scored("/classify", request, rewards)
     labels = scored.model.model.config.id2label or {}
     data = []
     for index, values in enumerate(scored.values):
-        probs = _activated(scored.model, values.reward, request.use_activation)
+        probs = _activated(scored.model, torch.tensor(values.reward), request.use_activation)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(
             ClassificationData(
@@ -169,55 +156,53 @@ async def classify(request: ClassifyRequest, rewards: RewardsDep) -> Classificat
     return ClassificationResponse(
         id=f"classify-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=name,
+        model=request.model or "reward",
         data=data,
-        usage=_usage(scored.values),
+        usage=TokenUsage.of(scored.items),
     )
 
 
 @router.post("/pooling", response_model=PoolingResponse, summary="Pooling (vLLM)")
 async def pooling(request: PoolingRequest, rewards: RewardsDep) -> PoolingResponse:
-    """The reward model's head, as vLLM's `/pooling` answers it for a classification model."""
-    warn_ignored("/pooling", request.ignored())
-    name = request.model or "reward"
-    scored = await rewards.score(name, request.num_items(), request.prepared, field=_field(request))
-    data = []
-    for index, values in enumerate(scored.values):
-        if request.task == "token_classify":
-            table = values.values
-            rows = [_activated(scored.model, row.tolist(), request.use_activation) for row in table]
-            data.append(PoolingData(index=index, data=rows))
-        else:
-            data.append(
-                PoolingData(
-                    index=index,
-                    data=_activated(scored.model, values.reward, request.use_activation),
-                )
-            )
+    """The reward model's head, as vLLM's `/pooling` answers it for a classification model:
+    at the pooled token, or at every token (`token_classify`)."""
+    scored = await _scored("/pooling", request, rewards)
+    every_token = request.task == "token_classify"
+    data = [
+        PoolingData(
+            index=index,
+            data=_activated(
+                scored.model,
+                values.values if every_token else torch.tensor(values.reward),
+                request.use_activation,
+            ),
+        )
+        for index, values in enumerate(scored.values)
+    ]
     return PoolingResponse(
         id=f"pool-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=name,
+        model=request.model or "reward",
         data=data,
-        usage=_usage(scored.values),
+        usage=TokenUsage.of(scored.items),
     )
 
 
-def _field(request: PoolingInput) -> str:
-    return "messages" if request.messages is not None else "input"
+async def _scored(route: str, request: PoolingInput, rewards: RewardService) -> Scored:
+    """The request's sequences read by the reward model it names (default: 'reward')."""
+    warn_ignored(route, request.ignored())
+    given = request.input
+    num_items = 1 if given is None else len(token_rows(given))
+    field = "messages" if request.messages is not None else "input"
+    return await rewards.score(request.model or "reward", num_items, request.prepared, field=field)
 
 
-def _activated(model: RewardModel, values: list[float], use_activation: bool | None) -> list[float]:
-    """vLLM's classification activation (`PoolerClassify`): a sigmoid for one label, a softmax
-    for several, unless `use_activation` is false."""
-    if use_activation is False:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float32)
-    if len(values) < 2 or model.model.config.problem_type == "multi_label_classification":
-        return tensor.sigmoid().tolist()
-    return tensor.softmax(-1).tolist()
-
-
-def _usage(values: list[Rewarded]) -> Usage:
-    tokens = sum(int(v.values.shape[0]) for v in values)
-    return Usage(prompt_tokens=tokens, total_tokens=tokens)
+def _activated(model: RewardModel, values: torch.Tensor, use_activation: bool | None) -> Any:
+    """vLLM's classification activation (`PoolerClassify`) over the last dimension: a sigmoid
+    for one label, a softmax for several, unless `use_activation` is false; as lists."""
+    if use_activation is not False:
+        if values.shape[-1] < 2 or model.model.config.problem_type == "multi_label_classification":
+            values = values.sigmoid()
+        else:
+            values = values.softmax(-1)
+    return values.tolist()

@@ -71,28 +71,21 @@ class TransformersBackend(Backend):
         trust_remote_code: bool = False,
         builtin: bool = False,
     ) -> TransformersBackend:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        target = resolve_device(device)
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
+        model, tokenizer = load_pretrained(
+            AutoModelForCausalLM,
             source,
-            dtype=_DTYPES[dtype] if dtype != "auto" else "auto",
+            dtype=dtype,
+            device=device,
             trust_remote_code=trust_remote_code,
         )
-        model = model.to(device=target).eval()  # type: ignore[call-arg]
-        model.requires_grad_(False)
-        if target.type == "cpu":
-            _own_memory(model)
-        native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        info = ModelInfo(
+        info = model_info(
+            model,
             name=name,
-            source=str(source),
-            backend="transformers",
-            dtype=str(model.dtype).removeprefix("torch."),
-            device=str(target),
-            max_model_len=min(max_model_len or native_len, native_len),
-            vocab_size=int(model.config.vocab_size),
+            source=source,
+            device=device,
+            max_model_len=max_model_len,
             builtin=builtin,
         )
         return cls(model, tokenizer, info)
@@ -206,6 +199,45 @@ class TransformersBackend(Backend):
             await self._transfer.close()
         self.control.thaw()
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def load_pretrained(
+    model_class: Any, source: str, *, dtype: str, device: str, trust_remote_code: bool
+) -> tuple[Any, Any]:
+    """A transformers model of `model_class` and its tokenizer from `source`, on `device`, in
+    evaluation mode without gradients, owning its weights (`_own_memory`)."""
+    from transformers import AutoTokenizer
+
+    target = resolve_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    model = model_class.from_pretrained(
+        source,
+        dtype=_DTYPES[dtype] if dtype != "auto" else "auto",
+        trust_remote_code=trust_remote_code,
+    )
+    model = model.to(device=target).eval()
+    model.requires_grad_(False)
+    if target.type == "cpu":
+        _own_memory(model)
+    return model, tokenizer
+
+
+def model_info(
+    model: Any, *, name: str, source: str, device: str, max_model_len: int | None, builtin: bool
+) -> ModelInfo:
+    """A loaded transformers model as `/v1/models` describes it; its length is at most its
+    position embeddings' (2048 when its config names none)."""
+    native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return ModelInfo(
+        name=name,
+        source=str(source),
+        backend="transformers",
+        dtype=str(model.dtype).removeprefix("torch."),
+        device=str(resolve_device(device)),
+        max_model_len=min(max_model_len or native_len, native_len),
+        vocab_size=int(model.config.vocab_size),
+        builtin=builtin,
+    )
 
 
 def _own_memory(model: torch.nn.Module) -> None:

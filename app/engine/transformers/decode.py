@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from rlserve_client.moe import Routing
 
 
-def _padded(
+def padded(
     rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, *, left: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows padded to the longest (on the left or the right), and their attention mask,
@@ -86,7 +86,7 @@ def score_detailed(
     LoRA adapter runs with it (`lora`: the model's hooks); a row whose spec gives routed
     experts routes as they say (`routing`: the model's MoE routers)."""
     device = model.device
-    ids, mask = _padded([seq for seq, _ in items], pad_id, device, left=False)
+    ids, mask = padded([seq for seq, _ in items], pad_id, device, left=False)
     specs = [spec for _, spec in items]
     with (
         _adapted(lora, [spec.adapter for spec in specs]),
@@ -231,7 +231,7 @@ def _decode(
     device = model.device
     configs = [item.config for item in items]
     sampler = RowSampler(configs, [it.seed for it in items], device, eos_ids)
-    ids, mask = _padded([it.prompt_ids for it in items], pad_id, device, left=True)
+    ids, mask = padded([it.prompt_ids for it in items], pad_id, device, left=True)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     want_prompt = any(c.return_prompt_log_probs for c in configs)
     version = control.checkpoint()

@@ -10,19 +10,19 @@ position ids, so a row's values do not depend on the rows beside it beyond float
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from app.batching import Batcher, BatchingConfig
-from app.common.inputs import InputPreparer
+from app.common.inputs import InputPreparer, Prepared
 from app.common.lane import Lane
+from app.engine.transformers.decode import padded
 from app.engine.types import ModelInfo
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,15 @@ class RewardModel:
         """Load it (blocking: call off the event loop). A model whose head is not a `score`
         layer on a decoder (BERT's pooler and classifier) is refused: its pooling is not the
         last token's."""
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
-        from app.engine.transformers.backend import resolve_device
+        from app.engine.transformers.backend import load_pretrained, model_info
 
-        target = resolve_device(device)
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForSequenceClassification.from_pretrained(
+        model, tokenizer = load_pretrained(
+            AutoModelForSequenceClassification,
             source,
-            dtype=_DTYPES[dtype] if dtype != "auto" else "auto",
+            dtype=dtype,
+            device=device,
             trust_remote_code=trust_remote_code,
         )
         if not isinstance(getattr(model, "score", None), torch.nn.Module):
@@ -86,20 +86,30 @@ class RewardModel:
                 "model is a causal LM's sequence-classification model (…ForSequenceClassification "
                 "of Llama, Qwen2, Mistral, Gemma, ...), read at its last token"
             )
-        model = model.to(device=target).eval()
-        model.requires_grad_(False)
-        native_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-        info = ModelInfo(
+        info = model_info(
+            model,
             name="reward",
-            source=str(source),
-            backend="transformers",
-            dtype=str(model.dtype).removeprefix("torch."),
-            device=str(target),
-            max_model_len=min(max_model_len or native_len, native_len),
-            vocab_size=int(model.config.vocab_size),
+            source=source,
+            device=device,
+            max_model_len=max_model_len,
             builtin=builtin,
         )
         return cls(model, tokenizer, info, batching)
+
+    async def read(
+        self, build: Callable[[InputPreparer], list[Prepared]], field: str
+    ) -> tuple[list[Prepared], list[Rewarded]]:
+        """The sequences `build` prepares with the reward model's tokenizer (off the event
+        loop), each checked against its vocabulary and length (refusals name `field[i]`), and
+        their head outputs."""
+
+        def checked() -> list[Prepared]:
+            items = build(self.preparer)
+            self.preparer.check(items, field)
+            return items
+
+        items = await self.preparer.off_loop(checked)
+        return items, await self.score([item.ids for item in items])
 
     async def score(self, sequences: Sequence[list[int]]) -> list[Rewarded]:
         """Each sequence's head outputs (batched with other requests' rows when batching is
@@ -116,19 +126,10 @@ class RewardModel:
         model = self.model
         device = next(model.parameters()).device
         width = max(len(ids) for ids in sequences)
-        pad = self.preparer.pad_token_id
-        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, width - len(sequence) :] = torch.tensor(sequence)
-            mask[row, width - len(sequence) :] = 1
+        ids, mask = padded(sequences, self.preparer.pad_token_id, device, left=True)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         base = getattr(model, model.base_model_prefix)
-        hidden = base(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-        ).last_hidden_state
+        hidden = base(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
         values = model.score(hidden).float().cpu()
         rows = [values[row, width - len(sequence) :] for row, sequence in enumerate(sequences)]
         return [

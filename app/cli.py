@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         "models.model": args.model,
         "models.ref_model": args.ref_model,
         "models.reward_model": args.reward_model,
+        "models.judge_model": args.judge_model,
         "models.served_model_name": args.served_model_name,
         "models.reasoning_parser": args.reasoning_parser,
         "models.return_routed_experts": args.enable_return_routed_experts or None,
@@ -195,6 +196,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reward-model",
         help="a sequence-classification reward model served beside the policy (/v1/rewards)",
+    )
+    serve.add_argument(
+        "--judge-model",
+        help="a third model served as 'judge', for judges (RLSERVE_REWARDS__JUDGES)",
     )
     serve.add_argument(
         "--served-model-name",

@@ -32,6 +32,7 @@ from app.config_groups import (
     LimitSettings,
     ModelSettings,
     ProbeSettings,
+    RewardSettings,
     StorageSettings,
     ToolSettings,
     TrajectorySettings,
@@ -197,6 +198,7 @@ class Settings(BaseSettings):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     envs: EnvSettings = Field(default_factory=EnvSettings)
     tools: ToolSettings = Field(default_factory=ToolSettings)
+    rewards: RewardSettings = Field(default_factory=RewardSettings)
     datasets: DatasetSettings = Field(default_factory=DatasetSettings)
     trajectories: TrajectorySettings = Field(default_factory=TrajectorySettings)
     weights: WeightSettings = Field(default_factory=WeightSettings)

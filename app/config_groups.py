@@ -4,6 +4,8 @@ component receives only its group; `app.config.Settings` holds them all and read
 
 from __future__ import annotations
 
+import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -59,6 +61,12 @@ class ModelSettings(Group):
         "sequence-classification model with a `score` head (a folder or hub id), or "
         "builtin:tiny-reward (random weights, for tests); its own tokenizer and chat template. "
         "Unset: no reward routes (they answer 404 naming this setting).",
+    )
+    judge_model: str | None = Field(
+        default=None,
+        description="A third model served beside the policy and the reference, as 'judge', "
+        "for judges (`rewards.judges`) and any generation route; same forms as model. Unset: "
+        "judges use the policy, the reference or an adapter.",
     )
     served_model_name: CommaList = Field(
         default_factory=list,
@@ -162,7 +170,7 @@ class ModelSettings(Group):
             raise ValueError(f"{sorted(both)} name both the policy and the reference")
         return self
 
-    @field_validator("ref_model", "reward_model", mode="before")
+    @field_validator("ref_model", "reward_model", "judge_model", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if value == "" else value
@@ -332,6 +340,132 @@ class EnvSettings(Group):
         gt=0,
         description="A session's max_turns when it sets none, and the most it may set.",
     )
+
+
+JUDGE_FIELDS = {
+    "single": ("prompt", "response", "answer"),
+    "group": ("prompt", "responses", "n", "answer"),
+}
+"""The fields a judge's rubric may name, by mode ({responses}: the group's answers, numbered)."""
+
+SINGLE_RUBRIC = (
+    "Rate how well the response answers the prompt, from 0 (useless or wrong) to 10 (correct, "
+    "complete and clear). Reply with the score alone.\n\n"
+    "Prompt:\n{prompt}\n\nResponse:\n{response}\n\nScore:"
+)
+GROUP_RUBRIC = (
+    "Here are {n} answers to one prompt. Rate each from 0 (useless or wrong) to 10 (correct, "
+    "complete and clear). Reply with one line per answer, as 'Answer K: SCORE'.\n\n"
+    "Prompt:\n{prompt}\n\n{responses}"
+)
+
+
+class JudgeSettings(Group):
+    """One judge: a served model that reads a rubric and answers a score."""
+
+    model: str = Field(
+        default="policy",
+        description="The served model that judges: policy, reference, judge "
+        "(`models.judge_model`) or a LoRA adapter's name.",
+    )
+    mode: Literal["single", "group"] = Field(
+        default="single",
+        description="single: one call per answer. group: one call ranks the answers of one "
+        "prompt together (an environment's `repeats` rows of a prompt).",
+    )
+    rubric: str | None = Field(
+        default=None,
+        description="The user message sent to the judge, a Python format string of "
+        "{prompt}, {response} and {answer} (group mode: {prompt}, {responses}, {n}, {answer}; "
+        "{responses} is the answers as 'Answer K:' blocks). Literal braces are doubled. "
+        "Unset: a 0-10 rating rubric.",
+    )
+    system: str | None = Field(default=None, description="A system message before the rubric.")
+    pattern: str = Field(
+        default=r"(-?\d+(?:\.\d+)?)(?:\s*/\s*\d+(?:\.\d+)?)?",
+        description="single: the score is group 1 of the last match in the judge's answer "
+        "('Score: 7/10' reads 7). group: each match of 'Answer K: SCORE' (K then the score, "
+        "group_pattern) scores answer K.",
+    )
+    group_pattern: str = Field(
+        default=r"(?im)^\W*(?:answer\s*)?(\d+)\s*[:.)=-]\s*(-?\d+(?:\.\d+)?)",
+        description="group mode: groups 1 and 2 of each match are an answer's number (from 1) "
+        "and its score.",
+    )
+    choices: list[str] | None = Field(
+        default=None,
+        min_length=2,
+        max_length=256,
+        description="The answers the judge may give, each one token of its tokenizer (e.g. "
+        "the digits 0-9): its answer is then the one it ranks highest (sampled at a "
+        "temperature above 0), one token long, so even a small judge always answers a score. "
+        "Single mode only.",
+    )
+    scale: tuple[float, float] = Field(
+        default=(0.0, 10.0),
+        description="The scores the rubric allows; one outside them is no score (a null reward).",
+    )
+    normalize: bool = Field(
+        default=True, description="The reward is the score mapped from the scale onto [0, 1]."
+    )
+    max_tokens: int = Field(default=32, ge=1, le=8192, description="The judge's answer's length.")
+    temperature: float = Field(
+        default=0.0, ge=0.0, le=2.0, description="0: greedy (the same answer each time)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeSettings:
+        low, high = self.scale
+        if not low < high:
+            raise ValueError(f"scale: {low} is not below {high}")
+        for name in ("pattern", "group_pattern"):
+            try:
+                compiled = re.compile(getattr(self, name))
+            except re.error as error:
+                raise ValueError(f"{name}: not a regular expression ({error})") from None
+            wanted = 1 if name == "pattern" else 2
+            if compiled.groups < wanted:
+                raise ValueError(f"{name}: needs {wanted} capturing group(s)")
+        if self.choices is not None and self.mode != "single":
+            raise ValueError("choices: a group judge answers several scores (single mode only)")
+        allowed = JUDGE_FIELDS[self.mode]
+        try:
+            parsed = string.Formatter().parse(self.rubric_text)
+            named = {field for _, field, _, _ in parsed if field is not None}
+        except ValueError as error:
+            raise ValueError(f"rubric: {error} (double literal braces)") from None
+        if unknown := sorted(named - set(allowed)):
+            raise ValueError(f"rubric: {unknown} not among {list(allowed)} ({self.mode} mode)")
+        needed = "response" if self.mode == "single" else "responses"
+        if needed not in named:
+            raise ValueError(f"rubric: names no {{{needed}}}: the judge would not see the answer")
+        return self
+
+    @property
+    def rubric_text(self) -> str:
+        return self.rubric or (SINGLE_RUBRIC if self.mode == "single" else GROUP_RUBRIC)
+
+
+JUDGE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class RewardSettings(Group):
+    """Judges: served models that score answers by a rubric (`reward: "judge:NAME"`)."""
+
+    judges: dict[str, JudgeSettings] = Field(
+        default_factory=dict,
+        description='The judges by name, e.g. RLSERVE_REWARDS__JUDGES=\'{"helpful": '
+        '{"model": "reference"}}\'. An environment\'s `reward: "judge:helpful"` '
+        "scores each answer with it.",
+    )
+
+    @field_validator("judges")
+    @classmethod
+    def _names(cls, judges: dict[str, JudgeSettings]) -> dict[str, JudgeSettings]:
+        for name in judges:
+            if not JUDGE_NAME.fullmatch(name):
+                raise ValueError(f"judge name {name!r}: letters, digits, '_', '-' and '.' only")
+        return judges
 
 
 class ToolSettings(Group):

@@ -55,6 +55,7 @@ from app.ops.context import RequestContextMiddleware
 from app.ops.limits import BodyLimitMiddleware
 from app.ops.metrics import Metrics
 from app.ops.router import router as ops_router
+from app.rewards.judges import Judges
 from app.rewards.router import router as rewards_router
 from app.rewards.service import RewardService
 from app.rollouts.router import router as rollouts_router
@@ -133,6 +134,7 @@ def open_dataset_store(settings: StorageSettings) -> DatasetStore:
 def build_services(
     app: FastAPI,
     registry: ModelRegistry,
+    generation: GenerationService,
     envs: EnvService,
     trajectories: TrajectoryService,
     replicas: Replicas | None = None,
@@ -142,7 +144,7 @@ def build_services(
     settings: Settings = app.state.settings
     app.state.envs = envs
     limits = settings.limits
-    app.state.generation = generation = GenerationService(registry, limits)
+    app.state.generation = generation
     app.state.scoring = ScoringService(registry, limits)
     app.state.kl = KLService(registry, limits)
     app.state.rewards = RewardService(registry, limits)
@@ -199,8 +201,12 @@ def create_app(
         datasets = DatasetService(dataset_store, bundled, settings.datasets, data_dir)
         app.state.datasets = datasets
         sandbox = build_sandbox(settings.tools)
-        envs = build_env_service(store, sandbox, registry, datasets, settings.envs, settings.tools)
-        build_services(app, registry, envs, trajectories, replicas)
+        generation = GenerationService(registry, settings.limits)
+        judges = Judges(registry, generation, settings.rewards.judges)
+        envs = build_env_service(
+            store, sandbox, registry, datasets, settings.envs, settings.tools, judges
+        )
+        build_services(app, registry, generation, envs, trajectories, replicas)
         await asyncio.to_thread(sandbox.probe)
         await app.state.weights.open()
         loading = None

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from fastapi import Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 from rlserve_client import types as containers
 
@@ -162,6 +171,23 @@ class WireModel(BaseModel):
             where = _lone_surrogate(data, "")
             if where is not None:
                 raise field_error(where or "body", "contains a lone surrogate (not valid Unicode)")
+        return data
+
+
+class KeepsNull(WireModel):
+    """A wire model whose `kept_null` fields are written as null rather than left out when
+    the route leaves out None fields (a null reward says "no reward": absent, it would read
+    as a missing field)."""
+
+    kept_null: ClassVar[tuple[str, ...]] = ()
+
+    # (No return annotation: with one, pydantic would publish it as the model's schema.)
+    @model_serializer(mode="wrap")
+    def _keep_null(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self.kept_null:
+                data.setdefault(name, None)
         return data
 
 

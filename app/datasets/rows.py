@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.common.failures import invalid
-from app.envs.rewards import rewards
+from app.envs.rewards import reward_of
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def parse_jsonl(
 ) -> list[Problem]:
     """Every non-blank line as a Problem; a 422 naming `param` with the line number and the
     row's field at fault for the first bad line (with `reward`: also a row it cannot score)."""
-    check = None if reward is None else rewards()[reward].check_fields
+    check = None if reward is None else reward_of(reward).check_fields
     problems: list[Problem] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -156,10 +156,12 @@ class ModelRegistry:
             yield served, new_version
 
     async def load(self) -> None:
-        """Load the policy and the reference off the event loop; failures are kept for /ready."""
+        """Load the policy, the reference, the judge and the reward model off the event loop;
+        failures are kept for /ready."""
         try:
             source, builtin = await asyncio.to_thread(resolve_source, self.model_settings)
-            num_engines = 2 if self.model_settings.load_reference else 1
+            settings = self.model_settings
+            num_engines = 1 + bool(settings.load_reference) + bool(settings.judge_model)
             policy = await self._load("policy", source, builtin, num_engines)
             self.add(policy)
             if self.model_settings.load_reference:
@@ -175,6 +177,11 @@ class ModelRegistry:
                 self.pair = ModelPair(
                     self.models["policy"], self.models["reference"], self.batching
                 )
+            if self.model_settings.judge_model:  # a third model, for judges
+                judge_source, judge_builtin = await asyncio.to_thread(
+                    resolve_model, self.model_settings, self.model_settings.judge_model
+                )
+                self.add(await self._load("judge", judge_source, judge_builtin, num_engines))
             if self.model_settings.reward_model:
                 self.reward = await self._load_reward(self.model_settings.reward_model)
             if self.invariant:

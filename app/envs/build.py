@@ -11,6 +11,7 @@ from app.envs.sandbox import Sandbox, SandboxLimits
 from app.envs.service import EnvService
 from app.envs.sessions import SessionLimits, SessionRepository
 from app.envs.store import SessionStore
+from app.rewards.judges import Judges
 
 
 def build_sandbox(tools: ToolSettings) -> Sandbox:
@@ -38,6 +39,7 @@ def build_env_service(
     datasets: DatasetService,
     envs: EnvSettings,
     tools: ToolSettings,
+    judges: Judges,
 ) -> EnvService:
     sessions = SessionRepository(
         store,
@@ -49,4 +51,4 @@ def build_env_service(
     )
     limits = ToolLimits(step_budget_s=tools.step_budget_s, max_blocks=tools.max_blocks)
     engine = EpisodeEngine(sandbox, limits)
-    return EnvService(sessions, engine, registry, datasets, max_turns=envs.max_turns)
+    return EnvService(sessions, engine, registry, datasets, judges, max_turns=envs.max_turns)

@@ -17,7 +17,7 @@ from app.common.inputs import Conversation, InputPreparer
 from app.datasets.rows import Problem
 from app.envs import episodes
 from app.envs.episodes import Act, ActionTokens, EpisodeState, Observation, Prompts, Row
-from app.envs.rewards import Sample, by_model, first_bad_row, score_reward
+from app.envs.rewards import Sample, by_model, first_bad_row, judge_of, score_reward
 from app.envs.sandbox import Sandbox, SandboxUnavailable
 from app.envs.spec import EnvSpec, KLSpec
 from app.envs.tools import BlockResult, ToolBudget, run_python_blocks, tool_messages
@@ -37,7 +37,8 @@ class Turn:
     """One row's step before its episode flags are updated."""
 
     action: ActionTokens
-    reward: float
+    reward: float | None
+    """None: a judge gave no score (the breakdown's reward_error says why)."""
     ends_episode: bool
     breakdown: dict[str, object]
     info: dict[str, object]
@@ -45,6 +46,8 @@ class Turn:
     read: Conversation | str | None = None
     """What a model-based reward reads of the turn: the conversation up to and including the
     action (chat), or the row's text with it (text)."""
+    sample: Sample | None = None
+    """What a judge reads of the turn (judge rewards only)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class RowOutcome:
     """One row's answer to a step; `info` holds the reward breakdown and the answer."""
 
     observation: Observation
-    reward: float
+    reward: float | None
     done: bool
     terminated: bool
     truncated: bool
@@ -185,7 +188,7 @@ class EpisodeEngine:
     ) -> StepResult:
         """`act` then `finish` in one trip to the tokenizer thread, for a step with nothing
         to wait for between them: no tools to run, no KL penalty to score."""
-        if runs_tools(config) or config.kl is not None or by_model(config.reward):
+        if runs_tools(config) or config.kl is not None or scored_after(config):
             raise ValueError("act_and_finish is for steps without tools, models to call between")
         outputs = await preparer.off_loop(_act_and_finish, env_id, config, state, actions, preparer)
         return StepResult(env_id=env_id, policy_version=policy_version, outputs=outputs)
@@ -219,6 +222,11 @@ def runs_tools(config: EnvSpec) -> bool:
     return "python" in config.tools
 
 
+def scored_after(config: EnvSpec) -> bool:
+    """Whether a model scores the turns once they are taken: the reward model or a judge."""
+    return by_model(config.reward) or judge_of(config.reward) is not None
+
+
 def penalise_kl(
     kl: KLSpec, turns: list[Turn], scored: list[tuple[list[float], list[float]]]
 ) -> None:
@@ -227,7 +235,8 @@ def penalise_kl(
     for turn, (policy, reference) in zip(turns, scored, strict=True):
         mask = SequenceSplit.generated(turn.action.prompt, turn.action.ids).counted()
         value = sum(per_token_kl(policy, reference, mask, kl.estimator))
-        turn.reward -= kl.coeff * value
+        if turn.reward is not None:  # (a judge's missing score stays missing)
+            turn.reward -= kl.coeff * value
         turn.breakdown |= {"kl": value, "kl_penalty": -kl.coeff * value}
 
 
@@ -348,6 +357,7 @@ def _turn(
         info=info,
         tool_results=results or None,
         read=read,
+        sample=sample if judge_of(config.reward) is not None else None,
     )
 
 
@@ -362,7 +372,8 @@ def _observations(config: EnvSpec, rows: list[Row], preparer: InputPreparer) -> 
 
 
 def _outcome(config: EnvSpec, row: Row, turn: Turn | None, preparer: InputPreparer) -> RowOutcome:
-    reward, info, tool_results = 0.0, dict[str, object](), None  # a finished row stays as is
+    reward: float | None = 0.0  # (a finished row stays as is)
+    info, tool_results = dict[str, object](), None
     if turn is not None:
         turn.info["reward"] = turn.breakdown
         episodes.finish_turn(config, row, turn.reward, turn.ends_episode, preparer.max_model_len)

@@ -33,7 +33,8 @@ class Row:
     done: bool = False
     terminated: bool = False
     truncated: bool = False
-    total_reward: float = 0.0
+    total_reward: float | None = 0.0
+    """The sum of the turns' rewards; None once a turn had none (a judge gave no score)."""
 
 
 def _row_json(row: Row) -> dict[str, Any]:
@@ -302,12 +303,13 @@ def apply_action(
 
 
 def finish_turn(
-    config: EnvSpec, row: Row, reward: float, ends_episode: bool, max_model_len: int
+    config: EnvSpec, row: Row, reward: float | None, ends_episode: bool, max_model_len: int
 ) -> None:
     """Count the turn; the episode is truncated at max_turns, or once its history leaves no
     room for another generated token."""
     row.turns += 1
-    row.total_reward += reward
+    if row.total_reward is not None:
+        row.total_reward = None if reward is None else row.total_reward + reward
     row.terminated = ends_episode
     out_of_turns = config.max_turns is not None and row.turns >= config.max_turns
     row.truncated = not ends_episode and (out_of_turns or len(row.ids) >= max_model_len)

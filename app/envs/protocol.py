@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.protocol import (
+    KeepsNull,
     Message,
     Seed,
     ServedName,
@@ -243,9 +244,14 @@ class ToolResult(WireModel):
         return cls(block=result.block, ok=result.ok, output=result.output)
 
 
-class StepOutput(WireModel):
+class StepOutput(KeepsNull):
+    kept_null = ("reward",)
+
     observation: Observation
-    reward: float
+    reward: float | None = Field(
+        description="None when a judge gave no score (info.reward.reward_error says why): the "
+        "trainer decides what such a row counts for."
+    )
     done: bool
     terminated: bool
     truncated: bool
@@ -287,7 +293,9 @@ class RowState(WireModel):
     done: bool
     terminated: bool
     truncated: bool
-    total_reward: float
+    total_reward: float | None = Field(
+        description="The sum of the episode's rewards; None once a turn had none."
+    )
 
     @classmethod
     def of(cls, row: episodes.Row) -> RowState:

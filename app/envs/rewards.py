@@ -70,6 +70,11 @@ REWARD_MODULES = ("app.envs.ifeval",)
 once, and registers its rewards when imported."""
 
 
+JUDGE = "judge:"
+"""`reward: "judge:NAME"`: each answer scored by judge NAME (`rewards.judges`) once the turn
+is taken, in one batched call per step (`app.rewards.judges`)."""
+
+
 def rewards() -> dict[str, Reward]:
     """Every reward: this module's, the shipped modules' (imported on first use, so this
     module needs none of them to load) and any registered since."""
@@ -98,9 +103,24 @@ def register_reward(
     return decorate
 
 
+def reward_of(name: str) -> Reward:
+    """The registered reward `name`, or a judge's (`judge:NAME`); KeyError for another."""
+    known = rewards()
+    if name in known:
+        return known[name]
+    if name.startswith(JUDGE):
+        return JUDGED
+    raise KeyError(name)
+
+
+def judge_of(name: str) -> str | None:
+    """The judge that gives reward `name`, or None for a reward of another kind."""
+    return name.removeprefix(JUDGE) if name.startswith(JUDGE) else None
+
+
 def parse_options(name: str, options: dict[str, Any]) -> BaseModel:
     """The reward's options, or a 422 naming `reward_options.<field>`."""
-    model = rewards()[name].options or NoOptions
+    model = reward_of(name).options or NoOptions
     try:
         return model.model_validate(options)
     except ValidationError as error:
@@ -110,7 +130,7 @@ def parse_options(name: str, options: dict[str, Any]) -> BaseModel:
 
 
 def score_reward(name: str, options: dict[str, Any], sample: Sample) -> RewardResult:
-    reward = rewards()[name]
+    reward = reward_of(name)
     if reward.options is None:
         return reward.fn(sample)
     return reward.fn(sample, parse_options(name, options))
@@ -118,7 +138,7 @@ def score_reward(name: str, options: dict[str, Any], sample: Sample) -> RewardRe
 
 def first_bad_row(name: str, rows: Iterable[Mapping[str, Any]]) -> tuple[int, str, str] | None:
     """The first row whose fields this reward cannot score: (index, field, what is wrong)."""
-    check = rewards()[name].check_fields
+    check = reward_of(name).check_fields
     if check is None:
         return None
     for index, fields in enumerate(rows):
@@ -130,9 +150,9 @@ def first_bad_row(name: str, rows: Iterable[Mapping[str, Any]]) -> tuple[int, st
 async def require(name: str, param: str = "reward") -> None:
     """A 422 naming `param` unless `name` is a reward this server can run."""
     known = rewards()
-    if name not in known:
-        raise invalid(param, f"unknown reward '{name}' (have {sorted(known)})")
-    check = known[name].unavailable
+    if name not in known and judge_of(name) is None:
+        raise invalid(param, f"unknown reward '{name}' (have {sorted(known)}, or judge:NAME)")
+    check = reward_of(name).unavailable
     if check is not None and (problem := await asyncio.to_thread(check)) is not None:
         raise invalid(param, f"reward '{name}' cannot run on this server: {problem}")
 
@@ -144,12 +164,16 @@ def no_reward(sample: Sample) -> RewardResult:
 
 @register_reward(MODEL, by_model=True)
 def model_reward(sample: Sample) -> RewardResult:
-    return RewardResult(0.0)  # (the reward model's, set once it has scored the turn)
+    return RewardResult(0.0)  # (the reward model's or a judge's, set once it has scored)
+
+
+JUDGED = Reward(model_reward, None)
+"""Every judge's entry (`judge:NAME`): its `fn` holds the place of the judge's verdict."""
 
 
 def by_model(name: str) -> bool:
     """Whether reward `name` is the served reward model's."""
-    return rewards()[name].by_model
+    return reward_of(name).by_model
 
 
 def normalize_number(text: str) -> str:
@@ -247,6 +271,9 @@ def reward_names_schema(schema: dict[str, Any]) -> None:
     """A `json_schema_extra` hook: the field names one of the rewards registered when the
     spec is made (a name outside them is refused), null kept where the field allows it."""
     names: list[str | None] = [*sorted(rewards())]
-    if any(option.get("type") == "null" for option in schema.get("anyOf", ())):
+    nullable = any(option.get("type") == "null" for option in schema.get("anyOf", ()))
+    if nullable:
         names.append(None)
-    schema["enum"] = names
+    judges = {"type": "string", "pattern": f"^{JUDGE}[A-Za-z0-9_.-]{{1,64}}$"}
+    schema.pop("type", None)
+    schema["anyOf"] = [{"enum": names}, judges]

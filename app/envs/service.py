@@ -11,11 +11,12 @@ from app.common.inputs import InputPreparer, Prepared
 from app.datasets.rows import Problem
 from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
-from app.envs.engine import EpisodeEngine, StepResult, Turn, penalise_kl, runs_tools
+from app.envs.engine import EpisodeEngine, StepResult, Turn, penalise_kl, runs_tools, scored_after
 from app.envs.episodes import Act, EpisodeState, Observation, Prompts
-from app.envs.rewards import by_model, parse_options, require
+from app.envs.rewards import by_model, judge_of, parse_options, require
 from app.envs.sessions import SessionRepository, SessionView
 from app.envs.spec import EnvSpec
+from app.rewards.judges import Judged, Judges
 
 NO_PROMPTS = Prompts()
 
@@ -27,6 +28,7 @@ class EnvService:
         engine: EpisodeEngine,
         registry: ModelRegistry,
         datasets: DatasetService,
+        judges: Judges,
         *,
         max_turns: int,
     ) -> None:
@@ -34,6 +36,7 @@ class EnvService:
         self.engine = engine
         self.registry = registry
         self.datasets = datasets
+        self.judges = judges
         self.max_turns = max_turns
 
     # -- sessions -----------------------------------------------------------------------
@@ -50,6 +53,8 @@ class EnvService:
                 )
             if self.registry.not_ready_reason() is None:
                 self.registry.get_reward("reward", param="reward")  # (else at the first step)
+        if (judge := judge_of(config.reward)) is not None:
+            self.judges.check(judge)
         self.engine.check_tools(config.tools)
         if config.max_turns is None:
             config = config.with_max_turns(self.max_turns)
@@ -135,16 +140,17 @@ class EnvService:
         preparer: InputPreparer,
         sampler: str | None,
     ) -> StepResult:
-        scored_by_model = by_model(config.reward)
-        if config.kl is None and not runs_tools(config) and not scored_by_model:
+        if config.kl is None and not runs_tools(config) and not scored_after(config):
             version = self.registry.policy_version
             return await self.engine.act_and_finish(
                 env_id, version, config, state, actions, preparer
             )
         turns = await self.engine.act(env_id, config, state, actions, preparer)
         taken = [t for t in turns if t is not None]
-        if scored_by_model:
+        if by_model(config.reward):
             await self._reward_by_model(taken)
+        elif (judge := judge_of(config.reward)) is not None:
+            await self._reward_by_judge(judge, turns, config.repeats)
         version = await self._penalise_kl(config, taken, sampler)
         return await self.engine.finish(env_id, version, config, state, turns, preparer)
 
@@ -168,6 +174,25 @@ class EnvService:
         for turn, values in zip(turns, scored, strict=True):
             turn.reward = values.reward[0]
             turn.breakdown = {**turn.breakdown, "task": turn.reward, "reward_model": turn.reward}
+
+    async def _reward_by_judge(self, judge: str, turns: list[Turn | None], repeats: int) -> None:
+        """Every taken turn's reward from the judge, in one batched call (group mode: one
+        judge call per prompt's `repeats` rows); a turn the judge gave no score has reward
+        None, the reason and the judge's text in its breakdown."""
+        taken = [(row, turn) for row, turn in enumerate(turns) if turn is not None]
+        answers = [
+            Judged(
+                prompt=_text(turn.sample.prompt if turn.sample else None),
+                response=turn.sample.response if turn.sample else turn.action.text,
+                answer=turn.sample.answer if turn.sample else None,
+                group=row // max(repeats, 1),
+            )
+            for row, turn in taken
+        ]
+        verdicts = await self.judges.judge(judge, answers)
+        for (_, turn), verdict in zip(taken, verdicts, strict=True):
+            turn.reward = verdict.reward
+            turn.breakdown = {**turn.breakdown, "task": verdict.reward, **verdict.info(judge)}
 
     async def _penalise_kl(self, config: EnvSpec, turns: list[Turn], sampler: str | None) -> int:
         """Score every action in one batched call under a read lease (tools ran before it, so
@@ -210,3 +235,13 @@ def _deleted(param: str, message: str) -> Exception:
     return Conflict(
         f"{param}: {message}; it was deleted after this session was created", param=param
     )
+
+
+def _text(content: object) -> str:
+    """A message's content as a judge reads it: text parts joined, other parts left out."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "".join(str(p) for p in parts)
+    return str(content)

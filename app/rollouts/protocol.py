@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
-from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn
+from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, total
 from rlserve_client.sequences import SequenceSplit
 
 from app.common.inputs import Conversation
 from app.common.protocol import (
     VERSIONS_DESCRIPTION,
+    KeepsNull,
     LogProbFields,
     Masks,
     Message,
@@ -112,8 +113,10 @@ class RolloutRequest(WireModel):
         return self
 
 
-class RolloutStep(WireModel):
+class RolloutStep(KeepsNull):
     """One dialog turn of one episode, in TorchRL's container layout."""
+
+    kept_null = ("reward",)
 
     text: TextFields = Field(description="response: the generated text.")
     tokens: TokenFields = Field(
@@ -121,7 +124,10 @@ class RolloutStep(WireModel):
     )
     log_probs: LogProbFields = Field(description="response: raw model log-probs of the sample.")
     masks: Masks = Field(description="Over tokens.full; all_assistant_mask is 1 on the response.")
-    reward: float
+    reward: float | None = Field(
+        description="None when a judge gave no score (info.reward.reward_error says why): the "
+        "trainer decides what such a row counts for."
+    )
     done: bool
     terminated: bool
     truncated: bool
@@ -173,11 +179,16 @@ class RolloutStep(WireModel):
         )
 
 
-class Trajectory(WireModel):
+class Trajectory(KeepsNull):
+    kept_null = ("reward",)
+
     env_id: str
     row: int = Field(description="The row of the session that ran the episode.")
     steps: Annotated[list[RolloutStep], Field(min_length=1)]
-    reward: float = Field(description="Sum of the steps' rewards.")
+    reward: float | None = Field(
+        description="Sum of the steps' rewards; None when a step has none (its trajectory "
+        "then has no advantage and leaves its group's statistics)."
+    )
     group: int | None = Field(
         default=None, description="GRPO group (repeats > 1): episodes on the same prompt."
     )
@@ -196,7 +207,7 @@ class Trajectory(WireModel):
             env_id=env_id,
             row=row,
             steps=steps,
-            reward=sum(s.reward for s in steps),
+            reward=total([s.reward for s in steps]),
             history=messages(history),
         )
 

@@ -135,3 +135,31 @@ async def test_tensor_inputs_travel_as_binary(api):
     plain = await api.logprobs(tokens=rows)
     sent = await api.logprobs(tokens=[torch.tensor(r) for r in rows])
     assert [o.log_probs.full for o in sent.outputs] == [o.log_probs.full for o in plain.outputs]
+
+
+def test_a_reward_a_judge_left_out_is_nan_with_its_advantage() -> None:
+    from rlserve_client.types import RolloutResult
+
+    def step(sample: dict, reward: float | None, advantage: float | None) -> dict:
+        return {
+            **sample,
+            "reward": reward,
+            "done": True,
+            "terminated": True,
+            "truncated": False,
+            "policy_version": 3,
+            "advantage": advantage,
+        }
+
+    trajectories = [
+        {"env_id": "e", "row": 0, "steps": [step(SAMPLES[0], 1.0, 0.7)], "reward": 1.0},
+        {"env_id": "e", "row": 1, "steps": [step(SAMPLES[1], None, None)], "reward": None},
+    ]
+    result = RolloutResult.model_validate(
+        {"trajectories": trajectories, "num_dialog_turns": 2, "policy_version": 3}
+    )
+    td = result.to_tensordict(pad_token_id=0)
+    reward = td["next", "reward"].flatten()
+    assert reward[0] == 1.0 and reward[1].isnan()
+    advantage = td["advantage"].flatten()
+    assert advantage[0] == pytest.approx(0.7) and advantage[1].isnan()

@@ -9,7 +9,11 @@
 
 Normalisation is (x - mean) / std with the unbiased std clamped at 1e-6, as in TorchRL. For
 single-turn episodes every choice gives the same advantages. The server's `/v1/rollouts`
-imports this module too, so both paths give the same advantages."""
+imports this module too, so both paths give the same advantages.
+
+A step without a reward (None: a judge gave no score) takes its trajectory out of its group:
+the trajectory and its steps get no advantage, and the others are normalised among themselves
+(a group left with one trajectory gives it 0)."""
 
 from __future__ import annotations
 
@@ -37,32 +41,53 @@ def trajectory_return(rewards: list[float], how: TrajectoryReturn) -> float:
     return sum(rewards)
 
 
+def total(rewards: Sequence[float | None]) -> float | None:
+    """The sum of a trajectory's step rewards; None when a step has none."""
+    known = [r for r in rewards if r is not None]
+    return sum(known) if len(known) == len(rewards) else None
+
+
 def group_advantages(
-    step_rewards: list[list[float]],
+    step_rewards: Sequence[Sequence[float | None]],
     group_size: int,
     how: TrajectoryReturn = DEFAULT_TRAJECTORY_RETURN,
-) -> list[list[float]]:
-    """Per trajectory, the advantage of each step, for consecutive groups of `group_size`."""
+) -> list[list[float | None]]:
+    """Per trajectory, the advantage of each step, for consecutive groups of `group_size`
+    (None for every step of a trajectory with a step without reward)."""
     if group_size < 2 or len(step_rewards) % group_size:
         raise ValueError(
             f"{len(step_rewards)} trajectories do not split into groups of {group_size}"
         )
-    out: list[list[float]] = []
+    out: list[list[float | None]] = []
     for start in range(0, len(step_rewards), group_size):
-        group = step_rewards[start : start + group_size]
-        if how == "steps":
-            flat = _normalise([r for rewards in group for r in rewards])
-            for rewards in group:
-                out.append(flat[: len(rewards)])
-                flat = flat[len(rewards) :]
-        else:
-            returns = _normalise([trajectory_return(rewards, how) for rewards in group])
-            out.extend([a] * len(rewards) for a, rewards in zip(returns, group, strict=True))
+        whole = step_rewards[start : start + group_size]
+        scored = [all(r is not None for r in rewards) for rewards in whole]
+        group = [[r for r in rewards if r is not None] for rewards in whole]
+        group = [rewards for rewards, ok in zip(group, scored, strict=True) if ok]
+        found = _advantages(group, how) if group else []
+        out.extend(
+            found.pop(0) if ok else [None] * len(rewards)
+            for rewards, ok in zip(whole, scored, strict=True)
+        )
+    return out
+
+
+def _advantages(group: list[list[float]], how: TrajectoryReturn) -> list[list[float | None]]:
+    """One group's advantages, every trajectory with all its rewards."""
+    out: list[list[float | None]] = []
+    if how == "steps":
+        flat = _normalise([r for rewards in group for r in rewards])
+        for rewards in group:
+            out.append(list(flat[: len(rewards)]))
+            flat = flat[len(rewards) :]
+    else:
+        returns = _normalise([trajectory_return(rewards, how) for rewards in group])
+        out.extend([a] * len(rewards) for a, rewards in zip(returns, group, strict=True))
     return out
 
 
 class _Step(Protocol):
-    reward: float
+    reward: float | None
     advantage: float | None
 
 

@@ -10,7 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rlserve_client._client import AsyncClient
-from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, assign_advantages
+from rlserve_client.advantages import (
+    DEFAULT_TRAJECTORY_RETURN,
+    TrajectoryReturn,
+    assign_advantages,
+    total,
+)
 from rlserve_client.progress import progress_bar
 from rlserve_client.rounds import Turn, Versioned, play_round
 from rlserve_client.sequences import SequenceSplit
@@ -167,7 +172,7 @@ class _Runner:
                 env_id=env_id,
                 row=row,
                 steps=[_step(t) for t in row_turns],
-                reward=sum(t.outcome.reward for t in row_turns),
+                reward=total([t.outcome.reward for t in row_turns]),
                 history=last.history,
             )
             for row, (row_turns, last) in enumerate(zip(played.turns, played.last, strict=True))

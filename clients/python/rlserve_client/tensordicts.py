@@ -12,6 +12,7 @@ with its own lengths. Text and history are non-tensor data either way."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,21 +198,27 @@ def trajectories_to_tensordict(
 ) -> TensorDictBase:
     """Every step of every trajectory, batch `[num_steps]`, with the sample keys plus
     ("next", "reward"|"done"|"terminated"|"truncated") of shape [num_steps, 1] (TorchRL's
-    layout), "policy_version", "trajectory" (its index) and, for GRPO groups, "advantage"."""
+    layout), "policy_version", "trajectory" (its index) and, for GRPO groups, "advantage". A
+    reward a judge did not give (None), and the advantage of its trajectory, are NaN: mask
+    them with `reward.isnan()`."""
     steps: list[Step] = [step for t in trajectories for step in t.steps]
     td = samples_to_tensordict(steps, padded=padded, pad_token_id=pad_token_id)
     index = [i for i, t in enumerate(trajectories) for _ in t.steps]
     scalars: dict[Any, torch.Tensor] = {
-        ("next", "reward"): torch.tensor([[s.reward] for s in steps]),
+        ("next", "reward"): torch.tensor([[_nan(s.reward)] for s in steps], dtype=torch.float32),
         ("next", "done"): torch.tensor([[s.done] for s in steps]),
         ("next", "terminated"): torch.tensor([[s.terminated] for s in steps]),
         ("next", "truncated"): torch.tensor([[s.truncated] for s in steps]),
         "policy_version": torch.tensor([s.policy_version for s in steps]),
         "trajectory": torch.tensor(index),
     }
-    if all(s.advantage is not None for s in steps):
-        advantages = [[s.advantage] for s in steps]
+    if any(s.advantage is not None for s in steps):
+        advantages = [[_nan(s.advantage)] for s in steps]
         scalars["advantage"] = torch.tensor(advantages, dtype=torch.float32)
     for key, value in scalars.items():
         td.set(key, value)
     return td
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value

@@ -354,7 +354,8 @@ class ResetResult(Result):
 
 class StepOutput(Result):
     observation: Observation
-    reward: float
+    reward: float | None
+    """None when a judge gave no score (`info["reward"]["reward_error"]` says why)."""
     done: bool
     terminated: bool
     truncated: bool
@@ -372,7 +373,7 @@ class RowState(Result):
     done: bool
     terminated: bool
     truncated: bool
-    total_reward: float
+    total_reward: float | None
 
 
 class EnvState(Result):
@@ -396,7 +397,8 @@ class Step(Sample):
     `tokens.response`, its raw log-probs, the env's reward and flags, and the policy version
     that generated it."""
 
-    reward: float
+    reward: float | None
+    """None when a judge gave no score (see `StepOutput.reward`)."""
     done: bool
     terminated: bool
     truncated: bool
@@ -411,7 +413,8 @@ class Trajectory(Result):
     env_id: str
     row: int
     steps: list[Step]
-    reward: float
+    reward: float | None
+    """The steps' rewards summed; None when a step has none (no advantage then)."""
     group: int | None = None
     advantage: float | None = None
     history: list[Message] | None = None

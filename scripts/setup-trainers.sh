@@ -57,8 +57,10 @@ art_previous_needs=(
 # verl 0.9.1's reward loop (verl.experimental.reward_loop: its discriminative reward model over
 # HTTP) and OpenRLHF 0.11.2's HTTP reward call (openrlhf.utils.agent), from their releases with
 # --no-deps: their import chains need only what is here already (ray, omegaconf, tensordict,
-# aiohttp, sympy, transformers, torch) plus codetiming (verl) and pylatexenc (OpenRLHF).
-rewards=(verl==0.9.1 openrlhf==0.11.2)
+# aiohttp, sympy, transformers, torch) plus codetiming (verl) and pylatexenc (OpenRLHF). TRL
+# 1.0.0's OpenAI judges (trl.experimental.judges; TRL removed them after 1.0), --no-deps too:
+# they import openai, numpy and accelerate, here already.
+rewards=(verl==0.9.1 openrlhf==0.11.2 trl==1.0.0)
 rewards_needs=(codetiming pylatexenc)
 stamp="$venv/.rlserve-installed"
 wanted="$(cat pyproject.toml clients/python/pyproject.toml "$0" | sha256sum | cut -c1-16)"

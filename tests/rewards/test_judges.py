@@ -25,14 +25,16 @@ JUDGES = {
     "ranker": {"model": "policy", "mode": "group", "rubric": GROUP_RUBRIC, "max_tokens": 6},
     "elsewhere": {"model": "reference"},
     "cramped": {"model": "policy", "rubric": RUBRIC, "max_tokens": 8000},
+    "third": {"model": "judge", "rubric": RUBRIC, "choices": DIGITS, "scale": [0, 9]},
 }
 
 
 @pytest.fixture(scope="module")
 async def judged(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The built-in policy serving as its own judge, under three rubrics."""
+    """The built-in policy serving as its own judge, and a third model (the same built-in
+    weights, loaded again) as 'judge'."""
     with_judges = settings.replace(
-        models={"load_reference": False},
+        models={"load_reference": False, "judge_model": "builtin:tiny"},
         rewards={"judges": JUDGES},
         storage={"data_dir": settings.storage.data_dir / "judges"},
     )
@@ -67,10 +69,11 @@ async def chat_env(client: httpx.AsyncClient, reward: str, **config: object) -> 
     return str(created.json()["env_id"])
 
 
+@pytest.mark.parametrize("judge", ["digits", "third"])
 async def test_a_judge_with_choices_answers_the_digit_its_model_ranks_highest(
-    judged: httpx.AsyncClient, hf_model: torch.nn.Module, hf_tokenizer
+    judged: httpx.AsyncClient, hf_model: torch.nn.Module, hf_tokenizer, judge: str
 ) -> None:  # type: ignore[no-untyped-def]
-    env = await chat_env(judged, "judge:digits", batch_size=3)
+    env = await chat_env(judged, f"judge:{judge}", batch_size=3)
     queries = ["What is 2+3?", "Name a colour.", "Say hi."]
     await judged.post(f"/v1/envs/{env}/reset", json={"query": queries})
     replies = ["It is 5.", "Blue.", "Hello there!"]
@@ -85,7 +88,7 @@ async def test_a_judge_with_choices_answers_the_digit_its_model_ranks_highest(
             logits = hf_model(torch.tensor([ids])).logits[0, -1]
         digit = int(logits[digit_ids].argmax())
         breakdown = output["info"]["reward"]
-        assert breakdown["judge"] == "digits"
+        assert breakdown["judge"] == judge
         assert breakdown["judge_text"] == str(digit)
         assert breakdown["judge_score"] == digit
         assert output["reward"] == pytest.approx(digit / 9)
@@ -162,6 +165,8 @@ async def test_a_judge_that_cannot_answer_fails_its_rows_rewards_not_the_step(
 async def test_unknown_judges_and_judges_on_models_not_served_are_refused(
     judged: httpx.AsyncClient,
 ) -> None:
+    models = (await judged.get("/v1/models")).json()["data"]
+    assert {"policy", "judge"} <= {card["id"] for card in models}
     unknown = await judged.post("/v1/envs", json={"reward": "judge:nobody"})
     assert unknown.status_code == 422
     assert unknown.json()["error"]["param"] == "reward"

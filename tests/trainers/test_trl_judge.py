@@ -100,4 +100,5 @@ def test_trls_pairwise_judge_ranks_with_the_served_judge_model(
     assert ranks == expected
     # The same pairs the other way round: each rank again the judge model's own answer.
     flipped = judge.judge(PROMPTS, [pair[::-1] for pair in COMPLETIONS], shuffle_order=False)
-    assert flipped == [expected_rank(judge_path, p, c[::-1]) for p, c in zip(PROMPTS, COMPLETIONS)]
+    pairs = zip(PROMPTS, COMPLETIONS, strict=True)
+    assert flipped == [expected_rank(judge_path, p, c[::-1]) for p, c in pairs]

@@ -2,7 +2,8 @@
 redis-server: requests spread over both replicas, each labels its answers and metrics, a
 session's requests stick to one replica, and an environment episode survives that replica
 being killed (Ray starts another; no completed step is lost). Weight updates (a load, an
-upload, the collective transfer) reach both replicas or neither, and so do LoRA adapters."""
+upload, the collective transfer) reach both replicas or neither, and so do LoRA adapters. Each
+replica serves the reward model beside its policy."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ def server(cluster: str, tmp_path_factory: pytest.TempPathFactory, settings) -> 
             "RLSERVE_STORAGE__DATA_DIR": str(tmp / "data"),
             "RLSERVE_STORAGE__SESSION_STORE": redis_url,
             "RLSERVE_MODELS__BACKEND": "transformers",
+            "RLSERVE_MODELS__REWARD_MODEL": "builtin:tiny-reward",
         }
         command = [
             *[sys.executable, "-m", "app.cli", "serve", "--replicas", "2", "--sticky-sessions"],
@@ -102,6 +104,27 @@ def test_requests_spread_over_both_replicas(server: Server) -> None:
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
         labels |= {line for line in text.splitlines() if line.startswith("target_info{")}
     assert labels == {f'target_info{{replica="{r}"}} 1.0' for r in seen}
+
+
+def test_every_replica_serves_the_reward_model(server: Server, settings) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from app.engine.loader import builtin_reward_dir
+
+    path = builtin_reward_dir(settings.models)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    text = "The answer is 42."
+    ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+    with torch.inference_mode():
+        expected = float(model(torch.tensor([ids])).logits[0, 0])
+    seen = {}
+    for _ in range(20):
+        answer = httpx.post(f"{server.url}/v1/rewards", json={"text": [text]}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        seen[answer.headers["x-rlserve-replica"]] = answer.json()["outputs"][0]["reward"]
+    assert len(seen) == 2
+    assert all(abs(reward - expected) <= 1e-5 for reward in seen.values()), seen
 
 
 def test_an_episode_survives_its_replica_being_killed(

@@ -436,6 +436,10 @@ class JudgeSettings(Group):
             raise ValueError(f"rubric: {error} (double literal braces)") from None
         if unknown := sorted(named - set(allowed)):
             raise ValueError(f"rubric: {unknown} not among {list(allowed)} ({self.mode} mode)")
+        try:  # (a format spec or a conversion that text cannot take)
+            self.rubric_text.format_map({name: 2 if name == "n" else "text" for name in allowed})
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+            raise ValueError(f"rubric: cannot be filled in ({error})") from None
         needed = "response" if self.mode == "single" else "responses"
         if needed not in named:
             raise ValueError(f"rubric: names no {{{needed}}}: the judge would not see the answer")

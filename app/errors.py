@@ -139,6 +139,20 @@ REWARD_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     },
 }
 
+REWARD_WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    **ERROR_RESPONSES,
+    400: {"model": ErrorResponse, "description": "Not a valid safetensors checkpoint"},
+    404: {
+        "model": ErrorResponse,
+        "description": "No checkpoint at the path, or no reward model is served",
+    },
+    409: {
+        "model": ErrorResponse,
+        "description": "The checkpoint changed while it was read, the version is not above "
+        "the current one, or the server is one replica of several",
+    },
+}
+
 PAUSE_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     **ERROR_RESPONSES,
     409: {"model": ErrorResponse, "description": "Already paused with another mode"},

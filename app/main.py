@@ -147,7 +147,13 @@ def build_services(
     app.state.generation = generation
     app.state.scoring = ScoringService(registry, limits)
     app.state.kl = KLService(registry, limits)
-    app.state.rewards = RewardService(registry, limits)
+    app.state.rewards = RewardService(
+        registry,
+        limits,
+        uploads=settings.storage.data_dir / "reward-uploads",
+        io_timeout_s=settings.weights.io_timeout_s,
+        replicated=replicas is not None,
+    )
     app.state.rollouts = RolloutService(
         envs, generation, max_rollout_turns=limits.max_rollout_turns
     )

@@ -1,27 +1,45 @@
-"""The reward model served beside the policy, against the same model in-process: rewards per
-second at 1, 8 and 32 concurrent clients, each request one sequence of `--tokens` tokens on
-`/v1/rewards`, and in-process `AutoModelForSequenceClassification` forwards of batches of the
-same size (as many sequences as clients: what the server's batcher can put in one call). The
-server's rewards are checked against the in-process ones (1e-5).
+"""The reward model served beside the policy.
 
-    python bench/reward_model.py            # a 512-wide, 6-layer reward model, 128 requests
-    python bench/reward_model.py --quick    # the built-in tiny one, a few requests
+Throughput (`--part throughput`): rewards per second at 1, 8 and 32 concurrent clients, each
+request one sequence of `--tokens` tokens on `/v1/rewards`, against in-process
+`AutoModelForSequenceClassification` forwards of batches of the same size (as many sequences
+as clients: what the server's batcher can put in one call). The server's rewards are checked
+against the in-process ones (1e-5).
+
+Learning (`--part learning`): a reward model trained here, then GRPO with it as the only
+reward. SmolLM2-135M-Instruct samples replies to the bundled sums at temperature 1; each is
+labelled by whether it ends on the right sum; a score head on SmolLM2's own (frozen) last hidden
+state learns that label (logistic regression). The reward model (SmolLM2 with that head) is
+served with `--reward-model`, and `examples/grpo.py --reward model` trains the policy on its
+scores alone: the log shows the served reward and the exact-answer rate, which the reward model
+never sees, step by step.
+
+    python bench/reward_model.py            # both parts
+    python bench/reward_model.py --quick    # throughput alone, the built-in tiny model
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-from common import bench_arguments, drive, running_server
+from common import bench_arguments, drive, rss_bytes, running_server, standard_error
+from rlserve_client import Client
 from transformers import AutoModelForSequenceClassification
 
+from app.config import Settings
+from app.config_groups import DEFAULT_MODEL
+from app.datasets.bundled import sum_problems
+from app.datasets.rows import Problem
 from app.engine.builtin_model import BUILDER_VERSION, build_model
+from app.engine.loader import smollm2_dir
+from examples.grpo import arguments, ends_on, train
 
 CLIENTS = (1, 8, 32)
 
@@ -60,6 +78,15 @@ def in_process(path: Path, sequences: list[list[int]], batch: int) -> tuple[floa
 
 
 def main() -> None:
+    if ARGS.part in ("throughput", "all"):
+        throughput()
+    if ARGS.part == "learning" or (ARGS.part == "all" and not ARGS.quick):
+        learning()
+    if ARGS.part == "footprint" or (ARGS.part == "all" and not ARGS.quick):
+        footprint()
+
+
+def throughput() -> None:
     output: Path = ARGS.output
     quick = ARGS.quick
     hidden, layers = (64, 2) if quick else (512, 6)
@@ -105,8 +132,199 @@ def main() -> None:
     (output / name).write_text(json.dumps(results, indent=1) + "\n")
 
 
+@torch.inference_mode()
+def sampled_replies(
+    model: Any, tokenizer: Any, problems: list[Problem], per_prompt: int, seed: int
+) -> list[tuple[list[dict[str, str]], bool]]:
+    """SmolLM2's replies at temperature 1 (what GRPO shows the reward model), each conversation
+    with whether the reply ends on the right sum."""
+    torch.manual_seed(seed)
+    out = []
+    for problem in problems:
+        chat = [{"role": "user", "content": problem.query}]
+        ids = tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        replies = model.generate(
+            torch.tensor([ids]),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=ARGS.max_new_tokens,
+            num_return_sequences=per_prompt,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for row in replies[:, len(ids) :].tolist():
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            out.append(
+                (
+                    [*chat, {"role": "assistant", "content": text}],
+                    ends_on(text, problem.answer or ""),
+                )
+            )
+    return out
+
+
+@torch.inference_mode()
+def features(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]]) -> torch.Tensor:
+    """The base model's last hidden state where the reward model reads a conversation (its last
+    token), one conversation at a time (no padding)."""
+    rows = []
+    for chat in chats:
+        ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
+        rows.append(model.model(torch.tensor([ids])).last_hidden_state[0, -1])
+    return torch.stack(rows)
+
+
+def train_reward_model(output: Path) -> tuple[Path, dict[str, Any]]:
+    """SmolLM2 with a score head fit to its own replies' correctness; its folder and the fit's
+    figures (held-out accuracy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_dir(Settings().models)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    problems = sum_problems(ARGS.rm_prompts, seed=7)
+    labelled = sampled_replies(policy, tokenizer, problems, 8, seed=7)
+    x = features(policy, tokenizer, [chat for chat, _ in labelled])
+    y = torch.tensor([float(right) for _, right in labelled])
+    cut = len(y) * 3 // 4
+    mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-6
+    weight, bias = torch.zeros(x.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.Adam([weight, bias], lr=1e-2)
+    positive = float(y[:cut].mean())
+    balance = torch.where(y[:cut] > 0, 0.5 / max(positive, 1e-3), 0.5 / max(1 - positive, 1e-3))
+    for _ in range(400):
+        optimizer.zero_grad()
+        logits = ((x[:cut] - mean) / std) @ weight + bias
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y[:cut], balance)
+        (loss + 1e-3 * weight.square().sum()).backward()
+        optimizer.step()
+    with torch.no_grad():
+        held = ((x[cut:] - mean) / std) @ weight + bias
+        accuracy = float(((held > 0).float() == y[cut:]).float().mean())
+        right, wrong = held[y[cut:] > 0], held[y[cut:] == 0]
+        # (AUC: how often a right reply outscores a wrong one, what a group's ranking needs)
+        auc = float((right[:, None] > wrong[None, :]).float().mean()) if len(right) else None
+        # The head reads the raw hidden state: fold the standardisation into its weights (the
+        # reward model's head has no bias: a constant would not change a group's advantages).
+        head = (weight / std)[None, :]
+    reward = AutoModelForSequenceClassification.from_pretrained(
+        source, num_labels=1, dtype=torch.float32
+    )
+    reward.score.weight.data = head.clone()
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    path = output / ".reward-smollm2"
+    reward.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    fit = {
+        "replies": len(y),
+        "right_share": float(y.mean()),
+        "held_out_accuracy": accuracy,
+        "held_out_auc": auc,
+        "held_out_right_share": float(y[cut:].mean()),
+        "seconds": time.perf_counter() - start,
+    }
+    print("reward model", json.dumps(fit), flush=True)
+    return path, fit
+
+
+def learning() -> None:
+    output: Path = ARGS.output
+    output.mkdir(parents=True, exist_ok=True)
+    path, fit = train_reward_model(output)
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(output / ".data-learning"),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_MODELS__REWARD_MODEL": str(path),
+    }
+    log = output / ".reward_learning-server.log"
+    args = arguments(["--steps", str(ARGS.steps), "--reward", "model"])
+    records = []
+    with running_server("--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600) as server:
+        args.url = server.url
+        with Client(base_url=server.url, timeout=600) as client:
+            for record in train(client, args):
+                print("grpo", json.dumps(record), flush=True)
+                records.append(record)
+    third = max(len(records) // 3, 1)
+
+    def thirds(key: str) -> dict[str, float]:
+        values = [float(r[key]) for r in records]
+        first, last = values[:third], values[-third:]
+        return {
+            "first_third": statistics.fmean(first),
+            "first_third_sem": standard_error(first),
+            "last_third": statistics.fmean(last),
+            "last_third_sem": standard_error(last),
+        }
+
+    report = {
+        "model": "SmolLM2-135M-Instruct policy; reward model: SmolLM2 with a score head fit "
+        "here, served with --reward-model; 2-core CPU",
+        "reward_model_fit": fit,
+        "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("url", "log")},
+        "served_reward": thirds("reward"),
+        "exact_answer_rate": thirds("exact"),
+        "wall_s": sum(r["step_s"] for r in records),
+        "steps": records,
+    }
+    (output / "reward_model_learning.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "steps"}, indent=1))
+
+
+def footprint() -> None:
+    """Start time (to /ready) and resident memory of a server with one, two, three and four
+    models: SmolLM2 as the policy, its reference, the reward model fit by `learning` (fit now
+    when it is not there), and SmolLM2 again as the judge model."""
+    output: Path = ARGS.output
+    path = output / ".reward-smollm2"
+    if not (path / "config.json").exists():
+        path, _ = train_reward_model(output)
+    smollm2_dir(Settings().models)  # (converted once, not charged to the first start)
+    base = {"RLSERVE_MODELS__BACKEND": "transformers"}
+    configurations = {
+        "policy": {"RLSERVE_MODELS__LOAD_REFERENCE": "false"},
+        "policy + reference": {},
+        "policy + reference + reward model": {"RLSERVE_MODELS__REWARD_MODEL": str(path)},
+        "policy + reference + reward model + judge model": {
+            "RLSERVE_MODELS__REWARD_MODEL": str(path),
+            "RLSERVE_MODELS__JUDGE_MODEL": DEFAULT_MODEL,
+        },
+    }
+    figures: dict[str, Any] = {}
+    for name, env in configurations.items():
+        env = {**base, **env, "RLSERVE_STORAGE__DATA_DIR": str(output / ".data-footprint")}
+        log = output / ".reward_footprint-server.log"
+        with running_server("--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600) as s:
+            models = httpx.get(f"{s.url}/v1/models", timeout=60).json()["data"]
+            figures[name] = {
+                "models": sorted(card["id"] for card in models),
+                "start_s": round(s.startup_seconds, 2),
+                "rss_mib": round(rss_bytes(s.process.pid) / 2**20, 1),
+            }
+        print("footprint", name, json.dumps(figures[name]), flush=True)
+    report = {
+        "machine": "2-core CPU, float32, transformers backend",
+        "models": "SmolLM2-135M-Instruct (policy, reference, judge); the reward model: "
+        "SmolLM2-135M with a score head",
+        "servers": figures,
+    }
+    (output / "reward_model_footprint.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+
+
 if __name__ == "__main__":
     parser = bench_arguments(__doc__)
+    parser.add_argument(
+        "--part", choices=["throughput", "learning", "footprint", "all"], default="all"
+    )
+    parser.add_argument("--steps", type=int, default=40, help="GRPO steps (learning)")
+    parser.add_argument("--rm-prompts", type=int, default=64, help="prompts to fit the head on")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
     ARGS = parser.parse_args()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -57,9 +58,10 @@ class Rollout:
 
     prompt: list[int]
     response: list[int]
-    reward: float
+    reward: float | None  # None: a judge gave no score (advantage 0: no gradient)
     advantage: float
     behaviour: list[float] | None = None  # log-probs the sampler saw; None: on-policy now
+    exact: bool | None = None  # the reply ends on the right sum (when the server says the sum)
 
 
 def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -73,6 +75,13 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (PEFT)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-name", default="grpo-lora", help="the adapter's name on the server")
+    parser.add_argument(
+        "--reward",
+        default="number",
+        help="the episodes' reward: number (the reply's last number is the sum), model (the "
+        "server's --reward-model), judge:NAME; besides another reward, each step also logs the "
+        "exact-answer rate",
+    )
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument(
         "--max-staleness",
@@ -185,6 +194,8 @@ def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
     for trajectory in trajectories:
         (step,) = trajectory.steps
         assert step.log_probs is not None and step.log_probs.response is not None
+        answer = step.info.get("answer")
+        text = step.text.response if step.text else None
         out.append(
             Rollout(
                 prompt=list(step.tokens.prompt or []),
@@ -192,9 +203,21 @@ def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
                 reward=step.reward,
                 advantage=trajectory.advantage or 0.0,
                 behaviour=list(step.log_probs.response),
+                exact=None if answer is None or text is None else ends_on(text, answer),
             )
         )
     return out
+
+
+def ends_on(text: str, answer: str) -> bool:
+    """Whether the reply's last number is the answer's (after GSM8K's `#### `)."""
+    numbers = re.findall(r"-?\d+", text)
+    return bool(numbers) and numbers[-1] == answer.split("#### ")[-1].strip()
+
+
+def mean(values: Sequence[float | bool | None]) -> float | None:
+    known = [float(v) for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 class FullWeights:
@@ -242,7 +265,7 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
     sync = (
         Adapter(client, model, args.lora_name) if args.lora else FullWeights(client, args.transport)
     )
-    env = {"dataset": "addition", "reward": "number", "repeats": args.group_size, "max_turns": 1}
+    env = {"dataset": "addition", "reward": args.reward, "repeats": args.group_size, "max_turns": 1}
     generation = {
         "model": sync.model,
         "max_new_tokens": args.max_new_tokens,
@@ -268,7 +291,8 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
                 staleness = batch.staleness()
                 yield {
                     "step": batch.index,
-                    "reward": sum(r.reward for r in rollouts) / len(rollouts),
+                    "reward": mean([r.reward for r in rollouts]),
+                    "exact": mean([r.exact for r in rollouts]),
                     **stats,
                     "policy_version": version,
                     "response_tokens": sum(len(r.response) for r in rollouts),
@@ -300,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         for record in train(client, args):
             print(
-                f"step {record['step']:3d}  reward {record['reward']:.3f}  "
+                f"step {record['step']:3d}  reward {record['reward'] or 0:.3f}  "
+                f"exact {record['exact'] or 0:.3f}  "
                 f"loss {record['loss']:+.4f}  |logp - behaviour| {record['behaviour_drift']:.1e}"
                 f"  version {record['policy_version']}  {record['step_s']:.1f} s",
                 flush=True,

@@ -95,8 +95,8 @@ class Judges:
         judge = self.settings(name)
         if not answers:
             return []
-        calls = _calls(judge, answers)
         try:
+            calls = _calls(judge, answers)  # (a rubric's format spec can fail on its text)
             texts = await self._answer(judge, [messages for messages, _ in calls])
         except Exception as error:  # (the judge failing fails the rows' rewards only)
             logger.warning("judge %s failed: %s", name, error)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from app.common.protocol import SplitInputFields, WireModel
+from app.common.protocol import ServerPath, SplitInputFields, WireModel
 
 
 class RewardsRequest(SplitInputFields):
@@ -50,3 +50,24 @@ class RewardsResponse(WireModel):
     model: str
     reward_version: int = Field(description="The version of the reward model's weights.")
     outputs: list[Reward]
+
+
+class LoadRewardWeightsRequest(WireModel):
+    path: ServerPath = Field(
+        description="A safetensors checkpoint directory (HF layout) or file the server can "
+        "read: any subset of the reward model's parameters, each its name, shape and dtype."
+    )
+    version: int | None = Field(
+        default=None,
+        ge=1,
+        description="The version this load publishes; above the current one (409 otherwise). "
+        "Default: the current one plus one.",
+    )
+
+
+class RewardWeightsLoaded(WireModel):
+    reward_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float = Field(description="Time the reward model's calls waited for the swap.")
+    total_seconds: float = Field(description="Time the whole load took.")

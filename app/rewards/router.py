@@ -2,8 +2,14 @@ from fastapi import APIRouter
 
 from app.common.disconnect import cancellable
 from app.deps import RewardsDep
-from app.errors import REWARD_ERROR_RESPONSES
-from app.rewards.protocol import RewardsRequest, RewardsResponse
+from app.errors import REWARD_ERROR_RESPONSES, REWARD_WEIGHTS_ERROR_RESPONSES
+from app.ops.access import Access, access
+from app.rewards.protocol import (
+    LoadRewardWeightsRequest,
+    RewardsRequest,
+    RewardsResponse,
+    RewardWeightsLoaded,
+)
 
 router = APIRouter(tags=["rewards"], responses=REWARD_ERROR_RESPONSES)
 
@@ -20,3 +26,20 @@ async def rewards(request: RewardsRequest, service: RewardsDep) -> RewardsRespon
     request), batched with other requests' rows. 404 naming --reward-model when the server
     serves none."""
     return await service.rewards(request)
+
+
+@router.post(
+    "/v1/rewards/weights",
+    response_model=RewardWeightsLoaded,
+    summary="Load the reward model's weights from a path",
+    responses=REWARD_WEIGHTS_ERROR_RESPONSES,
+    openapi_extra=access(Access.ADMIN),
+)
+async def load_reward_weights(
+    request: LoadRewardWeightsRequest, service: RewardsDep
+) -> RewardWeightsLoaded:
+    """Load a safetensors checkpoint (HF layout, any subset of the reward model's parameters)
+    the server can read into the reward model, as its next version (`reward_version` of every
+    later reward). Its calls wait for the swap only; a checkpoint that does not fit the model
+    is refused before it is touched."""
+    return await service.load_weights(request)

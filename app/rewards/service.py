@@ -5,14 +5,35 @@ SGLang's embeddings, OpenRLHF's and slime's reward calls) are vocabularies over 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
+from app.common.failures import Conflict
 from app.common.inputs import InputPreparer, Prepared, check_num_items
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry
 from app.engine.transformers.reward import Rewarded, RewardModel
-from app.rewards.protocol import Reward, RewardsRequest, RewardsResponse
+from app.rewards.protocol import (
+    LoadRewardWeightsRequest,
+    Reward,
+    RewardsRequest,
+    RewardsResponse,
+    RewardWeightsLoaded,
+)
+from app.weights.checkpoint import (
+    check_finite,
+    check_layout,
+    checkpoint_files,
+    file_work,
+    read_layout,
+    snapshot,
+)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -25,9 +46,22 @@ class Scored:
 
 
 class RewardService:
-    def __init__(self, registry: ModelRegistry, limits: LimitSettings) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        limits: LimitSettings,
+        *,
+        uploads: Path,
+        io_timeout_s: float,
+        replicated: bool = False,
+    ) -> None:
         self.registry = registry
         self.limits = limits
+        self.uploads = uploads
+        """Where a checkpoint is copied before it is loaded."""
+        self.io_timeout_s = io_timeout_s
+        self.replicated = replicated
+        self._loading = asyncio.Lock()
 
     async def score(
         self,
@@ -61,6 +95,49 @@ class RewardService:
         return RewardsResponse(
             model=request.model, reward_version=scored.model.version, outputs=outputs
         )
+
+    async def load_weights(self, request: LoadRewardWeightsRequest) -> RewardWeightsLoaded:
+        """Load a checkpoint into the reward model: copied first (a checkpoint rewritten while
+        it is read is refused, 409), checked whole (names, shapes, dtypes, finite values)
+        before the model is touched, then swapped in between two of its calls."""
+        model = self.registry.get_reward("reward", param="path")
+        if self.replicated:
+            raise Conflict(
+                "path: the reward model's weights load on a single server only (each replica "
+                "serves its own copy); restart the replicas with the new --reward-model",
+                param="path",
+            )
+        started = time.perf_counter()
+        files = await self._files(checkpoint_files, Path(request.path), "path")
+        await asyncio.to_thread(self.uploads.mkdir, parents=True, exist_ok=True)
+        async with self._loading:  # (one load at a time: versions rise in order)
+            copies = await self._files(snapshot, files, self.uploads, "path")
+            try:
+                layout = await self._files(read_layout, copies, "path")
+                check_layout(layout, model.layout())
+                await self._files(check_finite, copies, "path")
+                version = request.version or model.version + 1
+                if version <= model.version:
+                    raise Conflict(
+                        f"version: {version} is not above the reward model's current version "
+                        f"{model.version}",
+                        param="version",
+                    )
+                num_bytes = sum(copy.stat().st_size for copy in copies)
+                waited = await model.load_weights(copies, version)
+            finally:
+                for copy in copies:
+                    copy.unlink(missing_ok=True)
+        return RewardWeightsLoaded(
+            reward_version=version,
+            num_tensors=len(layout),
+            num_bytes=num_bytes,
+            seconds=waited,
+            total_seconds=time.perf_counter() - started,
+        )
+
+    async def _files(self, work: Callable[..., T], *args: Any) -> T:
+        return await file_work(work, *args, timeout_s=self.io_timeout_s)
 
 
 def _reward(values: Rewarded, token_ids: list[int] | None, per_token: bool) -> Reward:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.common.failures import Conflict, Malformed, TimedOut, TooLarge, file_failure
+from app.common.failures import Conflict, Malformed, TooLarge
 from app.config_groups import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.updates.origin import origin_checkpoint
@@ -25,6 +25,7 @@ from app.weights.checkpoint import (
     check_finite,
     check_layout,
     checkpoint_files,
+    file_work,
     read_layout,
     snapshot,
 )
@@ -154,17 +155,8 @@ class WeightsService:
             yield Path(sink.name)
 
     async def _file_work(self, work: Callable[..., T], *args: Any, param: str = "path") -> T:
-        """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a
-        hung network mount) costs a 504, never the event loop; a file call that fails on the
-        path the request named (field `param`) is its failure, named (`file_failure`)."""
-        timeout = self.settings.io_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.to_thread(work, *args)
-        except TimeoutError:
-            raise TimedOut(f"reading the checkpoint took over {timeout:g} s") from None
-        except OSError as error:
-            raise file_failure(error, param) from None
+        """`file_work` within the weights' I/O timeout."""
+        return await file_work(work, *args, timeout_s=self.settings.io_timeout_s, param=param)
 
     async def _apply(self, files: list[Path], model: str, param: str, publish: Publish) -> Applied:
         checked = await self._check(files, model, param)

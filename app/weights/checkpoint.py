@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
 
-from app.common.failures import Conflict, Malformed, NotFound, invalid
+from app.common.failures import Conflict, Malformed, NotFound, TimedOut, file_failure, invalid
 
 # (safetensors dtype name, shape)
 Layout = dict[str, tuple[str, tuple[int, ...]]]
+T = TypeVar("T")
 
 TORCH_TO_SAFETENSORS = {
     torch.float32: "F32",
@@ -69,6 +71,19 @@ def to_safetensors(state: dict[str, torch.Tensor]) -> bytes:
         if last > first:
             data[start + first : start + last].copy_(tensor.detach().reshape(-1).view(torch.uint8))
     return bytes(out)
+
+
+async def file_work(work: Callable[..., T], *args: Any, timeout_s: float, param: str = "path") -> T:
+    """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a hung
+    network mount) costs a 504, never the event loop; a file call that fails on the path the
+    request named (field `param`) is its failure, named (`file_failure`)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.to_thread(work, *args)
+    except TimeoutError:
+        raise TimedOut(f"reading the checkpoint took over {timeout_s:g} s") from None
+    except OSError as error:
+        raise file_failure(error, param) from None
 
 
 def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:

@@ -240,6 +240,8 @@ def test_a_group_judges_answer_scores_each_answer_by_its_number() -> None:
         ({"rubric": "Rate {prompt}"}, "names no {response}"),
         ({"mode": "group", "rubric": "Rate {response}"}, "['response'] not among"),
         ({"rubric": "Rate {response"}, "double literal braces"),
+        ({"rubric": "Rate {response:d}"}, "rubric: cannot be filled in"),
+        ({"rubric": "Rate {response[0]}"}, "['response[0]'] not among"),
         ({"pattern": "("}, "pattern: not a regular expression"),
         ({"pattern": "\\d+"}, "pattern: needs 1 capturing group"),
         ({"scale": [5, 5]}, "scale: 5.0 is not below 5.0"),

@@ -113,5 +113,7 @@ async def test_bad_input_is_refused_by_name(rewarded: httpx.AsyncClient) -> None
 async def test_a_server_without_a_reward_model_names_the_setting(settings: Settings) -> None:
     async with served_app(settings.replace(models={"load_reference": False})) as plain:
         answer = await plain.post("/v1/rewards", json={"tokens": [[1, 2, 3]]})
-    assert answer.status_code == 404
-    assert "--reward-model" in answer.json()["error"]["message"]
+        load = await plain.post("/v1/rewards/weights", json={"path": "/nonexistent"})
+    for refused in (answer, load):
+        assert refused.status_code == 404
+        assert "--reward-model" in refused.json()["error"]["message"]

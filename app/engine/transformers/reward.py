@@ -10,8 +10,10 @@ position ids, so a row's values do not depend on the rows beside it beyond float
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from app.common.inputs import InputPreparer, Prepared
 from app.common.lane import Lane
 from app.engine.transformers.decode import padded
 from app.engine.types import ModelInfo
+from app.weights.checkpoint import Layout, copy_into, layout_of_state
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,23 @@ class RewardModel:
         if self.pooling_pad is None:
             return len(sequence) - 1
         return max((i for i, t in enumerate(sequence) if t != self.pooling_pad), default=0)
+
+    def layout(self) -> Layout:
+        """Its parameters' names, dtypes and shapes (what a weight load must match)."""
+        return layout_of_state(self.model.state_dict())
+
+    async def load_weights(self, files: list[Path], version: int) -> float:
+        """Copy the tensors of checked checkpoint files into the model, between two of its
+        calls (the lane runs one at a time: no call reads half-loaded weights), and publish
+        `version`; the seconds its calls waited."""
+
+        def swap() -> float:
+            started = time.perf_counter()
+            copy_into(self.model.state_dict(), files)
+            self.version = version
+            return time.perf_counter() - started
+
+        return await self._lane.run(swap)
 
     async def aclose(self) -> None:
         if self._batcher is not None:

@@ -71,7 +71,8 @@ class EnvConfig(WireModel):
     )
     reward: str = Field(
         default="none",
-        description="A registered reward: none, gsm8k, ifeval, ...",
+        description="A registered reward (none, gsm8k, number, ifeval, ...), model (the served "
+        "reward model's, --reward-model) or judge:NAME (a judge of RLSERVE_REWARDS__JUDGES).",
         json_schema_extra=reward_names_schema,
     )
     reward_options: dict[str, Any] = Field(

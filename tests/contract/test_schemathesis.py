@@ -55,8 +55,9 @@ STATED_RULES: list[tuple[str, str]] = [
         "a session's kind and state are the server's",
     ),
     (
-        r"unknown reward|cannot run on this server|the python tool is disabled|\(reward '",
-        "the rewards and tools a server runs are its own, and so are a reward's options",
+        r"unknown reward|unknown judge|cannot run on this server|the python tool is disabled"
+        r"|\(reward '",
+        "the rewards, judges and tools a server runs are its own, and so are a reward's options",
     ),
     (r"a tensor is named twice|sum to \d+ tensors", "list entries must be distinct, or add up"),
     (r"overflows a float|holds NaN or infinite values", "arithmetic on the values given"),

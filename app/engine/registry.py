@@ -257,6 +257,7 @@ class ModelRegistry:
         )
         served = ServedModel(backend, preparer, self.batching, invariant=self.invariant)
         self.models[served.name] = served
+        self.gate.serve(served.name)
         return served
 
     def get_pair(self, model: str = "policy", param: str = "model") -> ModelPair | AdapterPair:
@@ -293,7 +294,8 @@ class ModelRegistry:
         return names
 
     def canonical(self, name: str) -> str | None:
-        """'policy' or 'reference' for a served name or alias; None for any other name."""
+        """The served model ('policy', 'reference', 'judge') a name or alias names; None for
+        any other name."""
         if name in self.models:
             return name
         target = self.aliases.get(name)

@@ -167,7 +167,7 @@ class ModelInfo:
     is, how large, where it runs."""
 
     name: str
-    """'policy' or 'reference'."""
+    """'policy', 'reference', 'judge' or 'reward'."""
     source: str
     """Where its weights came from: a folder, a hub id, a built-in model's cache."""
     backend: str

@@ -180,15 +180,15 @@ class EnvService:
         judge call per prompt's `repeats` rows); a turn the judge gave no score has reward
         None, the reason and the judge's text in its breakdown."""
         taken = [(row, turn) for row, turn in enumerate(turns) if turn is not None]
-        answers = [
-            Judged(
-                prompt=_text(turn.sample.prompt if turn.sample else None),
-                response=turn.sample.response if turn.sample else turn.action.text,
-                answer=turn.sample.answer if turn.sample else None,
-                group=row // max(repeats, 1),
-            )
-            for row, turn in taken
-        ]
+        groups: dict[tuple[int, str, str | None], int] = {}
+        answers = []
+        for row, turn in taken:
+            prompt = _text(turn.sample.prompt if turn.sample else None)
+            answer = turn.sample.answer if turn.sample else None
+            # (one prompt's repeats, as long as they still answer the same message)
+            key = (row // max(repeats, 1), prompt, answer)
+            response = turn.sample.response if turn.sample else turn.action.text
+            answers.append(Judged(prompt, response, answer, groups.setdefault(key, len(groups))))
         verdicts = await self.judges.judge(judge, answers)
         for (_, turn), verdict in zip(taken, verdicts, strict=True):
             turn.reward = verdict.reward

@@ -12,7 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from app.common.failures import invalid
+from app.batching import QueueFullError
+from app.common.failures import NotReady, TimedOut, invalid
 from app.common.inputs import InputPreparer, Prepared
 from app.config_groups import JudgeSettings
 from app.engine.registry import ModelRegistry
@@ -20,6 +21,10 @@ from app.engine.types import SamplingConfig
 from app.generation.service import GenerationService
 
 logger = logging.getLogger(__name__)
+
+RETRYABLE = (NotReady, QueueFullError, TimedOut)
+"""Failures of the moment (loading, paused past the wait, a full queue, a timeout): the step
+that met one is refused whole rather than given null rewards, so sending it again can work."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +96,21 @@ class Judges:
             raise invalid(param, f"judge '{name}': {error}") from None
 
     async def judge(self, name: str, answers: Sequence[Judged]) -> list[Verdict]:
-        """One verdict per answer, in order; never raises for the judge's own failures."""
-        judge = self.settings(name)
+        """One verdict per answer, in order. The judge's own failures (its prompt, its model's
+        answer, a judge no longer configured) fail its answers' rewards only; a server too
+        busy or paused to answer now raises, so the step is refused whole and can be sent
+        again."""
         if not answers:
             return []
+        judge = self.judges.get(name)
+        if judge is None:  # (a session created before a restart that dropped it)
+            gone = f"judge '{name}' is no longer configured (RLSERVE_REWARDS__JUDGES)"
+            return [Verdict(None, reason=gone) for _ in answers]
         try:
             calls = _calls(judge, answers)  # (a rubric's format spec can fail on its text)
             texts = await self._answer(judge, [messages for messages, _ in calls])
+        except RETRYABLE:
+            raise
         except Exception as error:  # (the judge failing fails the rows' rewards only)
             logger.warning("judge %s failed: %s", name, error)
             reason = f"the judge failed: {error}"
@@ -146,7 +159,7 @@ class Judges:
         )
         sampled = await self.generation.sample(judge.model, [prepared[i] for i in fits], config)
         for index, generation in zip(fits, sampled.generations, strict=True):
-            if generation.stop_reason == "abort":
+            if generation.finish_reason == "abort":
                 answers[index] = Failed("the judge's generation was aborted")
             else:
                 answers[index] = preparer.decode(list(generation.token_ids), skip_special=True)

@@ -69,5 +69,7 @@ class RewardWeightsLoaded(WireModel):
     reward_version: int
     num_tensors: int
     num_bytes: int
-    seconds: float = Field(description="Time the reward model's calls waited for the swap.")
+    seconds: float = Field(
+        description="The swap's time: the longest a reward model's call waited for it."
+    )
     total_seconds: float = Field(description="Time the whole load took.")

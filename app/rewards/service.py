@@ -6,6 +6,8 @@ SGLang's embeddings, OpenRLHF's and slime's reward calls) are vocabularies over 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +45,11 @@ class Scored:
     model: RewardModel
     items: list[Prepared]
     values: list[Rewarded]
+
+    @property
+    def version(self) -> int:
+        """The version of the weights that scored every row."""
+        return self.values[0].version if self.values else self.model.version
 
 
 class RewardService:
@@ -92,9 +99,7 @@ class RewardService:
             _reward(values, item.ids if with_ids else None, request.token_values)
             for item, values in zip(scored.items, scored.values, strict=True)
         ]
-        return RewardsResponse(
-            model=request.model, reward_version=scored.model.version, outputs=outputs
-        )
+        return RewardsResponse(model=request.model, reward_version=scored.version, outputs=outputs)
 
     async def load_weights(self, request: LoadRewardWeightsRequest) -> RewardWeightsLoaded:
         """Load a checkpoint into the reward model: copied first (a checkpoint rewritten while
@@ -109,10 +114,11 @@ class RewardService:
             )
         started = time.perf_counter()
         files = await self._files(checkpoint_files, Path(request.path), "path")
-        await asyncio.to_thread(self.uploads.mkdir, parents=True, exist_ok=True)
         async with self._loading:  # (one load at a time: versions rise in order)
-            copies = await self._files(snapshot, files, self.uploads, "path")
+            await self._files(self.uploads.mkdir, 0o700, True, True)
+            folder = Path(await self._files(tempfile.mkdtemp, None, "load-", str(self.uploads)))
             try:
+                copies = await self._files(snapshot, files, folder, "path")
                 layout = await self._files(read_layout, copies, "path")
                 check_layout(layout, model.layout())
                 await self._files(check_finite, copies, "path")
@@ -125,9 +131,8 @@ class RewardService:
                     )
                 num_bytes = sum(copy.stat().st_size for copy in copies)
                 waited = await model.load_weights(copies, version)
-            finally:
-                for copy in copies:
-                    copy.unlink(missing_ok=True)
+            finally:  # (a copy still being written after a timeout goes with its folder)
+                await asyncio.to_thread(shutil.rmtree, folder, True)
         return RewardWeightsLoaded(
             reward_version=version,
             num_tensors=len(layout),

@@ -12,7 +12,8 @@ import torch
 from pydantic import ValidationError
 
 from app.config import Settings
-from app.config_groups import JudgeSettings
+from app.config_groups import JudgeSettings, ModelSettings
+from app.engine.loader import builtin_model_dir
 from app.rewards.judges import read_score, read_scores
 from tests.conftest import served_app
 
@@ -31,10 +32,11 @@ JUDGES = {
 
 @pytest.fixture(scope="module")
 async def judged(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The built-in policy serving as its own judge, and a third model (the same built-in
-    weights, loaded again) as 'judge'."""
+    """The built-in policy serving as its own judge, and a third model (the built-in model
+    of another seed, the `ref_model` fixture's) as 'judge'."""
+    other = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
     with_judges = settings.replace(
-        models={"load_reference": False, "judge_model": "builtin:tiny"},
+        models={"load_reference": False, "judge_model": str(other)},
         rewards={"judges": JUDGES},
         storage={"data_dir": settings.storage.data_dir / "judges"},
     )
@@ -71,8 +73,13 @@ async def chat_env(client: httpx.AsyncClient, reward: str, **config: object) -> 
 
 @pytest.mark.parametrize("judge", ["digits", "third"])
 async def test_a_judge_with_choices_answers_the_digit_its_model_ranks_highest(
-    judged: httpx.AsyncClient, hf_model: torch.nn.Module, hf_tokenizer, judge: str
-) -> None:  # type: ignore[no-untyped-def]
+    judged: httpx.AsyncClient,
+    hf_model: torch.nn.Module,
+    ref_model: torch.nn.Module,
+    hf_tokenizer,  # type: ignore[no-untyped-def]
+    judge: str,
+) -> None:
+    model = hf_model if judge == "digits" else ref_model
     env = await chat_env(judged, f"judge:{judge}", batch_size=3)
     queries = ["What is 2+3?", "Name a colour.", "Say hi."]
     await judged.post(f"/v1/envs/{env}/reset", json={"query": queries})
@@ -85,7 +92,7 @@ async def test_a_judge_with_choices_answers_the_digit_its_model_ranks_highest(
     for output, query, reply in zip(step.json()["outputs"], queries, replies, strict=True):
         ids = judge_ids(hf_tokenizer, RUBRIC.format(prompt=query, response=reply))
         with torch.inference_mode():
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            logits = model(torch.tensor([ids])).logits[0, -1]
         digit = int(logits[digit_ids].argmax())
         breakdown = output["info"]["reward"]
         assert breakdown["judge"] == judge
@@ -146,6 +153,43 @@ async def test_a_group_judge_reads_the_answers_of_one_prompt_together(
             assert output["info"]["reward"]["judge_text"] == text
             assert output["reward"] == verdicts[k].reward
             assert output["info"]["reward"].get("reward_error") == verdicts[k].reason
+
+
+async def test_rows_of_one_group_that_answer_different_prompts_are_judged_apart(
+    judged: httpx.AsyncClient, hf_model: torch.nn.Module, hf_tokenizer
+) -> None:  # type: ignore[no-untyped-def]
+    env = await chat_env(judged, "judge:ranker", batch_size=2, repeats=2)
+    queries = ["What is 2+3?", "Name a colour."]
+    await judged.post(f"/v1/envs/{env}/reset", json={"query": queries})
+    replies = ["5", "Blue."]
+    step = await judged.post(
+        f"/v1/envs/{env}/step", json={"actions": [{"text": r} for r in replies]}
+    )
+    assert step.status_code == 200, step.text
+    for output, query, reply in zip(step.json()["outputs"], queries, replies, strict=True):
+        rubric = GROUP_RUBRIC.format(n=1, prompt=query, responses=f"Answer 1:\n{reply}")
+        text = greedy_text(hf_model, hf_tokenizer, judge_ids(hf_tokenizer, rubric), 6)
+        assert output["info"]["reward"]["judge_text"] == text
+
+
+async def test_the_judge_model_is_served_beside_the_policy(judged: httpx.AsyncClient) -> None:
+    metrics = await judged.get("/metrics")
+    assert metrics.status_code == 200, metrics.text
+    body = {
+        "model": "judge",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "batch_invariant": True,
+    }
+    chat = await judged.post("/v1/chat/completions", json=body)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == "judge"
+
+
+def test_no_alias_takes_a_served_models_name() -> None:
+    for name in ("judge", "reward"):
+        with pytest.raises(ValidationError, match="not one of"):
+            ModelSettings(served_model_name=[name])
 
 
 async def test_a_judge_that_cannot_answer_fails_its_rows_rewards_not_the_step(
@@ -246,6 +290,9 @@ def test_a_group_judges_answer_scores_each_answer_by_its_number() -> None:
         ({"pattern": "\\d+"}, "pattern: needs 1 capturing group"),
         ({"scale": [5, 5]}, "scale: 5.0 is not below 5.0"),
         ({"mode": "group", "choices": DIGITS}, "single mode only"),
+        ({"choices": ["yes", "no"]}, "'yes' is not a score in the scale"),
+        ({"choices": DIGITS, "scale": [1, 5]}, "'0' is not a score in the scale"),
+        ({"scale": [0, "inf"]}, "is not finite"),
     ],
 )
 def test_a_judge_that_could_not_work_stops_the_start(fields: dict[str, object], words: str) -> None:

@@ -35,6 +35,8 @@ class Rewarded:
 
     reward: list[float]
     values: torch.Tensor
+    version: int = 0
+    """The version of the weights that scored it."""
 
 
 class RewardModel:
@@ -112,7 +114,13 @@ class RewardModel:
             return items
 
         items = await self.preparer.off_loop(checked)
-        return items, await self.score([item.ids for item in items])
+        sequences = [item.ids for item in items]
+        scored = await self.score(sequences)
+        for _ in range(2):  # (a load landed between two calls of its rows: once more, whole)
+            if len({values.version for values in scored}) <= 1:
+                break
+            scored = await self.score(sequences)
+        return items, scored
 
     async def score(self, sequences: Sequence[list[int]]) -> list[Rewarded]:
         """Each sequence's head outputs (batched with other requests' rows when batching is
@@ -126,7 +134,7 @@ class RewardModel:
 
     @torch.inference_mode()
     def _forward(self, sequences: list[list[int]]) -> list[Rewarded]:
-        model = self.model
+        model, version = self.model, self.version  # (loads run on this lane too)
         device = next(model.parameters()).device
         width = max(len(ids) for ids in sequences)
         ids, mask = padded(sequences, self.preparer.pad_token_id, device, left=True)
@@ -136,7 +144,7 @@ class RewardModel:
         values = model.score(hidden).float().cpu()
         rows = [values[row, width - len(sequence) :] for row, sequence in enumerate(sequences)]
         return [
-            Rewarded(row[self._pooled(sequence)].tolist(), row)
+            Rewarded(row[self._pooled(sequence)].tolist(), row, version)
             for row, sequence in zip(rows, sequences, strict=True)
         ]
 

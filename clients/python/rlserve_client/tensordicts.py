@@ -212,7 +212,9 @@ def trajectories_to_tensordict(
         "policy_version": torch.tensor([s.policy_version for s in steps]),
         "trajectory": torch.tensor(index),
     }
-    if any(s.advantage is not None for s in steps):
+    if any(s.advantage is not None for s in steps) or any(
+        t.group is not None for t in trajectories
+    ):
         advantages = [[_nan(s.advantage)] for s in steps]
         scalars["advantage"] = torch.tensor(advantages, dtype=torch.float32)
     for key, value in scalars.items():

@@ -9,10 +9,11 @@ against the in-process ones (1e-5).
 Learning (`--part learning`): a reward model trained here, then GRPO with it as the only
 reward. SmolLM2-135M-Instruct samples replies to the bundled sums at temperature 1; each is
 labelled by whether it ends on the right sum; a score head on SmolLM2's own (frozen) last hidden
-state learns that label (logistic regression). The reward model (SmolLM2 with that head) is
-served with `--reward-model`, and `examples/grpo.py --reward model` trains the policy on its
-scores alone: the log shows the served reward and the exact-answer rate, which the reward model
-never sees, step by step.
+state learns that label (logistic regression), with each training reply also made right and
+made wrong by its last number alone (so form alone cannot earn the score). The reward model
+(SmolLM2 with that head) is served with `--reward-model`, and `examples/grpo.py --reward model`
+trains the policy on its scores alone: the log shows the served reward and the exact-answer
+rate, which the reward model never sees, step by step.
 
     python bench/reward_model.py            # both parts
     python bench/reward_model.py --quick    # throughput alone, the built-in tiny model
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -177,6 +180,29 @@ def features(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]]) -> t
     return torch.stack(rows)
 
 
+def counterfactuals(
+    labelled: list[tuple[list[dict[str, str]], bool]],
+    problems: list[Problem],
+    per_prompt: int,
+    rng: random.Random,
+) -> list[tuple[list[dict[str, str]], bool]]:
+    """Each reply that ends on a number, with that number replaced by the right sum and by a
+    wrong one."""
+    out = []
+    for index, (chat, _) in enumerate(labelled):
+        text = chat[-1]["content"]
+        numbers = list(re.finditer(r"-?\d+", text))
+        if not numbers:
+            continue
+        last = numbers[-1]
+        right = int((problems[index // per_prompt].answer or "").split("#### ")[-1])
+        wrong = right + rng.choice([-3, -2, -1, 1, 2, 3])
+        for value, label in ((right, True), (wrong, False)):
+            changed = text[: last.start()] + str(value) + text[last.end() :]
+            out.append(([*chat[:-1], {"role": "assistant", "content": changed}], label))
+    return out
+
+
 def train_reward_model(output: Path) -> tuple[Path, dict[str, Any]]:
     """SmolLM2 with a score head fit to its own replies' correctness; its folder and the fit's
     figures (held-out accuracy)."""
@@ -188,9 +214,15 @@ def train_reward_model(output: Path) -> tuple[Path, dict[str, Any]]:
     start = time.perf_counter()
     problems = sum_problems(ARGS.rm_prompts, seed=7)
     labelled = sampled_replies(policy, tokenizer, problems, 8, seed=7)
+    cut = len(labelled) * 3 // 4  # (the last quarter's prompts are held out)
+    # Each training reply twice more, its last number made right and made wrong: pairs that
+    # differ in the answer alone, so the head cannot score a reply's form instead of its sum.
+    rng = random.Random(7)
+    training = [*labelled[:cut], *counterfactuals(labelled[:cut], problems, 8, rng)]
+    labelled = training + labelled[cut:]
+    cut = len(training)
     x = features(policy, tokenizer, [chat for chat, _ in labelled])
     y = torch.tensor([float(right) for _, right in labelled])
-    cut = len(y) * 3 // 4
     mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-6
     weight, bias = torch.zeros(x.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.Adam([weight, bias], lr=1e-2)

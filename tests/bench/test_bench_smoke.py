@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -267,7 +268,11 @@ def test_decode_host_benchmark_quick(tmp_path):
     for vocab in ("overhead (vocab 16)", "SmolLM2 (vocab 49152)"):
         for figure in ("decode_step_ms", "score_ms_per_sequence"):
             assert set(report[vocab][figure]) == {"1", "8", "32", "64"}
-            assert all(ms > 0 for ms in report[vocab][figure].values())
+        # A scored sequence's time is measured directly; a decode step's is the difference of
+        # two timings (the generation less its prefill), which two repeats on a loaded machine
+        # can leave at or below 0: that one is only a number here.
+        assert all(ms > 0 for ms in report[vocab]["score_ms_per_sequence"].values())
+        assert all(math.isfinite(ms) for ms in report[vocab]["decode_step_ms"].values())
 
 
 def test_gpu_check_sections_run_on_cpu(tmp_path):

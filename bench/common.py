@@ -44,6 +44,7 @@ __all__ = [
     "running_server",
     "standard_error",
     "summarize",
+    "thirds",
     "vllm_serve_command",
     "wait_for_replicas",
 ]
@@ -97,6 +98,18 @@ async def in_process(settings: Any) -> AsyncIterator[httpx.AsyncClient]:
 def standard_error(values: list[float]) -> float:
     """The standard error of the mean of `values` (0.0 for fewer than two)."""
     return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
+def thirds(values: list[float], name: str = "") -> dict[str, float]:
+    """A run's start and end: the mean of the first and of the last third of `values` (one
+    per step), each with the standard error of the step values; keys `first_third{name}`,
+    `first_third{name}_sem`, `last_third{name}`, `last_third{name}_sem`."""
+    third = max(len(values) // 3, 1)
+    out = {}
+    for where, part in (("first", values[:third]), ("last", values[-third:])):
+        out[f"{where}_third{name}"] = statistics.fmean(part)
+        out[f"{where}_third{name}_sem"] = standard_error(part)
+    return out
 
 
 def reward_plot(

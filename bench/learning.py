@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import bench_arguments, reward_plot, running_server, standard_error
+from common import bench_arguments, reward_plot, running_server, thirds
 from rlserve_client import Client
 from rlserve_client.advantages import group_advantages
 
@@ -113,19 +113,24 @@ def train_local(args: Any) -> list[dict[str, float]]:
     return records
 
 
-def train_rlserve(args: Any, output: Path) -> list[dict[str, float]]:
+def train_rlserve(
+    args: Any, output: Path, more_env: dict[str, str] | None = None, name: str = "learning"
+) -> list[dict[str, float]]:
+    """examples/grpo.py's loop against a server on SmolLM2 (`more_env`: more settings; its
+    log is `output/NAME-server.log`)."""
     env = {
         "RLSERVE_STORAGE__DATA_DIR": str(output / ".data"),
         "RLSERVE_MODELS__BACKEND": "transformers",
         "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        **(more_env or {}),
     }
-    log = output / "learning-server.log"
+    log = output / f"{name}-server.log"
     records = []
     with running_server("--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600) as server:
         args.url = server.url
         with Client(base_url=server.url, timeout=600) as client:
             for record in train(client, args):
-                print("rlserve", json.dumps(record), flush=True)
+                print(name, json.dumps(record), flush=True)
                 records.append(record)
     return records
 
@@ -133,16 +138,10 @@ def train_rlserve(args: Any, output: Path) -> list[dict[str, float]]:
 def summary(records: list[dict[str, float]]) -> dict[str, float]:
     """Reward at the start and the end (the mean of each third of the steps, with the standard
     error of the step means: the run-to-run noise), and where the time went."""
-    rewards = [r["reward"] for r in records]
-    third = max(len(rewards) // 3, 1)
-    first, last = rewards[:third], rewards[-third:]
     total = sum(r["step_s"] for r in records)
     return {
         "steps": len(records),
-        "first_third_reward": statistics.fmean(first),
-        "first_third_reward_sem": standard_error(first),
-        "last_third_reward": statistics.fmean(last),
-        "last_third_reward_sem": standard_error(last),
+        **thirds([r["reward"] for r in records], "_reward"),
         "steps_per_s": len(records) / total,
         "wall_s": total,
         "wait_s": sum(r["wait_s"] for r in records),

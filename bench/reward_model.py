@@ -24,16 +24,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-from common import bench_arguments, drive, rss_bytes, running_server, standard_error
-from rlserve_client import Client
+from common import bench_arguments, drive, rss_bytes, running_server, thirds
+from learning import train_rlserve
 from transformers import AutoModelForSequenceClassification
 
 from app.config import Settings
@@ -42,7 +40,8 @@ from app.datasets.bundled import sum_problems
 from app.datasets.rows import Problem
 from app.engine.builtin_model import BUILDER_VERSION, build_model
 from app.engine.loader import smollm2_dir
-from examples.grpo import arguments, ends_on, train
+from app.envs.rewards import NUMBER, ground_truth
+from examples.grpo import arguments, ends_on
 
 CLIENTS = (1, 8, 32)
 
@@ -191,11 +190,11 @@ def counterfactuals(
     out = []
     for index, (chat, _) in enumerate(labelled):
         text = chat[-1]["content"]
-        numbers = list(re.finditer(r"-?\d+", text))
+        numbers = list(NUMBER.finditer(text))
         if not numbers:
             continue
         last = numbers[-1]
-        right = int((problems[index // per_prompt].answer or "").split("#### ")[-1])
+        right = int(ground_truth(problems[index // per_prompt].answer or ""))
         wrong = right + rng.choice([-3, -2, -1, 1, 2, 3])
         for value, label in ((right, True), (wrong, False)):
             changed = text[: last.start()] + str(value) + text[last.end() :]
@@ -267,40 +266,17 @@ def learning() -> None:
     output: Path = ARGS.output
     output.mkdir(parents=True, exist_ok=True)
     path, fit = train_reward_model(output)
-    env = {
-        "RLSERVE_STORAGE__DATA_DIR": str(output / ".data-learning"),
-        "RLSERVE_MODELS__BACKEND": "transformers",
-        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
-        "RLSERVE_MODELS__REWARD_MODEL": str(path),
-    }
-    log = output / ".reward_learning-server.log"
     args = arguments(["--steps", str(ARGS.steps), "--reward", "model"])
-    records = []
-    with running_server("--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600) as server:
-        args.url = server.url
-        with Client(base_url=server.url, timeout=600) as client:
-            for record in train(client, args):
-                print("grpo", json.dumps(record), flush=True)
-                records.append(record)
-    third = max(len(records) // 3, 1)
-
-    def thirds(key: str) -> dict[str, float]:
-        values = [float(r[key]) for r in records]
-        first, last = values[:third], values[-third:]
-        return {
-            "first_third": statistics.fmean(first),
-            "first_third_sem": standard_error(first),
-            "last_third": statistics.fmean(last),
-            "last_third_sem": standard_error(last),
-        }
+    served = {"RLSERVE_MODELS__REWARD_MODEL": str(path)}
+    records = train_rlserve(args, output, served, name="reward_learning")
 
     report = {
         "model": "SmolLM2-135M-Instruct policy; reward model: SmolLM2 with a score head fit "
         "here, served with --reward-model; 2-core CPU",
         "reward_model_fit": fit,
         "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("url", "log")},
-        "served_reward": thirds("reward"),
-        "exact_answer_rate": thirds("exact"),
+        "served_reward": thirds([r["reward"] for r in records]),
+        "exact_answer_rate": thirds([r["exact"] for r in records]),
         "wall_s": sum(r["step_s"] for r in records),
         "steps": records,
     }

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -47,6 +46,8 @@ from rlserve_client.lora import adapter_file
 from rlserve_client.offpolicy import decoupled_ppo_loss
 from rlserve_client.types import Trajectory
 from transformers import AutoModelForCausalLM
+
+from app.envs.rewards import Sample, score_reward
 
 # PEFT 0.21 reads an attribute transformers 5 deprecates: its warning says nothing to act on.
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
@@ -210,9 +211,8 @@ def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
 
 
 def ends_on(text: str, answer: str) -> bool:
-    """Whether the reply's last number is the answer's (after GSM8K's `#### `)."""
-    numbers = re.findall(r"-?\d+", text)
-    return bool(numbers) and numbers[-1] == answer.split("#### ")[-1].strip()
+    """Whether the reply's last number is the answer (the server's `number` reward)."""
+    return bool(score_reward("number", {}, Sample(text, answer)).info["correct"])
 
 
 def mean(values: Sequence[float | bool | None]) -> float | None:

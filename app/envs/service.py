@@ -13,7 +13,7 @@ from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
 from app.envs.engine import EpisodeEngine, StepResult, Turn, penalise_kl, runs_tools, scored_after
 from app.envs.episodes import Act, EpisodeState, Observation, Prompts
-from app.envs.rewards import by_model, judge_of, parse_options, require
+from app.envs.rewards import Sample, by_model, judge_of, parse_options, require
 from app.envs.sessions import SessionRepository, SessionView
 from app.envs.spec import EnvSpec
 from app.rewards.judges import Judged, Judges
@@ -183,12 +183,12 @@ class EnvService:
         groups: dict[tuple[int, str, str | None], int] = {}
         answers = []
         for row, turn in taken:
-            prompt = _text(turn.sample.prompt if turn.sample else None)
-            answer = turn.sample.answer if turn.sample else None
+            sample = turn.sample or Sample(turn.action.text)  # (set for a judge's reward)
+            prompt, answer = sample.prompt or "", sample.answer
             # (one prompt's repeats, as long as they still answer the same message)
             key = (row // max(repeats, 1), prompt, answer)
-            response = turn.sample.response if turn.sample else turn.action.text
-            answers.append(Judged(prompt, response, answer, groups.setdefault(key, len(groups))))
+            group = groups.setdefault(key, len(groups))
+            answers.append(Judged(prompt, sample.response, answer, group))
         verdicts = await self.judges.judge(judge, answers)
         for (_, turn), verdict in zip(taken, verdicts, strict=True):
             turn.reward = verdict.reward
@@ -235,13 +235,3 @@ def _deleted(param: str, message: str) -> Exception:
     return Conflict(
         f"{param}: {message}; it was deleted after this session was created", param=param
     )
-
-
-def _text(content: object) -> str:
-    """A message's content as a judge reads it: text parts joined, other parts left out."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = [p.get("text", "") for p in content if isinstance(p, dict)]
-        return "".join(str(p) for p in parts)
-    return str(content)

@@ -68,20 +68,15 @@ class Judges:
         self.generation = generation
         self.judges = dict(judges)
 
-    def settings(self, name: str, param: str = "reward") -> JudgeSettings:
-        """Judge `name`'s settings; a 422 naming `param` for a judge not configured."""
-        if name not in self.judges:
-            have = sorted(self.judges)
-            raise invalid(
-                param,
-                f"unknown judge '{name}' (have {have}: judges are configured at start, "
-                "RLSERVE_REWARDS__JUDGES)",
-            )
-        return self.judges[name]
-
     def check(self, name: str, param: str = "reward") -> None:
         """Refuse (naming `param`) a judge not configured, or whose model is not served."""
-        judge = self.settings(name, param)
+        judge = self.judges.get(name)
+        if judge is None:
+            raise invalid(
+                param,
+                f"unknown judge '{name}' (have {sorted(self.judges)}: judges are configured at "
+                "start, RLSERVE_REWARDS__JUDGES)",
+            )
         if self.registry.not_ready_reason() is not None:
             return  # (checked again when it judges)
         if not self.registry.serves(judge.model):
@@ -115,7 +110,7 @@ class Judges:
             logger.warning("judge %s failed: %s", name, error)
             reason = f"the judge failed: {error}"
             return [Verdict(None, reason=reason) for _ in answers]
-        verdicts: list[Verdict | None] = [None] * len(answers)
+        verdicts: dict[int, Verdict] = {}  # (each answer is in exactly one call)
         for (_, members), text in zip(calls, texts, strict=True):
             if isinstance(text, Failed):
                 found = [Verdict(None, reason=text.reason) for _ in members]
@@ -123,9 +118,8 @@ class Judges:
                 found = [read_score(judge, text)]
             else:
                 found = read_scores(judge, text, len(members))
-            for index, verdict in zip(members, found, strict=True):
-                verdicts[index] = verdict
-        return [v if v is not None else Verdict(None, reason="not judged") for v in verdicts]
+            verdicts.update(zip(members, found, strict=True))
+        return [verdicts[index] for index in range(len(answers))]
 
     async def _answer(
         self, judge: JudgeSettings, conversations: list[list[dict[str, str]]]

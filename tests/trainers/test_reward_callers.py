@@ -26,7 +26,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.config import Settings
 from app.engine.loader import builtin_reward_dir
-from tests.e2e.server import running_server
+from tests.trainers.conftest import served_beside
 
 pytestmark = pytest.mark.trainers
 reward_loop = pytest.importorskip(
@@ -50,12 +50,7 @@ def reward_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, reward_path: Path):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("reward-callers")
-    env = {
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
-        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
-        "RLSERVE_MODELS__REWARD_MODEL": str(reward_path),
-    }
-    with running_server(env=env, log=tmp / "server.log") as running:
+    with served_beside(tmp, RLSERVE_MODELS__REWARD_MODEL=str(reward_path)) as running:
         yield running
 
 

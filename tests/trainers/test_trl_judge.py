@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.config import Settings
 from app.engine.loader import builtin_model_dir
-from tests.e2e.server import running_server
+from tests.trainers.conftest import served_beside
 
 pytestmark = pytest.mark.trainers
 judges = pytest.importorskip("trl.experimental.judges.judges", reason="TRL 1.0 is not installed")
@@ -69,12 +69,7 @@ def judge_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, judge_path: Path):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("trl-judge")
-    env = {
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
-        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
-        "RLSERVE_MODELS__JUDGE_MODEL": str(judge_path),
-    }
-    with running_server(env=env, log=tmp / "server.log") as running:
+    with served_beside(tmp, RLSERVE_MODELS__JUDGE_MODEL=str(judge_path)) as running:
         yield running
 
 

@@ -18,10 +18,12 @@ policies soon differ in reply length, and with it in cost per step).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ import torch
 from common import bench_arguments, reward_plot, running_server, thirds
 from rlserve_client import Client
 from rlserve_client.advantages import group_advantages
+from rlserve_client.types import Trajectory
 
 from app.config import Settings
 from app.config_groups import DEFAULT_MODEL
@@ -114,10 +117,14 @@ def train_local(args: Any) -> list[dict[str, float]]:
 
 
 def train_rlserve(
-    args: Any, output: Path, more_env: dict[str, str] | None = None, name: str = "learning"
+    args: Any,
+    output: Path,
+    more_env: dict[str, str] | None = None,
+    name: str = "learning",
+    before_push: Callable[[Client, list[Trajectory]], None] | None = None,
 ) -> list[dict[str, float]]:
     """examples/grpo.py's loop against a server on SmolLM2 (`more_env`: more settings; its
-    log is `output/NAME-server.log`)."""
+    log is `output/NAME-server.log`; `before_push`: `train`'s, with the client)."""
     env = {
         "RLSERVE_STORAGE__DATA_DIR": str(output / ".data"),
         "RLSERVE_MODELS__BACKEND": "transformers",
@@ -129,7 +136,8 @@ def train_rlserve(
     with running_server("--model", DEFAULT_MODEL, env=env, log=log, ready_timeout=600) as server:
         args.url = server.url
         with Client(base_url=server.url, timeout=600) as client:
-            for record in train(client, args):
+            hook = None if before_push is None else functools.partial(before_push, client)
+            for record in train(client, args, hook):
                 print(name, json.dumps(record), flush=True)
                 records.append(record)
     return records

@@ -12,8 +12,12 @@ labelled by whether it ends on the right sum; a score head on SmolLM2's own (fro
 state learns that label (logistic regression), with each training reply also made right and
 made wrong by its last number alone (so form alone cannot earn the score). The reward model
 (SmolLM2 with that head) is served with `--reward-model`, and `examples/grpo.py --reward model`
-trains the policy on its scores alone: the log shows the served reward and the exact-answer
-rate, which the reward model never sees, step by step.
+trains the policy on its scores alone. Every `--refit-every` steps the head is fit again with
+the policy's latest replies added, labelled the same way, and loaded into the served reward
+model (`POST /v1/rewards/weights`) before the next batch is sampled, as RLHF refreshes a reward
+model on its policy's samples (0: fit once). The log shows, step by step, the served reward,
+the exact-answer rate (which the policy never sees), how well the served head ranks the
+policy's replies, and each step's replies' mean reward under the last head (one scale for all).
 
     python bench/reward_model.py            # both parts
     python bench/reward_model.py --quick    # throughput alone, the built-in tiny model
@@ -32,6 +36,9 @@ import httpx
 import torch
 from common import bench_arguments, drive, rss_bytes, running_server, thirds
 from learning import train_rlserve
+from rlserve_client import Client
+from rlserve_client.types import Trajectory
+from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification
 
 from app.config import Settings
@@ -134,12 +141,15 @@ def throughput() -> None:
     (output / name).write_text(json.dumps(results, indent=1) + "\n")
 
 
+Labelled = tuple[list[dict[str, str]], str, bool]  # a conversation, its sum, right or not
+
+
 @torch.inference_mode()
 def sampled_replies(
     model: Any, tokenizer: Any, problems: list[Problem], per_prompt: int, seed: int
-) -> list[tuple[list[dict[str, str]], bool]]:
+) -> list[Labelled]:
     """SmolLM2's replies at temperature 1 (what GRPO shows the reward model), each conversation
-    with whether the reply ends on the right sum."""
+    with its sum and whether the reply ends on it."""
     torch.manual_seed(seed)
     out = []
     for problem in problems:
@@ -157,13 +167,11 @@ def sampled_replies(
             num_return_sequences=per_prompt,
             pad_token_id=tokenizer.pad_token_id,
         )
+        answer = problem.answer or ""
         for row in replies[:, len(ids) :].tolist():
             text = tokenizer.decode(row, skip_special_tokens=True)
             out.append(
-                (
-                    [*chat, {"role": "assistant", "content": text}],
-                    ends_on(text, problem.answer or ""),
-                )
+                ([*chat, {"role": "assistant", "content": text}], answer, ends_on(text, answer))
             )
     return out
 
@@ -171,116 +179,209 @@ def sampled_replies(
 @torch.inference_mode()
 def features(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]]) -> torch.Tensor:
     """The base model's last hidden state where the reward model reads a conversation (its last
-    token), one conversation at a time (no padding)."""
+    token), in batches padded on the right (a causal model's states before the padding are
+    those of the sequence alone)."""
+    encoded = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=False) for c in chats]
     rows = []
-    for chat in chats:
-        ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
-        rows.append(model.model(torch.tensor([ids])).last_hidden_state[0, -1])
-    return torch.stack(rows)
+    for i in range(0, len(encoded), 16):
+        chunk = encoded[i : i + 16]
+        ids = torch.zeros((len(chunk), max(map(len, chunk))), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, sequence in enumerate(chunk):
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, : len(sequence)] = 1
+        hidden = model.model(ids, attention_mask=mask).last_hidden_state
+        rows.append(hidden[torch.arange(len(chunk)), mask.sum(-1) - 1])
+    return torch.cat(rows)
 
 
-def counterfactuals(
-    labelled: list[tuple[list[dict[str, str]], bool]],
-    problems: list[Problem],
-    per_prompt: int,
-    rng: random.Random,
-) -> list[tuple[list[dict[str, str]], bool]]:
+def counterfactuals(labelled: list[Labelled], rng: random.Random) -> list[Labelled]:
     """Each reply that ends on a number, with that number replaced by the right sum and by a
     wrong one."""
     out = []
-    for index, (chat, _) in enumerate(labelled):
+    for chat, answer, _ in labelled:
         text = chat[-1]["content"]
         numbers = list(NUMBER.finditer(text))
         if not numbers:
             continue
         last = numbers[-1]
-        right = int(ground_truth(problems[index // per_prompt].answer or ""))
+        right = int(ground_truth(answer))
         wrong = right + rng.choice([-3, -2, -1, 1, 2, 3])
         for value, label in ((right, True), (wrong, False)):
             changed = text[: last.start()] + str(value) + text[last.end() :]
-            out.append(([*chat[:-1], {"role": "assistant", "content": changed}], label))
+            out.append(([*chat[:-1], {"role": "assistant", "content": changed}], answer, label))
     return out
 
 
-def train_reward_model(output: Path) -> tuple[Path, dict[str, Any]]:
-    """SmolLM2 with a score head fit to its own replies' correctness; its folder and the fit's
-    figures (held-out accuracy)."""
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """How often a right reply outscores a wrong one (what a group's ranking needs)."""
+    right, wrong = scores[labels > 0], scores[labels == 0]
+    if not len(right) or not len(wrong):
+        return None
+    return float((right[:, None] > wrong[None, :]).float().mean())
+
+
+class ScoreHead:
+    """A score head on SmolLM2's frozen last hidden state, fit to its replies' correctness
+    (balanced logistic regression), and refit as labelled replies are added. Each reply added
+    comes twice more, its last number made right and made wrong: pairs that differ in the
+    answer alone, so the head cannot score a reply's form instead of its sum."""
+
+    def __init__(self, base: Any, tokenizer: Any) -> None:
+        self.base, self.tokenizer = base, tokenizer
+        self.rng = random.Random(7)
+        self.x = torch.zeros((0, base.config.hidden_size))
+        self.y = torch.zeros(0)
+        self.weight = torch.zeros(base.config.hidden_size)
+
+    def labelled(self, replies: list[Labelled]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = features(self.base, self.tokenizer, [chat for chat, _, _ in replies])
+        return x, torch.tensor([float(right) for _, _, right in replies])
+
+    def add(self, replies: list[Labelled]) -> None:
+        x, y = self.labelled([*replies, *counterfactuals(replies, self.rng)])
+        self.x, self.y = torch.cat([self.x, x]), torch.cat([self.y, y])
+
+    def fit(self) -> None:
+        x, y = self.x, self.y
+        mean, std = x.mean(0), x.std(0) + 1e-6
+        weight, bias = (
+            torch.zeros(x.shape[1], requires_grad=True),
+            torch.zeros(1, requires_grad=True),
+        )
+        optimizer = torch.optim.Adam([weight, bias], lr=1e-2)
+        positive = float(y.mean())
+        balance = torch.where(y > 0, 0.5 / max(positive, 1e-3), 0.5 / max(1 - positive, 1e-3))
+        for _ in range(400):
+            optimizer.zero_grad()
+            logits = ((x - mean) / std) @ weight + bias
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, balance)
+            (loss + 1e-3 * weight.square().sum()).backward()
+            optimizer.step()
+        # The head reads the raw hidden state: fold the standardisation into its weights (the
+        # reward model's head has no bias: a constant would not change a group's advantages).
+        self.weight = (weight / std).detach()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def train_reward_model(output: Path) -> tuple[Path, ScoreHead, dict[str, Any]]:
+    """SmolLM2 with a score head fit to its own replies' correctness; its folder, the head (to
+    refit) and the fit's figures (its held-out AUC)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = smollm2_dir(Settings().models)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     start = time.perf_counter()
     problems = sum_problems(ARGS.rm_prompts, seed=7)
-    labelled = sampled_replies(policy, tokenizer, problems, 8, seed=7)
+    labelled = sampled_replies(base, tokenizer, problems, 8, seed=7)
     cut = len(labelled) * 3 // 4  # (the last quarter's prompts are held out)
-    # Each training reply twice more, its last number made right and made wrong: pairs that
-    # differ in the answer alone, so the head cannot score a reply's form instead of its sum.
-    rng = random.Random(7)
-    training = [*labelled[:cut], *counterfactuals(labelled[:cut], problems, 8, rng)]
-    labelled = training + labelled[cut:]
-    cut = len(training)
-    x = features(policy, tokenizer, [chat for chat, _ in labelled])
-    y = torch.tensor([float(right) for _, right in labelled])
-    mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-6
-    weight, bias = torch.zeros(x.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.Adam([weight, bias], lr=1e-2)
-    positive = float(y[:cut].mean())
-    balance = torch.where(y[:cut] > 0, 0.5 / max(positive, 1e-3), 0.5 / max(1 - positive, 1e-3))
-    for _ in range(400):
-        optimizer.zero_grad()
-        logits = ((x[:cut] - mean) / std) @ weight + bias
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y[:cut], balance)
-        (loss + 1e-3 * weight.square().sum()).backward()
-        optimizer.step()
+    head = ScoreHead(base, tokenizer)
+    head.add(labelled[:cut])
+    head.fit()
+    x, y = head.labelled(labelled[cut:])
     with torch.no_grad():
-        held = ((x[cut:] - mean) / std) @ weight + bias
-        accuracy = float(((held > 0).float() == y[cut:]).float().mean())
-        right, wrong = held[y[cut:] > 0], held[y[cut:] == 0]
-        # (AUC: how often a right reply outscores a wrong one, what a group's ranking needs)
-        auc = float((right[:, None] > wrong[None, :]).float().mean()) if len(right) else None
-        # The head reads the raw hidden state: fold the standardisation into its weights (the
-        # reward model's head has no bias: a constant would not change a group's advantages).
-        head = (weight / std)[None, :]
+        held = head.scores(x)
     reward = AutoModelForSequenceClassification.from_pretrained(
         source, num_labels=1, dtype=torch.float32
     )
-    reward.score.weight.data = head.clone()
+    reward.score.weight.data = head.weight[None, :].clone()
     reward.config.pad_token_id = tokenizer.pad_token_id
     path = output / ".reward-smollm2"
     reward.save_pretrained(path)
     tokenizer.save_pretrained(path)
     fit = {
-        "replies": len(y),
-        "right_share": float(y.mean()),
-        "held_out_accuracy": accuracy,
-        "held_out_auc": auc,
-        "held_out_right_share": float(y[cut:].mean()),
+        "replies": len(head.y) + len(y),
+        "right_share": float(torch.cat([head.y, y]).mean()),
+        "held_out_auc": auc(held, y),
+        "held_out_right_share": float(y.mean()),
         "seconds": time.perf_counter() - start,
     }
     print("reward model", json.dumps(fit), flush=True)
-    return path, fit
+    return path, head, fit
+
+
+class Refit:
+    """`examples/grpo.py`'s `before_push`: every `every` steps, the head is fit again with the
+    policy's latest replies added, each labelled by whether it ends on its sum (what a labeller
+    would say of it), and the new head is loaded into the served reward model
+    (`POST /v1/rewards/weights`, its `score.weight` alone) before the next batch is sampled.
+    Each step also records how well the served head ranks the policy's replies (its AUC on
+    them before any refit): how far the policy has moved off what the head was fit on."""
+
+    def __init__(self, head: ScoreHead, folder: Path, every: int) -> None:
+        self.head, self.folder, self.every = head, folder, every
+        self.pending: list[Labelled] = []
+        self.steps: list[dict[str, Any]] = []
+        self.features: list[torch.Tensor] = []
+        """Each step's replies as the head reads them."""
+
+    def last_head_rewards(self) -> list[float]:
+        """Each step's mean reward under the last head served: one scale for every step (the
+        served reward changes scale at each refit)."""
+        return [float(self.head.scores(x).mean()) for x in self.features]
+
+    def __call__(self, client: Client, trajectories: list[Trajectory]) -> None:
+        replies = []
+        for trajectory in trajectories:
+            (step,) = trajectory.steps
+            answer = str(step.info["answer"])
+            chat = [{"role": m.role, "content": str(m.content)} for m in trajectory.history or []]
+            replies.append((chat, answer, ends_on(chat[-1]["content"], answer)))
+        x, y = self.head.labelled(replies)
+        self.features.append(x)
+        record: dict[str, Any] = {"on_policy_auc": auc(self.head.scores(x), y)}
+        self.pending += replies
+        if self.every and len(self.steps) % self.every == self.every - 1:
+            started = time.perf_counter()
+            self.head.add(self.pending)
+            self.pending = []
+            self.head.fit()
+            checkpoint = self.folder / f"score-{len(self.steps)}.safetensors"
+            save_file({"score.weight": self.head.weight[None, :].contiguous()}, checkpoint)
+            loaded = client.load_reward_weights(path=str(checkpoint))
+            record |= {
+                "refit_replies": len(self.head.y),
+                "reward_version": loaded.reward_version,
+                "refit_s": time.perf_counter() - started,
+            }
+        print("reward head", json.dumps(record), flush=True)
+        self.steps.append(record)
 
 
 def learning() -> None:
     output: Path = ARGS.output
     output.mkdir(parents=True, exist_ok=True)
-    path, fit = train_reward_model(output)
-    args = arguments(["--steps", str(ARGS.steps), "--reward", "model"])
+    path, head, fit = train_reward_model(output)
+    argv = ["--steps", str(ARGS.steps), "--reward", "model"]
     served = {"RLSERVE_MODELS__REWARD_MODEL": str(path)}
-    records = train_rlserve(args, output, served, name="reward_learning")
+    if ARGS.kl_coeff:
+        argv += ["--kl-coeff", str(ARGS.kl_coeff)]
+        served["RLSERVE_MODELS__LOAD_REFERENCE"] = "true"
+    args = arguments(argv)
+    refit = Refit(head, path, ARGS.refit_every)
+    records = train_rlserve(args, output, served, name="reward_learning", before_push=refit)
+    last_head = refit.last_head_rewards()
+    for record, head_record, reward in zip(records, refit.steps, last_head, strict=True):
+        record |= head_record | {"last_head_reward": reward}
 
     report = {
         "model": "SmolLM2-135M-Instruct policy; reward model: SmolLM2 with a score head fit "
         "here, served with --reward-model; 2-core CPU",
         "reward_model_fit": fit,
+        "refit_every": ARGS.refit_every,
         "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("url", "log")},
         "served_reward": thirds([r["reward"] for r in records]),
+        "last_head_reward": thirds(last_head),
         "exact_answer_rate": thirds([r["exact"] for r in records]),
         "wall_s": sum(r["step_s"] for r in records),
         "steps": records,
     }
-    (output / "reward_model_learning.json").write_text(json.dumps(report, indent=1) + "\n")
+    name = "reward_model_learning" + ("" if ARGS.refit_every else "-fit_once")
+    name += "" if ARGS.kl_coeff else "-no_kl"
+    (output / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "steps"}, indent=1))
 
 
@@ -291,7 +392,7 @@ def footprint() -> None:
     output: Path = ARGS.output
     path = output / ".reward-smollm2"
     if not (path / "config.json").exists():
-        path, _ = train_reward_model(output)
+        path, _, _ = train_reward_model(output)
     smollm2_dir(Settings().models)  # (converted once, not charged to the first start)
     base = {"RLSERVE_MODELS__BACKEND": "transformers"}
     configurations = {
@@ -332,6 +433,18 @@ if __name__ == "__main__":
     )
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps (learning)")
     parser.add_argument("--rm-prompts", type=int, default=64, help="prompts to fit the head on")
+    parser.add_argument(
+        "--refit-every",
+        type=int,
+        default=3,
+        help="refit the head on the policy's latest replies every N GRPO steps (0: fit once)",
+    )
+    parser.add_argument(
+        "--kl-coeff",
+        type=float,
+        default=0.1,
+        help="the rewards' KL penalty to the served reference (0: none)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)

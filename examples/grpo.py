@@ -34,7 +34,7 @@ import argparse
 import json
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +82,13 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the episodes' reward: number (the reply's last number is the sum), model (the "
         "server's --reward-model), judge:NAME; besides another reward, each step also logs the "
         "exact-answer rate",
+    )
+    parser.add_argument(
+        "--kl-coeff",
+        type=float,
+        default=None,
+        help="subtract this times each reply's KL to the server's reference (k1, summed over "
+        "its tokens) from its reward (the server must serve a reference)",
     )
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument(
@@ -210,6 +217,13 @@ def rollouts_of(trajectories: list[Trajectory]) -> list[Rollout]:
     return out
 
 
+def kl_of(trajectory: Trajectory) -> float | None:
+    """The reply's KL to the reference its reward was penalised by (None: no penalty)."""
+    reward = trajectory.steps[0].info.get("reward")
+    value = reward.get("kl") if isinstance(reward, dict) else None
+    return float(value) if isinstance(value, int | float) else None
+
+
 def ends_on(text: str, answer: str) -> bool:
     """Whether the reply's last number is the answer (the server's `number` reward)."""
     return bool(score_reward("number", {}, Sample(text, answer)).info["correct"])
@@ -249,8 +263,15 @@ class Adapter:
         self.client.unload_adapter(name=self.model)
 
 
-def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]]:
-    """The loop: take a batch of groups, learn, push the weights; one record per step."""
+def train(
+    client: Client,
+    args: argparse.Namespace,
+    before_push: Callable[[list[Trajectory]], None] | None = None,
+) -> Iterator[dict[str, float]]:
+    """The loop: take a batch of groups, learn, push the weights; one record per step.
+    `before_push` sees each batch's episodes once the step is taken and before the weights
+    go (synchronously, the next batch is sampled after it returns: e.g. to refit a served
+    reward model on the policy's latest replies)."""
     torch.manual_seed(args.seed)
     # The served folder, when the server runs on this host (else pass a copy of the policy).
     source = next(m.source for m in client.models().models if m.name == "policy")
@@ -265,7 +286,14 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
     sync = (
         Adapter(client, model, args.lora_name) if args.lora else FullWeights(client, args.transport)
     )
-    env = {"dataset": "addition", "reward": args.reward, "repeats": args.group_size, "max_turns": 1}
+    env: dict[str, object] = {
+        "dataset": "addition",
+        "reward": args.reward,
+        "repeats": args.group_size,
+        "max_turns": 1,
+    }
+    if args.kl_coeff is not None:
+        env["kl"] = {"coeff": args.kl_coeff}
     generation = {
         "model": sync.model,
         "max_new_tokens": args.max_new_tokens,
@@ -289,12 +317,16 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
                 scored = [r for r in rollouts if r.reward is not None] or rollouts
                 stats = grpo_step(model, optimizer, scored, args.clip, args.weight_cap)
                 trained = time.perf_counter()
+                if before_push is not None:
+                    before_push(batch.trajectories)
+                pushing = time.perf_counter()
                 version = sync.push(model)
                 staleness = batch.staleness()
                 yield {
                     "step": batch.index,
                     "reward": mean([r.reward for r in rollouts]),
                     "exact": mean([r.exact for r in rollouts]),
+                    "kl": mean([kl_of(t) for t in batch.trajectories]),
                     **stats,
                     "policy_version": version,
                     "response_tokens": sum(len(r.response) for r in rollouts),
@@ -304,7 +336,8 @@ def train(client: Client, args: argparse.Namespace) -> Iterator[dict[str, float]
                     "regenerated": batch.regenerated,
                     "wait_s": batch.wait_s,
                     "train_s": trained - started,
-                    "push_s": time.perf_counter() - trained,
+                    "before_push_s": pushing - trained,
+                    "push_s": time.perf_counter() - pushing,
                     "step_s": time.perf_counter() - started + batch.wait_s,
                 }
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from rlserve_client import AsyncClient, ConflictError
 from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification
 
@@ -110,3 +111,32 @@ async def test_a_checkpoint_that_does_not_fit_leaves_the_reward_model_as_it_was(
     assert refused.status_code == status, refused.text
     assert words in refused.json()["error"]["message"]
     assert await rewards(loading) == before
+
+
+async def test_the_python_client_loads_and_reads_the_reward_model(
+    loading: httpx.AsyncClient, reward_dir: Path, tmp_path: Path
+) -> None:
+    """`AsyncClient.load_reward_weights` and `AsyncClient.rewards`: a checkpoint, then a head
+    alone (what a trainer refitting the head sends), each read back as its own forward."""
+    transport = httpx.ASGITransport(app=loading.app)  # type: ignore[attr-defined]
+    tensors = perturbed(reward_dir, seed=3)  # (every tensor the other tests load, replaced)
+    save_file(tensors, tmp_path / "model.safetensors")
+    head = {"score.weight": perturbed(reward_dir, seed=4)["score.weight"]}
+    save_file(head, tmp_path / "head.safetensors")
+    async with AsyncClient(base_url="http://rlserve", transport=transport) as client:
+        before = (await client.rewards(tokens=SEQUENCES)).reward_version
+        for number, (name, expected) in enumerate(
+            [("model", tensors), ("head", {**tensors, **head})], start=1
+        ):
+            loaded = await client.load_reward_weights(path=str(tmp_path / f"{name}.safetensors"))
+            assert loaded.reward_version == before + number
+            assert loaded.num_tensors == (2 if name == "model" else 1)
+            scored = await client.rewards(tokens=SEQUENCES, token_values=True)
+            assert scored.reward_version == loaded.reward_version
+            model = model_with(reward_dir, expected)
+            for output, ids in zip(scored.outputs, SEQUENCES, strict=True):
+                assert abs(output.reward - forward_reward(model, ids)) <= 1e-5
+                assert output.num_tokens == len(ids) == len(output.token_values or [])
+        with pytest.raises(ConflictError) as refused:
+            await client.load_reward_weights(path=str(tmp_path), version=1)
+    assert refused.value.param == "version"

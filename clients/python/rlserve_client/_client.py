@@ -62,6 +62,8 @@ class _Methods:
     generate = _Route(routes.generate)
     logprobs = _Route(routes.logprobs)
     kl = _Route(routes.kl)
+    rewards = _Route(routes.rewards)
+    load_reward_weights = _Route(routes.load_reward_weights)
     models = _Route(routes.models)
     health = _Route(routes.health)
     ready = _Route(routes.ready)

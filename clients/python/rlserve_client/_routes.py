@@ -148,6 +148,51 @@ def kl(
     return tensor_call("/v1/kl", types.KLResult, body, tensors=tensors, timeout=timeout)
 
 
+def rewards(
+    *,
+    messages: Any = None,
+    text: Any = None,
+    tokens: Any = None,
+    prompt_text: Any = None,
+    response_text: Any = None,
+    prompt_tokens: Any = None,
+    response_tokens: Any = None,
+    token_values: bool | None = None,
+    model: str = "reward",
+    timeout: Timeout = NOT_GIVEN,
+) -> Call[types.RewardsResult]:
+    """The served reward model's score of each sequence (conversations templated with its own
+    chat template); `token_values`: also the head's output at every token."""
+    body = _given(
+        model=model,
+        messages=messages,
+        text=text,
+        tokens=tokens,
+        prompt_text=prompt_text,
+        response_text=response_text,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        token_values=token_values,
+    )
+    return Call("POST", "/v1/rewards", types.RewardsResult, json=body, timeout=timeout)
+
+
+def load_reward_weights(
+    *, path: str, version: int | None = None, timeout: Timeout = NOT_GIVEN
+) -> Call[types.RewardWeightsLoaded]:
+    """Load a safetensors checkpoint (any subset of the reward model's parameters) from a path
+    the server can read, as reward version `version` (default: the current one plus one).
+    Admin key."""
+    return Call(
+        "POST",
+        "/v1/rewards/weights",
+        types.RewardWeightsLoaded,
+        json=_given(path=path, version=version),
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
 def models(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Models]:
     return Call("GET", "/v1/models", types.Models, timeout=timeout)
 

@@ -239,6 +239,29 @@ class KLResult(Result):
     outputs: list[KLSample]
 
 
+class Reward(Result):
+    reward: float
+    rewards: list[float] | None = None
+    token_values: list[float] | list[list[float]] | None = None
+    num_tokens: int
+    token_ids: list[int] | None = None
+
+
+class RewardsResult(Result):
+    model: str
+    reward_version: int
+    outputs: list[Reward]
+
+
+class RewardWeightsLoaded(Result):
+    reward_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float = 0.0
+    """The swap's time: the longest a reward model's call waited for it."""
+    total_seconds: float = 0.0
+
+
 class Health(Result):
     status: str
     model_status: str

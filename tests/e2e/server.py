@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +34,32 @@ class Server:
     log: Path
 
 
+class PortTaken(RuntimeError):
+    """The server could not listen: another process took the free port first."""
+
+
 @contextmanager
 def running_server(
     *args: str, env: dict[str, str] | None = None, log: Path, ready_timeout: float = 120
 ) -> Iterator[Server]:
-    """`rlserve serve ARGS` on a free port, ready once `/ready` answers 200."""
-    port = free_port()
-    command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args]
-    with running_process(command, port, "/ready", env=env, log=log, timeout=ready_timeout) as s:
-        yield s
+    """`rlserve serve ARGS` on a free port, ready once `/ready` answers 200. A port found free
+    can be taken by another suite's process before the server binds it: then once more on
+    another (three tries)."""
+    with ExitStack() as stack:
+        for attempt in range(3):
+            port = free_port()
+            command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args]
+            try:
+                server = stack.enter_context(
+                    running_process(
+                        command, port, "/ready", env=env, log=log, timeout=ready_timeout
+                    )
+                )
+                break
+            except PortTaken:
+                if attempt == 2:
+                    raise
+        yield server
 
 
 @contextmanager
@@ -83,7 +100,9 @@ def running_process(
 def _wait_ready(server: Server, ready_path: str, deadline: float) -> None:
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{server.log.read_text()[-3000:]}")
+            text = server.log.read_text()[-3000:]
+            taken = "Address already in use" in text
+            raise (PortTaken if taken else RuntimeError)(f"server exited early:\n{text}")
         try:
             if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
                 return

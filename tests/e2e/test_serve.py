@@ -75,6 +75,22 @@ def test_a_port_in_use_stops_the_start_before_any_model_loads(tmp_path):
     assert "loading" not in result.stderr and not (tmp_path / "cache").exists()
 
 
+def test_a_port_taken_before_the_server_binds_it_is_tried_again_on_another(tmp_path, monkeypatch):
+    """The helper every suite starts servers with: a free port another suite's process takes
+    first (CI runs suites side by side) costs a second start, not the test."""
+    from tests.e2e import server as helpers
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port, helpers.free_port()])
+        monkeypatch.setattr(helpers, "free_port", lambda: next(ports))
+        with helpers.running_server(env=server_env(tmp_path), log=tmp_path / "s.log") as server:
+            assert not server.url.endswith(f":{port}")
+            assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 200
+
+
 def test_idle_connections_outlive_the_clients_keep_alive(tmp_path):
     """An idle connection stays open longer than HTTP clients keep one for reuse (httpx: 5 s,
     the server's old default too): otherwise a request sent on it just as the server closes

@@ -271,9 +271,6 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
         message = f"not a field of this request (it takes {', '.join(_body_fields(request))})"
     if kind in ("missing", "extra_forbidden") or not message.startswith(param):
         message = f"{param}: {message}"
-    policys_weights = request is not None and request.url.path.startswith("/v1/weights/")
-    if policys_weights and param == "model" and first.get("input") == "reward":
-        message += "; the reward model's weights load with POST /v1/rewards/weights"
     return APIError(422, message, param=param)
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from app.common.protocol import AdapterName, ModelName, ServerPath, WireModel
 from app.updates.types import (
@@ -24,6 +24,19 @@ from app.updates.types import (
     TransportChoice,
     Versions,
 )
+
+
+def _not_the_reward_model(value: object) -> object:
+    if value == "reward":
+        raise ValueError(
+            "the reward model's weights load with POST /v1/rewards/weights (these routes take "
+            "'policy' or 'reference')"
+        )
+    return value
+
+
+UpdatedModel = Annotated[ModelName, BeforeValidator(_not_the_reward_model)]
+"""The model a weight route changes; the reward model's own route named to whoever asks for it."""
 
 PAUSE_MODES_DOC = (
     "How in-flight work meets the pause: 'wait' lets it finish; 'abort' ends generations at "
@@ -59,11 +72,11 @@ class LoadWeightsRequest(UpdateOptions):
     path: ServerPath = Field(
         description="A safetensors checkpoint directory (HF layout) or file the server can read.",
     )
-    model: ModelName = Field(default="policy", description="reference only when targeted.")
+    model: UpdatedModel = Field(default="policy", description="reference only when targeted.")
 
 
 class RestoreWeightsRequest(UpdateOptions):
-    model: ModelName = Field(default="policy", description="reference only when targeted.")
+    model: UpdatedModel = Field(default="policy", description="reference only when targeted.")
 
 
 class WeightsUpdated(WireModel):
@@ -113,7 +126,7 @@ class ServingState(WireModel):
 
 
 class TransferTarget(WireModel):
-    model: ModelName = Field(default="policy", description="The model whose weights change.")
+    model: UpdatedModel = Field(default="policy", description="The model whose weights change.")
 
 
 class TransferInit(TransferTarget):

@@ -49,6 +49,7 @@ from app.datasets.bundled import sum_problems
 from app.datasets.rows import Problem
 from app.engine.builtin_model import BUILDER_VERSION, build_model
 from app.engine.loader import smollm2_dir
+from app.engine.transformers.decode import padded
 from app.envs.rewards import NUMBER, ground_truth
 from examples.grpo import arguments, ends_on
 
@@ -197,14 +198,10 @@ def features(model: Any, tokenizer: Any, chats: list[list[dict[str, str]]]) -> t
     rows = []
     for i in range(0, len(encoded), 16):
         chunk = encoded[i : i + 16]
-        ids = torch.zeros((len(chunk), max(map(len, chunk))), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, sequence in enumerate(chunk):
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            mask[row, : len(sequence)] = 1
+        ids, mask = padded(chunk, 0, torch.device("cpu"), left=False)
         hidden = model.model(ids, attention_mask=mask).last_hidden_state
         rows.append(hidden[torch.arange(len(chunk)), mask.sum(-1) - 1])
-    return torch.cat(rows)
+    return torch.cat(rows) if rows else torch.zeros((0, model.config.hidden_size))
 
 
 def counterfactuals(labelled: list[Labelled], rng: random.Random) -> list[Labelled]:
@@ -250,9 +247,14 @@ class ScoreHead:
         x = features(self.base, self.tokenizer, [chat for chat, _, _ in replies])
         return x, torch.tensor([float(right) for _, _, right in replies])
 
-    def add(self, replies: list[Labelled]) -> None:
-        x, y = self.labelled([*replies, *counterfactuals(replies, self.rng)])
-        self.x, self.y = torch.cat([self.x, x]), torch.cat([self.y, y])
+    def add(self, replies: list[Labelled], known: torch.Tensor | None = None) -> None:
+        """`replies` and their counterfactuals; `known`: the replies' features, when they were
+        taken already."""
+        if known is None:
+            known, _ = self.labelled(replies)
+        x, y = self.labelled(counterfactuals(replies, self.rng))
+        right = torch.tensor([float(right) for _, _, right in replies])
+        self.x, self.y = torch.cat([self.x, known, x]), torch.cat([self.y, right, y])
 
     def fit(self) -> None:
         x, y = self.x, self.y
@@ -348,7 +350,8 @@ class Refit:
         self.pending += replies
         if self.every and len(self.steps) % self.every == self.every - 1:
             started = time.perf_counter()
-            self.head.add(self.pending)
+            taken = self.features[-self.every :]
+            self.head.add(self.pending, torch.cat(taken))
             self.pending = []
             self.head.fit()
             checkpoint = self.folder / f"score-{len(self.steps)}.safetensors"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -320,6 +321,27 @@ async def test_a_trainer_that_never_joins_is_the_callers_failure(served, trainer
     current = await version(served)
     result = await asyncio.to_thread(send, served, trainer_model)
     assert result.policy_version == current + 1
+
+
+async def test_a_refused_trainer_is_left_with_nothing_waiting(served, trainer_model):
+    """A trainer refused at init (here: another trainer holds the group) gets the 409 at once,
+    and nothing of its own rendezvous is left waiting: a thread still blocked there wakes at
+    its timeout, and one that wakes while its process exits aborts that process."""
+
+    def refused() -> tuple[float, list[str], int]:
+        with served.trainer_client() as first, first.weight_transfer() as holding:
+            with served.trainer_client() as second:
+                start = time.monotonic()
+                with pytest.raises(ConflictError, match="transfer/close"):
+                    second.weight_transfer(timeout_s=600).open()
+                took = time.monotonic() - start
+            waiting = [t.name for t in threading.enumerate() if "weight-transfer" in t.name]
+            return took, waiting, holding.send(trainer_model).policy_version
+
+    current = await version(served)
+    took, waiting, published = await asyncio.to_thread(refused)
+    assert took < 10 and waiting == []
+    assert published == current + 1  # the group that holds it is untouched
 
 
 async def test_a_join_answers_at_once_where_its_outcome_is_known(served):

@@ -25,7 +25,7 @@ import datetime
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +48,8 @@ class TransferRoutes(Protocol):
 
 
 PACKED_IN_FLIGHT = 2
+STAND_IN_TIMEOUT_S = 10.0
+"""How long stand-in ranks wait to end a refused join's rendezvous (`WeightSync.open`)."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +115,51 @@ class WeightSync:
         store = self._store
         prefixed = dist.PrefixStore(STORE_PREFIX, store)  # type: ignore[attr-defined,unused-ignore]
         group = _in_thread(self._join, transport, prefixed, world_size)
-        _first_error(joined, group, self.options.timeout_s + 10)
+        try:
+            _first_error(joined, group, self.options.timeout_s + 10)
+        except BaseException:
+            self._abandon(group, transport, world_size)
+            raise
         self._group = group.result()
         joined.result()
         return self
+
+    def _abandon(self, group: Future[Any], transport: str, size: int) -> None:
+        """A join that failed: leave nothing of ours waiting at the rendezvous. The server's
+        init failed or was refused, so its ranks are not coming, and this rank's join would
+        block until `timeout_s` in a thread that aborts the process if it wakes while the
+        process exits. Stand-in ranks, each on a store connection of its own (one connection
+        serves one waiting call at a time), complete the rendezvous and the warm-up instead,
+        within STAND_IN_TIMEOUT_S, and the group is shut down. (Gloo only: NCCL takes one
+        rank per device.)"""
+        import torch.distributed as dist
+
+        from rlserve_client.collective import STORE_PREFIX, process_group, warm_up
+
+        if not group.done() and transport == "gloo":
+            grace = min(self.options.timeout_s, STAND_IN_TIMEOUT_S)
+            port = self._store.port
+
+            def stand_in(rank: int) -> None:
+                connection = dist.TCPStore(  # type: ignore[attr-defined,unused-ignore]
+                    "127.0.0.1",
+                    port,
+                    size,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=grace),
+                    wait_for_workers=False,
+                )
+                store = dist.PrefixStore(STORE_PREFIX, connection)  # type: ignore[attr-defined,unused-ignore]
+                member = process_group(transport, store, rank, size, grace)
+                warm_up(member, _device(transport), self.options.streams, grace)
+                member.shutdown()
+
+            stand_ins = [_in_thread(stand_in, rank) for rank in range(1, size)]
+            wait([group, *stand_ins], timeout=grace + 5)
+        if group.done() and group.exception() is None:
+            with contextlib.suppress(Exception):
+                group.result().shutdown()
+        self._store = None
 
     def _transport(self) -> str:
         if self.options.transport != "auto":
@@ -312,8 +355,6 @@ def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
 
 def _first_error(a: Future[Any], b: Future[Any], timeout_s: float) -> None:
     """Wait for both; raise as soon as either fails (the other is left to its own timeout)."""
-    from concurrent.futures import FIRST_EXCEPTION, wait
-
     done, pending = wait([a, b], timeout=timeout_s, return_when=FIRST_EXCEPTION)
     for future in done:
         if future.exception() is not None:

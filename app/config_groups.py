@@ -214,10 +214,11 @@ class VllmSettings(Group):
     processed_log_probs: bool = Field(
         default=False,
         description="vLLM samples with logprobs_mode processed_logprobs, so generations "
-        "carry response_processed (the distribution sampled from), and scores each finished "
-        "sequence once more for the raw log-probs (under the weights at its end: a generation "
-        "that spans a weight update gets raw log-probs of the new weights for every token). "
-        "False: raw log-probs of the weights that sampled each token, no response_processed.",
+        "carry response_processed (the distribution sampled from) beside the raw log-probs, "
+        "both from each sampling step (raw: of the weights that sampled each token). Where a "
+        "step could not carry the raw values (a batch asking for named tokens' or the whole "
+        "vocabulary's log-probs, vLLM's second model runner) the finished sequence is scored "
+        "once more for them, under the weights at its end. False: raw log-probs only.",
     )
 
 

@@ -105,8 +105,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             vllm_bodies(work, args.new_tokens, "policy"),
             args,
         )
-    # The processed log-probs mode: vLLM samples in processed mode and each finished sequence
-    # is scored once more for its raw log-probs.
+    # The processed log-probs mode: vLLM samples in processed mode, each step carrying the
+    # sampled tokens' raw log-probs beside (app/engine/vllm/raw_log_probs.py).
     env["RLSERVE_VLLM__PROCESSED_LOG_PROBS"] = "true"
     generate_only = {"generate": rlserve_bodies(work, args.new_tokens)["generate"]}
     with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:

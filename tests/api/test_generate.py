@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import assert_close
+from tests.conftest import assert_close, forward_log_probs
 from tests.weights.test_pause import aborted_while_asking_for_extras
 
 
@@ -291,8 +291,42 @@ async def test_generated_samples_mask_only_what_they_generated(client):
     assert sum(scored.json()["outputs"][0]["masks"]["all_assistant_mask"]) > 0
 
 
-async def test_abort_does_not_wait_for_an_aborted_rows_extras(client, backend_name):
+async def test_abort_does_not_wait_for_an_aborted_rows_extras(client):
     """As tests/weights/test_pause.py checks on the raw mode; here vLLM runs its processed
-    mode, where a finished row is also scored for its raw values."""
-    keeps = backend_name != "vllm"
-    await aborted_while_asking_for_extras(client, 512, keeps_tokens=keeps)  # (the app's limit)
+    mode, whose raw values come with each step: the aborted row keeps its tokens too."""
+    await aborted_while_asking_for_extras(client, 512)  # (the app's limit)
+
+
+async def test_processed_generation_takes_its_raw_log_probs_from_its_steps(
+    app, client, hf_model, backend_name, monkeypatch
+):
+    """vLLM's processed mode: each sampling step carries the sampled token's raw log-prob
+    beside the processed one, so no finished sequence is scored again for them (that pass
+    refuses here); a batch with prompt log-probs, penalties and filtering included."""
+    if backend_name != "vllm":
+        pytest.skip("the transformers backend takes both from each step by construction")
+    backend = app.state.registry.get("policy").backend
+
+    async def no_second_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a finished generation was scored again for its raw log-probs")
+
+    monkeypatch.setattr(backend, "_score_one", no_second_pass)
+    config = {"temperature": 1.3, "top_k": 20, "repetition_penalty": 1.4}
+    prompts = [[50, 60, 70, 60], [7, 8], [200, 201, 202, 203, 204]]
+    body = await generate(
+        client,
+        tokens=prompts,
+        max_tokens=12,
+        seed=5,
+        ignore_eos=True,
+        return_prompt_log_probs=True,
+        **config,
+    )
+    for prompt, (sample,) in zip(prompts, body["outputs"], strict=True):
+        response = sample["tokens"]["response"]
+        assert len(response) == 12
+        expected = processed_by_hand(hf_model, prompt, response, **config)
+        assert_close(sample["log_probs"]["response_processed"], expected, 1e-4)
+        full = forward_log_probs(hf_model, prompt + response)
+        assert_close(sample["log_probs"]["response"], full[len(prompt) :], 1e-4)
+        assert_close(sample["log_probs"]["prompt"], full[: len(prompt)], 1e-4)

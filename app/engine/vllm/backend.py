@@ -40,6 +40,7 @@ from app.engine.vllm.outputs import (
     returned_log_probs,
     sampling_params,
 )
+from app.engine.vllm.raw_log_probs import raw_log_probs, read_raw_log_probs
 from app.engine.vllm.weights import VLLMTransfer, WeightFiles
 from app.weights.checkpoint import Layout
 from app.weights.lora import LoraAdapter
@@ -133,6 +134,7 @@ class VLLMBackend(Backend):
         options.setdefault("max_logprobs", -1)
         if processed_log_probs:  # prompt log-probs stay raw in this mode (vLLM skips processors)
             options["logprobs_mode"] = "processed_logprobs"
+            read_raw_log_probs()  # each step's raw values beside them (raw_log_probs.py)
         args = AsyncEngineArgs(
             model=source,
             dtype=dtype,
@@ -346,7 +348,6 @@ class VLLMBackend(Backend):
         params = sampling_params(
             config,
             item.seed,
-            prompt_log_probs=not processed_mode,
             streaming=item.sink is not None,
             prompt_top=None if asks is None else asks.top_logprobs,
         )
@@ -360,34 +361,36 @@ class VLLMBackend(Backend):
         sampled = own_log_probs(completion.logprobs, 0, len(tokens))
         length = len(item.prompt_ids)
         # One grid serves both: the prompt's own log-probs and what `asks` wants of it
-        # (`asks` is top-k and ranks only). A request aborted before its prompt was scored
-        # has none.
+        # (`asks` is top-k and ranks only); prompt log-probs are raw in every mode. A request
+        # aborted before its prompt was scored has none.
         flat, grid = final.prompt_logprobs, None
         if flat is not None and len(flat) == length:
             grid = prompt_grid(flat, length, 0 if asks is None else asks.top_logprobs)
         prompt = None
+        if config.return_prompt_log_probs and grid is not None:
+            prompt = [0.0, *grid.own]
+        log_probs, processed = sampled, None
         if processed_mode:
-            # The sampled values are processed; the raw ones come from one scoring pass over
-            # the finished sequence (prompt log-probs are raw in every mode).
-            # (Not while an abort pause holds: the paused engine would start the scoring only
-            # after the resume, and the pause waits for this row. The row ends without its
-            # tokens then: their raw values are part of it.)
-            raw = None
-            if not self._aborting.is_set():
-                sequence = [*item.prompt_ids, *tokens]
-                scored = self._score_one(sequence, item.adapter)
-                score = unless_abandoned(scored, item.abandoned)
-                raw = await unless_set(score, self._aborting)
-            if raw is None:
-                return Generation([], [], None, "abort")
-            cut = len(item.prompt_ids)
-            log_probs, processed = raw[cut:], sampled
-            if config.return_prompt_log_probs:
-                prompt = raw[:cut]
-        else:
-            log_probs, processed = sampled, None
-            if config.return_prompt_log_probs:
-                prompt = [0.0, *grid.own] if grid is not None else None
+            # The sampled values are processed; the raw ones came with them from each
+            # sampling step (raw_log_probs.py), else from one scoring pass over the finished
+            # sequence. (No pass while an abort pause holds: the paused engine would start
+            # it only after the resume, and the pause waits for this row. The row ends
+            # without its tokens then: their raw values are part of it.)
+            processed, stepped = sampled, raw_log_probs(completion)
+            if stepped is not None:
+                log_probs = stepped
+            else:
+                raw = None
+                if not self._aborting.is_set():
+                    sequence = [*item.prompt_ids, *tokens]
+                    scored = self._score_one(sequence, item.adapter)
+                    score = unless_abandoned(scored, item.abandoned)
+                    raw = await unless_set(score, self._aborting)
+                if raw is None:
+                    return Generation([], [], None, "abort")
+                log_probs = raw[length:]
+                if config.return_prompt_log_probs:
+                    prompt = raw[:length]
         stop = completion.stop_reason if isinstance(completion.stop_reason, str | int) else None
         return Generation(
             token_ids=tokens,

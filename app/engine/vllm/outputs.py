@@ -21,12 +21,11 @@ def sampling_params(
     config: SamplingConfig,
     seed: int,
     *,
-    prompt_log_probs: bool = True,
     streaming: bool = False,
     prompt_top: int | None = None,
 ) -> Any:
     """The standardized parameters as vLLM `SamplingParams` (the sampled token's log-prob, in
-    the engine's logprobs_mode; prompt log-probs when asked and `prompt_log_probs`, and with
+    the engine's logprobs_mode; prompt log-probs (raw in every mode) when asked, and with
     the `prompt_top` most likely tokens at each prompt position when that is given). Only the
     final output comes back unless `streaming` (then every step's, cumulative), and text is
     detokenized only to find stop strings. Log-probs come back flat (a few lists per request,
@@ -34,7 +33,7 @@ def sampling_params(
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    if prompt_top is None and config.return_prompt_log_probs and prompt_log_probs:
+    if prompt_top is None and config.return_prompt_log_probs:
         prompt_top = 0  # the prompt's own log-probs alone
     # top_p 0 keeps the most likely token alone (OpenAI's meaning, and the transformers
     # backend's), which vLLM, taking top_p in (0, 1], says as top_k 1.

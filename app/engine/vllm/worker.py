@@ -10,6 +10,8 @@
   over the same collective the transformers backend uses (gloo on CPU, NCCL on GPUs), but
   stages what it receives and loads it only at finish: vLLM's own engines load each bucket as
   it arrives, so a trainer lost mid-transfer would leave a half-updated model.
+- `carry_raw_log_probs` (app.engine.vllm.raw_log_probs): in processed mode, each sampling step
+  also carries the sampled tokens' raw log-probs (applied when this module is imported).
 - `fix_lora_ops`: two fixes to vLLM's LoRA (applied when this module is imported, so in
   every worker before the model runs)."""
 
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from app.engine.vllm.raw_log_probs import carry_raw_log_probs
 from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
 from app.weights.transport import Connection, Group, open_group
@@ -241,3 +244,4 @@ except ImportError:  # no vLLM here: the transformers backend needs none of this
 else:
     register()
     fix_lora_ops()
+    carry_raw_log_probs()

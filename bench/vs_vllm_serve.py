@@ -7,13 +7,15 @@ Generation: rlserve /v1/generate vs `vllm serve` /v1/completions with token-id p
 return the sampled tokens' log-probs), and rlserve's generation again with
 RLSERVE_VLLM__PROCESSED_LOG_PROBS=true (raw and processed log-probs). Scoring: rlserve
 /v1/logprobs vs /v1/completions with `prompt_logprobs=0` and `max_tokens=1`. And vLLM's own
-dialect: the very bodies sent to `vllm serve`, sent to rlserve's /v1/completions.
+dialect: the very bodies sent to `vllm serve`, sent to rlserve's /v1/completions. The servers
+run side by side and are measured in turn, three rounds (`--repeats`), each point's median.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -87,6 +89,9 @@ def measure(name: str, url: str, workload: Workload, args: argparse.Namespace) -
 
 
 def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """The three servers side by side (rlserve raw, rlserve processed, `vllm serve`), measured
+    in turn, `args.repeats` rounds: drift over the run (the host's load, its clock) falls on
+    each alike. Each point's figures are its median round's."""
     work = workloads(args)
     env = {
         "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
@@ -96,39 +101,65 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "RLSERVE_MODELS__LOAD_REFERENCE": "false",
         "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "256",
     }
-    log = args.output / "rlserve-vllm.log"
-    with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
-        rlserve = measure("rlserve", server.url, rlserve_bodies(work, args.new_tokens), args)
-        dialect = measure(
-            "rlserve /v1/completions",
-            server.url,
-            vllm_bodies(work, args.new_tokens, "policy"),
-            args,
-        )
     # The processed log-probs mode: vLLM samples in processed mode, each step carrying the
     # sampled tokens' raw log-probs beside (app/engine/vllm/raw_log_probs.py).
-    env["RLSERVE_VLLM__PROCESSED_LOG_PROBS"] = "true"
-    generate_only = {"generate": rlserve_bodies(work, args.new_tokens)["generate"]}
-    with running_server("--model", str(model_dir), env=env, log=log, ready_timeout=600) as server:
-        processed = measure("rlserve processed", server.url, generate_only, args)
+    processed_env = {**env, "RLSERVE_VLLM__PROCESSED_LOG_PROBS": "true"}
     port = free_port()
     command = vllm_serve_command(model_dir, port, KV_CACHE_BYTES, "builtin", "--max-logprobs", "1")
-    log = args.output / "vllm-serve.log"
-    with running_process(command, port, "/v1/models", log=log, timeout=600) as server:
-        vllm = measure(
-            "vllm serve", server.url, vllm_bodies(work, args.new_tokens, "builtin"), args
+    out = args.output
+    with contextlib.ExitStack() as servers:
+        rlserve = servers.enter_context(
+            running_server(
+                "--model", str(model_dir), env=env, log=out / "rlserve-vllm.log", ready_timeout=600
+            )
         )
+        processed = servers.enter_context(
+            running_server(
+                "--model",
+                str(model_dir),
+                env={**processed_env, "RLSERVE_STORAGE__DATA_DIR": str(out / ".data-processed")},
+                log=out / "rlserve-vllm-processed.log",
+                ready_timeout=600,
+            )
+        )
+        vllm = servers.enter_context(
+            running_process(command, port, "/v1/models", log=out / "vllm-serve.log", timeout=600)
+        )
+        points = {
+            "rlserve": (rlserve.url, rlserve_bodies(work, args.new_tokens)),
+            "rlserve_vllm_dialect": (rlserve.url, vllm_bodies(work, args.new_tokens, "policy")),
+            "rlserve_processed_log_probs": (
+                processed.url,
+                {"generate": rlserve_bodies(work, args.new_tokens)["generate"]},
+            ),
+            "vllm_serve": (vllm.url, vllm_bodies(work, args.new_tokens, "builtin")),
+        }
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in points}
+        for round_ in range(args.repeats):
+            for name, (url, workload) in points.items():
+                rounds[name].append(measure(f"{name} (round {round_ + 1})", url, workload, args))
+    return {name: median_round(measured) for name, measured in rounds.items()}
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per client count and kind, the figures of the round with the median requests/s."""
     return {
-        "rlserve": rlserve,
-        "rlserve_vllm_dialect": dialect,
-        "rlserve_processed_log_probs": processed,
-        "vllm_serve": vllm,
+        clients: {
+            kind: sorted((r[clients][kind] for r in rounds), key=lambda f: f["requests_per_s"])[
+                len(rounds) // 2
+            ]
+            for kind in rounds[0][clients]
+        }
+        for clients in rounds[0]
     }
 
 
 def main() -> None:
     parser = bench_arguments(__doc__)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each point's median")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 1
     hidden, layers = (64, 2) if args.quick else (512, 6)
     args.requests = 16 if args.quick else 128
     args.clients = [8] if args.quick else [8, 32]
@@ -151,6 +182,9 @@ def main() -> None:
             "generate_prompt_tokens": 16,
             "generate_new_tokens": args.new_tokens,
             "score_tokens": args.seq_len,
+            "rounds": args.repeats,
+            "order": "the servers side by side, measured in turn each round; each point's "
+            "figures are its median round's",
         },
         "results": results,
         "rlserve_over_vllm_serve": ratios,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -14,6 +13,7 @@ from app.common.inputs import InputPreparer, Prepared
 from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
 from app.common.service import ModelServing
+from app.engine.abandon import Abandonment
 from app.engine.base import Backend, ScoreItem
 from app.engine.sampling import row_seed
 from app.engine.served import ServedModel
@@ -70,7 +70,7 @@ class GenerationService(ModelServing):
         scoring pass over its tokens."""
         served = self.registry.get(model)
         alone = served.invariant if alone is None else alone
-        abandoned = threading.Event()
+        abandoned = Abandonment()
         # An engine that scores prompts as it generates (top-k and ranks) does so for each
         # prompt's first row.
         capable = served.backend.capabilities.prompt_scores

@@ -46,3 +46,37 @@ async def test_a_cancelled_request_stops_decoding_at_the_next_token(
     # than their MAX_NEW tokens each (a few more at most, while the cancel reached the loop).
     big_steps = len(steps) - 3
     assert big_steps < 8 * MAX_NEW / 4, big_steps
+
+
+async def test_an_abandonment_wakes_its_watchers_from_any_thread() -> None:
+    """`unless_abandoned` waits on an `Abandonment` without polling: set from another thread
+    or from the loop, the watched work is cancelled and None returned at once; work that ends
+    first returns its result and leaves no waiter behind."""
+    import threading
+    import time
+
+    from app.engine.abandon import POLL_S, Abandonment, unless_abandoned
+
+    for setter in ("thread", "loop"):
+        flag, cancelled = Abandonment(), asyncio.Event()
+
+        async def forever(cancelled: asyncio.Event = cancelled) -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                cancelled.set()
+
+        loop = asyncio.get_running_loop()
+        if setter == "thread":
+            threading.Timer(0.2, flag.set).start()
+        else:
+            loop.call_later(0.2, flag.set)
+        start = time.monotonic()
+        assert await unless_abandoned(forever(), flag) is None
+        assert cancelled.is_set() and time.monotonic() - start < 0.2 + 10 * POLL_S
+        assert await unless_abandoned(asyncio.sleep(0, "late"), flag) is None  # set already
+
+    flag = Abandonment()
+    assert await unless_abandoned(asyncio.sleep(0.01, "done"), flag) == "done"
+    assert not flag._waiters
+    flag.set()  # nobody waits: nothing to wake

@@ -33,7 +33,8 @@ class Abandonment(threading.Event):
         with self._waiters_lock:
             waiters, self._waiters = self._waiters, set()
         for waiter in waiters:
-            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+            with contextlib.suppress(RuntimeError):  # (its loop is closed: nobody waits)
+                waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
 
     def waiter(self) -> asyncio.Future[None]:
         """A future done once the flag is set (at once if it is); `discard` it when done

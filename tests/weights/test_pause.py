@@ -128,10 +128,13 @@ async def test_pausing_twice_with_one_mode_is_harmless(served, mode):
     assert not (await served.http.post("/v1/resume")).json()["paused"]
 
 
-async def aborted_while_asking_for_extras(http: Any, max_new_tokens: int = 3000) -> None:
+async def aborted_while_asking_for_extras(
+    http: Any, max_new_tokens: int = 3000, *, keeps_tokens: bool = True
+) -> None:
     """An abort pause ends a long generation that asks for top_logprobs, and returns: it does
     not wait for the aborted row's extras (a paused vLLM engine would score them only after
-    the resume, which the pause itself holds up). The row keeps the tokens it produced."""
+    the resume, which the pause itself holds up). The row keeps the tokens it produced, except
+    where vLLM's processed mode scores it once more for its raw values."""
     body = {**LONG, "max_new_tokens": max_new_tokens, "top_logprobs": 2}
     task = asyncio.create_task(http.post("/v1/generate", json=body))
     for _ in range(400):
@@ -146,7 +149,7 @@ async def aborted_while_asking_for_extras(http: Any, max_new_tokens: int = 3000)
         assert paused.json()["paused"] and paused.json()["in_flight_generations"] == 0
         (sample,) = (await asyncio.wait_for(task, 60)).json()["outputs"][0]
         assert sample["finish_reason"] == "abort"
-        assert len(sample["tokens"]["response"]) > 0
+        assert len(sample["tokens"]["response"]) > 0 or not keeps_tokens
         assert len(sample["tokens"]["response"]) < max_new_tokens
         assert sample.get("top_logprobs") is None
     finally:

@@ -335,7 +335,11 @@ async def test_a_refused_trainer_is_left_with_nothing_waiting(served, trainer_mo
                 with pytest.raises(ConflictError, match="transfer/close"):
                     second.weight_transfer(timeout_s=600).open()
                 took = time.monotonic() - start
-            waiting = [t.name for t in threading.enumerate() if "weight-transfer" in t.name]
+            for _ in range(100):  # (a thread ends just after it hands over its result)
+                waiting = [t.name for t in threading.enumerate() if "weight-transfer" in t.name]
+                if not waiting:
+                    break
+                time.sleep(0.02)
             return took, waiting, holding.send(trainer_model).policy_version
 
     current = await version(served)

@@ -61,7 +61,9 @@ def carry_raw_log_probs() -> None:
             and not sampling_metadata.logprob_token_ids
         )
         raw = logits.log_softmax(dim=-1, dtype=torch.float32) if carry else None
-        output = original(self, logits, sampling_metadata, predict_bonus_token, None)
+        output = original(
+            self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override
+        )
         tensors = output.logprobs_tensors
         if raw is None or tensors is None:
             return output

@@ -118,25 +118,28 @@ class WeightSync:
         try:
             _first_error(joined, group, self.options.timeout_s + 10)
         except BaseException:
-            self._abandon(group, transport, world_size)
+            self._abandon(joined, group, transport, world_size)
             raise
         self._group = group.result()
         joined.result()
         return self
 
-    def _abandon(self, group: Future[Any], transport: str, size: int) -> None:
-        """A join that failed: leave nothing of ours waiting at the rendezvous. The server's
-        init failed or was refused, so its ranks are not coming, and this rank's join would
-        block until `timeout_s` in a thread that aborts the process if it wakes while the
-        process exits. Stand-in ranks, each on a store connection of its own (one connection
-        serves one waiting call at a time), complete the rendezvous and the warm-up instead,
-        within STAND_IN_TIMEOUT_S, and the group is shut down. (Gloo only: NCCL takes one
-        rank per device.)"""
+    def _abandon(self, joined: Future[Any], group: Future[Any], transport: str, size: int) -> None:
+        """A join that failed: leave nothing of ours waiting at the rendezvous. Where the
+        server answered the init with an error, its ranks are not coming, and this rank's join
+        would block until `timeout_s` in a thread that aborts the process if it wakes while
+        the process exits. Stand-in ranks, each on a store connection of its own (one
+        connection serves one waiting call at a time), complete the rendezvous and the warm-up
+        instead, within STAND_IN_TIMEOUT_S, and the group is shut down. (Not where the server
+        gave no answer, as its ranks may still be joining; and gloo only: NCCL takes one rank
+        per device.)"""
         import torch.distributed as dist
 
+        from rlserve_client._exceptions import APIStatusError
         from rlserve_client.collective import STORE_PREFIX, process_group, warm_up
 
-        if not group.done() and transport == "gloo":
+        answered = joined.done() and isinstance(joined.exception(), APIStatusError)
+        if answered and not group.done() and transport == "gloo":
             grace = min(self.options.timeout_s, STAND_IN_TIMEOUT_S)
             port = self._store.port
 

@@ -15,7 +15,6 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 R = TypeVar("R")
-POLL_S = 0.05
 
 
 class Abandonment(threading.Event):
@@ -58,30 +57,25 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def unless_abandoned(work: Awaitable[R], flag: threading.Event | None) -> R | None:
-    """`work`'s result, or None once `flag` is set (the work is cancelled then). An
-    `Abandonment` is waited on; a plain event is polled every POLL_S."""
+async def unless_abandoned(work: Awaitable[R], flag: Abandonment | None) -> R | None:
+    """`work`'s result, or None once `flag` is set (the work is cancelled then)."""
     if flag is None:
         return await work
     task = asyncio.ensure_future(work)
-    abandoned = flag.waiter() if isinstance(flag, Abandonment) else None
+    abandoned = flag.waiter()
     try:
-        while not task.done():
-            if flag.is_set():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
-            if abandoned is None:
-                await asyncio.wait({task}, timeout=POLL_S)
-            else:
-                either: set[asyncio.Future[Any]] = {task, abandoned}
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        return task.result()
+        if not abandoned.done():  # (set already: the work is not started)
+            either: set[asyncio.Future[Any]] = {task, abandoned}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
     finally:
         task.cancel()
-        if isinstance(flag, Abandonment) and abandoned is not None:
-            flag.discard(abandoned)
+        flag.discard(abandoned)
 
 
 async def unless_set(work: Awaitable[R], event: asyncio.Event) -> R | None:

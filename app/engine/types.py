@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
 
+    from app.engine.abandon import Abandonment
     from app.weights.lora import LoraAdapter
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -107,7 +107,7 @@ class GenerateItem:
     prompt_ids: tuple[int, ...]
     config: SamplingConfig
     seed: int
-    abandoned: threading.Event | None = field(default=None, compare=False)
+    abandoned: Abandonment | None = field(default=None, compare=False)
     """Set when the requester is gone: decoding stops at the next token (app.engine.abandon)."""
     sink: TokenSink | None = field(default=None, compare=False)
     """Told each token as it is sampled (streaming), from whatever thread samples it."""

@@ -26,12 +26,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from rlserve_client.collective import (
-    STORE_PREFIX,
     Transport,
     broadcast_slices,
+    join,
     process_group,
     wait_all,
-    warm_up,
 )
 
 __all__ = [
@@ -165,13 +164,17 @@ class RlserveGroup(BroadcastGroup):
 
     def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
         super().__init__(connection, rank, device)
-        self.store = _store(connection, wait_for_workers=False)
-        prefixed = dist.PrefixStore(STORE_PREFIX, self.store)
-        self.group = process_group(
-            _transport(connection), prefixed, rank, connection.world_size, connection.timeout_s
+        self.store, self.group = join(
+            connection.address,
+            connection.port,
+            rank,
+            connection.world_size,
+            _transport(connection),
+            connection.streams,
+            connection.timeout_s,
+            device,
         )
         self.streams = connection.streams
-        warm_up(self.group, device, connection.streams, connection.timeout_s)
 
 
 @registered("vllm", "gloo")
@@ -183,7 +186,14 @@ class VllmGlooGroup(BroadcastGroup):
 
     def __init__(self, connection: Connection, rank: int, device: torch.device) -> None:
         super().__init__(connection, rank, device)
-        self.store = _store(connection, wait_for_workers=True)
+        self.store = dist.TCPStore(
+            connection.address,
+            connection.port,
+            connection.world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=connection.timeout_s),
+            wait_for_workers=True,
+        )
         prefixed = dist.PrefixStore(connection.tcp_uri, self.store)
         self.group = process_group(
             "gloo", prefixed, rank, connection.world_size, connection.timeout_s
@@ -258,14 +268,3 @@ class TorchGroup(BroadcastGroup):
 def _transport(connection: Connection) -> Transport:
     assert connection.transport != "auto"
     return connection.transport
-
-
-def _store(connection: Connection, *, wait_for_workers: bool) -> dist.TCPStore:
-    return dist.TCPStore(
-        connection.address,
-        connection.port,
-        connection.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=connection.timeout_s),
-        wait_for_workers=wait_for_workers,
-    )

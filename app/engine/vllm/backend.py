@@ -372,20 +372,12 @@ class VLLMBackend(Backend):
         log_probs, processed = sampled, None
         if processed_mode:
             # The sampled values are processed; the raw ones came with them from each
-            # sampling step (raw_log_probs.py), else from one scoring pass over the finished
-            # sequence. (No pass while an abort pause holds: the paused engine would start
-            # it only after the resume, and the pause waits for this row. The row ends
-            # without its tokens then: their raw values are part of it.)
+            # sampling step (raw_log_probs.py), else from one more pass.
             processed, stepped = sampled, raw_log_probs(completion)
             if stepped is not None:
                 log_probs = stepped
             else:
-                raw = None
-                if not self._aborting.is_set():
-                    sequence = [*item.prompt_ids, *tokens]
-                    scored = self._score_one(sequence, item.adapter)
-                    score = unless_abandoned(scored, item.abandoned)
-                    raw = await unless_set(score, self._aborting)
+                raw = await self._scored_again(item, tokens)
                 if raw is None:
                     return Generation([], [], None, "abort")
                 log_probs = raw[length:]
@@ -409,6 +401,17 @@ class VLLMBackend(Backend):
             ],
             prompt_scores=None if asks is None or grid is None else grid.scores(asks),
         )
+
+    async def _scored_again(self, item: GenerateItem, tokens: list[int]) -> list[float] | None:
+        """The raw log-probs of a finished processed-mode row whose steps did not carry them:
+        one scoring pass over prompt and tokens, under the weights at its end. None where the
+        requester is gone, or an abort pause holds (the paused engine would start the pass
+        only after the resume, and the pause waits for this row: it ends without its tokens,
+        since their raw values are part of it)."""
+        if self._aborting.is_set():
+            return None
+        scored = self._score_one([*item.prompt_ids, *tokens], item.adapter)
+        return await unless_set(unless_abandoned(scored, item.abandoned), self._aborting)
 
     async def check(self) -> None:
         """vLLM's own check first (it raises once the engine core process is gone)."""

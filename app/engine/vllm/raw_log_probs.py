@@ -60,7 +60,7 @@ def carry_raw_log_probs() -> None:
             and 0 <= wanted < logits.shape[-1]
             and not sampling_metadata.logprob_token_ids
         )
-        raw = logits.log_softmax(dim=-1, dtype=torch.float32) if carry else None
+        raw = self.compute_logprobs(logits) if carry else None  # (as raw_logprobs mode)
         output = original(
             self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override
         )

@@ -34,6 +34,31 @@ def process_group(transport: str, store: Any, rank: int, world_size: int, timeou
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
+def join(
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    transport: str,
+    streams: int,
+    timeout_s: float,
+    device: torch.device,
+) -> tuple[Any, Any]:
+    """A rank other than 0 joins the trainer's group: its own connection to the trainer's
+    store, its member of the group, the warm-up. Returns (store, group): the store is to be
+    held while the group lives."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # (torch.distributed re-exports these from torch._C: an error under --strict's global
+    # no-implicit-reexport, not under the project's per-module strictness)
+    store = dist.TCPStore(  # type: ignore[attr-defined,unused-ignore]
+        address, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
+    )
+    prefixed = dist.PrefixStore(STORE_PREFIX, store)  # type: ignore[attr-defined,unused-ignore]
+    group = process_group(transport, prefixed, rank, world_size, timeout_s)
+    warm_up(group, device, streams, timeout_s)
+    return store, group
+
+
 def warm_up(group: Any, device: torch.device, streams: int, timeout_s: float) -> None:
     """The first broadcast, of WARMUP_BYTES: every rank does it right after joining."""
     buffer = torch.zeros(WARMUP_BYTES, dtype=torch.uint8, device=device)

@@ -133,28 +133,16 @@ class WeightSync:
         instead, within STAND_IN_TIMEOUT_S, and the group is shut down. (Not where the server
         gave no answer, as its ranks may still be joining; and gloo only: NCCL takes one rank
         per device.)"""
-        import torch.distributed as dist
-
         from rlserve_client._exceptions import APIStatusError
-        from rlserve_client.collective import STORE_PREFIX, process_group, warm_up
+        from rlserve_client.collective import join
 
         answered = joined.done() and isinstance(joined.exception(), APIStatusError)
         if answered and not group.done() and transport == "gloo":
             grace = min(self.options.timeout_s, STAND_IN_TIMEOUT_S)
-            port = self._store.port
+            port, streams, device = self._store.port, self.options.streams, _device(transport)
 
             def stand_in(rank: int) -> None:
-                connection = dist.TCPStore(  # type: ignore[attr-defined,unused-ignore]
-                    "127.0.0.1",
-                    port,
-                    size,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=grace),
-                    wait_for_workers=False,
-                )
-                store = dist.PrefixStore(STORE_PREFIX, connection)  # type: ignore[attr-defined,unused-ignore]
-                member = process_group(transport, store, rank, size, grace)
-                warm_up(member, _device(transport), self.options.streams, grace)
+                _, member = join("127.0.0.1", port, rank, size, transport, streams, grace, device)
                 member.shutdown()
 
             stand_ins = [_in_thread(stand_in, rank) for rank in range(1, size)]

@@ -229,4 +229,5 @@ async def load_backend(
         max_model_len=models.max_model_len,
         trust_remote_code=models.trust_remote_code,
         builtin=builtin,
+        compile_decode=models.compile_decode and name != "reference",  # (which scores)
     )

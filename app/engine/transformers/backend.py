@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -17,10 +18,11 @@ from rlserve_client.moe import Routing
 
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.transformers import decode as hf_decode
+from app.engine.transformers.compiled import CompiledDecode
 from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.memory import release_after
-from app.engine.types import GenerateItem, Generation, ModelInfo, Scores
+from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
 from app.weights.expert_names import checkpoint_views
 from app.weights.lora import LoraAdapter
@@ -44,7 +46,9 @@ class TransformersBackend(Backend):
         weight_transfer=True, processed_log_probs=True, batch_invariant=True, adapters=True
     )
 
-    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, info: ModelInfo, *, compile_decode: bool = False
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
@@ -58,6 +62,34 @@ class TransformersBackend(Backend):
         """Hooks on a mixture-of-experts model's routers: routed experts recorded and replayed."""
         if self.routing is not None:
             self.capabilities = replace(self.capabilities, routed_experts=True)
+        self.compiled: CompiledDecode | None = None
+        """Decoding steps compiled over a static cache (`models.compile_decode`)."""
+        if compile_decode and self.routing is not None:
+            logger.warning("%s: a mixture-of-experts model decodes eagerly", info.name)
+        elif compile_decode:
+            self.compiled = CompiledDecode(model)
+            self._worker.submit(self._warm_up).result()
+
+    def _warm_up(self) -> None:
+        """The decode step compiled before the model serves, so that no request waits for
+        it: a row alone and two rows (torch.compile specializes a batch of one)."""
+        assert self.compiled is not None
+        started = time.perf_counter()
+        config = SamplingConfig(max_new_tokens=3, ignore_eos=True)
+        for rows in (1, 2):
+            items = [GenerateItem((self.pad_id,) * 4, config, seed=row) for row in range(rows)]
+            hf_decode.generate(
+                self.model,
+                items,
+                pad_id=self.pad_id,
+                eos_ids=self.eos_ids,
+                decode=self.tokenizer.decode,
+                compiled=self.compiled,
+            )
+        state = "compiled" if self.compiled.usable() else "not compiled: decoding eagerly"
+        logger.info(
+            "%s: decode step %s in %.1f s", self.info.name, state, time.perf_counter() - started
+        )
 
     @classmethod
     def load(
@@ -70,6 +102,7 @@ class TransformersBackend(Backend):
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         builtin: bool = False,
+        compile_decode: bool = False,
     ) -> TransformersBackend:
         from transformers import AutoModelForCausalLM
 
@@ -88,7 +121,7 @@ class TransformersBackend(Backend):
             max_model_len=max_model_len,
             builtin=builtin,
         )
-        return cls(model, tokenizer, info)
+        return cls(model, tokenizer, info, compile_decode=compile_decode)
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """`fn` on the model thread; it waits there while the model is frozen."""
@@ -135,6 +168,7 @@ class TransformersBackend(Backend):
             control=self.control,
             lora=self.lora,
             routing=self.routing,
+            compiled=self.compiled,
         )
         return result
 

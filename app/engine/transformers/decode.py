@@ -14,6 +14,7 @@ import torch
 
 from app.engine.distribution import assemble, log_probs_of, position_scores
 from app.engine.sampling import RowSampler
+from app.engine.transformers.compiled import CompiledDecode, StaticRun
 from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.moe import RoutedRows, recording, replayed
@@ -207,14 +208,19 @@ def generate(
     control: ModelThreadControl | None = None,
     lora: LoraHooks | None = None,
     routing: Routing | None = None,
+    compiled: CompiledDecode | None = None,
 ) -> list[Generation]:
     """Decode `items` together. With a `control`, the loop parks at its checkpoints while the
     model is frozen, ends every row on an abort, and labels each token with its version. A row
     that names a LoRA adapter runs with it (`lora`: the model's hooks). A row whose config asks
-    gets the experts its tokens were routed to (`routing`: the model's MoE routers)."""
+    gets the experts its tokens were routed to (`routing`: the model's MoE routers). With
+    `compiled`, the steps run compiled over a static cache where they can
+    (`app.engine.transformers.compiled`: not on a model with adapters or MoE routers)."""
+    if compiled is not None and (lora is not None or routing is not None or not compiled.usable()):
+        compiled = None
     with recording(routing, items) as recorded:
         routes = RoutedRows(recorded)
-        return _decode(model, items, pad_id, eos_ids, decode, control, lora, routes)
+        return _decode(model, items, pad_id, eos_ids, decode, control, lora, routes, compiled)
 
 
 def _decode(
@@ -226,32 +232,41 @@ def _decode(
     control: ModelThreadControl | None,
     lora: LoraHooks | None,
     routes: RoutedRows,
+    compiled: CompiledDecode | None,
 ) -> list[Generation]:
     control = control or ModelThreadControl()
     device = model.device
     configs = [item.config for item in items]
     sampler = RowSampler(configs, [it.seed for it in items], device, eos_ids)
     ids, mask = padded([it.prompt_ids for it in items], pad_id, device, left=True)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = _positions(mask)
     want_prompt = any(c.return_prompt_log_probs for c in configs)
     version = control.checkpoint()
-    # A prompt shared by several rows (a GRPO group, n > 1) is prefilled once; its cache and
-    # logits are then copied to each of its rows.
-    firsts, expand = _distinct_prompts(items, device)
+    new_tokens = max(c.max_new_tokens for c in configs)
+    run: StaticRun | None = None
+    cache = None
     adapters = [item.adapter for item in items]
-    with _adapted(lora, [adapters[i] for i in firsts]):
-        out = model(
-            input_ids=ids[firsts],
-            attention_mask=mask[firsts],
-            position_ids=positions[firsts],
-            use_cache=True,
-            logits_to_keep=0 if want_prompt else 1,
-        )
-    cache, prefill_logits = _returned_cache(out), out.logits
-    routes.prefilled(len(firsts), expand)
-    if expand is not None:
-        cache.reorder_cache(expand)
-        prefill_logits = prefill_logits.index_select(0, expand)
+    if compiled is not None:
+        run = compiled.begin(ids, mask, new_tokens)
+        prefill_logits = run.prefill(positions, keep_all=want_prompt)
+    else:
+        # A prompt shared by several rows (a GRPO group, n > 1) is prefilled once; its cache
+        # and logits are then copied to each of its rows.
+        firsts, expand = _distinct_prompts(items, device)
+        with _adapted(lora, [adapters[i] for i in firsts]):
+            out = model(
+                input_ids=ids[firsts],
+                attention_mask=mask[firsts],
+                position_ids=positions[firsts],
+                use_cache=True,
+                logits_to_keep=0 if want_prompt else 1,
+            )
+        cache, prefill_logits = _returned_cache(out), out.logits
+        del out
+        routes.prefilled(len(firsts), expand)
+        if expand is not None:
+            cache.reorder_cache(expand)
+            prefill_logits = prefill_logits.index_select(0, expand)
     prompt_lps = token_log_probs(prefill_logits, ids).cpu() if want_prompt else None
     seen = None
     if sampler.needs_penalty:
@@ -260,11 +275,11 @@ def _decode(
         seen.scatter_(1, ids, mask.bool())
     rows = _Rows(items)
     logits = prefill_logits[:, -1].float()
-    del out, prefill_logits
+    del prefill_logits
     next_position = positions[:, -1:] + 1
     columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
     cache_argument = _cache_argument(model)
-    for _step in range(max(c.max_new_tokens for c in configs)):
+    for _step in range(new_tokens):
         processed = sampler.process(logits, seen, rows.tokens)
         chosen = sampler.choose(processed)
         sampler.observe(chosen)
@@ -292,8 +307,21 @@ def _decode(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         columns.append(chosen[:, None])
         previous, version = version, control.checkpoint()
+        rebuild = version != previous
+        if run is not None:
+            stepped = (
+                run.rebuild(torch.cat([ids, *columns], dim=1), _positions(mask))
+                if rebuild
+                else run.step(chosen, next_position)
+            )
+            if stepped is not None:
+                logits, next_position = stepped, next_position + 1
+                continue
+            # The model's step did not compile (`CompiledDecode.failed`): on eagerly, over a
+            # cache rebuilt from everything so far.
+            run, rebuild = None, True
         with _adapted(lora, adapters):
-            if version == previous:
+            if not rebuild:
                 out = model(
                     input_ids=chosen[:, None],
                     attention_mask=mask,
@@ -309,14 +337,19 @@ def _decode(
                 out = model(
                     input_ids=torch.cat([ids, *columns], dim=1),
                     attention_mask=mask,
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    position_ids=_positions(mask),
                     use_cache=True,
                     logits_to_keep=1,
                 )
-        routes.stepped(len(items), rebuilt=version != previous)
+        routes.stepped(len(items), rebuilt=rebuild)
         cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps, routes) for i in range(len(items))]
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position in its left-padded row (0 over the padding)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _cache_argument(model: Any) -> str:

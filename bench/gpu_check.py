@@ -20,6 +20,11 @@ Per dtype, one server (`--device cuda --dtype D`) and one in-process model of th
 - peak memory: the device memory in use at its peak while each server ran, less what was in use
   before it started (nvidia-smi, sampled every 0.25 s).
 
+`compiled`, per dtype: a server with `models.compile_decode` (decoding steps compiled over a
+static cache, as CUDA graphs): the first generation's wait for the compile, greedy tokens
+against `generate` as above, generation throughput, and its ratio to the plain server's and to
+in-process `generate` where `serve` ran too.
+
 Then the benchmarks whose features exist only on this backend, each run on the device as it
 runs on CPU (`--device cuda`), its report folded into this one with its wall time and peak
 memory: `adapters` (bench/adapters.py: 1, 4 and 16 LoRA adapters resident against the policy
@@ -54,7 +59,7 @@ from app.config_groups import DEFAULT_MODEL
 from app.engine.loader import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SECTIONS = ("serve", "adapters", "moe", "invariance", "grpo")
+SECTIONS = ("serve", "compiled", "adapters", "moe", "invariance", "grpo")
 GRPO_STEPS = 10
 SCORE_LENGTHS = (17, 40, 64, 96, 128, 128, 7, 111)  # mixed, so the server pads its batches
 GREEDY_TOKENS = 48
@@ -334,6 +339,57 @@ def check_dtype(
     return report
 
 
+def check_compiled(
+    args: argparse.Namespace,
+    name: str,
+    model_dir: Path,
+    work: dict[str, list[list[int]]],
+    plain: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The dtype's server with `models.compile_decode`: its compile, greedy exactness and
+    generation rate (`plain`: the `serve` section's figures of the same dtype, if it ran)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[name])
+    model = model.to(args.device).eval()
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__DEVICE": str(args.device),
+        "RLSERVE_MODELS__DTYPE": name,
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        "RLSERVE_MODELS__COMPILE_DECODE": "true",
+    }
+    log = args.output / f"gpu-check-compiled-{name}.log"
+    report: dict[str, Any] = {}
+    with (
+        PeakDeviceMemory(args.device) as memory,
+        running_server("--model", args.model, env=env, log=log, ready_timeout=600) as server,
+    ):
+        started = time.perf_counter()
+        first = {"tokens": [work["generate"][0]], "max_tokens": 4, "temperature": 0}
+        httpx.post(f"{server.url}/v1/generate", json=first, timeout=900).raise_for_status()
+        report["first_generation_s"] = round(time.perf_counter() - started, 1)
+        report["greedy"] = greedy(server.url, model, work["generate"][: args.greedy_prompts])
+        bodies = rlserve_bodies({"generate": work["generate"], "score": []}, args.new_tokens)
+        del bodies["score"]
+        report["throughput"] = measure(f"rlserve compiled {name}", server.url, bodies, args)
+    report["server_peak_device_memory_mib"] = memory.mib
+    if plain is not None:
+        throughput = plain["throughput"]
+        report["over_rlserve"] = throughput_ratios(
+            report["throughput"], throughput["rlserve"], ("generate",)
+        )
+        report["over_in_process"] = throughput_ratios(
+            report["throughput"], throughput["in_process"], ("generate",)
+        )
+    print(name, "compiled", json.dumps(report), flush=True)
+    del model
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
 def bench_section(args: argparse.Namespace, script: str, *options: str) -> dict[str, Any]:
     """`bench/SCRIPT --device D [--quick] OPTIONS` in a process of its own, writing into a
     scratch folder: its report, wall time and peak device memory, or its failure's tail."""
@@ -456,6 +512,11 @@ def main() -> None:
     if "serve" in args.sections:
         for name in DTYPES:
             report["dtypes"][name] = check_dtype(args, name, model_dir, work, fp32)
+    if "compiled" in args.sections:
+        report["compiled"] = {
+            name: check_compiled(args, name, model_dir, work, report["dtypes"].get(name))
+            for name in DTYPES
+        }
     model = [] if args.model == DEFAULT_MODEL else ["--model", args.model]
     benches = {
         "adapters": ("adapters.py", *model),

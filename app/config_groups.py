@@ -138,8 +138,10 @@ class ModelSettings(Group):
         "static key/value cache (transformers' StaticCache), and on CUDA as CUDA graphs, the "
         "batch padded to a power of two and the cache to a multiple of 256 positions. The "
         "model's load includes the compile (about 20 s for builtin:tiny, a minute for SmolLM2 "
-        "on 2 CPU cores), so no request waits for it. Models with LoRA adapters or MoE "
-        "routers, and sliding-window or linear attention, decode eagerly.",
+        "on 2 CPU cores), so no request waits for it. A static cache is allocated whole for "
+        "its padded batch and length. Models with LoRA adapters or MoE routers, and "
+        "sliding-window or linear attention, decode eagerly; a failed compile falls back to "
+        "eager decoding.",
     )
     trust_remote_code: bool = Field(
         default=False, description="Let transformers run a hub model's own Python code."

@@ -262,11 +262,15 @@ class Reception:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-def adopt(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+def adopt(
+    module: torch.nn.Module, staged: dict[str, torch.Tensor], *, in_place: bool = False
+) -> None:
     """The staged tensors become `module`'s (by state-dict name). A parameter takes the
     received memory as its own when dtype, device and layout allow: no copy, and its old
     memory is freed. Otherwise, and for buffers, the values are copied in. Tied parameters
-    are one object, so every name of it follows."""
+    are one object, so every name of it follows. `in_place`: every value is copied in, so
+    each parameter keeps its address (CUDA graphs read parameters where they were captured:
+    a moved one makes them record again)."""
     targets: dict[str, torch.Tensor] = checkpoint_views(module)  # names of the checkpoint too
     targets |= dict(module.named_parameters(remove_duplicate=False))
     targets |= dict(module.named_buffers(remove_duplicate=False))
@@ -274,7 +278,8 @@ def adopt(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
         for name, tensor in staged.items():
             target = targets[name]
             adoptable = (
-                isinstance(target, torch.nn.Parameter)
+                not in_place
+                and isinstance(target, torch.nn.Parameter)
                 and tensor.dtype == target.dtype
                 and tensor.device == target.device
                 and tensor.is_contiguous()

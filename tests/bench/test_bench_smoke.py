@@ -241,12 +241,14 @@ def test_env_steps_ab_benchmark_quick(tmp_path):
 
 def test_gpu_check_runs_its_steps_on_cpu(tmp_path):
     """The GPU check's steps, on the tiny model and the CPU, so the script is ready for the day
-    a GPU host is: served scores and pushed weights match transformers' own forward."""
+    a GPU host is: served scores and pushed weights match transformers' own forward, and the
+    compiled decoding's greedy tokens match `generate`."""
     command = [sys.executable, "bench/gpu_check.py", "--quick", "--device", "cpu"]
-    command += ["--model", "builtin:tiny", "--sections", "serve", "--output", str(tmp_path)]
+    command += ["--model", "builtin:tiny", "--sections", "serve", "compiled"]
+    command += ["--output", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"gpu_check.py exited {done.returncode}:\n{done.stderr[-6000:]}"
-    report = json.loads((tmp_path / "gpu-check-quick-serve.json").read_text())
+    report = json.loads((tmp_path / "gpu-check-quick-serve-compiled.json").read_text())
     float32 = report["dtypes"]["float32"]
     assert float32["scoring"]["vs_forward_same_dtype"]["max_abs"] < 1e-4
     assert float32["greedy"]["alone"]["identical"] == float32["greedy"]["prompts"] == 3
@@ -260,6 +262,9 @@ def test_gpu_check_runs_its_steps_on_cpu(tmp_path):
     bfloat16 = report["dtypes"]["bfloat16"]
     assert bfloat16["scoring"]["vs_forward_float32"]["max_abs"] > 1e-3  # bfloat16's own error
     assert set(bfloat16["throughput"]["rlserve_over_in_process"]["4"]) == {"generate", "score"}
+    compiled = report["compiled"]["float32"]
+    assert compiled["greedy"]["alone"]["identical"] == compiled["greedy"]["prompts"] == 3
+    assert set(compiled["over_rlserve"]["4"]) == {"generate"}
 
 
 def test_decode_host_benchmark_quick(tmp_path):

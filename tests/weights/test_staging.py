@@ -165,6 +165,18 @@ def test_adopted_tensors_become_the_models_without_a_copy_and_tied_names_follow(
     assert isinstance(module.embed.weight, torch.nn.Parameter)
 
 
+def test_adopted_in_place_the_parameters_keep_their_memory():
+    """As under CUDA graphs (compiled decoding), which read parameters where they were
+    captured."""
+    module = Tied()
+    where = {name: p.data_ptr() for name, p in module.named_parameters()}
+    embed, norm = torch.randn(10, 4), torch.randn(4)
+    adopt(module, {"head.weight": embed, "norm.weight": norm}, in_place=True)
+    assert {name: p.data_ptr() for name, p in module.named_parameters()} == where
+    assert torch.equal(module.embed.weight, embed) and module.head.weight is module.embed.weight
+    assert torch.equal(module.norm.weight, norm)
+
+
 @pytest.mark.vllm
 @pytest.mark.filterwarnings("ignore:Tensor 'big' has size")  # larger than a bucket: sent alone
 @pytest.mark.parametrize("limit", [1 << 8, 1 << 12, 1 << 16])

@@ -72,20 +72,24 @@ class TransformersBackend(Backend):
 
     def _warm_up(self) -> None:
         """The decode step compiled before the model serves, so that no request waits for
-        it: a row alone and two rows (torch.compile specializes a batch of one)."""
+        it: a row alone and four (torch.compile specializes a batch of one, and might a
+        batch of two to a model dimension of that size)."""
         assert self.compiled is not None
         started = time.perf_counter()
         config = SamplingConfig(max_new_tokens=3, ignore_eos=True)
-        for rows in (1, 2):
+        for rows in (1, 4):
             items = [GenerateItem((self.pad_id,) * 4, config, seed=row) for row in range(rows)]
-            hf_decode.generate(
-                self.model,
-                items,
-                pad_id=self.pad_id,
-                eos_ids=self.eos_ids,
-                decode=self.tokenizer.decode,
-                compiled=self.compiled,
-            )
+            try:
+                hf_decode.generate(
+                    self.model,
+                    items,
+                    pad_id=self.pad_id,
+                    eos_ids=self.eos_ids,
+                    decode=self.tokenizer.decode,
+                    compiled=self.compiled,
+                )
+            except Exception as error:  # the model serves, eagerly
+                self.compiled.failed(error)
         state = "compiled" if self.compiled.usable() else "not compiled: decoding eagerly"
         logger.info(
             "%s: decode step %s in %.1f s", self.info.name, state, time.perf_counter() - started
@@ -212,7 +216,10 @@ class TransformersBackend(Backend):
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
-            self._transfer = InProcessTransfer(self.model.device, partial(adopt, self.model))
+            in_place = self.compiled is not None and self.compiled.graphs
+            self._transfer = InProcessTransfer(
+                self.model.device, partial(adopt, self.model, in_place=in_place)
+            )
         return self._transfer
 
     async def freeze(self) -> None:

@@ -3,24 +3,28 @@
 
 transformers' own recipe for fast decoding: a `StaticCache` (the keys and values preallocated for
 the whole generation, updated in place) and the model's forward compiled once with dynamic
-shapes (`model.get_compiled_call`). On CUDA the compiled step is also captured as CUDA graphs
-(mode "reduce-overhead"), so a step costs one graph launch instead of a few hundred kernel
-launches from Python. To keep the graphs few and their memory bounded there, the batch is padded
+shapes (as `generate` does through `model.get_compiled_call`; here with inductor's
+`emulate_precision_casts`, so that bfloat16 kernels round as eager ones do: on the tiny model in
+bfloat16 sampled log-probs were 0.14 from `/v1/logprobs` without it, 0.020 with it and 0.034
+eager). On CUDA the compiled step is also captured as CUDA graphs (what mode "reduce-overhead"
+turns on), so a step costs one graph launch instead of a few hundred kernel launches from
+Python. To keep the graphs few and their memory bounded there, the batch is padded
 to a power of two (the padding rows repeat the last real row) and the cache length to a multiple
-of `GRAPH_LENGTH_STEP`, and the caches of the last `POOLED_CACHES` shapes are kept: a graph reads
-the cache at the address it was captured with.
+of `GRAPH_LENGTH_STEP`, and the last shape's cache is kept for the next generation of that shape:
+a graph reads the cache at the address it was captured with (and weight updates copy into the
+parameters in place, `app.weights.staging.adopt`, for the same reason). The padding costs memory:
+a static cache holds up to twice the rows `batching.max_batch_tokens` counts, at the padded
+length, from the first step.
 
 Prefill and the cache rebuild after a keep-mode weight swap run eagerly into the same cache.
-Rows with LoRA adapters and calls that record routed experts decode eagerly (forward hooks do not
-run under CUDA graphs); so do models whose cache is not plain full attention (sliding windows,
+Models with LoRA adapters or MoE routers decode eagerly (their forward hooks are Python, which
+CUDA graphs do not replay); so do models whose cache is not plain full attention (sliding windows,
 linear attention), where the static layers' shapes differ by layer."""
 
 from __future__ import annotations
 
 import inspect
 import logging
-import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -29,9 +33,6 @@ logger = logging.getLogger(__name__)
 
 GRAPH_LENGTH_STEP = 256
 """With CUDA graphs, cache lengths are rounded up to a multiple of this."""
-
-POOLED_CACHES = 2
-"""With CUDA graphs, the static caches of this many recent shapes are kept for reuse."""
 
 
 def _bucket(rows: int) -> int:
@@ -47,10 +48,8 @@ class CompiledDecode:
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
         """CUDA graphs: the batch and the cache length padded to a few shapes, caches pooled."""
         self._compiled: Any = None
-        self._caches: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._kept: tuple[tuple[int, int], Any] | None = None  # (shape, cache), with graphs
         self._failed = False
-        self._proven = False
         self.steps = 0
         """Compiled steps run so far."""
         parameters = inspect.signature(getattr(model, "forward", model)).parameters
@@ -58,44 +57,42 @@ class CompiledDecode:
         self._takes_cache_position = "cache_position" in parameters
 
     def usable(self) -> bool:
-        """Whether this model's decode can run compiled: a cache of full-attention layers only,
-        and no compile has failed on it."""
-        if self._failed:
+        """Whether this model's decode can run compiled: a model transformers marks as
+        compilable whole, a cache of full-attention layers only, and no failed compile."""
+        if self._failed or not getattr(self.model, "_can_compile_fullgraph", False):
             return False
-        layer_types = getattr(self.model.config, "layer_types", None)
+        config = self.model.config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        layer_types = getattr(config, "layer_types", None)
         if layer_types and any(t != "full_attention" for t in layer_types):
             return False
-        return not getattr(self.model.config, "sliding_window", None) or not getattr(
-            self.model.config, "use_sliding_window", True
-        )
+        sliding = getattr(config, "sliding_window", None)
+        return not sliding or not getattr(config, "use_sliding_window", True)
 
     def _step_call(self) -> Any:
         if self._compiled is None:
-            mode = "reduce-overhead" if self.graphs else "default"
-            compiled_call = getattr(self.model, "get_compiled_call", None)
-            if compiled_call is not None:
-                from transformers.generation.configuration_utils import CompileConfig
-
-                self._compiled = compiled_call(CompileConfig(mode=mode, dynamic=True))
-            else:
-                self._compiled = torch.compile(self.model.__call__, mode=mode, dynamic=True)
+            # Fused bfloat16/float16 kernels round like eager ones (each operation's result
+            # rounded to the dtype), so decoding's log-probs stay as close to scoring's; CUDA
+            # graphs are what mode "reduce-overhead" turns on.
+            options = {"emulate_precision_casts": True, "triton.cudagraphs": self.graphs}
+            self._compiled = torch.compile(
+                self.model.__call__, dynamic=True, fullgraph=False, options=options
+            )
         return self._compiled
 
     def _cache(self, rows: int, length: int) -> Any:
         from transformers import StaticCache
 
-        if not self.graphs:
-            return StaticCache(config=self.model.config, max_cache_len=length)
-        with self._lock:
-            cache = self._caches.pop((rows, length), None)
-            if cache is None:
-                while len(self._caches) >= POOLED_CACHES:
-                    self._caches.popitem(last=False)
-                cache = StaticCache(config=self.model.config, max_cache_len=length)
-            else:
-                cache.reset()
-            self._caches[(rows, length)] = cache
+        if self.graphs and self._kept is not None and self._kept[0] == (rows, length):
+            cache = self._kept[1]
+            cache.reset()
             return cache
+        self._kept = None  # freed before the next one is allocated
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        if self.graphs:
+            self._kept = ((rows, length), cache)
+        return cache
 
     def begin(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> StaticRun:
         """A generation over left-padded prompts `ids` [B, W] (`mask` their attention mask) of
@@ -108,8 +105,12 @@ class CompiledDecode:
         return StaticRun(self, self._cache(padded_rows, length), ids, mask, padded_rows, length)
 
     def failed(self, error: BaseException) -> None:
-        """The first compiled step raised (the model's forward does not compile): this model
-        decodes eagerly from now on."""
+        """A compiled step, or a prefill into a static cache, raised: this model decodes
+        eagerly from now on; on running out of memory, only this generation does."""
+        self._kept = None
+        if isinstance(error, torch.OutOfMemoryError):
+            logger.warning("compiled decoding ran out of memory; this generation goes on eagerly")
+            return
         logger.warning("compiled decoding failed; decoding eagerly from now on: %r", error)
         self._failed = True
 
@@ -176,7 +177,7 @@ class StaticRun:
 
     def step(self, chosen: torch.Tensor, position: torch.Tensor) -> torch.Tensor | None:
         """One token per row through the compiled step; the next logits [B, V] in float32.
-        None where the model's first compiled step failed (see `CompiledDecode.failed`)."""
+        None where the step failed (`CompiledDecode.failed`): the caller goes on eagerly."""
         call = self.owner._step_call()
         if self.owner.graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -187,11 +188,8 @@ class StaticRun:
                 position.index_select(0, self._pad),
             )
         except Exception as error:
-            if self.owner._proven:
-                raise
             self.owner.failed(error)
             return None
-        self.owner._proven = True
         self.owner.steps += 1
         # A graph's output is overwritten by its next replay: the logits are copied out.
         return out.logits[: self.real, -1].float().clone()

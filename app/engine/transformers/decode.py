@@ -247,26 +247,14 @@ def _decode(
     cache = None
     adapters = [item.adapter for item in items]
     if compiled is not None:
-        run = compiled.begin(ids, mask, new_tokens)
-        prefill_logits = run.prefill(positions, keep_all=want_prompt)
-    else:
-        # A prompt shared by several rows (a GRPO group, n > 1) is prefilled once; its cache
-        # and logits are then copied to each of its rows.
-        firsts, expand = _distinct_prompts(items, device)
-        with _adapted(lora, [adapters[i] for i in firsts]):
-            out = model(
-                input_ids=ids[firsts],
-                attention_mask=mask[firsts],
-                position_ids=positions[firsts],
-                use_cache=True,
-                logits_to_keep=0 if want_prompt else 1,
-            )
-        cache, prefill_logits = _returned_cache(out), out.logits
-        del out
-        routes.prefilled(len(firsts), expand)
-        if expand is not None:
-            cache.reorder_cache(expand)
-            prefill_logits = prefill_logits.index_select(0, expand)
+        try:
+            run = compiled.begin(ids, mask, new_tokens)
+            prefill_logits = run.prefill(positions, keep_all=want_prompt)
+        except Exception as error:  # on eagerly (`CompiledDecode.failed`)
+            compiled.failed(error)
+            run = None
+    if run is None:
+        cache, prefill_logits = _prefill(model, items, ids, mask, want_prompt, lora, routes)
     prompt_lps = token_log_probs(prefill_logits, ids).cpu() if want_prompt else None
     seen = None
     if sampler.needs_penalty:
@@ -345,6 +333,35 @@ def _decode(
         cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
     return [_result(rows, i, prompt_lps, routes) for i in range(len(items))]
+
+
+def _prefill(
+    model: Any,
+    items: Sequence[GenerateItem],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    want_prompt: bool,
+    lora: LoraHooks | None,
+    routes: RoutedRows,
+) -> tuple[Any, torch.Tensor]:
+    """The prompts' forward into a new key/value cache; the cache and the logits (of every
+    position with `want_prompt`, else the last). A prompt shared by several rows (a GRPO
+    group, n > 1) is prefilled once; its cache and logits are then copied to each of its rows."""
+    firsts, expand = _distinct_prompts(items, ids.device)
+    with _adapted(lora, [items[i].adapter for i in firsts]):
+        out = model(
+            input_ids=ids[firsts],
+            attention_mask=mask[firsts],
+            position_ids=_positions(mask)[firsts],
+            use_cache=True,
+            logits_to_keep=0 if want_prompt else 1,
+        )
+    cache, logits = _returned_cache(out), out.logits
+    routes.prefilled(len(firsts), expand)
+    if expand is not None:
+        cache.reorder_cache(expand)
+        logits = logits.index_select(0, expand)
+    return cache, logits
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ parameters in place, `app.weights.staging.adopt`, for the same reason). The padd
 a static cache holds up to twice the rows `batching.max_batch_tokens` counts, at the padded
 length, from the first step.
 
-Prefill and the cache rebuild after a keep-mode weight swap run eagerly into the same cache.
+The prefill runs eagerly, as without compiling (a prompt shared by several rows prefilled once),
+and its keys and values are then written into the static cache; the cache rebuild after a
+keep-mode weight swap runs eagerly into the static cache.
 Models with LoRA adapters or MoE routers decode eagerly (their forward hooks are Python, which
 CUDA graphs do not replay); so do models whose cache is not plain full attention (sliding windows,
 linear attention), where the static layers' shapes differ by layer."""
@@ -94,15 +96,19 @@ class CompiledDecode:
             self._kept = ((rows, length), cache)
         return cache
 
-    def begin(self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> StaticRun:
+    def begin(
+        self, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, prefilled: Any
+    ) -> StaticRun:
         """A generation over left-padded prompts `ids` [B, W] (`mask` their attention mask) of
-        at most `new_tokens` tokens."""
+        at most `new_tokens` tokens, whose prompts' keys and values are in `prefilled` (the
+        eager prefill's cache, one row per row of `ids`)."""
         rows, width = ids.shape
         padded_rows = _bucket(rows) if self.graphs else rows
         length = width + new_tokens
         if self.graphs:
             length = -(-length // GRAPH_LENGTH_STEP) * GRAPH_LENGTH_STEP
-        return StaticRun(self, self._cache(padded_rows, length), ids, mask, padded_rows, length)
+        cache = self._cache(padded_rows, length)
+        return StaticRun(self, cache, prefilled, ids, mask, padded_rows, length)
 
     def failed(self, error: BaseException) -> None:
         """A compiled step, or a prefill into a static cache, raised: this model decodes
@@ -116,13 +122,14 @@ class CompiledDecode:
 
 
 class StaticRun:
-    """One generation's prefill, steps and rebuilds over a static cache. Every tensor handed to
-    the model has the padded batch (`rows`); the logits returned have the real rows alone."""
+    """One generation's steps and rebuilds over a static cache. Every tensor handed to the
+    model has the padded batch (`rows`); the logits returned have the real rows alone."""
 
     def __init__(
         self,
         owner: CompiledDecode,
         cache: Any,
+        prefilled: Any,
         ids: torch.Tensor,
         mask: torch.Tensor,
         rows: int,
@@ -138,12 +145,18 @@ class StaticRun:
                 torch.full((rows - self.real,), self.real - 1, device=ids.device),
             ]
         )
-        self.ids = ids.index_select(0, self._pad)
         # The whole cache's mask, fixed for the run: the prompts' padding masked, every later
         # position open (the causal mask hides those not yet written).
         self.mask = torch.ones((rows, length), dtype=mask.dtype, device=mask.device)
         self.mask[:, : self.width] = mask.index_select(0, self._pad)
-        self.written = 0
+        # The prompts' keys and values, written as an attention layer writes them.
+        for index, layer in enumerate(prefilled.layers):
+            keys, values = (
+                layer.keys.index_select(0, self._pad),
+                layer.values.index_select(0, self._pad),
+            )
+            cache.update(keys, values, index)
+        self.written = self.width
 
     def _call(
         self, fn: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, **options: Any
@@ -164,16 +177,6 @@ class StaticRun:
         )
         self.written = end
         return out
-
-    def prefill(self, positions: torch.Tensor, keep_all: bool) -> torch.Tensor:
-        """The prompts into the cache, eagerly; their logits ([B, W or 1, V])."""
-        out = self._call(
-            self.owner.model,
-            self.ids,
-            positions.index_select(0, self._pad),
-            logits_to_keep=0 if keep_all else 1,
-        )
-        return out.logits[: self.real]
 
     def step(self, chosen: torch.Tensor, position: torch.Tensor) -> torch.Tensor | None:
         """One token per row through the compiled step; the next logits [B, V] in float32.

@@ -243,18 +243,14 @@ def _decode(
     want_prompt = any(c.return_prompt_log_probs for c in configs)
     version = control.checkpoint()
     new_tokens = max(c.max_new_tokens for c in configs)
+    cache, prefill_logits = _prefill(model, items, ids, mask, want_prompt, lora, routes)
     run: StaticRun | None = None
-    cache = None
-    adapters = [item.adapter for item in items]
     if compiled is not None:
         try:
-            run = compiled.begin(ids, mask, new_tokens)
-            prefill_logits = run.prefill(positions, keep_all=want_prompt)
+            run, cache = compiled.begin(ids, mask, new_tokens, cache), None
         except Exception as error:  # on eagerly (`CompiledDecode.failed`)
             compiled.failed(error)
-            run = None
-    if run is None:
-        cache, prefill_logits = _prefill(model, items, ids, mask, want_prompt, lora, routes)
+    adapters = [item.adapter for item in items]
     prompt_lps = token_log_probs(prefill_logits, ids).cpu() if want_prompt else None
     seen = None
     if sampler.needs_penalty:

@@ -48,7 +48,8 @@ class CompiledDecode:
     def __init__(self, model: Any, *, graphs: bool | None = None) -> None:
         self.model = model
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
-        """CUDA graphs: the batch and the cache length padded to a few shapes, caches pooled."""
+        """CUDA graphs: the batch and the cache length padded to a few shapes, the last
+        shape's cache kept."""
         self._compiled: Any = None
         self._kept: tuple[tuple[int, int], Any] | None = None  # (shape, cache), with graphs
         self._failed = False
@@ -197,15 +198,19 @@ class StaticRun:
         # A graph's output is overwritten by its next replay: the logits are copied out.
         return out.logits[: self.real, -1].float().clone()
 
-    def rebuild(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rebuild(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Everything so far ([B, T]) into the emptied cache, eagerly (the weights changed); the
-        last position's logits [B, V] in float32."""
+        last position's logits [B, V] in float32. None where that failed, as `step`."""
         self.cache.reset()
         self.written = 0
-        out = self._call(
-            self.owner.model,
-            ids.index_select(0, self._pad),
-            positions.index_select(0, self._pad),
-            logits_to_keep=1,
-        )
+        try:
+            out = self._call(
+                self.owner.model,
+                ids.index_select(0, self._pad),
+                positions.index_select(0, self._pad),
+                logits_to_keep=1,
+            )
+        except Exception as error:
+            self.owner.failed(error)
+            return None
         return out.logits[: self.real, -1].float()

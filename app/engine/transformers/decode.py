@@ -301,8 +301,8 @@ def _decode(
             if stepped is not None:
                 logits, next_position = stepped, next_position + 1
                 continue
-            # The model's step did not compile (`CompiledDecode.failed`): on eagerly, over a
-            # cache rebuilt from everything so far.
+            # The step failed (`CompiledDecode.failed`: it did not compile, or memory ran
+            # out): on eagerly, over a cache rebuilt from everything so far.
             run, rebuild = None, True
         with _adapted(lora, adapters):
             if not rebuild:

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +289,42 @@ def cpu_figures() -> dict[str, Any] | None:
     }
 
 
+@contextlib.contextmanager
+def dtype_server(
+    args: argparse.Namespace, name: str, log: str, **settings: str
+) -> Iterator[tuple[Any, PeakDeviceMemory]]:
+    """A server of the check's model in dtype `name` on the device (`settings`: more
+    RLSERVE_MODELS__ variables), its log in `log`, and the peak device memory while it ran."""
+    env = {
+        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
+        "RLSERVE_MODELS__BACKEND": "transformers",
+        "RLSERVE_MODELS__DEVICE": str(args.device),
+        "RLSERVE_MODELS__DTYPE": name,
+        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
+        **{f"RLSERVE_MODELS__{key.upper()}": value for key, value in settings.items()},
+    }
+    with (
+        PeakDeviceMemory(args.device) as memory,
+        running_server(
+            "--model", args.model, env=env, log=args.output / log, ready_timeout=600
+        ) as server,
+    ):
+        yield server, memory
+
+
+def in_process_model(args: argparse.Namespace, model_dir: Path, name: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[name])
+    return model.to(args.device).eval()
+
+
+def released(args: argparse.Namespace) -> None:
+    """The device memory of a model just dropped, handed back."""
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def check_dtype(
     args: argparse.Namespace,
     name: str,
@@ -294,23 +332,9 @@ def check_dtype(
     work: dict[str, list[list[int]]],
     fp32: list[torch.Tensor],
 ) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[name])
-    model = model.to(args.device).eval()
-    env = {
-        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_MODELS__BACKEND": "transformers",
-        "RLSERVE_MODELS__DEVICE": str(args.device),
-        "RLSERVE_MODELS__DTYPE": name,
-        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
-    }
-    log = args.output / f"gpu-check-{name}.log"
+    model = in_process_model(args, model_dir, name)
     report: dict[str, Any] = {}
-    with (
-        PeakDeviceMemory(args.device) as memory,
-        running_server("--model", args.model, env=env, log=log, ready_timeout=600) as server,
-    ):
+    with dtype_server(args, name, f"gpu-check-{name}.log") as (server, memory):
         report["startup_s"] = round(server.startup_seconds, 1)
         report["scoring"] = scoring(server.url, model, work["mixed"], fp32)
         print(name, "scoring", report["scoring"], flush=True)
@@ -334,8 +358,7 @@ def check_dtype(
             served, cpu["rlserve"], kinds
         )
     del model
-    if args.device.type == "cuda":
-        torch.cuda.empty_cache()
+    released(args)
     return report
 
 
@@ -348,31 +371,17 @@ def check_compiled(
 ) -> dict[str, Any]:
     """The dtype's server with `models.compile_decode`: its compile, greedy exactness and
     generation rate (`plain`: the `serve` section's figures of the same dtype, if it ran)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[name])
-    model = model.to(args.device).eval()
-    env = {
-        "RLSERVE_STORAGE__DATA_DIR": str(args.output / ".data"),
-        "RLSERVE_MODELS__BACKEND": "transformers",
-        "RLSERVE_MODELS__DEVICE": str(args.device),
-        "RLSERVE_MODELS__DTYPE": name,
-        "RLSERVE_MODELS__LOAD_REFERENCE": "false",
-        "RLSERVE_MODELS__COMPILE_DECODE": "true",
-    }
-    log = args.output / f"gpu-check-compiled-{name}.log"
+    model = in_process_model(args, model_dir, name)
     report: dict[str, Any] = {}
-    with (
-        PeakDeviceMemory(args.device) as memory,
-        running_server("--model", args.model, env=env, log=log, ready_timeout=600) as server,
-    ):
+    log = f"gpu-check-compiled-{name}.log"
+    with dtype_server(args, name, log, compile_decode="true") as (server, memory):
         started = time.perf_counter()
         first = {"tokens": [work["generate"][0]], "max_tokens": 4, "temperature": 0}
         httpx.post(f"{server.url}/v1/generate", json=first, timeout=900).raise_for_status()
         report["first_generation_s"] = round(time.perf_counter() - started, 1)
         report["greedy"] = greedy(server.url, model, work["generate"][: args.greedy_prompts])
-        bodies = rlserve_bodies({"generate": work["generate"], "score": []}, args.new_tokens)
-        del bodies["score"]
+        generate = rlserve_bodies({"generate": work["generate"], "score": []}, args.new_tokens)
+        bodies = {"generate": generate["generate"]}
         report["throughput"] = measure(f"rlserve compiled {name}", server.url, bodies, args)
     report["server_peak_device_memory_mib"] = memory.mib
     if plain is not None:
@@ -385,8 +394,7 @@ def check_compiled(
         )
     print(name, "compiled", json.dumps(report), flush=True)
     del model
-    if args.device.type == "cuda":
-        torch.cuda.empty_cache()
+    released(args)
     return report
 
 
@@ -480,7 +488,7 @@ def main() -> None:
     args.greedy_prompts = 3 if args.quick else 16
     args.output.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model_dir = Path(resolve_model(Settings().models, args.model)[0])
     prepared = time.perf_counter() - started
@@ -490,8 +498,7 @@ def main() -> None:
     work["mixed"] = [text[:length] for length in SCORE_LENGTHS]
     work["score"] = work["score"][: args.requests]
     # The float32 truth of the mixed sequences, for the bfloat16 error.
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    reference = reference.to(args.device).eval()
+    reference = in_process_model(args, model_dir, "float32")
     fp32 = [forward_log_probs(reference, s) for s in work["mixed"]]
     del reference
     report: dict[str, Any] = {

@@ -76,7 +76,6 @@ def main() -> None:
     questions = QUESTIONS[:2] if args.quick else QUESTIONS
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     model_dir = resolve_model(Settings().models, "builtin:smollm2-135m-instruct")[0]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -16,8 +16,9 @@ import torch
 from app.engine.transformers import decode as hf_decode
 from app.engine.transformers.compiled import GRAPH_LENGTH_STEP, CompiledDecode
 from app.engine.transformers.freeze import ModelThreadControl
-from app.engine.types import GenerateItem, SamplingConfig, VersionSpan
+from app.engine.types import GenerateItem, SamplingConfig
 from tests.conftest import assert_close, forward_log_probs, served_app
+from tests.engine.test_freeze import assert_old_then_new, swap_while_parked
 
 EOS = frozenset({0})
 
@@ -125,32 +126,12 @@ def test_a_weight_swap_mid_generation_rebuilds_the_static_cache(hf_model):
     thread = threading.Thread(target=decode)
     thread.start()
     assert sink.reached.wait(120)
-    quiet: list[bool] = []
-    froze = threading.Thread(target=lambda: quiet.append(control.freeze(30)))
-    froze.start()
-    while not control.frozen:
-        pass
-    sink.proceed.set()
-    froze.join(30)
-    assert quiet == [True], "the decode loop never parked"
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.mul_(1.25)
-    control.version = 1
-    control.thaw()
+    swap_while_parked(control, model, sink.proceed)
     thread.join(120)
 
     (generation,) = results
     assert compiled.steps >= new_tokens - 2, "the steps did not run compiled"
-    tokens = generation.token_ids
-    assert len(tokens) == new_tokens
-    assert generation.versions == [VersionSpan(0, 0, k), VersionSpan(1, k, new_tokens)]
-    full, start = list(prompt) + tokens, len(prompt)
-    assert_close(generation.log_probs[:k], forward_log_probs(old, full)[start : start + k], 1e-5)
-    on_new = forward_log_probs(model, full)[start + k :]
-    assert_close(generation.log_probs[k:], on_new, 1e-4)
-    on_old = forward_log_probs(old, full)[start + k :]
-    assert max(abs(a - b) for a, b in zip(generation.log_probs[k:], on_old, strict=True)) > 1e-3
+    assert_old_then_new(generation, prompt, old, model, k, new_tokens)
 
 
 def test_a_model_whose_step_does_not_compile_decodes_eagerly(model, monkeypatch):

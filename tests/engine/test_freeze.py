@@ -57,13 +57,27 @@ def test_tokens_after_a_frozen_update_come_from_the_new_weights(hf_model):
     decode = threading.Thread(target=run)
     decode.start()
     assert wire.reached.wait(30)
+    swap_while_parked(control, model, wire.proceed)
+    decode.join(30)
+
+    (generation,) = results
+    assert generation.finish_reason == "length"
+    assert_old_then_new(generation, PROMPT, old, model, FREEZE_AFTER_CALLS, NEW_TOKENS)
+
+
+def swap_while_parked(
+    control: ModelThreadControl, model: torch.nn.Module, proceed: threading.Event
+) -> None:
+    """With the decode loop held (until `proceed`) short of its next checkpoint: a freeze,
+    which waits for the loop to park there, then new weights (the old ones times 1.25) as
+    version 1, and the thaw."""
     quiet: list[bool] = []
     froze = threading.Thread(target=lambda: quiet.append(control.freeze(30)))
     froze.start()
     while not control.frozen:
         pass
-    assert not control.freeze(0.05), "frozen while the forward still runs"
-    wire.proceed.set()
+    assert not control.freeze(0.05), "frozen while the loop still runs"
+    proceed.set()
     froze.join(30)
     assert quiet == [True], "the decode loop never parked"
     with torch.no_grad():
@@ -71,28 +85,26 @@ def test_tokens_after_a_frozen_update_come_from_the_new_weights(hf_model):
             parameter.mul_(1.25)
     control.version = 1
     control.thaw()
-    decode.join(30)
 
-    (generation,) = results
+
+def assert_old_then_new(
+    generation: Any,
+    prompt: tuple[int, ...],
+    old: torch.nn.Module,
+    new: torch.nn.Module,
+    k: int,
+    new_tokens: int,
+) -> None:
+    """`new_tokens` tokens, the first `k` labelled and scored as the `old` weights', the rest
+    as the `new` ones' over the whole sequence (and measurably not as the old ones')."""
     tokens = generation.token_ids
-    assert len(tokens) == NEW_TOKENS and generation.finish_reason == "length"
-    k = FREEZE_AFTER_CALLS
-    assert generation.versions == [VersionSpan(0, 0, k), VersionSpan(1, k, NEW_TOKENS)]
-    full = list(PROMPT) + tokens
-    start = len(PROMPT)
-    on_old = forward_log_probs(old, full)[start : start + k]
-    on_new = forward_log_probs(model, full)[start + k :]
-    assert_close(generation.log_probs[:k], on_old, 1e-5)
-    assert_close(generation.log_probs[k:], on_new, 1e-4)
-    assert (
-        max(
-            abs(a - b)
-            for a, b in zip(
-                generation.log_probs[k:], forward_log_probs(old, full)[start + k :], strict=True
-            )
-        )
-        > 1e-3
-    )
+    assert len(tokens) == new_tokens
+    assert generation.versions == [VersionSpan(0, 0, k), VersionSpan(1, k, new_tokens)]
+    full, start = list(prompt) + tokens, len(prompt)
+    assert_close(generation.log_probs[:k], forward_log_probs(old, full)[start : start + k], 1e-5)
+    assert_close(generation.log_probs[k:], forward_log_probs(new, full)[start + k :], 1e-4)
+    on_old = forward_log_probs(old, full)[start + k :]
+    assert max(abs(a - b) for a, b in zip(generation.log_probs[k:], on_old, strict=True)) > 1e-3
 
 
 def test_an_abort_ends_rows_with_what_they_have(hf_model):

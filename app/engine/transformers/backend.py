@@ -80,14 +80,7 @@ class TransformersBackend(Backend):
         for rows in (1, 4):
             items = [GenerateItem((self.pad_id,) * 4, config, seed=row) for row in range(rows)]
             try:
-                hf_decode.generate(
-                    self.model,
-                    items,
-                    pad_id=self.pad_id,
-                    eos_ids=self.eos_ids,
-                    decode=self.tokenizer.decode,
-                    compiled=self.compiled,
-                )
+                self._generate(items)
             except Exception as error:  # the model serves, eagerly
                 self.compiled.failed(error)
         state = "compiled" if self.compiled.usable() else "not compiled: decoding eagerly"
@@ -161,9 +154,13 @@ class TransformersBackend(Backend):
     async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
         longest = max((len(it.prompt_ids) + it.config.max_new_tokens for it in items), default=0)
         result: list[Generation] = await self._run(
-            _released,
-            len(items) * longest,
-            hf_decode.generate,
+            _released, len(items) * longest, self._generate, items
+        )
+        return result
+
+    def _generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        """`items` decoded together (blocking: on the model thread)."""
+        return hf_decode.generate(
             self.model,
             items,
             pad_id=self.pad_id,
@@ -174,7 +171,6 @@ class TransformersBackend(Backend):
             routing=self.routing,
             compiled=self.compiled,
         )
-        return result
 
     async def build_adapter(
         self,

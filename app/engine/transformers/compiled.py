@@ -37,6 +37,28 @@ GRAPH_LENGTH_STEP = 256
 """With CUDA graphs, cache lengths are rounded up to a multiple of this."""
 
 
+def cache_argument(model: Any) -> str:
+    """The forward's name for the key/value cache: transformers 5.24 renamed `past_key_values`
+    (the old name still works there, with a deprecation warning) to `cache`."""
+    forward = getattr(model, "forward", model)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _compilable(model: Any) -> bool:
+    """A model transformers marks as compilable whole, with a cache of full-attention layers
+    only (a static cache's layers then have one shape)."""
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return False
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return False
+    sliding = getattr(config, "sliding_window", None)
+    return not sliding or not getattr(config, "use_sliding_window", True)
+
+
 def _bucket(rows: int) -> int:
     """The power of two at or above `rows`."""
     return 1 << (rows - 1).bit_length()
@@ -55,23 +77,13 @@ class CompiledDecode:
         self._failed = False
         self.steps = 0
         """Compiled steps run so far."""
-        parameters = inspect.signature(getattr(model, "forward", model)).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
-        self._takes_cache_position = "cache_position" in parameters
+        self._cache_argument = cache_argument(model)
+        self._compilable = _compilable(model)
 
     def usable(self) -> bool:
-        """Whether this model's decode can run compiled: a model transformers marks as
-        compilable whole, a cache of full-attention layers only, and no failed compile."""
-        if self._failed or not getattr(self.model, "_can_compile_fullgraph", False):
-            return False
-        config = self.model.config
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config(decoder=True)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            return False
-        sliding = getattr(config, "sliding_window", None)
-        return not sliding or not getattr(config, "use_sliding_window", True)
+        """Whether this model's decode can run compiled (`_compilable`), no compile having
+        failed on it."""
+        return self._compilable and not self._failed
 
     def _step_call(self) -> Any:
         if self._compiled is None:
@@ -160,17 +172,21 @@ class StaticRun:
         self.written = self.width
 
     def _call(
-        self, fn: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, **options: Any
+        self,
+        fn: Any,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        whole_mask: bool,
+        **options: Any,
     ) -> Any:
         """`fn` (the model, or its compiled call) over `input_ids` written after what the cache
-        holds. An eager call sees the mask up to its last position; the compiled step sees the
-        whole mask, one shape for the run."""
+        holds. The compiled step sees the `whole_mask`, one shape for the run; an eager call the
+        mask up to its last position."""
         end = self.written + input_ids.shape[1]
-        if self.owner._takes_cache_position:
-            options["cache_position"] = torch.arange(self.written, end, device=input_ids.device)
         out = fn(
             input_ids=input_ids,
-            attention_mask=self.mask if fn is not self.owner.model else self.mask[:, :end],
+            attention_mask=self.mask if whole_mask else self.mask[:, :end],
             position_ids=position_ids,
             use_cache=True,
             **{self.owner._cache_argument: self.cache},
@@ -190,6 +206,7 @@ class StaticRun:
                 call,
                 chosen.index_select(0, self._pad)[:, None],
                 position.index_select(0, self._pad),
+                whole_mask=True,
             )
         except Exception as error:
             self.owner.failed(error)
@@ -208,6 +225,7 @@ class StaticRun:
                 self.owner.model,
                 ids.index_select(0, self._pad),
                 positions.index_select(0, self._pad),
+                whole_mask=False,
                 logits_to_keep=1,
             )
         except Exception as error:

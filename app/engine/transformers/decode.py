@@ -6,7 +6,6 @@ other rows in its batch."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ import torch
 
 from app.engine.distribution import assemble, log_probs_of, position_scores
 from app.engine.sampling import RowSampler
-from app.engine.transformers.compiled import CompiledDecode, StaticRun
+from app.engine.transformers.compiled import CompiledDecode, StaticRun, cache_argument
 from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.moe import RoutedRows, recording, replayed
@@ -262,7 +261,7 @@ def _decode(
     del prefill_logits
     next_position = positions[:, -1:] + 1
     columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
-    cache_argument = _cache_argument(model)
+    cache_name = cache_argument(model)
     for _step in range(new_tokens):
         processed = sampler.process(logits, seen, rows.tokens)
         chosen = sampler.choose(processed)
@@ -310,7 +309,7 @@ def _decode(
                     input_ids=chosen[:, None],
                     attention_mask=mask,
                     position_ids=next_position,
-                    **{cache_argument: cache},
+                    **{cache_name: cache},
                     use_cache=True,
                 )
             else:
@@ -365,15 +364,8 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _cache_argument(model: Any) -> str:
-    """The forward's name for the key/value cache: transformers 5.24 renamed `past_key_values`
-    (the old name still works there, with a deprecation warning) to `cache`."""
-    forward = getattr(model, "forward", model)
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
 def _returned_cache(out: Any) -> Any:
-    """The cache a forward returned, under either of its names (see `_cache_argument`)."""
+    """The cache a forward returned, under either of its names (see `cache_argument`)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 

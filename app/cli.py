@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from app.config import Settings, nest
     from app.main import create_app
+    from app.ops.auth import OpenStart, check_exposure
     from app.ops.logs import configure_logging
 
     flags = {
@@ -83,6 +84,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     http = settings.http
     configure_logging(http.log_level, http.log_format)
+    try:
+        check_exposure(settings.auth, http.host)
+    except OpenStart as exc:
+        print(f"rlserve: cannot start: {exc}", file=sys.stderr)
+        return 2
     if args.replicas is not None:
         return _serve_replicas(overrides, args.replicas, settings, args.sticky_sessions)
     sock = bind(http.host, http.port)
@@ -122,6 +128,7 @@ def _serve_replicas(
     num_cpus = max(1, (os.cpu_count() or 1) // replicas)
     num_gpus = torch.cuda.device_count() // replicas if torch.cuda.is_available() else 0
     shape = {
+        "proxy_host": settings.http.host,  # checked again there (app.ops.auth.check_exposure)
         "replicas": replicas,
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,

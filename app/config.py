@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from app.config_groups import (
+    NO_KEY,
     AuthSettings,
     BatchingSettings,
     DatasetSettings,
@@ -80,22 +81,36 @@ TOOL_VARIABLES = frozenset(
         "RLSERVE_REPLICAS",
         "RLSERVE_BASE_IMAGE",
         "RLSERVE_APT_MIRROR",
+        "RLSERVE_ENV_FILE",
         # the scripts' (scripts/*.sh: what they install, where)
         "RLSERVE_TORCH",
         "RLSERVE_VLLM",
         "RLSERVE_TORCHRL",
         "RLSERVE_GPU_PYTHON_VERSION",
-        # the test suites'
+        "RLSERVE_VENV",
+        "RLSERVE_VLLM_VENV",
+        "RLSERVE_TORCHRL_VENV",
+        "RLSERVE_TRAINERS_VENV",
+        "RLSERVE_SKYRL_VENV",
+        "RLSERVE_ART_VENV",
+        # the test suites' (scripts/test.sh, tests/)
+        "RLSERVE_TEST_VLLM",
+        "RLSERVE_TEST_TORCHRL",
+        "RLSERVE_TEST_TRAINERS",
+        "RLSERVE_TEST_DOCKER",
+        "RLSERVE_TEST_DEADLINE_S",
+        "RLSERVE_FUZZ_EXAMPLES",
+        "RLSERVE_FUZZ_RANDOM",
         "RLSERVE_TRAINERS_SUITE",
         "RLSERVE_DOCKER_SMOKE_REPORT",
         "RLSERVE_SKYRL_030",
         "RLSERVE_TRAIN_CLIENT_KEY",
     }
 )
-"""`RLSERVE_*` names that rlserve's own tools read and the server does not; with the names
-starting `RLSERVE_TEST_` or `RLSERVE_FUZZ_` (the test suites') or ending `_VENV` (the
-scripts' virtual environments), they are the only `RLSERVE_*` names a server starts beside
-besides its settings (`RLSERVE_<GROUP>__<FIELD>`)."""
+"""`RLSERVE_*` names that rlserve's own tools read and the server does not: beside its
+settings (`RLSERVE_<GROUP>__<FIELD>`), the only `RLSERVE_*` names a server starts beside.
+Each is listed by its whole name (no prefix or suffix passes), so a test suite's or a
+script's name never hides an operator's typo."""
 
 
 class SettingsNameError(ValueError):
@@ -103,11 +118,7 @@ class SettingsNameError(ValueError):
 
 
 def _tool_variable(name: str) -> bool:
-    return (
-        name in TOOL_VARIABLES
-        or name.startswith(("RLSERVE_TEST_", "RLSERVE_FUZZ_"))
-        or name.endswith("_VENV")
-    )
+    return name in TOOL_VARIABLES
 
 
 class _UnreadEnvSource(PydanticBaseSettingsSource):
@@ -187,7 +198,12 @@ class Settings(BaseSettings):
     """Everything the service reads at start-up; validated before any model is loaded."""
 
     model_config = SettingsConfigDict(
-        env_prefix="RLSERVE_", env_nested_delimiter="__", extra="ignore"
+        env_prefix="RLSERVE_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        # An empty variable is an unset one (compose passes `NAME=` lines of .env as ""):
+        # the setting's default, except the API keys (below).
+        env_ignore_empty=True,
     )
 
     models: ModelSettings = Field(default_factory=ModelSettings)
@@ -241,6 +257,17 @@ class Settings(BaseSettings):
                 "the server reads RLSERVE_AUTH__API_KEYS (set it to require keys, or unset "
                 f"{client_key} to start a server without keys)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _keys_set_empty(self) -> Settings:
+        """An API-key variable that is set but empty (`RLSERVE_AUTH__API_KEYS=`) never means
+        "serve without keys": the start stops (the variables are read as empty when unset)."""
+        for field in ("api_keys", "admin_api_keys"):
+            name = _env_name("auth", field)
+            present = [n for n in os.environ if n.upper() == name]
+            if present and not os.environ[present[0]].strip():
+                raise SettingsNameError(f"{present[0]} {NO_KEY}")
         return self
 
     def replace(self, **groups: dict[str, Any]) -> Settings:

@@ -280,8 +280,27 @@ class AuthSettings(Group):
         description="When set, only these keys may change weights (they also pass as api keys).",
     )
     metrics_auth: bool = Field(default=False, description="Require a key for /metrics too.")
+    allow_no_keys: bool = Field(
+        default=False,
+        description="Serve without API keys on an address other than loopback (`http.host` "
+        "0.0.0.0, as the images bind, or any other): whoever reaches the port may then "
+        "generate, change the weights and read every trajectory. Without keys and without "
+        "this, such a server refuses to start; on loopback it starts with a warning.",
+    )
 
-    _split = field_validator("api_keys", "admin_api_keys", mode="before")(_split_commas)
+    @field_validator("api_keys", "admin_api_keys", mode="before")
+    @classmethod
+    def _some_key(cls, value: Any) -> Any:
+        """A key list that is set but holds no key (`" , "`) is a mistake, never "no keys"."""
+        if isinstance(value, str) and not _split_commas(value):
+            raise ValueError(NO_KEY)
+        return _split_commas(value)
+
+
+NO_KEY = (
+    "is set but holds no key: set it to comma-separated keys, or unset it to serve without "
+    "keys (on loopback; elsewhere auth.allow_no_keys must say so)"
+)
 
 
 class StorageSettings(Group):

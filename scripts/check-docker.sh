@@ -16,6 +16,7 @@ if [ ! -x "$venv/bin/docker-compose" ]; then
     "python-dotenv>=0.13" "requests>=2.20,<2.32" "texttable>=0.9" "websocket-client<1" \
     "docker>=5,<7" "dockerpty>=0.4.1" "distro>=1.5"
 fi
+export RLSERVE_ENV_FILE=.env.example  # the file the containers' settings come from
 compose=("$venv/bin/docker-compose" --env-file .env.example -f docker-compose.yml)
 "${compose[@]}" config --quiet
 "${compose[@]}" --profile cpu config --quiet

@@ -4,7 +4,11 @@
   packages (scripts/docker-base.sh), and then the image builds with no network at all;
 - the wheelhouse the host's pip fills (scripts/docker-wheelhouse.sh), so the image gets the
   same CPU torch the tests use;
-- `docker compose --profile cpu up`, the healthcheck, /v1/generate and /v1/logprobs, an
+- closed by default: the container started from .env.example as shipped (no API keys, on the
+  0.0.0.0 the image listens on), or with an old or misspelt name in its env file, refuses
+  to start, saying why, and never answers;
+- `docker compose --profile cpu up` with a key in the env file, the healthcheck, requests
+  without it refused (401), /v1/generate and /v1/logprobs, an
   environment step whose python tool runs isolated inside the container, the server running
   as non-root, a session surviving `docker compose restart` on the volume, and
   `docker compose stop` ending the server gracefully within the grace period;
@@ -22,9 +26,11 @@ import argparse
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +44,7 @@ IMAGE = "rlserve:cpu"
 PROJECT = "rlserve-smoke"
 SERVICE = "rlserve-cpu"
 GRACE_S = 60  # the compose file's stop_grace_period
+KEY = "smoke-key"
 
 
 class Smoke:
@@ -86,9 +93,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def request(url: str, body: Any = None, method: str | None = None) -> tuple[int, Any]:
+def request(
+    url: str, body: Any = None, method: str | None = None, key: str | None = KEY
+) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if data else {}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
     call = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(call, timeout=120) as answer:
@@ -170,7 +181,52 @@ def build_gpu_image(smoke: Smoke) -> None:
     smoke.figure("gpu_image_mb", image_mb("rlserve:gpu"))
 
 
+def refused_start(compose: list[str], env: dict[str, str], url: str) -> tuple[bool, str]:
+    """Start the service from `env`'s env file, which must not serve: whether it stopped
+    itself without ever answering /ready, and what it said."""
+    sh(*compose, "--profile", "cpu", "up", "-d", "--no-build", SERVICE, env=env)
+    container = sh(*compose, "ps", "-aq", SERVICE, env=env).strip()
+    said, answered, deadline = "", False, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and "cannot start" not in said:
+            answered |= request_status(f"{url}/ready") == 200
+            logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+            said = logs.stdout + logs.stderr
+            time.sleep(0.5)
+        code = sh("docker", "inspect", "-f", "{{.State.ExitCode}}", container).strip()
+    finally:
+        sh(*compose, "--profile", "cpu", "rm", "-sf", SERVICE, env=env)
+    # (`restart: unless-stopped` starts it again and again: each start refused the same way)
+    return "cannot start" in said and not answered and code in {"0", "2"}, said.strip()
+
+
+def closed_by_default(smoke: Smoke, compose: list[str], env: dict[str, str], url: str) -> None:
+    """What a fresh deployment gets wrong never serves open: the env file as shipped (no
+    keys), the old key name, a misspelt one."""
+    shipped = (ROOT / ".env.example").read_text()
+    cases = {
+        "no API keys on 0.0.0.0": ("", "would listen on 0.0.0.0, beyond loopback"),
+        "the old key name": ("RLSERVE_API_KEYS=k\n", "RLSERVE_API_KEYS is not read"),
+        "a misspelt key name": (
+            "RLSERVE_AUTH__API_KEY=k\n",
+            "did you mean RLSERVE_AUTH__API_KEYS?",
+        ),
+    }
+    env_file = Path(env["RLSERVE_ENV_FILE"])
+    for name, (extra, reason) in cases.items():
+        env_file.write_text(shipped + extra)
+        start = time.monotonic()
+        stopped, said = refused_start(compose, env, url)
+        smoke.check(
+            f"refuses to start: {name}",
+            stopped and reason in said,
+            f"{round(time.monotonic() - start, 1)} s; it said: {said[-300:]!r}",
+        )
+
+
 def exercise(smoke: Smoke, compose: list[str], env: dict[str, str], url: str) -> None:
+    env_file = Path(env["RLSERVE_ENV_FILE"])
+    env_file.write_text((ROOT / ".env.example").read_text() + f"RLSERVE_AUTH__API_KEYS={KEY}\n")
     up = time.monotonic()
     sh(*compose, "--profile", "cpu", "up", "-d", "--no-build", SERVICE, env=env)
     container = sh(*compose, "ps", "-q", SERVICE, env=env).strip()
@@ -180,6 +236,9 @@ def exercise(smoke: Smoke, compose: list[str], env: dict[str, str], url: str) ->
     healthy = wait_healthy(container)
     smoke.check("healthcheck", True, f"healthy {round(time.monotonic() - up, 1)} s after up")
     smoke.figure("seconds_to_healthy", healthy)
+    body = {"text": ["Hello"], "max_tokens": 2}
+    statuses = [request(f"{url}/v1/generate", body, key=k)[0] for k in (None, "wrong")]
+    smoke.check("keys required", statuses == [401, 401], f"no key, a wrong key: {statuses}")
 
     status, generated = request(
         f"{url}/v1/generate", {"text": ["Hello"], "max_tokens": 8, "temperature": 0}
@@ -284,14 +343,21 @@ def main() -> int:
         "-f",
         "docker-compose.yml",
     ]
-    env = {"RLSERVE_CPU_PORT": str(port), "RLSERVE_BASE_IMAGE": base}
+    settings = Path(tempfile.mkdtemp()) / "operator.env"  # the operator's .env
+    env = {
+        "RLSERVE_CPU_PORT": str(port),
+        "RLSERVE_BASE_IMAGE": base,
+        "RLSERVE_ENV_FILE": str(settings),
+    }
     if all(c["ok"] for c in smoke.checks):
         try:
+            closed_by_default(smoke, compose, env, f"http://127.0.0.1:{port}")
             exercise(smoke, compose, env, f"http://127.0.0.1:{port}")
         except Exception as exc:  # reported as the failed check
             smoke.check("run", False, str(exc)[-2000:])
         finally:
             teardown(smoke, compose, env)
+            shutil.rmtree(settings.parent, ignore_errors=True)
     if all(c["ok"] for c in smoke.checks):
         try:
             build_gpu_image(smoke)

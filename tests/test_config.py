@@ -77,7 +77,7 @@ def test_the_project_tools_variables_start_a_server_and_look_alikes_warn(
 ) -> None:
     monkeypatch.setenv("RLSERVE_PORT", "9000")  # the compose file's published port
     monkeypatch.setenv("RLSERVE_URL", "http://elsewhere:8000")  # the client's
-    monkeypatch.setenv("RLSERVE_TEST_SOMETHING", "1")  # a test suite's
+    monkeypatch.setenv("RLSERVE_TEST_VLLM", "1")  # a test suite's
     monkeypatch.setenv("RLSERVE_TRAINERS_VENV", "/somewhere")  # a script's
     with caplog.at_level(logging.WARNING, logger="app.config"):
         settings = Settings()
@@ -85,6 +85,74 @@ def test_the_project_tools_variables_start_a_server_and_look_alikes_warn(
     assert caplog.messages == [
         "RLSERVE_PORT is not read by the server, which reads RLSERVE_HTTP__PORT"
     ]
+
+
+@pytest.mark.parametrize("variable", ["RLSERVE_TEST_SOMETHING", "RLSERVE_FUZZ_X", "RLSERVE_X_VENV"])
+def test_a_tools_look_alike_is_refused_like_any_unread_name(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """Tools' names are listed whole: no prefix or suffix lets an unknown name through."""
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(SettingsNameError, match=f"{variable} is not read"):
+        Settings()
+
+
+@pytest.mark.parametrize("variable", ["RLSERVE_AUTH__API_KEYS", "RLSERVE_AUTH__ADMIN_API_KEYS"])
+@pytest.mark.parametrize("value", ["", " ", " , ", ",,"])
+def test_a_key_list_set_to_no_key_stops_the_start(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """Set but empty, or separators only: never read as "no keys"."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match="is set but holds no key"):
+        Settings()
+
+
+def test_other_empty_variables_are_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose passes a .env line `NAME=` as an empty value: the setting's default."""
+    monkeypatch.setenv("RLSERVE_MODELS__MODEL", "")
+    monkeypatch.setenv("RLSERVE_BATCHING__MAX_BATCH_SIZE", "")
+    settings = Settings()
+    assert settings.models.model == Settings.model_fields["models"].default_factory().model
+    assert settings.batching.max_batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("host", "keys", "allowed", "outcome"),
+    [
+        ("127.0.0.1", "", False, "warns"),
+        ("localhost", "", False, "warns"),
+        ("::1", "", False, "warns"),
+        ("127.0.0.2", "", False, "warns"),
+        ("0.0.0.0", "", False, "refused"),
+        ("::", "", False, "refused"),
+        ("10.1.2.3", "", False, "refused"),
+        ("myhost.example", "", False, "refused"),
+        (None, "", False, "refused"),  # a Ray Serve config's proxy: out of sight
+        ("0.0.0.0", "", True, "warns"),
+        (None, "", True, "warns"),
+        ("0.0.0.0", "k", False, "quiet"),
+        ("127.0.0.1", "k", False, "quiet"),
+    ],
+)
+def test_a_server_without_keys_starts_open_only_on_loopback_or_on_purpose(
+    caplog: pytest.LogCaptureFixture, host: str | None, keys: str, allowed: bool, outcome: str
+) -> None:
+    from app.config_groups import AuthSettings
+    from app.ops.auth import OpenStart, check_exposure
+
+    auth = AuthSettings(api_keys=keys or [], allow_no_keys=allowed)
+    with caplog.at_level(logging.WARNING, logger="app.ops.auth"):
+        if outcome == "refused":
+            with pytest.raises(OpenStart, match="RLSERVE_AUTH__ALLOW_NO_KEYS=true"):
+                check_exposure(auth, host)
+        else:
+            check_exposure(auth, host)
+    if outcome == "warns":
+        (message,) = caplog.messages
+        assert "no API keys" in message
+    else:
+        assert caplog.messages == []
 
 
 def test_every_rlserve_variable_the_project_names_is_a_setting_or_a_tools(

@@ -13,7 +13,9 @@ Settings come from the RLSERVE_* environment of the process that builds the appl
 as `group.field` (`storage.session_store=redis://...`; in a config file also nested maps);
 `replicas`, `min_replicas`, `max_replicas`, `target_ongoing_requests`,
 `max_ongoing_requests`, `num_cpus`, `num_gpus` and `sticky_sessions` shape the deployment
-(Ray gives a replica's torch as many threads as its `num_cpus`). Each replica keeps its local
+(Ray gives a replica's torch as many threads as its `num_cpus`), and `proxy_host` is the
+proxy's address when the caller knows it (`rlserve serve --replicas`): without API keys a
+deployment starts only on loopback, or with `auth.allow_no_keys`. Each replica keeps its local
 state (uploads, staged checkpoints, engine weight copies) in
 `storage.data_dir/<replica id>`."""
 
@@ -32,6 +34,7 @@ from app.deploy.ray_replicas import RayReplicas
 from app.deploy.replica import ReplicaEndpoint
 from app.deploy.replicated import ReplicatedWeights
 from app.main import create_app
+from app.ops.auth import check_exposure
 from app.updates.local import LocalWeights
 
 DEPLOYMENT = "rlserve"
@@ -44,6 +47,7 @@ _SHAPE = (
     "num_cpus",
     "num_gpus",
     "sticky_sessions",
+    "proxy_host",
 )
 STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 """Ray Serve's consistent-hash router: requests that carry the same `x-session-id` header
@@ -96,6 +100,9 @@ def build(args: dict[str, Any]) -> Application:
     """The application `serve run` / `serve deploy` import (an application builder)."""
     overrides = nest({k: v for k, v in args.items() if k not in _SHAPE})
     settings = Settings(**overrides)  # fail here, before any replica starts, on a bad arg
+    # `rlserve serve --replicas` names the proxy's address; a config file's http_options
+    # are out of sight here (None), so keys, or auth.allow_no_keys, are needed.
+    check_exposure(settings.auth, args.get("proxy_host"))
     most = int(args.get("max_replicas", args.get("replicas", 1)))
     if settings.storage.session_store is None and most > 1:
         raise ValueError(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import logging
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,6 +19,49 @@ from app.errors import APIError, error_response
 from app.ops.access import Access, matched_route, policy_of
 
 ANONYMOUS = ""  # the owner of everything when the server has no keys
+logger = logging.getLogger(__name__)
+
+
+class OpenStart(ValueError):
+    """A server without API keys that would listen beyond loopback: the start stops."""
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` (an address to listen on) is reachable from this machine alone."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def check_exposure(settings: AuthSettings, host: str | None) -> None:
+    """Before a server starts listening on `host` (None: an address this process cannot know,
+    such as a Ray Serve config's proxy): without API keys, on loopback it starts with a
+    warning, and elsewhere only when `auth.allow_no_keys` says so on purpose (logged);
+    otherwise `OpenStart`."""
+    if settings.api_keys or settings.admin_api_keys:
+        return
+    where = "an address this process cannot see" if host is None else host
+    if host is not None and loopback(host):
+        logger.warning(
+            "no API keys: every route is open to whoever reaches %s on this machine "
+            "(RLSERVE_AUTH__API_KEYS sets keys)",
+            host,
+        )
+    elif settings.allow_no_keys:
+        logger.warning(
+            "no API keys, listening on %s: every route (weights and trajectories included) "
+            "is open to whoever reaches it, as auth.allow_no_keys says",
+            where,
+        )
+    else:
+        raise OpenStart(
+            f"no API keys, and the server would listen on {where}, beyond loopback: set "
+            "RLSERVE_AUTH__API_KEYS (comma-separated keys), or RLSERVE_AUTH__ALLOW_NO_KEYS=true "
+            "to serve open on purpose"
+        )
 
 
 def matches(key: bytes, keys: list[bytes]) -> bool:

@@ -189,6 +189,7 @@ def test_the_embedded_serve_config_is_the_ray_serve_file(monkeypatch: pytest.Mon
     (application,) = ServeDeploySchema.model_validate(embedded).applications
     for name, value in application.runtime_env["env_vars"].items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RLSERVE_AUTH__API_KEYS", "k")  # the Secret's (below)
     deployment = build(application.args)._bound_deployment
     needs = deployment.ray_actor_options
     worker = pod_templates(ray_service())[1]["spec"]["containers"][0]["resources"]["requests"]
@@ -198,3 +199,13 @@ def test_the_embedded_serve_config_is_the_ray_serve_file(monkeypatch: pytest.Mon
     cluster = ray_service()["spec"]["rayClusterConfig"]
     autoscaling = deployment._deployment_config.autoscaling_config
     assert cluster["workerGroupSpecs"][0]["maxReplicas"] >= autoscaling.max_replicas
+
+
+def test_every_pod_that_builds_or_serves_takes_its_keys_from_the_secret() -> None:
+    """The proxy listens beyond loopback: the head (which builds the application) and the
+    workers (its replicas) read the API keys from the Secret, required; admin keys optional."""
+    for template in pod_templates(ray_service()):
+        (container,) = template["spec"]["containers"]
+        env = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in container["env"]}
+        assert env["RLSERVE_AUTH__API_KEYS"] == {"name": "rlserve-keys", "key": "api-keys"}
+        assert env["RLSERVE_AUTH__ADMIN_API_KEYS"]["optional"] is True

@@ -75,6 +75,10 @@ def test_the_cpu_image_builds_runs_and_passes_every_check(tmp_path: Path) -> Non
     assert code == 0 and not failed, (failed, output[-8000:])
     names = {c["check"] for c in result["checks"]}
     assert names == {
+        "refuses to start: no API keys on 0.0.0.0",
+        "refuses to start: the old key name",
+        "refuses to start: a misspelt key name",
+        "keys required",
         "healthcheck",
         "generate",
         "logprobs",

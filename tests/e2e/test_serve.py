@@ -75,6 +75,31 @@ def test_a_port_in_use_stops_the_start_before_any_model_loads(tmp_path):
     assert "loading" not in result.stderr and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "settings", "said"),
+    [
+        (["--host", "0.0.0.0"], {}, "no API keys, and the server would listen on 0.0.0.0"),
+        (["--host", "0.0.0.0", "--replicas", "2"], {}, "would listen on 0.0.0.0"),
+        ([], {"auth__api_keys": ""}, "RLSERVE_AUTH__API_KEYS is set but holds no key"),
+        ([], {"auth__api_keys": " , "}, "auth.api_keys: is set but holds no key"),
+        ([], {"api_keys": "k"}, "RLSERVE_API_KEYS is not read"),
+    ],
+)
+def test_a_server_that_would_serve_open_by_mistake_does_not_start(tmp_path, flags, settings, said):
+    """Beyond loopback without keys, or with a key list set to nothing, or under an old name:
+    the start stops before anything binds or loads."""
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--port", "0", *flags],
+        env={**os.environ, **SERVER_DEFAULTS, **server_env(tmp_path, **settings)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "rlserve: cannot start: " in result.stderr and said in result.stderr
+    assert "listening on" not in result.stderr and not (tmp_path / "cache").exists()
+
+
 def test_a_port_taken_before_the_server_binds_it_is_tried_again_on_another(tmp_path, monkeypatch):
     """The helper every suite starts servers with: a free port another suite's process takes
     first (CI runs suites side by side) costs a second start, not the test."""

@@ -95,6 +95,19 @@ class ModelSettings(Group):
         "refused (429) until the key unloads one (DELETE /v1/adapters/NAME; an admin key may "
         "unload any key's).",
     )
+    max_adapter_bytes: int = Field(
+        default=512 << 20,
+        gt=0,
+        description="Largest LoRA adapter, in bytes of its tensors as sent (an upload's body, "
+        "a folder's files, a transfer's announced tensors): past it 413, an upload refused "
+        "on its declared size before its body is read, or as soon as it outgrows it.",
+    )
+    max_adapter_rank: int = Field(
+        default=256,
+        gt=0,
+        description="Largest LoRA rank an adapter may have (any of its layers): past it 413. "
+        "(vLLM also allocates for vllm.max_lora_rank, which must be at least an adapter's.)",
+    )
     resident_adapter_versions: int = Field(
         default=2,
         ge=1,
@@ -595,6 +608,15 @@ class TrajectorySettings(Group):
     )
     max_turns: int = Field(
         default=256, gt=0, description="Completions one trajectory may record; beyond: 409."
+    )
+    max_bytes_per_key: int = Field(
+        default=1 << 30,
+        gt=0,
+        description="Bytes one API key's trajectories may hold in the store (their turns as "
+        "stored: about 20 bytes a token); a completion naming a trajectory while the key is "
+        "at it is refused (429) before it generates. Concurrent completions may each add one "
+        "turn past it. A key frees room with DELETE /v1/trajectories/ID; idle ones expire "
+        "after ttl_s.",
     )
 
 

@@ -23,6 +23,7 @@ from app.common.protocol import ADAPTER_NAME_PATTERN
 from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.errors import ADAPTER_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
+from app.ops.limits import declared_size
 from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE
 
 router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
@@ -96,7 +97,9 @@ async def push_adapter(
     yet needs it, and is then served at version 0, owned by the pushing key. A served adapter
     keeps its layers and shapes; without that metadata, its config too."""
     with worded(PUSHED):
-        adapter = await weights.push_adapter(name, request.stream(), caller=caller)
+        adapter = await weights.push_adapter(
+            name, request.stream(), caller=caller, size=declared_size(request.headers)
+        )
     return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
 

@@ -154,12 +154,18 @@ class ReplicatedWeights:
         return await self._serve_adapter(step)
 
     async def push_adapter(
-        self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
+        self,
+        name: str,
+        chunks: AsyncIterator[bytes],
+        *,
+        caller: Caller,
+        size: int | None = None,
     ) -> LoraAdapter:
         """Streamed to disk here, then shipped to every replica from there."""
-        self.local.adapters.check_push(name, caller)
+        adapters = self.local.adapters
+        adapters.check_push(name, caller)
         files = self.local.files
-        async with files.received(chunks) as path:
+        async with files.received(chunks, adapters.upload_limit(), size) as path:
             put = self.replicas.put
             shipment = await files.ship({ADAPTER_FILE: path}, put, ADAPTER_SOURCE, self.chunk_bytes)
         step = AdapterServe(
@@ -250,10 +256,17 @@ class ReplicatedWeights:
         path = await self.local.files.origin(model)
         return await self.load(str(path), model, publish)
 
-    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
+    async def upload(
+        self,
+        chunks: AsyncIterator[bytes],
+        model: str,
+        publish: Publish,
+        *,
+        size: int | None = None,
+    ) -> Applied:
         """Streamed to disk here, then shipped to every replica from there."""
         files = self.local.files
-        async with files.received(chunks) as path:
+        async with files.received(chunks, files.upload_limit(), size) as path:
             shipped = {"model.safetensors": path}
             shipment = await files.ship(shipped, self.replicas.put, "body", self.chunk_bytes)
         return await self._update(shipment, model, publish, "body")

@@ -106,6 +106,10 @@ class Backend(ABC):
         not fit the model."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
 
+    def forget_adapter(self, adapter: LoraAdapter) -> None:  # noqa: B027
+        """`adapter` is no longer served: drop what the engine keeps of it for later requests
+        (caches built for it), so rows in flight hold its memory alone."""
+
     def transfer(self) -> WeightTransfer:
         """The server side of the collective weight transfer (when `capabilities` says so)."""
         raise NotImplementedError(f"{type(self).__name__} cannot receive weight transfers")

@@ -420,7 +420,9 @@ class ModelRegistry:
         name = adapter.name
         if (previous := self.adapters.get(name)) is not None:
             kept = self.model_settings.resident_adapter_versions - 1
-            self._older[name] = [previous, *self._older.get(name, [])][:kept]
+            resident = [previous, *self._older.get(name, [])]
+            self._older[name] = resident[:kept]
+            self._forget(resident[kept:])
         self.adapters[name] = adapter
         if name not in self.adapter_gates:
             self.adapter_gates[name] = AdapterGate(name, paused_wait_s=self.paused_wait_s)
@@ -450,11 +452,18 @@ class ModelRegistry:
         requests waiting on its pause are refused)."""
         gate = self.adapter_gate(name)
         adapter = self.adapters.pop(name)
-        self._older.pop(name, None)
+        self._forget([adapter, *self._older.pop(name, [])])
         del self.adapter_gates[name]
         gate.close()
         logger.info("adapter %s unloaded", name)
         return adapter
+
+    def _forget(self, versions: list[LoraAdapter]) -> None:
+        """Versions no longer served: the engine keeps nothing of them beyond the rows in
+        flight that still use them, so their memory goes with the last such row."""
+        backend = self.get("policy").backend
+        for adapter in versions:
+            backend.forget_adapter(adapter)
 
     def adapter_state(self, name: str) -> AdapterGateState | None:
         """Served adapter `name`'s pause state (None once unloaded)."""

@@ -10,6 +10,15 @@ from app.errors import APIError, error_response
 from app.ops.access import Body, matched_route, policy_of
 
 
+def declared_size(headers: Headers) -> int | None:
+    """The body size a request declares (its Content-Length; None: chunked, or not a
+    number, which the server then counts as it streams)."""
+    length = headers.get("content-length")
+    if length is None or not (length.isascii() and length.isdigit()):
+        return None
+    return int(length)
+
+
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
@@ -19,9 +28,8 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or policy_of(matched_route(scope)).body is Body.STREAMED:
             await self.app(scope, receive, send)
             return
-        length = Headers(scope=scope).get("content-length")
-        if length is not None:
-            declared = int(length) if length.isascii() and length.isdigit() else 0
+        declared = declared_size(Headers(scope=scope))
+        if declared is not None:
             if declared > self.limit:
                 await error_response(self._too_large())(scope, receive, send)
             else:
@@ -45,7 +53,19 @@ class BodyLimitMiddleware:
             if not refused:
                 await send(message)
 
-        await self.app(scope, counted, send_unless_refused)
+        try:
+            await self.app(scope, counted, send_unless_refused)
+        except Exception:
+            # The app read the disconnect it was told of (Starlette's ClientDisconnect):
+            # the 413 went out, and that is the request's end, not a server error.
+            if not refused:
+                raise
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"request body exceeds {self.limit} bytes", type="request_too_large")
+        return APIError(
+            413,
+            f"body: the request body exceeds {self.limit} bytes (http.max_body_bytes, "
+            "RLSERVE_HTTP__MAX_BODY_BYTES; weight and adapter uploads have their own limits)",
+            type="request_too_large",
+            param="body",
+        )

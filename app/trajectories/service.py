@@ -1,12 +1,13 @@
 """Trajectories recorded by the OpenAI-compatible routes: record a turn, read the whole
-conversation back as token sequences, attach a reward."""
+conversation back as token sequences, attach a reward. Each key's trajectories are its own
+(another key's id names another trajectory) and bounded in bytes."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
 
-from app.common.failures import Conflict, NotFound
+from app.common.failures import Conflict, NotFound, QuotaExceeded
 from app.common.protocol import LogProbFields, Masks, TokenFields
 from app.common.routed_experts import npy_base64
 from app.config_groups import TrajectorySettings
@@ -14,7 +15,7 @@ from app.engine.registry import ModelRegistry
 from app.engine.types import Generation
 from app.trajectories.assemble import Segment, segments
 from app.trajectories.protocol import TrajectoryResponse, TrajectorySegment, TurnSpan
-from app.trajectories.store import Trajectory, TrajectoryStore, Turn
+from app.trajectories.store import TURNS_FULL, Trajectory, TrajectoryStore, Turn
 
 if TYPE_CHECKING:
     from rlserve_client.moe import Routing
@@ -55,40 +56,37 @@ class TrajectoryService:
             created=time.time(),
             routed_experts=routed,
         )
-        limit = self.settings.max_turns
-        index = await self.store.append(trajectory_id, owner, turn, limit)
-        if index is None:
-            head = await self.store.head(trajectory_id)
-            if head is None or head[0] != owner:
-                raise _missing(trajectory_id)
+        index = await self.store.append(trajectory_id, owner, turn, self.settings.max_turns)
+        if index == TURNS_FULL:
             raise self._full(trajectory_id)
         return index
 
     async def check_writable(self, trajectory_id: str, owner: str) -> None:
-        """Before generating: 404 for another key's trajectory, 409 for a full one (the
-        append itself checks again, atomically)."""
-        head = await self.store.head(trajectory_id)
-        if head is None:
-            return
-        if head[0] != owner:
-            raise _missing(trajectory_id)
-        if head[1] >= self.settings.max_turns:
+        """Before generating: 409 for a full trajectory, 429 for a key whose trajectories hold
+        `trajectories.max_bytes_per_key` (the append checks the turns again, atomically)."""
+        turns = await self.store.head(trajectory_id, owner)
+        if turns is not None and turns >= self.settings.max_turns:
             raise self._full(trajectory_id)
+        held, most = await self.store.usage(owner), self.settings.max_bytes_per_key
+        if held >= most:
+            raise QuotaExceeded(
+                f"this API key's trajectories hold {held} bytes, the most "
+                "trajectories.max_bytes_per_key (RLSERVE_TRAJECTORIES__MAX_BYTES_PER_KEY) "
+                f"allows ({most}); delete some (DELETE /v1/trajectories/ID) or let idle ones "
+                "expire",
+                param="trajectory_id",
+            )
 
     def _full(self, trajectory_id: str) -> Conflict:
         limit = self.settings.max_turns
         return Conflict(
-            f"trajectory '{trajectory_id}' already has {limit} turns (the server's "
-            "trajectory_max_turns)",
+            f"trajectory '{trajectory_id}' already has {limit} turns "
+            "(trajectories.max_turns, RLSERVE_TRAJECTORIES__MAX_TURNS)",
             param="trajectory_id",
         )
 
-    async def _owned(self, trajectory_id: str, owner: str) -> Trajectory | None:
-        found = await self.store.get(trajectory_id)
-        return found if found is not None and found.owner == owner else None
-
     async def get(self, trajectory_id: str, owner: str) -> TrajectoryResponse:
-        found = await self._owned(trajectory_id, owner)
+        found = await self.store.get(trajectory_id, owner)
         if found is None:
             raise _missing(trajectory_id)
         return TrajectoryResponse(

@@ -1,6 +1,7 @@
 """Where recorded trajectories live: each completion made in a trajectory is one turn, kept
 token-exactly, appended atomically (two completions racing in one trajectory get turns k and
-k + 1, never the same). SQLite in the session store's file by default, behind a small
+k + 1, never the same). A trajectory is its owner's: ids are scoped per key, and each key's
+stored bytes are counted. SQLite in the session store's file by default, behind a small
 interface like the session store's."""
 
 from __future__ import annotations
@@ -44,20 +45,35 @@ class Trajectory:
     updated_at: float
 
 
+TURNS_FULL = -1
+"""What `append` answers for a trajectory that already has its `max_turns` turns."""
+
+
+def scoped(owner: str, trajectory_id: str) -> str:
+    """Where a key's trajectory is kept: ids are the caller's own, so two keys that both name
+    `episode-0` record two trajectories (an owner id never holds '/')."""
+    return f"{owner}/{trajectory_id}"
+
+
 class TrajectoryStore(ABC):
-    @abstractmethod
-    async def append(
-        self, trajectory_id: str, owner: str, turn: Turn, max_turns: int
-    ) -> int | None:
-        """Add `turn` as the next turn and return its index; None when the trajectory
-        belongs to another owner or already has `max_turns` turns (nothing is written)."""
+    """Trajectories by owner (the key that records them) and id: the same id under two owners
+    is two trajectories. Each owner's stored bytes are counted (`usage`)."""
 
     @abstractmethod
-    async def get(self, trajectory_id: str) -> Trajectory | None: ...
+    async def append(self, trajectory_id: str, owner: str, turn: Turn, max_turns: int) -> int:
+        """Add `turn` as the next turn and return its index; `TURNS_FULL` when the trajectory
+        already has `max_turns` turns (nothing is written)."""
 
     @abstractmethod
-    async def head(self, trajectory_id: str) -> tuple[str, int] | None:
-        """(owner, number of turns), without reading the turns."""
+    async def get(self, trajectory_id: str, owner: str) -> Trajectory | None: ...
+
+    @abstractmethod
+    async def head(self, trajectory_id: str, owner: str) -> int | None:
+        """Its number of turns (None: no such trajectory), without reading the turns."""
+
+    @abstractmethod
+    async def usage(self, owner: str) -> int:
+        """Bytes the owner's trajectories hold (their turns as stored)."""
 
     @abstractmethod
     async def set_reward(self, trajectory_id: str, owner: str, reward: float) -> bool:
@@ -72,6 +88,10 @@ class TrajectoryStore(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - nothing to release by default
         """Release connections."""
+
+
+def _record(turn: Turn) -> str:
+    return json.dumps(asdict(turn))
 
 
 _SCHEMA = """
@@ -90,7 +110,13 @@ CREATE TABLE IF NOT EXISTS trajectory_turns (
     PRIMARY KEY (trajectory_id, turn)
 );
 CREATE INDEX IF NOT EXISTS trajectories_updated ON trajectories (updated_at);
+CREATE TABLE IF NOT EXISTS trajectory_usage (
+    owner TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL
+);
 """
+"""(`trajectory_id` holds `scoped(owner, id)`; `bytes`, added to files of earlier releases
+below, counts each trajectory's stored turns, and `trajectory_usage` each owner's sum.)"""
 
 
 class SQLiteTrajectoryStore(SQLiteFile, TrajectoryStore):
@@ -99,6 +125,9 @@ class SQLiteTrajectoryStore(SQLiteFile, TrajectoryStore):
     def __init__(self, path: Path) -> None:
         super().__init__(path, "trajectories", "foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(trajectories)")}
+        if "bytes" not in columns:
+            self._db.execute("ALTER TABLE trajectories ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
 
     def _transaction(self, fn: Any) -> Any:
         self._db.execute("BEGIN IMMEDIATE")
@@ -110,97 +139,124 @@ class SQLiteTrajectoryStore(SQLiteFile, TrajectoryStore):
         self._db.execute("COMMIT")
         return result
 
-    async def append(
-        self, trajectory_id: str, owner: str, turn: Turn, max_turns: int
-    ) -> int | None:
-        def write() -> int | None:
+    def _count(self, owner: str, change: int) -> None:
+        self._db.execute(
+            "INSERT INTO trajectory_usage (owner, bytes) VALUES (?, ?) "
+            "ON CONFLICT (owner) DO UPDATE SET bytes = max(bytes + excluded.bytes, 0)",
+            (owner, change),
+        )
+
+    async def append(self, trajectory_id: str, owner: str, turn: Turn, max_turns: int) -> int:
+        key, record = scoped(owner, trajectory_id), _record(turn)
+
+        def write() -> int:
             at = time.time()
             row = self._db.execute(
-                "SELECT owner, num_turns FROM trajectories WHERE trajectory_id = ?",
-                (trajectory_id,),
+                "SELECT num_turns FROM trajectories WHERE trajectory_id = ?", (key,)
             ).fetchone()
             if row is None:
                 self._db.execute(
                     "INSERT INTO trajectories (trajectory_id, owner, created_at, updated_at) "
                     "VALUES (?, ?, ?, ?)",
-                    (trajectory_id, owner, at, at),
+                    (key, owner, at, at),
                 )
                 index = 0
-            elif row[0] != owner or row[1] >= max_turns:
-                return None
+            elif row[0] >= max_turns:
+                return TURNS_FULL
             else:
-                index = int(row[1])
+                index = int(row[0])
             self._db.execute(
                 "INSERT INTO trajectory_turns (trajectory_id, turn, record) VALUES (?, ?, ?)",
-                (trajectory_id, index, json.dumps(asdict(turn))),
+                (key, index, record),
             )
             self._db.execute(
-                "UPDATE trajectories SET num_turns = ?, updated_at = ? WHERE trajectory_id = ?",
-                (index + 1, at, trajectory_id),
+                "UPDATE trajectories SET num_turns = ?, updated_at = ?, bytes = bytes + ? "
+                "WHERE trajectory_id = ?",
+                (index + 1, at, len(record), key),
             )
+            self._count(owner, len(record))
             return index
 
-        result: int | None = await self._run(self._transaction, write)
+        result: int = await self._run(self._transaction, write)
         return result
 
-    async def get(self, trajectory_id: str) -> Trajectory | None:
+    async def get(self, trajectory_id: str, owner: str) -> Trajectory | None:
+        key = scoped(owner, trajectory_id)
+
         def read() -> Trajectory | None:
             head = self._db.execute(
-                "SELECT owner, reward, created_at, updated_at FROM trajectories "
-                "WHERE trajectory_id = ?",
-                (trajectory_id,),
+                "SELECT reward, created_at, updated_at FROM trajectories WHERE trajectory_id = ?",
+                (key,),
             ).fetchone()
             if head is None:
                 return None
             records = self._db.execute(
                 "SELECT record FROM trajectory_turns WHERE trajectory_id = ? ORDER BY turn",
-                (trajectory_id,),
+                (key,),
             ).fetchall()
             turns = [Turn(**json.loads(r[0])) for r in records]
-            return Trajectory(trajectory_id, head[0], turns, head[1], head[2], head[3])
+            return Trajectory(trajectory_id, owner, turns, head[0], head[1], head[2])
 
         found: Trajectory | None = await self._run(self._transaction, read)
         return found
 
-    async def head(self, trajectory_id: str) -> tuple[str, int] | None:
+    async def head(self, trajectory_id: str, owner: str) -> int | None:
         def read() -> Any:
             return self._db.execute(
-                "SELECT owner, num_turns FROM trajectories WHERE trajectory_id = ?",
-                (trajectory_id,),
+                "SELECT num_turns FROM trajectories WHERE trajectory_id = ?",
+                (scoped(owner, trajectory_id),),
             ).fetchone()
 
         row = await self._run(read)
-        return None if row is None else (str(row[0]), int(row[1]))
+        return None if row is None else int(row[0])
+
+    async def usage(self, owner: str) -> int:
+        def read() -> Any:
+            return self._db.execute(
+                "SELECT bytes FROM trajectory_usage WHERE owner = ?", (owner,)
+            ).fetchone()
+
+        row = await self._run(read)
+        return 0 if row is None else int(row[0])
 
     async def set_reward(self, trajectory_id: str, owner: str, reward: float) -> bool:
         def write() -> int:
             return int(
                 self._db.execute(
-                    "UPDATE trajectories SET reward = ?, updated_at = ? "
-                    "WHERE trajectory_id = ? AND owner = ?",
-                    (reward, time.time(), trajectory_id, owner),
+                    "UPDATE trajectories SET reward = ?, updated_at = ? WHERE trajectory_id = ?",
+                    (reward, time.time(), scoped(owner, trajectory_id)),
                 ).rowcount
             )
 
         return bool(await self._run(write))
 
     async def delete(self, trajectory_id: str, owner: str) -> bool:
-        def write() -> int:
-            return int(
-                self._db.execute(
-                    "DELETE FROM trajectories WHERE trajectory_id = ? AND owner = ?",
-                    (trajectory_id, owner),
-                ).rowcount
-            )
+        key = scoped(owner, trajectory_id)
 
-        return bool(await self._run(write))
+        def write() -> bool:
+            row = self._db.execute(
+                "SELECT bytes FROM trajectories WHERE trajectory_id = ?", (key,)
+            ).fetchone()
+            if row is None:
+                return False
+            self._db.execute("DELETE FROM trajectories WHERE trajectory_id = ?", (key,))
+            self._count(owner, -int(row[0]))
+            return True
+
+        return bool(await self._run(self._transaction, write))
 
     async def expire(self, idle_since: float) -> int:
         def write() -> int:
+            freed = self._db.execute(
+                "SELECT owner, sum(bytes) FROM trajectories WHERE updated_at < ? GROUP BY owner",
+                (idle_since,),
+            ).fetchall()
+            for owner, num_bytes in freed:
+                self._count(owner, -int(num_bytes))
             return int(
                 self._db.execute(
                     "DELETE FROM trajectories WHERE updated_at < ?", (idle_since,)
                 ).rowcount
             )
 
-        return int(await self._run(write))
+        return int(await self._run(self._transaction, write))

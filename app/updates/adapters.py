@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.common.caller import Caller
-from app.common.failures import Conflict, Forbidden, NotFound, QuotaExceeded, invalid
+from app.common.failures import Conflict, Forbidden, NotFound, QuotaExceeded, TooLarge, invalid
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import PauseMode
 from app.engine.registry import ModelRegistry
+from app.updates.service import Limit
 from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE, LoraAdapter
 from app.weights.lora_layout import CONFIG, CONFIG_METADATA, read_folder, read_upload
 
@@ -33,6 +34,8 @@ FIRST_UPLOAD = (
     f"text of {CONFIG}), or load it from its folder (POST /v1/adapters)"
 )
 """How an upload serves an adapter not served yet (said when it cannot)."""
+MAX_BYTES = "models.max_adapter_bytes (RLSERVE_MODELS__MAX_ADAPTER_BYTES)"
+MAX_RANK = "models.max_adapter_rank (RLSERVE_MODELS__MAX_ADAPTER_RANK)"
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,34 @@ class AdapterCatalog:
                 param=ADAPTER,
             )
 
+    # -- how large ---------------------------------------------------------------------------
+
+    def upload_limit(self) -> Limit:
+        """The most bytes an adapter's upload may hold."""
+        return Limit(self.registry.model_settings.max_adapter_bytes, MAX_BYTES)
+
+    def check_size(self, num_bytes: int, param: str = ADAPTER_SOURCE) -> None:
+        """An adapter of `num_bytes` bytes of tensors fits `models.max_adapter_bytes`."""
+        most = self.registry.model_settings.max_adapter_bytes
+        if num_bytes > most:
+            raise TooLarge(
+                f"{param}: the adapter's tensors hold {num_bytes} bytes, more than "
+                f"{MAX_BYTES} allows ({most})",
+                param=param,
+            )
+
+    def _check_shape(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Its bytes, and its rank: `models.max_adapter_rank` (each lora_A's rows)."""
+        self.check_size(sum(t.numel() * t.element_size() for t in tensors.values()))
+        most = self.registry.model_settings.max_adapter_rank
+        ranks = [t.shape[0] for k, t in tensors.items() if ".lora_A." in k and t.dim() == 2]
+        if ranks and max(ranks) > most:
+            raise TooLarge(
+                f"{ADAPTER_SOURCE}: the adapter has rank {max(ranks)}, more than {MAX_RANK} "
+                f"allows ({most})",
+                param=ADAPTER_SOURCE,
+            )
+
     # -- serving ---------------------------------------------------------------------------
 
     async def load(self, name: str, path: Path, caller: Caller) -> LoraAdapter:
@@ -146,6 +177,7 @@ class AdapterCatalog:
         `check_push` passed (checked again here: the adapter may have changed hands, or
         others filled the server, meanwhile)."""
         name = step.name
+        self._check_shape(step.tensors)
         async with self._lock:
             current = self.registry.adapters.get(name)
             if current is None and step.config is None:

@@ -50,8 +50,17 @@ class WeightsControl(Protocol):
         """Serve again the weights the model started with (read from where they came from),
         as a new version."""
 
-    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
-        """Apply a checkpoint streamed as `chunks`, whole or not at all."""
+    async def upload(
+        self,
+        chunks: AsyncIterator[bytes],
+        model: str,
+        publish: Publish,
+        *,
+        size: int | None = None,
+    ) -> Applied:
+        """Apply a checkpoint streamed as `chunks`, whole or not at all; `size` is the size
+        its sender declared (None: not declared), refused before a chunk is read when over
+        the limit."""
 
     async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` as `name` (a served name: its next
@@ -59,11 +68,18 @@ class WeightsControl(Protocol):
         `app.updates.adapters`."""
 
     async def push_adapter(
-        self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
+        self,
+        name: str,
+        chunks: AsyncIterator[bytes],
+        *,
+        caller: Caller,
+        size: int | None = None,
     ) -> LoraAdapter:
         """New tensors of adapter `name`, streamed as one safetensors file: its next version
         (or its first, owned by `caller`, when the file's metadata carries its config), to new
-        requests (those in flight keep theirs)."""
+        requests (those in flight keep theirs). Whether `caller` may push to `name`, and
+        whether a new name fits the bounds, is checked before a chunk is read; `size` as for
+        `upload`."""
 
     async def unload_adapter(self, name: str, *, caller: Caller) -> LoraAdapter:
         """Stop serving adapter `name` to new requests; requests in flight finish with it."""

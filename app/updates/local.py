@@ -69,16 +69,29 @@ class LocalWeights:
         path = await self.files.origin(model)
         return await self.load(str(path), model, publish)
 
-    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
-        return await self.files.upload(chunks, model, publish)
+    async def upload(
+        self,
+        chunks: AsyncIterator[bytes],
+        model: str,
+        publish: Publish,
+        *,
+        size: int | None = None,
+    ) -> Applied:
+        return await self.files.upload(chunks, model, publish, size=size)
 
     async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         return await self.adapters.load(name, Path(path), caller)
 
     async def push_adapter(
-        self, name: str, chunks: AsyncIterator[bytes], *, caller: Caller
+        self,
+        name: str,
+        chunks: AsyncIterator[bytes],
+        *,
+        caller: Caller,
+        size: int | None = None,
     ) -> LoraAdapter:
-        async with self.files.received(chunks) as path:
+        self.adapters.check_push(name, caller)  # before a byte of the body is read
+        async with self.files.received(chunks, self.adapters.upload_limit(), size) as path:
             return await self.adapters.push(name, path, caller)
 
     async def unload_adapter(self, name: str, *, caller: Caller) -> LoraAdapter:

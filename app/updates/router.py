@@ -14,6 +14,7 @@ from app.errors import (
     ErrorResponse,
 )
 from app.ops.access import Access, Body, access
+from app.ops.limits import declared_size
 from app.updates.protocol import (
     LoadWeightsRequest,
     PauseMode,
@@ -95,7 +96,8 @@ async def upload_weights(
     """Upload a safetensors file as the request body (streamed to disk, applied tensor by
     tensor). Partial updates are allowed."""
     publish = Publish(version=version, pause=pause)
-    return WeightsUpdated.of(await weights.upload(request.stream(), model, publish))
+    size = declared_size(request.headers)
+    return WeightsUpdated.of(await weights.upload(request.stream(), model, publish, size=size))
 
 
 # -- collective transfer (vLLM's protocol: init -> start -> update -> finish) ---------------

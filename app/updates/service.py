@@ -37,6 +37,14 @@ _DISK_RESERVE = 64 << 20  # left free for the session store and logs
 
 
 @dataclass(frozen=True)
+class Limit:
+    """The most bytes an upload may hold, and the setting that says so."""
+
+    bytes: int
+    setting: str
+
+
+@dataclass(frozen=True)
 class Checked:
     """A checkpoint that passed every check and may be applied."""
 
@@ -108,31 +116,50 @@ class WeightsService:
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
         return shutil.disk_usage(self.uploads).free - _DISK_RESERVE
 
-    async def upload(self, chunks: AsyncIterator[bytes], model: str, publish: Publish) -> Applied:
+    async def upload(
+        self,
+        chunks: AsyncIterator[bytes],
+        model: str,
+        publish: Publish,
+        *,
+        size: int | None = None,
+    ) -> Applied:
         """Stream the body to a file on disk, then apply it."""
-        async with self.received(chunks) as path:
+        async with self.received(chunks, self.upload_limit(), size) as path:
             return await self._apply([path], model, "body", publish)
 
+    def upload_limit(self) -> Limit:
+        return Limit(self.settings.max_bytes, "weights.max_bytes (RLSERVE_WEIGHTS__MAX_BYTES)")
+
     @contextlib.asynccontextmanager
-    async def received(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[Path]:
+    async def received(
+        self, chunks: AsyncIterator[bytes], bound: Limit, declared: int | None = None
+    ) -> AsyncIterator[Path]:
         """The body streamed to a file on disk (memory stays bounded; writes in a thread). The
-        file is gone afterwards, whatever happened (a client that went away included); the
-        limit is weights.max_bytes or the free disk space, the smaller."""
+        file is gone afterwards, whatever happened (a client that went away included). The
+        limit is `bound` or the free disk space, the smaller: a body declared (`declared`,
+        its Content-Length) larger is refused before a chunk is read, one that grows larger
+        as soon as it does."""
         self.uploads.mkdir(parents=True, exist_ok=True)
         room = self._disk_room()
-        limit = min(self.settings.max_bytes, room)
+        limit = min(bound.bytes, room)
+
+        def too_large(size: str) -> TooLarge:
+            return TooLarge(
+                f"body: the upload ({size}) exceeds {max(limit, 0)} bytes ({bound.setting} "
+                f"{bound.bytes}, free disk {room + _DISK_RESERVE})",
+                param="body",
+            )
+
+        if declared is not None and declared > limit:
+            raise too_large(f"{declared} bytes declared")
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             size = written = 0
             pending: list[bytes] = []  # written in ~8 MiB batches: one thread hop each
             async for chunk in chunks:
                 size += len(chunk)
                 if size > limit:
-                    raise TooLarge(
-                        f"body: the upload exceeds {max(limit, 0)} bytes "
-                        f"(weights.max_bytes {self.settings.max_bytes}, "
-                        f"free disk {room + _DISK_RESERVE})",
-                        param="body",
-                    )
+                    raise too_large(f"over {size} bytes so far")
                 pending.append(chunk)
                 if size - written >= _WRITE_BATCH_BYTES:
                     await asyncio.to_thread(sink.writelines, pending)

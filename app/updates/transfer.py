@@ -291,6 +291,9 @@ class TransferService:
                 plan = TransferPlan.parse(names, dtypes, shapes, buckets, bucket_bytes)
                 if expected is not None:
                     check_layout(plan.layout(), expected)
+                if link.adapter is not None:  # (its rank: checked at finish)
+                    sent = sum(p.nbytes for p in link.announced)
+                    self.adapters.check_size(sent + plan.nbytes, param="names")
             await engine.update(plan)
             link.announced.append(plan)
             watcher = asyncio.create_task(self._watch(link, engine, setup, link.session))

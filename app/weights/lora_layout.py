@@ -99,11 +99,14 @@ def upload_bytes(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> by
 
 
 def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file (blocking: call in a thread)."""
+    """The tensors of one safetensors file, in memory of their own (blocking: call in a
+    thread). safetensors maps the file: a tensor kept as loaded would keep the file mapped,
+    an upload's deleted temporary file included, for as long as the adapter is served."""
     try:
-        return load_file(file)
+        mapped = load_file(file)
     except Exception as exc:
         raise invalid(param, f"{file.name} is not a valid safetensors file: {exc}") from exc
+    return {name: tensor.clone() for name, tensor in mapped.items()}
 
 
 def adapter_from(

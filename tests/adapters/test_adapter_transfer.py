@@ -18,6 +18,7 @@ from rlserve_client import (
     Client,
     ConflictError,
     NotFoundError,
+    RequestTooLargeError,
     UnprocessableEntityError,
 )
 
@@ -32,7 +33,10 @@ ATTENTION = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 @pytest.fixture(scope="module")
 async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    config = settings.replace(storage={"data_dir": settings.storage.data_dir / "adapter-transfer"})
+    config = settings.replace(
+        storage={"data_dir": settings.storage.data_dir / "adapter-transfer"},
+        models={"max_adapter_rank": 8, "max_adapter_bytes": 64 << 10},
+    )
     async with served_app(config, timeout=120) as c:
         yield c
 
@@ -97,6 +101,22 @@ def _file(model: PeftModel) -> bytes:
 async def test_refused_adapter_pushes_name_their_field_and_change_nothing(client, model_dir):
     served = peft_model(model_dir, 3, **ATTENTION)
     wider = peft_model(model_dir, 4, **{**ATTENTION, "r": 8})
+    too_wide = peft_model(model_dir, 5, **{**ATTENTION, "r": 16})  # models.max_adapter_rank
+    heavy = peft_model(
+        model_dir,
+        6,
+        r=8,
+        lora_alpha=8,
+        target_modules=[
+            "q_proj",
+            "v_proj",
+            "k_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    )  # models.max_adapter_bytes
     api = trainer(client)
 
     def pushes() -> list[tuple[type[Exception], str | None]]:
@@ -110,11 +130,21 @@ async def test_refused_adapter_pushes_name_their_field_and_change_nothing(client
                 (served, "policy", None),
                 # other shapes than the served adapter's
                 (wider, "kept", None),
+                # a rank over the bound, bytes over the bound (announced: refused at once)
+                (too_wide, "wide", None),
+                (heavy, "heavy", None),
             ):
                 try:
                     sync.send_adapter(adapter, name, config=start)
-                except (NotFoundError, ConflictError, UnprocessableEntityError) as exc:
+                except (
+                    NotFoundError,
+                    ConflictError,
+                    UnprocessableEntityError,
+                    RequestTooLargeError,
+                ) as exc:
                     refused.append((type(exc), exc.param))
+                    if isinstance(exc, RequestTooLargeError):
+                        assert "models.max_adapter_" in str(exc), exc
             # a version is the server's to count for an adapter
             sync._step("start", {"adapter": {"name": "kept"}})
             try:
@@ -138,6 +168,8 @@ async def test_refused_adapter_pushes_name_their_field_and_change_nothing(client
         (NotFoundError, "adapter.config"),
         (ConflictError, "adapter.name"),
         (UnprocessableEntityError, "names"),
+        (RequestTooLargeError, "names"),
+        (RequestTooLargeError, "names"),
         (UnprocessableEntityError, "version"),
         (UnprocessableEntityError, "adapter"),
     ]
@@ -145,3 +177,4 @@ async def test_refused_adapter_pushes_name_their_field_and_change_nothing(client
     assert_peft(await log_probs(client, "kept"), served)
     adapters = {a["name"]: a for a in (await client.get("/v1/adapters")).json()["adapters"]}
     assert "unknown" not in adapters and adapters["kept"]["version"] == 1
+    assert "wide" not in adapters and "heavy" not in adapters

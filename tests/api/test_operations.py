@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -233,14 +234,17 @@ async def test_metrics_can_require_a_key(settings):
             assert (await c.get("/metrics", headers=bearer("k"))).status_code == 200
 
 
-async def test_bodies_over_the_limit_are_413(guarded):
+async def test_bodies_over_the_limit_are_413(guarded, caplog):
+    """Declared or chunked, a body over the limit is a 413 naming the setting: never a
+    logged error, never a 5xx in /metrics (any client could trip 5xx alerting)."""
     headers = bearer("user-key")
     declared = await guarded.post("/v1/logprobs", json={"text": ["a" * 2000]}, headers=headers)
     assert declared.status_code == 413
     assert declared.json()["error"] == {
-        "message": "request body exceeds 1000 bytes",
+        "message": "body: the request body exceeds 1000 bytes (http.max_body_bytes, "
+        "RLSERVE_HTTP__MAX_BODY_BYTES; weight and adapter uploads have their own limits)",
         "type": "request_too_large",
-        "param": None,
+        "param": "body",
         "code": 413,
     }
 
@@ -249,10 +253,17 @@ async def test_bodies_over_the_limit_are_413(guarded):
         yield b"a" * 2000
         yield b'"]}'
 
-    streamed = await guarded.post(
-        "/v1/logprobs", content=chunks(), headers={**headers, "content-type": "application/json"}
-    )
-    assert streamed.status_code == 413
+    with caplog.at_level(logging.WARNING):
+        streamed = await guarded.post(
+            "/v1/logprobs",
+            content=chunks(),
+            headers={**headers, "content-type": "application/json"},
+        )
+    assert streamed.status_code == 413 and streamed.json() == declared.json()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    metrics = (await guarded.get("/metrics")).text
+    counted = re.findall(r'rlserve_requests_total\{[^}]*route="/v1/logprobs"[^}]*\} ', metrics)
+    assert counted and all('status="413"' in line for line in counted), counted
     # weight uploads have their own, larger limit
     upload = await guarded.put("/v1/weights", content=b"x" * 5000, headers=bearer("admin-key"))
     assert upload.status_code != 413

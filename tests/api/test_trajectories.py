@@ -4,6 +4,7 @@ and says where; rewards; ownership of the id; bad ids."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -150,8 +151,10 @@ async def test_unknown_ids_and_bad_ids(client, sdk):
 
 
 async def test_trajectories_belong_to_their_key(tmp_path):
-    """To another key a trajectory is absent: it cannot read, reward, delete or extend it.
-    (On the fake model pair, whose engine streams nothing: a stream still ends whole.)"""
+    """To another key a trajectory is absent: it cannot read, reward or delete it, and a
+    completion of its naming the same id records a trajectory of its own (ids are per key: no
+    key can take an id from another). (On the fake model pair, whose engine streams nothing:
+    a stream still ends whole.)"""
     from tests.envs.test_ownership import KEYS, bearer
     from tests.fake.backend import FakeBackend, fake_app
 
@@ -172,12 +175,24 @@ async def test_trajectories_belong_to_their_key(tmp_path):
                 ("GET", "/v1/trajectories/mine", None),
                 ("POST", "/v1/trajectories/mine/reward", {"reward": 1.0}),
                 ("DELETE", "/v1/trajectories/mine", None),
-                ("POST", "/v1/chat/completions", body),
             ]
             for method, path, payload in attempts:
                 theirs = await http.request(method, path, json=payload, headers=bearer(bob))
                 assert theirs.status_code == 404, (method, path, theirs.text)
                 assert theirs.json()["error"]["param"] == "trajectory_id"
+            for _ in range(2):  # bob's own "mine", two turns
+                made = await http.post("/v1/chat/completions", json=body, headers=bearer(bob))
+                assert made.status_code == 200, made.text
+            rewarded = await http.post(
+                "/v1/trajectories/mine/reward", json={"reward": 1.0}, headers=bearer(bob)
+            )
+            assert rewarded.status_code == 200
+            bobs = (await http.get("/v1/trajectories/mine", headers=bearer(bob))).json()
+            assert (bobs["num_turns"], bobs.get("reward")) == (2, 1.0)
+            mine = (await http.get("/v1/trajectories/mine", headers=bearer(alice))).json()
+            assert (mine["num_turns"], mine.get("reward")) == (1, None)
+            gone = await http.delete("/v1/trajectories/mine", headers=bearer(bob))
+            assert gone.status_code == 204
             mine = (await http.get("/v1/trajectories/mine", headers=bearer(alice))).json()
             assert mine["num_turns"] == 1
             streamed = await http.post(
@@ -193,6 +208,47 @@ async def test_trajectories_belong_to_their_key(tmp_path):
             assert text == "Hi!" and streamed.text.rstrip().endswith("data: [DONE]")
             mine = (await http.get("/v1/trajectories/mine", headers=bearer(alice))).json()
             assert mine["num_turns"] == 2
+
+
+async def test_a_keys_trajectories_are_bounded_in_bytes(tmp_path):
+    """Past `trajectories.max_bytes_per_key` a key's next completion naming a trajectory is
+    a 429 naming the setting, before it generates; other keys record on; deleting frees the
+    room. The store counts the turns' records as stored."""
+    from app.ops.auth import owner_of
+    from tests.envs.test_ownership import KEYS, bearer
+    from tests.fake.backend import FakeBackend, fake_app
+
+    pair = FakeBackend("policy", lambda t: -0.5), FakeBackend("reference", lambda t: -0.5)
+    alice, bob = KEYS
+    bound = {"max_bytes_per_key": 600}
+    async with fake_app(tmp_path, *pair, auth={"api_keys": KEYS}, trajectories=bound) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as http:
+
+            async def complete(key: str) -> httpx.Response:
+                body = {"model": "policy", "prompt": "x", "trajectory_id": "t"}
+                return await http.post("/v1/completions", json=body, headers=bearer(key))
+
+            turns = 0
+            while (answer := await complete(alice)).status_code == 200:
+                turns += 1
+            assert answer.status_code == 429 and turns >= 1, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == "trajectory_id"
+            assert "trajectories.max_bytes_per_key" in error["message"]
+            calls = pair[0].calls
+            assert (await complete(alice)).status_code == 429
+            assert pair[0].calls == calls  # refused before generating
+            assert (await complete(bob)).status_code == 200  # not held back by alice's
+
+            store, owner = app.state.trajectories.store, owner_of(alice.encode())
+            recorded = await store.get("t", owner)
+            assert len(recorded.turns) == turns
+            stored = sum(len(json.dumps(dataclasses.asdict(t))) for t in recorded.turns)
+            assert await store.usage(owner) == stored >= 600
+            deleted = await http.delete("/v1/trajectories/t", headers=bearer(alice))
+            assert deleted.status_code == 204 and await store.usage(owner) == 0
+            assert (await complete(alice)).status_code == 200
 
 
 async def test_a_full_trajectory_refuses_more_turns_before_generating(tmp_path):

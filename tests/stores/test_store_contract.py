@@ -4,11 +4,13 @@ writes, expiry; trajectories appended with consecutive turns from any number of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 
 import pytest
 
 from app.envs.store import SessionRecord
-from app.trajectories.store import Turn
+from app.trajectories.store import TURNS_FULL, Turn
 
 
 def turn(i: int) -> Turn:
@@ -52,18 +54,39 @@ async def test_trajectory_turns_are_consecutive_across_servers(stores):
         *(servers[i % 3].append("t-1", "alice", turn(i), 100) for i in range(12))
     )
     assert sorted(indices) == list(range(12))
-    found = await servers[0].get("t-1")
+    found = await servers[0].get("t-1", "alice")
     assert found is not None and found.owner == "alice" and len(found.turns) == 12
     assert sorted(t.completion_ids[0] for t in found.turns) == list(range(12))
-    assert await servers[2].head("t-1") == ("alice", 12) and await servers[2].head("t-2") is None
-    assert await servers[1].append("t-1", "bob", turn(0), 100) is None  # not bob's
-    assert await servers[1].append("t-1", "alice", turn(0), 12) is None  # full
-    assert not await servers[2].set_reward("t-1", "bob", 1.0)
+    assert await servers[2].head("t-1", "alice") == 12
+    assert await servers[2].head("t-2", "alice") is None
+    assert await servers[1].append("t-1", "alice", turn(0), 12) == TURNS_FULL
+    # ids are per owner: bob's "t-1" is another trajectory, and alice's is not his
+    assert await servers[2].head("t-1", "bob") is None
+    assert await servers[1].append("t-1", "bob", turn(0), 100) == 0
+    assert not await servers[2].set_reward("t-2", "bob", 1.0)
     assert await servers[2].set_reward("t-1", "alice", 0.5)
-    found = await servers[1].get("t-1")
-    assert found is not None and found.reward == 0.5
-    assert not await servers[0].delete("t-1", "bob")
-    assert await servers[0].delete("t-1", "alice") and await servers[0].get("t-1") is None
+    found, bobs = await servers[1].get("t-1", "alice"), await servers[1].get("t-1", "bob")
+    assert found is not None and found.reward == 0.5 and len(found.turns) == 12
+    assert bobs is not None and bobs.reward is None and len(bobs.turns) == 1
+    assert await servers[0].delete("t-1", "bob") and not await servers[0].delete("t-1", "bob")
+    assert await servers[0].delete("t-1", "alice") and await servers[0].get("t-1", "alice") is None
+
+
+async def test_each_owners_stored_bytes_are_counted(stores):
+    """Appends add each turn's record as stored, deletes and expiry take it off again, on
+    every server sharing the store."""
+    _, reopen = stores
+    one, two = reopen()[1], reopen()[1]
+    size = len(json.dumps(dataclasses.asdict(turn(1))))
+    for i in range(3):
+        await (one if i % 2 else two).append("a", "alice", turn(1), 10)
+    await one.append("b", "alice", turn(1), 10)
+    await two.append("a", "bob", turn(1), 10)
+    assert await two.usage("alice") == 4 * size and await one.usage("bob") == size
+    assert await one.usage("carol") == 0
+    assert await two.delete("a", "alice") and await one.usage("alice") == size
+    assert await one.expire(float("inf")) == 2
+    assert await two.usage("alice") == 0 and await two.usage("bob") == 0
 
 
 async def test_idle_trajectories_expire(stores):
@@ -72,7 +95,7 @@ async def test_idle_trajectories_expire(stores):
     await trajectories.append("old", "", turn(0), 10)
     assert await trajectories.expire(0.0) == 0
     assert await trajectories.expire(float("inf")) == 1
-    assert await trajectories.get("old") is None
+    assert await trajectories.get("old", "") is None
 
 
 async def test_datasets_by_owner_unique_names_and_quota(store_settings):

@@ -201,6 +201,10 @@ class TransformersBackend(Backend):
             self.lora = LoraHooks(self.model)
         self.lora.install(adapter)
 
+    def forget_adapter(self, adapter: LoraAdapter) -> None:
+        if self.lora is not None:
+            self.lora.forget(adapter)
+
     def weight_layout(self) -> Layout:
         return layout_of_state(checkpoint_views(self.model))
 

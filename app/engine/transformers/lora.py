@@ -81,8 +81,10 @@ class LoraHooks:
         self._hooked: set[str] = set()
         self._local = threading.local()
         # the last two batches' assignments (a generation's decoding steps reuse theirs;
-        # bounded, since a mixed one holds a copy of its adapters' matrices once stacked)
+        # bounded, since a mixed one holds a copy of its adapters' matrices once stacked);
+        # changed on the model thread and by `forget` (the loop's), hence the lock
         self._assignments: OrderedDict[tuple[LoraAdapter | None, ...], _Assignment] = OrderedDict()
+        self._lock = threading.Lock()
 
     def install(self, adapter: LoraAdapter) -> None:
         """Hook the layers `adapter` adapts (once per layer; hooks stay: an adapter may be
@@ -100,17 +102,26 @@ class LoraHooks:
             yield
             return
         key = tuple(adapters)
-        assignment = self._assignments.pop(key, None)
+        with self._lock:
+            assignment = self._assignments.pop(key, None)
         if assignment is None:
             assignment = _Assignment(key, next(self.model.parameters()).device)
-        self._assignments[key] = assignment
-        while len(self._assignments) > 2:
-            self._assignments.popitem(last=False)
+        with self._lock:
+            self._assignments[key] = assignment
+            while len(self._assignments) > 2:
+                self._assignments.popitem(last=False)
         self._local.plan = assignment
         try:
             yield
         finally:
             self._local.plan = None
+
+    def forget(self, adapter: LoraAdapter) -> None:
+        """Drop the kept assignments that name `adapter` (no longer served): a forward in
+        flight keeps its own, and a later one naming it builds it again."""
+        with self._lock:
+            for key in [k for k in self._assignments if adapter in k]:
+                del self._assignments[key]
 
     def _hook(self, name: str) -> Any:
         def add_adapters(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:

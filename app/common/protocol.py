@@ -252,10 +252,13 @@ MAX_SEED = (1 << 63) - 1024
 """Seeds fit in 63 bits; the bound is one a double holds exactly (FastAPI's schema models keep
 bounds as floats), so the spec states the very bound the server checks."""
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-VersionText = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,17}$")]
-"""A dialect's weight version as the trainer sends it (a string there): a whole number. One not
-above the served version (GET /v1/weights/version) is a restarted trainer's count: served as
-the next version, in a new lineage (`app.dialects.common.publish`)."""
+Version = Annotated[int, Field(ge=1, le=engine_types.MAX_VERSION)]
+"""A weight version a trainer names: 1 to 2^53 - 1, what a JSON number holds exactly."""
+VersionText = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,15}$")]
+"""A dialect's weight version as the trainer sends it (a string there): a whole number, at
+most 2^53 - 1 (`app.dialects.common.version_number`). One not above the served version (GET
+/v1/weights/version) is a restarted trainer's count: served as the next version, in a new
+lineage (`app.dialects.common.publish`)."""
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]

@@ -11,7 +11,7 @@ from typing import Any
 from app.common.failures import Conflict, Unsupported, invalid
 from app.common.inputs import Prepared
 from app.engine.registry import ModelRegistry
-from app.engine.types import SamplingConfig, ScoreSpec
+from app.engine.types import MAX_VERSION, SamplingConfig, ScoreSpec
 from app.generation.service import GenerationService, Sampled
 from app.updates.control import WeightsControl
 from app.updates.types import Publish
@@ -78,11 +78,11 @@ def version_number(text: str | None, field: str) -> int | None:
     one."""
     if text is None:
         return None
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) < 1 << 63:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_VERSION:
         raise invalid(
             field,
             f"'{text}' is not a version rlserve can publish: versions are whole numbers from "
-            "1 (GET /v1/weights/version); leave it out for the next one",
+            f"1 to {MAX_VERSION} (GET /v1/weights/version); leave it out for the next one",
         )
     return int(text)
 

@@ -35,9 +35,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-from app.common.failures import Conflict, Paused
+from app.common.failures import Conflict, Paused, invalid
 from app.engine.abandon import unless_set
 from app.engine.base import Backend
+from app.engine.types import MAX_VERSION
 
 PauseMode = Literal["wait", "abort", "keep"]
 WorkKind = Literal["score", "generate"]
@@ -166,6 +167,12 @@ def resolve_version(
         return current + 1, None
     if restartable:
         shifted = requested + lineage.offset
+        if shifted > MAX_VERSION:
+            raise invalid(
+                "version",
+                f"{requested} is the trainer's count, served as {shifted} (its lineage began "
+                f"at {lineage.offset + 1}): over the largest version, {MAX_VERSION}",
+            )
         if shifted > current:
             return shifted, None
         return current + 1, requested

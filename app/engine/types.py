@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from app.weights.lora import LoraAdapter
 
 FinishReason = Literal["stop", "length", "abort"]
+MAX_VERSION = (1 << 53) - 1
+"""The largest weight version: every trainer can count to it (a JSON number holds it exactly in
+any language, JavaScript's included), and no run of updates reaches it."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from app.common.protocol import ServerPath, SplitInputFields, WireModel
+from app.common.protocol import ServerPath, SplitInputFields, Version, WireModel
 
 
 class RewardsRequest(SplitInputFields):
@@ -57,11 +57,10 @@ class LoadRewardWeightsRequest(WireModel):
         description="A safetensors checkpoint directory (HF layout) or file the server can "
         "read: any subset of the reward model's parameters, each its name, shape and dtype."
     )
-    version: int | None = Field(
+    version: Version | None = Field(
         default=None,
-        ge=1,
-        description="The version this load publishes; above the current one (409 otherwise). "
-        "Default: the current one plus one.",
+        description="The version this load publishes: above the current one (409 otherwise), "
+        "at most 2^53 - 1. Default: the current one plus one.",
     )
 
 

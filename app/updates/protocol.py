@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from app.common.protocol import AdapterName, ModelName, ServerPath, WireModel
+from app.common.protocol import AdapterName, ModelName, ServerPath, Version, WireModel
 from app.updates.types import (
     BUCKET_BYTES,
     STREAMS,
@@ -56,11 +56,10 @@ class WeightsVersion(WireModel):
 
 
 class UpdateOptions(WireModel):
-    version: int | None = Field(
+    version: Version | None = Field(
         default=None,
-        ge=1,
-        description="The version this update publishes for `model`; must be above the current "
-        "one (409 otherwise). Default: the current one plus one.",
+        description="The version this update publishes for `model`: above the current one "
+        "(409 otherwise), at most 2^53 - 1. Default: the current one plus one.",
     )
     pause: PauseMode = Field(default="keep", description=PAUSE_MODES_DOC)
 

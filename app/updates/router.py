@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query, Request
 from app.common.protocol import ModelName
 from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.engine.gate import GateState
+from app.engine.types import MAX_VERSION
 from app.errors import (
     ERROR_RESPONSES,
     PAUSE_ERROR_RESPONSES,
@@ -90,7 +91,7 @@ async def upload_weights(
     request: Request,
     weights: WeightsDep,
     model: Annotated[ModelName, Query()] = "policy",
-    version: Annotated[int | None, Query(ge=1)] = None,
+    version: Annotated[int | None, Query(ge=1, le=MAX_VERSION)] = None,
     pause: Annotated[PauseMode, Query()] = "keep",
 ) -> WeightsUpdated:
     """Upload a safetensors file as the request body (streamed to disk, applied tensor by

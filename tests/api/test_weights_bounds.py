@@ -132,3 +132,32 @@ async def test_a_checkpoint_rewritten_during_a_load_is_refused_whole(
     assert loaded.status_code == 200, loaded.text
     after = await snapshot(client)
     assert after[0] == before[0] + 1 and after[1] != before[1]
+
+
+@pytest.mark.parametrize("version", [2**53, 2**63, 10**30])
+async def test_a_version_no_trainer_can_count_is_refused_by_name(fresh, settings, version):
+    """Weight versions are 1 to 2^53 - 1 (what a JSON number holds exactly): a larger one,
+    on any route that names a version, is refused naming its field, and the server's count
+    (and the trainer's next version) is as it was."""
+    _, client = fresh
+    checkpoint = str(builtin_model_dir(settings.models))
+    before = await snapshot(client)
+    attempts = [
+        ("POST", "/v1/weights/load", {"json": {"path": checkpoint, "version": version}}),
+        ("PUT", f"/v1/weights?version={version}", {"content": b"unread"}),
+        (
+            "POST",
+            "/update_weights_from_disk",  # SGLang's, whose versions are strings
+            {"json": {"model_path": checkpoint, "weight_version": str(version)}},
+        ),
+    ]
+    for method, path, body in attempts:
+        refused = await client.request(method, path, **body)
+        assert refused.status_code in (400, 422), (path, refused.text)
+        assert "version" in refused.text, (path, refused.text)
+    assert await snapshot(client) == before
+    largest = (1 << 53) - 1
+    loaded = await client.post("/v1/weights/load", json={"path": checkpoint, "version": 2})
+    assert loaded.status_code == 200 and loaded.json()["policy_version"] == 2
+    loaded = await client.post("/v1/weights/load", json={"path": checkpoint, "version": largest})
+    assert loaded.status_code == 200 and loaded.json()["policy_version"] == largest

@@ -27,7 +27,7 @@ from app.dialects.vllm.protocol import (
     WeightVersionSpan,
 )
 from app.engine.registry import ModelRegistry
-from app.engine.types import Generation, VersionSpan
+from app.engine.types import MAX_VERSION, Generation, VersionSpan
 from app.generation.service import Sampled
 
 
@@ -162,7 +162,7 @@ def _spans(
     out = []
     for i, span in enumerate(spans or []):
         text = span.version
-        if not (text.isascii() and text.isdigit()) or int(text) >= 1 << 63:
+        if not (text.isascii() and text.isdigit()) or int(text) > MAX_VERSION:
             raise invalid(f"{field}[{i}].version", f"'{text}' is not a policy version")
         out.append(VersionSpan(registry.gate.unlabel("policy", int(text)), span.start, span.end))
     return out or None

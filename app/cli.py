@@ -108,7 +108,16 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=http.shutdown_timeout_s,
         timeout_keep_alive=http.keep_alive_timeout_s,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn shut down gracefully on SIGINT (Ctrl-C), then re-raises it. The app is
+        # closed (stores committed, lanes stopped): end as SIGTERM's re-raised signal ends
+        # the process, without the seconds the interpreter takes to tear the models down.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGINT)
     return 0
 
 

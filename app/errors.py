@@ -104,6 +104,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for code, text in (
         (400, "Malformed request (e.g. control characters in the path)"),
         (401, "Missing or invalid API key (when RLSERVE_AUTH__API_KEYS is set)"),
+        (404, "Unknown model name (or another thing the request names)"),
         (413, "Request too large"),
         (422, "Invalid request"),
         (500, "Internal error"),
@@ -267,8 +268,19 @@ def validation_error(exc: RequestValidationError, request: Request | None = None
             "messages holds conversations, each a list of messages: "
             '{"messages": [[{"role": "user", "content": "..."}]]}'
         )
+    if kind == "missing" and loc == ("body",):
+        takes = ", ".join(_body_fields(request)) if request is not None else ""
+        return APIError(
+            422,
+            "body: the request has no body; send a JSON object"
+            + (f" of this route's fields ({takes})" if takes else ""),
+            param="body",
+        )
     if kind == "extra_forbidden" and request is not None and len(loc) == 2:
-        message = f"not a field of this request (it takes {', '.join(_body_fields(request))})"
+        fields = _body_fields(request)
+        near = difflib.get_close_matches(str(loc[-1]), fields, n=1, cutoff=0.6)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        message = f"not a field of this request ({hint}it takes {', '.join(fields)})"
     if kind in ("missing", "extra_forbidden") or not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(422, message, param=param)

@@ -5,31 +5,23 @@ fields they accept and ignore logged."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from app.common.inputs import InputPreparer, Prepared
-from app.common.protocol import WireModel
+from app.common.protocol import TokenId, WireModel, with_nulls
 
 _log = logging.getLogger("rlserve.requests")
 
 
-def _not_a_boolean(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("a token id is an integer, not a boolean")
-    return value
-
-
-StrictTokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_a_boolean)]
-"""A token id in a dialect's body: an integer (2.0 too, as the origin's lax models take it, and
-as JSON Schema's integer is), never a boolean."""
 TokenInput = (
     str
     | Annotated[list[str], Field(min_length=1)]
-    | Annotated[list[StrictTokenId], Field(min_length=1)]
-    | Annotated[list[Annotated[list[StrictTokenId], Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
 )
 """The pooling routes' `input` (vLLM's and SGLang's): a string, strings, one sequence of token
 ids, or several."""
@@ -52,9 +44,10 @@ def _coercions_stated(schema: dict[str, Any]) -> None:
     """A dialect model's JSON Schema, saying what its booleans take besides true and false:
     0 and 1, and the strings of BOOL_STRINGS, as the origin servers' models take them; in its
     cross-field rules too (a rule's `{"const": true}` meets 1 and "yes" as the validator
-    does)."""
+    does). And what its integers take: false and true as 0 and 1 (where the bounds allow),
+    as the origins do, but for token ids (`TokenId`: never a boolean)."""
     for name, node in schema.get("properties", {}).items():
-        schema["properties"][name] = _lax_booleans(node)
+        schema["properties"][name] = _lax_integers(_lax_booleans(node))
     for key in RULES:
         if key in schema:
             schema[key] = _lax_rule(schema[key])
@@ -98,6 +91,30 @@ def dialect_schema(
     return both
 
 
+def _lax_integers(node: dict[str, Any]) -> dict[str, Any]:
+    """A property's integer (alone or among its `anyOf`; an array's items are token ids and
+    the like, left as they are) with the booleans its bounds admit."""
+    if "anyOf" in node:
+        members = [_lax_integers(m) for m in node["anyOf"]]
+        return {**node, "anyOf": [m for member in members for m in member.get("anyOf", [member])]}
+    if node.get("type") != "integer":
+        return node
+    low = node.get("minimum", node.get("exclusiveMinimum", -math.inf) + 1)
+    high = node.get("maximum", node.get("exclusiveMaximum", math.inf) - 1)
+    allowed = node.get("enum", [node["const"]] if "const" in node else None)
+    taken = [
+        value
+        for value in (False, True)
+        if low <= int(value) <= high and (allowed is None or int(value) in allowed)
+    ]
+    if not taken:
+        return node
+    inner = {k: v for k, v in node.items() if k not in ("title", "description", "default")}
+    outer = {k: v for k, v in node.items() if k in ("title", "description", "default")}
+    booleans = {"type": "boolean"} if len(taken) == 2 else {"const": taken[0]}
+    return {**outer, "anyOf": [inner, booleans]}
+
+
 def _lax_booleans(node: dict[str, Any]) -> dict[str, Any]:
     if "anyOf" in node:
         return {**node, "anyOf": [_lax_booleans(member) for member in node["anyOf"]]}
@@ -125,6 +142,19 @@ class DialectModel(WireModel):
     says so for booleans (`_coercions_stated`)."""
 
     model_config = ConfigDict(strict=False, json_schema_extra=_coercions_stated)
+
+
+class NullsKept(DialectModel):
+    """A dialect's answer whose `kept_null` fields are written as null where the route leaves
+    out None fields: the keys its origin always sends (vLLM's `stop_reason` at an
+    end-of-sequence finish, a message's `content` with no text), which its clients read."""
+
+    kept_null: ClassVar[tuple[str, ...]] = ()
+
+    # (No return annotation: with one, pydantic would publish it as the model's schema.)
+    @model_serializer(mode="wrap")
+    def _keep_null(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        return with_nulls(handler(self), self.kept_null)
 
 
 def warn_ignored(route: str, fields: Iterable[str]) -> None:

@@ -3,12 +3,14 @@ texts and assistant masks, and check them against the model's vocabulary and len
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeVar
@@ -32,6 +34,33 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _UNREPEATABLE = re.compile(r"strftime_now|\brandom\b")
 RENDERS_KEPT = 512
 T = TypeVar("T")
+_FIELD: ContextVar[str] = ContextVar("rlserve_input_field", default="input")
+"""The request field of the text being prepared (`naming`), for a refusal to name."""
+
+
+@contextlib.contextmanager
+def naming(field: str) -> Iterator[None]:
+    """Texts prepared inside come from request field `field` (what a refusal names)."""
+    token = _FIELD.set(field)
+    try:
+        yield
+    finally:
+        _FIELD.reset(token)
+
+
+def text_volume(value: Any) -> int:
+    """Characters of every string in a request's input (lists, dicts and wire models walked):
+    what tokenizing it costs, about (`InputPreparer.off_loop`'s order)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_volume(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_volume(v) for v in value)
+    fields = getattr(type(value), "model_fields", None)
+    if fields is not None:
+        return sum(text_volume(getattr(value, name, None)) for name in fields)
+    return 0
 
 
 @dataclass
@@ -57,8 +86,9 @@ class InputPreparer:
         self.tokenizer = tokenizer
         # Tokenizing and templating a large request takes milliseconds to seconds: it runs on
         # this one thread (one per model, so the tokenizer is never used concurrently),
-        # never on the event loop.
-        self._thread = Lane("tokenizer")
+        # never on the event loop, the cheapest request waiting first; and no text is
+        # tokenized that is sure to be too long (`check_size`).
+        self._thread = Lane("tokenizer", by_cost=True)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         template = getattr(tokenizer, "chat_template", None) or ""
@@ -80,9 +110,13 @@ class InputPreparer:
         """Stop the tokenizer thread once the calls already queued have run (at shutdown)."""
         self._thread.close(wait=False)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` on the tokenizer thread (for work that tokenizes or decodes)."""
-        return await self._thread.run(functools.partial(fn, *args, **kwargs))
+    async def off_loop(
+        self, fn: Callable[..., T], *args: Any, cost: float = 0.0, **kwargs: Any
+    ) -> T:
+        """`fn(*args, **kwargs)` on the tokenizer thread (for work that tokenizes or decodes),
+        before the calls waiting that `cost` more (`text_volume` of what it prepares), so a
+        short request is never queued behind a long one."""
+        return await self._thread.run(functools.partial(fn, *args, **kwargs), cost=cost)
 
     # -- text and templates -------------------------------------------------------------
 
@@ -102,7 +136,20 @@ class InputPreparer:
         """Whether `text` is sure to encode to more than `tokens` tokens (no encoding done)."""
         return len(text) > tokens * self.max_token_chars
 
+    def check_size(self, text: str) -> None:
+        """422 naming the field being prepared (`naming`) for a text sure to encode to more
+        tokens than the model takes: refused by its length, before the tokenizer spends
+        seconds on it (every text is checked so before it is encoded)."""
+        if self.certainly_longer(text, self.max_model_len):
+            raise invalid(
+                _FIELD.get(),
+                f"{len(text)} characters are more than the model's maximum length of "
+                f"{self.max_model_len} tokens can hold (a token of its tokenizer holds at most "
+                f"{self.max_token_chars} characters): refused before tokenizing",
+            )
+
     def encode(self, text: str, *, special: bool = True) -> list[int]:
+        self.check_size(text)
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
@@ -151,6 +198,7 @@ class InputPreparer:
                 **(options or {}),
             )
         )
+        self.check_size(text)  # (rendering is quick: tokenizing it is what costs)
         if key is not None:
             with self._renders_lock:
                 self._renders[key] = text
@@ -284,12 +332,19 @@ class InputPreparer:
         more variables for the template)."""
         if messages is not None:
             self._require_template(field)
-            return [
-                self.template(plain_messages(conv), generation_prompt=True, options=options)
-                for conv in messages
-            ]
+            prompts = []
+            for i, conv in enumerate(messages):
+                with naming(f"{field}[{i}]"):
+                    prompts.append(
+                        self.template(plain_messages(conv), generation_prompt=True, options=options)
+                    )
+            return prompts
         if text is not None:
-            return [Prepared(ids=self.encode(t), text=t) for t in text]
+            prompts = []
+            for i, t in enumerate(text):
+                with naming(f"{field}[{i}]"):
+                    prompts.append(Prepared(ids=self.encode(t), text=t))
+            return prompts
         return [Prepared(ids=list(seq)) for seq in tokens]
 
     def checked_prompts(self, request: Any, field: str, *, max_new_tokens: int) -> list[Prepared]:
@@ -310,15 +365,21 @@ class InputPreparer:
         if request.messages is not None:
             self._require_template(field)
             options = template_kwargs(getattr(request, "chat_template_kwargs", None))
-            return [
-                self._scored_conversation(plain_messages(conv), options)
-                for conv in request.messages
-            ]
+            scored = []
+            for i, conv in enumerate(request.messages):
+                with naming(f"{field}[{i}]"):
+                    scored.append(self._scored_conversation(plain_messages(conv), options))
+            return scored
         if request.prompt_text is not None:
-            return [
-                self._split(self.encode(p), self.encode(r, special=False), prompt_text=p)
-                for p, r in zip(request.prompt_text, request.response_text, strict=True)
-            ]
+            split = []
+            pairs = zip(request.prompt_text, request.response_text, strict=True)
+            for i, (p, r) in enumerate(pairs):
+                with naming(f"prompt_text[{i}]"):
+                    prompt = self.encode(p)
+                with naming(f"response_text[{i}]"):
+                    response = self.encode(r, special=False)
+                split.append(self._split(prompt, response, prompt_text=p))
+            return split
         if request.prompt_tokens is not None:
             return [
                 self._split(list(p), list(r))

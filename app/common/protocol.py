@@ -11,6 +11,7 @@ from fastapi import Response
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -75,7 +76,18 @@ ServerPath = Annotated[
 ]
 """A file or folder on the server a request names: checked before any file call (names of at
 most NAME_MAX bytes; see `app.common.files` for the file calls' own errors)."""
-TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+
+
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a token id is an integer, not a boolean")
+    return value
+
+
+TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1), BeforeValidator(_not_a_boolean)]
+"""A token id: an integer (in a dialect's body 2.0 too, as the origin's lax models and JSON
+Schema's integer take it), never a boolean, on every route: the origins' lax models would
+read true as token 1, and what a client sends as tokens is what the model sees."""
 TokenList = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
@@ -174,6 +186,14 @@ class WireModel(BaseModel):
         return data
 
 
+def with_nulls(data: Any, names: tuple[str, ...]) -> Any:
+    """A model's dump with the fields `names` as null where the dump left None ones out."""
+    if isinstance(data, dict):
+        for name in names:
+            data.setdefault(name, None)
+    return data
+
+
 class KeepsNull(WireModel):
     """A wire model whose `kept_null` fields are written as null rather than left out when
     the route leaves out None fields (a null reward says "no reward": absent, it would read
@@ -184,11 +204,7 @@ class KeepsNull(WireModel):
     # (No return annotation: with one, pydantic would publish it as the model's schema.)
     @model_serializer(mode="wrap")
     def _keep_null(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
-        data = handler(self)
-        if isinstance(data, dict):
-            for name in self.kept_null:
-                data.setdefault(name, None)
-        return data
+        return with_nulls(handler(self), self.kept_null)
 
 
 def _lone_surrogate(value: object, path: str) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.common.constraints import sampling_constraints
 from app.common.failures import invalid
-from app.common.inputs import InputPreparer, Prepared, check_num_items
+from app.common.inputs import InputPreparer, Prepared, check_num_items, text_volume
 from app.common.routed_experts import routing_of
 from app.common.sampling import OWN_NAMES, Names, SamplingAsk
 from app.config_groups import LimitSettings
@@ -110,7 +110,11 @@ class ModelServing:
         self.check_num_items(request.num_items() * per_item, field)
         preparer = served.preparer
         items = await preparer.off_loop(
-            preparer.checked_prompts, request, field, max_new_tokens=max_new_tokens
+            preparer.checked_prompts,
+            request,
+            field,
+            max_new_tokens=max_new_tokens,
+            cost=text_volume(request),
         )
         return Inputs(served, field, items)
 
@@ -120,5 +124,7 @@ class ModelServing:
         field = request.given_inputs()[0]
         self.check_num_items(request.num_items(), field)
         preparer = served.preparer
-        items = await preparer.off_loop(preparer.checked_sequences, request, field)
+        items = await preparer.off_loop(
+            preparer.checked_sequences, request, field, cost=text_volume(request)
+        )
         return Inputs(served, field, items)

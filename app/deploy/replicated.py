@@ -400,6 +400,8 @@ class ReplicatedWeights:
             offsets[replica.replica] = next_rank
             next_rank += replica.ranks
         if next_rank > join.connection.world_size:
+            # (no replica joined: stand-ins let the trainer's rendezvous go, as on one server)
+            self.local.transfers.stand_in_for(join, next_rank - join.connection.rank_offset)
             raise InvalidInput(
                 f"world_size: {join.connection.world_size} leaves no room for the "
                 f"{next_rank - join.connection.rank_offset} ranks of {len(counted)} replicas from "
@@ -489,6 +491,14 @@ class ReplicatedWeights:
     async def transfer_abort(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_abort, model)
         return combined(model, states)
+
+    async def transfer_prune(self, model: str) -> TransferStatus:
+        """Every replica joined the same group: its rendezvous, seen from here, says whether
+        its trainer is gone (then every replica leaves it)."""
+        if (reason := await self.local.transfers.trainer_gone(model)) is not None:
+            logger.warning("closing the weight-transfer group of '%s': %s", model, reason)
+            return await self.transfer_close(model)
+        return await self.transfer_state(model)
 
     async def transfer_close(self, model: str) -> TransferStatus:
         states = await self.replicas.each(ReplicaEndpoint.transfer_close, model)

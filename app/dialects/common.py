@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.common.failures import Conflict, Unsupported, invalid
-from app.common.inputs import Prepared
+from app.common.inputs import Prepared, text_volume
 from app.engine.registry import ModelRegistry
 from app.engine.types import MAX_VERSION, SamplingConfig, ScoreSpec
 from app.generation.service import GenerationService, Sampled
@@ -53,7 +53,8 @@ async def sample(
         preparer.check(prepared, prompts.field, max_new_tokens=config.max_new_tokens)
         return prepared
 
-    checked = await preparer.off_loop(prepare)
+    cost = text_volume(prompts.texts)
+    checked = await preparer.off_loop(prepare, cost=cost)
     return await generation.sample(
         model, checked, config, n=n, seed=seed, asks=asks, prompt_asks=prompt_asks
     )
@@ -68,6 +69,8 @@ def policy_side(registry: ModelRegistry, model: str | None, field: str = "model"
     if registry.serves(model) and registry.canonical(model) is None:
         served = registry.get(model, field)
         return "policy" if served.name == "policy" else model
+    if registry.canonical(model) is None and not registry.serves(model):
+        raise registry.unknown(model, field)
     names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
     adapters = f", adapters {sorted(registry.adapters)}" if registry.adapters else ""
     raise invalid(field, f"'{model}' does not name the policy (served as {names}{adapters})")

@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from pydantic import ConfigDict, Field, model_validator
 
 from app.common.dialect_models import DialectModel, warn_ignored
-from app.common.inputs import InputPreparer, Prepared
+from app.common.inputs import InputPreparer, Prepared, text_volume
 from app.common.protocol import field_error
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES
@@ -52,6 +52,8 @@ class RewardAnswer(DialectModel):
 async def get_reward(request: RewardQuery, rewards: RewardsDep) -> RewardAnswer:
     """The reward model's reward for each query, in OpenRLHF's reward server's shape."""
     warn_ignored("/get_reward", sorted(request.model_extra or {}))
-    scored = await rewards.score("reward", len(request.query), request.prepared, field="query")
+    scored = await rewards.score(
+        "reward", len(request.query), request.prepared, field="query", cost=text_volume(request)
+    )
     values = [v.reward[0] for v in scored.values]
     return RewardAnswer(rewards=values, scores=values, extra_logs={})

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from pydantic import ConfigDict, Field
 
 from app.common.dialect_models import DialectModel, warn_ignored
-from app.common.inputs import InputPreparer, Prepared, plain_messages
+from app.common.inputs import InputPreparer, Prepared, plain_messages, text_volume
 from app.common.protocol import InputConversation
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES
@@ -55,6 +55,6 @@ async def slime_reward(
     """The reward model's reward for the sample: a number, or `{reward_key: number}`."""
     warn_ignored("/slime/reward", sorted(body.model_extra or {}))
     field = "prompt" if isinstance(body.prompt, list) else "response"
-    scored = await rewards.score("reward", 1, body.prepared, field=field)
+    scored = await rewards.score("reward", 1, body.prepared, field=field, cost=text_volume(body))
     reward = scored.values[0].reward[0]
     return reward if reward_key is None else {reward_key: reward}

@@ -15,6 +15,7 @@ from app.common.dialect_models import (
     warn_ignored,
 )
 from app.common.failures import invalid
+from app.common.inputs import naming, text_volume
 from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
     TokenId,
@@ -102,12 +103,13 @@ def _tokenize(generation: GenerationService, request: TokenizeRequest) -> Tokeni
         options = dict(request.chat_template_kwargs or {})
         if request.continue_final_message:
             options["continue_final_message"] = True
-        prepared = preparer.template(
-            [m.for_template() for m in request.messages],
-            generation_prompt=request.add_generation_prompt,
-            tools=tools,
-            options=options or None,
-        )
+        with naming("messages"):
+            prepared = preparer.template(
+                [m.for_template() for m in request.messages],
+                generation_prompt=request.add_generation_prompt,
+                tools=tools,
+                options=options or None,
+            )
         ids = prepared.ids
         if request.add_special_tokens and prepared.text is not None:
             ids = preparer.encode(prepared.text, special=True)
@@ -115,7 +117,10 @@ def _tokenize(generation: GenerationService, request: TokenizeRequest) -> Tokeni
     else:
         texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt or []
         special = request.add_special_tokens is not False
-        rows = [preparer.encode(text, special=special) for text in texts]
+        rows = []
+        for i, text in enumerate(texts):
+            with naming("prompt" if isinstance(request.prompt, str) else f"prompt[{i}]"):
+                rows.append(preparer.encode(text, special=special))
     strs = None
     if request.return_token_strs:
         strs = [list(preparer.tokenizer.convert_ids_to_tokens(ids)) for ids in rows]
@@ -169,7 +174,7 @@ async def tokenize(request: TokenizeRequest, generation: GenerationDep) -> Token
     template renders it: token for token the prompt /v1/generate and /v1/chat/completions
     build from the same messages."""
     preparer = generation.served("policy").preparer
-    return await preparer.off_loop(_tokenize, generation, request)
+    return await preparer.off_loop(_tokenize, generation, request, cost=text_volume(request))
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, summary="Detokenize (vLLM)")

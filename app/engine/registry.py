@@ -246,7 +246,12 @@ class ModelRegistry:
             )
         if name not in self.reward_names():
             names = ", ".join(self.reward_names())
-            raise invalid(param, f"'{name}' is not served (have {names}: the reward model's names)")
+            if self.serves(name):
+                raise invalid(param, f"'{name}' is not the reward model (its names: {names})")
+            raise NotFound(
+                f"{param}: model '{name}' does not exist (the reward model's names: {names})",
+                param=param,
+            )
         return self.reward
 
     def add(self, backend: Backend) -> ServedModel:
@@ -334,11 +339,17 @@ class ModelRegistry:
             served = self._at_version(*split, param)
             if served is not None:
                 return served
-        raise invalid(
-            param,
-            f"'{name}' is not served (have {', '.join(self.names())}; rlserve serve "
-            "--served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the policy more "
-            "names)",
+        raise self.unknown(name, param)
+
+    def unknown(self, name: str, param: str = "model") -> NotFound:
+        """The refusal of a model name nothing is served as (404 on every route, as vLLM's
+        and OpenAI's servers answer), naming what is served and how the policy gets more
+        names."""
+        return NotFound(
+            f"{param}: model '{name}' does not exist (served: {', '.join(self.names())}; "
+            "rlserve serve --served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the "
+            "policy more names)",
+            param=param,
         )
 
     def name_of(self, served: ServedModel) -> str:

@@ -22,7 +22,7 @@ from app.ops.auth import ANONYMOUS
 from app.ops.metrics import Metrics
 
 access_log = logging.getLogger("rlserve.access")
-_PROBES = frozenset({"/health", "/ready", "/metrics"})
+_PROBES = frozenset({"/health", "/live", "/ready", "/metrics"})
 logger = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"[\w.:/=+-]{1,128}")

@@ -3,6 +3,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from app.common.failures import NotReady
 from app.deps import EnvsDep, MetricsDep, ProbeDep, RegistryDep, SettingsDep
 from app.errors import ERROR_RESPONSES
 from app.ops.access import Access, access
@@ -24,10 +25,29 @@ router = APIRouter(tags=["operations"])
 @router.get(
     "/health",
     response_model=HealthResponse,
-    summary="Process is up",
+    responses=ERROR_RESPONSES,
+    summary="Serving (vLLM's health check)",
     openapi_extra=access(Access.PUBLIC),
 )
 async def health(registry: RegistryDep) -> HealthResponse:
+    """200 once the models serve, as vLLM's /health (whose server answers nothing while its
+    model loads): 503 while they load, and after a load failed or at shutdown, so a trainer
+    that polls it as vLLM's waits for a server that serves. `/live` answers whenever the
+    process runs; `/ready` also probes the engines."""
+    if (reason := registry.not_ready_reason()) is not None:
+        raise NotReady(reason)
+    return HealthResponse(status="ok", model_status=registry.status)
+
+
+@router.get(
+    "/live",
+    response_model=HealthResponse,
+    summary="Process is up (liveness)",
+    openapi_extra=access(Access.PUBLIC),
+)
+async def live(registry: RegistryDep) -> HealthResponse:
+    """200 whenever the process answers, the models' state in `model_status` (an
+    orchestrator's liveness probe: a loading server is alive)."""
     return HealthResponse(status="ok", model_status=registry.status)
 
 
@@ -59,6 +79,9 @@ async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
     "/v1/models", response_model=ModelsResponse, responses=ERROR_RESPONSES, summary="Served models"
 )
 async def models(registry: RegistryDep) -> ModelsResponse:
+    """Every served name (503 until the models are loaded: never an empty list)."""
+    if (reason := registry.not_ready_reason()) is not None:
+        raise NotReady(reason)
     cards = []
     for served in registry.models.values():
         fields = asdict(served.backend.info)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.common.failures import Conflict
-from app.common.inputs import InputPreparer, Prepared, check_num_items
+from app.common.inputs import InputPreparer, Prepared, check_num_items, text_volume
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry
 from app.engine.transformers.reward import Rewarded, RewardModel
@@ -78,13 +78,14 @@ class RewardService:
         *,
         field: str,
         param: str = "model",
+        cost: float = 0.0,
     ) -> Scored:
         """The reward model `name` (refused naming `param`) on the `num_items` sequences
         `build` prepares with its tokenizer (off the event loop), each checked against its
         vocabulary and length (refusals name `field[i]`)."""
         model = self.registry.get_reward(name, param)
         check_num_items(num_items, self.limits.max_items_per_request, field)
-        return Scored(model, *await model.read(build, field))
+        return Scored(model, *await model.read(build, field, cost))
 
     async def rewards(self, request: RewardsRequest) -> RewardsResponse:
         field = request.given_inputs()[0]
@@ -93,6 +94,7 @@ class RewardService:
             request.num_items(),
             lambda preparer: preparer.sequences(request, field),
             field=field,
+            cost=text_volume(request),
         )
         with_ids = field not in ("tokens", "prompt_tokens")
         outputs = [

@@ -113,6 +113,11 @@ class WeightsControl(Protocol):
 
     async def transfer_close(self, model: str) -> TransferStatus: ...
 
+    async def transfer_prune(self, model: str) -> TransferStatus:
+        """Close `model`'s group if its trainer is gone (nothing accepts connections at its
+        rendezvous, no update under way): a trainer that ended without leaving its group never
+        fails the next update that is not the group's."""
+
     async def session(self) -> UpdateSession:
         """The update session a dialect's trainer has open (`app.updates.session`): the same
         record on every replica of a deployment."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from app.updates.types import (
     Versions,
 )
 from app.weights.lora import LoraAdapter
+
+logger = logging.getLogger(__name__)
 
 
 class LocalWeights:
@@ -135,6 +138,12 @@ class LocalWeights:
         if model == "policy":
             self._session.reset()
         return status
+
+    async def transfer_prune(self, model: str) -> TransferStatus:
+        if (reason := await self.transfers.trainer_gone(model)) is not None:
+            logger.warning("closing the weight-transfer group of '%s': %s", model, reason)
+            return await self.transfer_close(model)
+        return await self.transfers.state(model)
 
     async def session(self) -> UpdateSession:
         return self._session.current

@@ -47,8 +47,13 @@ from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish,
 from app.weights.checkpoint import check_layout
 from app.weights.lora import ADAPTER_SOURCE
 from app.weights.staging import TransferPlan
-from app.weights.transfer_engine import JOIN_CLOSED, WeightTransfer, rendezvous_answers
-from app.weights.transport import Connection, Transport
+from app.weights.transfer_engine import (
+    JOIN_CLOSED,
+    WeightTransfer,
+    rendezvous_answers,
+    rendezvous_listening,
+)
+from app.weights.transport import Connection, Transport, stand_in, stands_in
 
 logger = logging.getLogger(__name__)
 
@@ -146,37 +151,11 @@ class TransferService:
         trainer is gone or joins again (see the module's doc)."""
         idle_since = self._links[join.model].last_call if join.model in self._links else 0.0
         async with self._link(join.model) as (link, engine):
-            if link.setup is not None:
-                reason = await self._replaceable(link.setup, join, idle_since)
-                if reason is None:
-                    setup = link.setup
-                    raise Conflict(
-                        f"model: already in a weight-transfer group with the trainer at "
-                        f"{setup.address}:{setup.port}, which still answers there; it leaves "
-                        "it with its own close call, or an admin closes it (POST "
-                        "/v1/weights/transfer/close)",
-                        param="model",
-                    )
-                logger.warning(
-                    "closing the weight-transfer group of '%s' (trainer at %s:%d): %s",
-                    join.model,
-                    link.setup.address,
-                    link.setup.port,
-                    reason,
-                )
-                await self._leave(link, engine)
-            last = join.connection.rank_offset + engine.ranks
-            if last > join.connection.world_size:
-                raise InvalidInput(
-                    f"world_size: {join.connection.world_size} leaves no room for the server's "
-                    f"{engine.ranks} rank(s) from rank_offset {join.connection.rank_offset}",
-                    param="world_size",
-                )
-            setup = replace(
-                join.connection,
-                transport=self._transport(join),
-                listen_grace_s=self.listen_grace_s,
-            )
+            try:
+                setup = await self._room_for(link, engine, join, idle_since)
+            except Failure:
+                self.stand_in_for(join, engine.ranks)
+                raise
             link.joining = closed = asyncio.Event()
             joining = JOIN_CLOSED.set(closed)  # (rendezvous_listening gives way when set)
             try:
@@ -196,6 +175,67 @@ class TransferService:
             link.setup, link.last_error = setup, None
         self._sweep_idle()
         return await self.state(join.model)
+
+    async def _room_for(
+        self, link: _Link, engine: WeightTransfer, join: Join, idle_since: float
+    ) -> Connection:
+        """The connection this server joins `join`'s group with, once the group it is in (if
+        any) gave way; a refusal (before any rank of this server joined) otherwise."""
+        if link.setup is not None:
+            reason = await self._replaceable(link.setup, join, idle_since)
+            if reason is None:
+                setup = link.setup
+                raise Conflict(
+                    f"model: already in a weight-transfer group with the trainer at "
+                    f"{setup.address}:{setup.port}, which still answers there; it leaves "
+                    "it with its own close call, or an admin closes it (POST "
+                    "/v1/weights/transfer/close)",
+                    param="model",
+                )
+            logger.warning(
+                "closing the weight-transfer group of '%s' (trainer at %s:%d): %s",
+                join.model,
+                link.setup.address,
+                link.setup.port,
+                reason,
+            )
+            await self._leave(link, engine)
+        last = join.connection.rank_offset + engine.ranks
+        if last > join.connection.world_size:
+            raise InvalidInput(
+                f"world_size: {join.connection.world_size} leaves no room for the server's "
+                f"{engine.ranks} rank(s) from rank_offset {join.connection.rank_offset}",
+                param="world_size",
+            )
+        return replace(
+            join.connection, transport=self._transport(join), listen_grace_s=self.listen_grace_s
+        )
+
+    def stand_in_for(self, join: Join, ranks: int) -> None:
+        """The server refused `join` before any of its ranks joined: stand-ins take its ranks
+        at the trainer's rendezvous and leave at once (`app.weights.transport.stand_in`), in
+        the background, so a trainer waiting there as rank 0 beside its request goes on to
+        read the refusal instead of waiting out its own timeout."""
+        connection = join.connection
+        if connection.transport == "auto":
+            device = self.registry.models[join.model].backend.info.device
+            connection = replace(connection, transport="nccl" if "cuda" in device else "gloo")
+        if not stands_in(connection):
+            return
+        connection = replace(connection, listen_grace_s=self.listen_grace_s)
+        first = connection.rank_offset
+        taken = range(first, min(first + ranks, connection.world_size))
+
+        async def stand_ins() -> None:
+            try:
+                await rendezvous_listening(connection)
+                await asyncio.gather(*(asyncio.to_thread(stand_in, connection, r) for r in taken))
+            except Exception as exc:  # (the trainer's own timeout is left to end its wait)
+                logger.info("stand-ins at the refused group's rendezvous gave up: %s", exc)
+
+        task = asyncio.create_task(stand_ins())
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
     async def _replaceable(self, setup: Connection, join: Join, idle_since: float) -> str | None:
         """Why the group of `setup` may give way to `join` (None: it may not)."""
@@ -441,6 +481,19 @@ class TransferService:
             await engine.abort()
             link.updating, link.announced, link.adapter = False, [], None
         return await self.state(model)
+
+    async def trainer_gone(self, model: str) -> str | None:
+        """Why `model`'s group has no trainer any more (None: it may): joined, no update
+        under way, and nothing accepts connections at its rendezvous (a trainer that ended
+        without leaving it, as prime-rl's broadcaster does)."""
+        link = self._links.get(model)
+        setup = None if link is None or link.updating else link.setup
+        if setup is None or await rendezvous_answers(setup.address, setup.port):
+            return None
+        return (
+            f"its trainer at {setup.address}:{setup.port} is gone (nothing accepts connections "
+            "at its rendezvous)"
+        )
 
     async def close(self, model: str) -> TransferStatus:
         if (link := self._links.get(model)) is not None and link.joining is not None:

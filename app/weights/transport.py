@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -268,3 +268,40 @@ class TorchGroup(BroadcastGroup):
 def _transport(connection: Connection) -> Transport:
     assert connection.transport != "auto"
     return connection.transport
+
+
+STAND_IN_TIMEOUT_S = 10.0
+
+
+def stand_in(connection: Connection, rank: int) -> None:
+    """Join a group the server refused to join, at one of the ranks it would have taken, and
+    leave it at once (blocking: call in a thread). A trainer joining as rank 0 beside its
+    request waits for every rank at its rendezvous (slime and AReaL for 30 minutes by
+    default) before it reads the server's refusal; a stand-in completes the rendezvous, so
+    the refusal reaches the trainer's own call at once. Each rendezvous as its own trainer's
+    side expects it: the "torch" style over gloo and the "vllm" style over gloo join whole
+    (their group forms once every rank joined); the "torch" style over NCCL needs only the
+    store (its communicator starts at the first collective). Not the "vllm" style over NCCL
+    (its communicator's init has no timeout: a stand-in could hang), nor rlserve's own (its
+    client stands in itself), which `stands_in` says."""
+    standing = replace(connection, timeout_s=min(connection.timeout_s, STAND_IN_TIMEOUT_S))
+    if standing.style == "torch" and standing.transport == "nccl":
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = datetime.timedelta(seconds=standing.timeout_s)
+        store, _, _ = next(
+            c10d.rendezvous(standing.tcp_uri, rank, standing.world_size, timeout=timeout)
+        )
+        del store
+        return
+    cls = GROUPS.get((standing.style, _transport(standing))) or GROUPS[standing.style, None]
+    group = cls(standing, rank, torch.device("cpu"))
+    group.close()
+
+
+def stands_in(connection: Connection) -> bool:
+    """Whether `stand_in` can end a refused trainer's rendezvous for this group (its
+    transport resolved)."""
+    if connection.style == "torch":
+        return True
+    return connection.style == "vllm" and connection.transport == "gloo"

@@ -57,9 +57,26 @@ async def test_flat_messages_are_told_the_shape_of_conversations(client):
 async def test_an_unknown_field_lists_the_fields_the_route_takes(client):
     error = await error_of(await client.post("/v1/generate", json={"prompt": "Hi"}))
     assert error["param"] == "prompt"
-    taken = error["message"].split("(it takes ", 1)[1].rstrip(")").split(", ")
+    taken = error["message"].split("it takes ", 1)[1].rstrip(")").split(", ")
     assert {"messages", "text", "tokens", "max_new_tokens"} <= set(taken)
     assert "prompt" not in taken
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("max_token", "max_tokens"), ("temprature", "temperature"), ("mesages", "messages")],
+)
+async def test_a_misspelt_field_is_told_the_nearest(client, typo, meant):
+    body = {"text": ["Hi"], typo: 1} if typo != "mesages" else {typo: [[]]}
+    error = await error_of(await client.post("/v1/generate", json=body))
+    assert error["param"] == typo and f"did you mean '{meant}'?" in error["message"]
+
+
+async def test_no_body_is_told_what_body_the_route_takes(client):
+    error = await error_of(await client.post("/v1/logprobs"))
+    assert error["param"] == "body"
+    assert error["message"].startswith("body: the request has no body; send a JSON object")
+    assert "tokens" in error["message"] and "Field required" not in error["message"]
 
 
 async def test_the_clients_errors_say_the_message_once(client):

@@ -102,8 +102,9 @@ async def test_keys_guard_every_route_but_health_ready_and_metrics(guarded):
     assert (
         await guarded.get("/v1/weights/version", headers=bearer("admin-key"))
     ).status_code == 200
-    assert (await guarded.get("/health")).status_code == 200
-    assert (await guarded.get("/ready")).status_code == 503  # public, just not loaded
+    assert (await guarded.get("/live")).status_code == 200
+    for path in ("/health", "/ready"):  # public, just not loaded
+        assert (await guarded.get(path)).status_code == 503
     assert (await guarded.get("/metrics")).status_code == 200
 
 
@@ -160,14 +161,14 @@ def test_the_spec_security_follows_the_declared_policy():
     public = {path for _, path in declared(Access.PUBLIC) + declared(Access.METRICS)}
     # /health_generate: SGLang's health route, public as SGLang's /health* are (its forward
     # is the readiness probe's, cached per RLSERVE_PROBE__INTERVAL_S).
-    assert public == {"/health", "/ready", "/health_generate", "/metrics"}
+    assert public == {"/health", "/live", "/ready", "/health_generate", "/metrics"}
     guarded = set(ADMIN_ROUTES) | set(declared(Access.OWNER))
     assert ("DELETE", "/v1/adapters/{name}") in guarded
     for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             assert (operation.get("security") == []) == (path in public), path
             assert ("403" in operation["responses"]) == ((method.upper(), path) in guarded), path
-            unguarded = {"/health", "/ready", "/health_generate"}
+            unguarded = {"/health", "/live", "/ready", "/health_generate"}
             assert ("401" in operation["responses"]) == (path not in unguarded), path
 
 

@@ -12,6 +12,7 @@ from app.main import create_app
 
 async def test_health_ready_models(client, model_dir, backend_name):
     assert (await client.get("/health")).json() == {"status": "ok", "model_status": "ready"}
+    assert (await client.get("/live")).json() == {"status": "ok", "model_status": "ready"}
     assert (await client.get("/ready")).json() == {
         "ready": True,
         "policy_version": 0,
@@ -44,7 +45,13 @@ async def test_not_ready_until_loaded_and_failure_is_reported(tmp_path):
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            assert (await client.get("/health")).status_code == 200
+            # loading: alive (/live), not serving (/health as vLLM's, /v1/models: never empty)
+            live = await client.get("/live")
+            assert live.status_code == 200 and live.json()["model_status"] in ("loading", "failed")
+            for path in ("/health", "/v1/models"):
+                loading = await client.get(path)
+                assert loading.status_code == 503, (path, loading.text)
+                assert loading.json()["error"]["type"] == "unavailable_error"
             await asyncio.wait_for(app.state.loading, timeout=60)
             ready = await client.get("/ready")
             assert ready.status_code == 503
@@ -52,7 +59,9 @@ async def test_not_ready_until_loaded_and_failure_is_reported(tmp_path):
             response = await client.post("/v1/logprobs", json={"tokens": [[1, 2]]})
             assert response.status_code == 503
             assert response.json()["error"]["type"] == "unavailable_error"
-            assert (await client.get("/health")).json()["model_status"] == "failed"
+            assert (await client.get("/live")).json()["model_status"] == "failed"
+            failed = await client.get("/health")
+            assert failed.status_code == 503 and "failed" in failed.json()["error"]["message"]
 
 
 async def test_unknown_route_uses_the_error_body(client):

@@ -40,7 +40,8 @@ async def test_ready_follows_the_engine_after_start_up(tmp_path: Path) -> None:
             dead = await c.get("/ready")
             assert dead.status_code == 503
             assert "policy engine failed a probe" in dead.json()["error"]["message"]
-            assert (await c.get("/health")).status_code == 200  # alive, not ready
+            # loaded, serving as vLLM's /health says; the probe is /ready's
+            assert (await c.get("/health")).status_code == 200
             policy.state, reference.state = "ok", "hung"
             hung = await c.get("/ready")
             assert hung.status_code == 503

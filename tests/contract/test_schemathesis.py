@@ -46,7 +46,9 @@ STATED_RULES: list[tuple[str, str]] = [
         "what a text or a prompt encodes to is the tokenizer's",
     ),
     (
-        r"the model's is|is not served \(have|not in the served model|chat template|"
+        r"the model's is|does not exist \((served|the reward)|is not the reward model|"
+        r"is not served \(have|"
+        r"not in the served model|chat template|"
         r"this engine streams|reports raw log-probs only",
         "the served model's weights, names, template and engine are the server's",
     ),

@@ -16,6 +16,8 @@ PyNcclCommunicator, NCCL only; on this CPU the trainer's group is vLLM's gloo on
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import os
 import pickle
 from collections.abc import AsyncIterator
@@ -115,7 +117,9 @@ def broadcast_weights(group: Any, model: torch.nn.Module) -> None:
         broadcast_state_dict(group, chunk)
 
 
-async def test_prime_rls_nccl_broadcast_mode_receives_each_step(server, model_dir, tmp_path):
+async def test_prime_rls_nccl_broadcast_mode_receives_each_step(
+    server, model_dir, tmp_path, caplog
+):
     """prime-rl's NCCL broadcast mode: the orchestrator joins the server to the trainer's
     group (/init_broadcaster), then each step pauses, asks /update_weights with the step's
     folder (empty: the weights come over the group, named there) while the trainer
@@ -155,6 +159,26 @@ async def test_prime_rls_nccl_broadcast_mode_receives_each_step(server, model_di
             scored["outputs"][0]["log_probs"]["full"], forward_log_probs(model, sequence), 1e-5
         )
         assert scored["policy_version"] == before + step
+
+    # The trainer's run ends (prime-rl has no call that leaves the group): its rendezvous
+    # goes with it. The next step from a folder loads the folder, at the first try (prime-rl
+    # retries a 5xx, which would hide a failed first one).
+    group.shutdown()
+    del group
+    gc.collect()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.02)
+    model.save_pretrained(tmp_path / "step_3")
+    with caplog.at_level(logging.WARNING):
+        loaded = await server.post("/update_weights", json={"weight_dir": str(tmp_path / "step_3")})
+    assert loaded.status_code == 200, loaded.text
+    assert "is gone (nothing accepts connections at its rendezvous)" in caplog.text
+    assert (await server.get("/v1/weights/transfer")).json()["state"] == "idle"
+    scored = (await server.post("/v1/logprobs", json={"tokens": [sequence]})).json()
+    assert_close(
+        scored["outputs"][0]["log_probs"]["full"], forward_log_probs(model, sequence), 1e-5
+    )
 
 
 async def test_a_broadcast_naming_anything_but_the_models_tensors_is_refused(server, tmp_path):

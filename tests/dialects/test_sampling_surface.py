@@ -120,9 +120,14 @@ async def test_stop_token_ids_and_min_tokens(client, hf_model, hf_tokenizer):
     by_text = await client.post("/v1/completions", json={**body, "stop": [text[-2:]]})
     (choice,) = by_text.json()["choices"]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == text[-2:]
+    # (sent as null, as vLLM sends it: a trainer reads choice["stop_reason"])
     long = await client.post("/v1/completions", json={**body, "ignore_eos": True})
     (choice,) = long.json()["choices"]
-    assert choice["finish_reason"] == "length" and choice.get("stop_reason") is None
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    (choice,) = (await client.post("/v1/chat/completions", json=chat)).json()["choices"]
+    assert choice["stop_reason"] is None and choice["logprobs"] is None
+    assert {"content", "refusal", "reasoning"} <= choice["message"].keys()
     # min_tokens holds back the stop ids and end-of-sequence until that many tokens are out.
     held = {tokens[0], hf_tokenizer.eos_token_id}
 
@@ -271,9 +276,22 @@ async def test_served_model_names_reach_the_policy(aliased):
     body = {"token_ids": PROMPT, "model": "org/policy-1", "sampling_params": {"max_tokens": 2}}
     answer = await aliased.post("/inference/v1/generate", json=body)
     assert answer.status_code == 200 and answer.json()["model"] == "org/policy-1"
+    # a name nothing is served as (a trainer's default, SkyRL's model path): 404 as vLLM
+    # answers, naming the flag that serves it, as every route names it
     body["model"] = "someone-else"
-    answer = await aliased.post("/inference/v1/generate", json=body)
-    assert answer.status_code == 422 and answer.json()["error"]["param"] == "model"
+    for path, named in (
+        ("/inference/v1/generate", body),
+        ("/v1/completions", {**body, "prompt": "x"}),
+        ("/v1/generate", {"text": ["x"], "model": "someone-else"}),
+        ("/tokenize", {"model": "someone-else", "prompt": "x"}),
+    ):
+        answer = await aliased.post(path, json=named)
+        assert answer.status_code == 404, (path, answer.text)
+        error = answer.json()["error"]
+        assert (
+            error["param"] == "model" and "model 'someone-else' does not exist" in error["message"]
+        )
+        assert "--served-model-name" in error["message"]
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     answer = await aliased.post("/v1/chat/completions", json=chat)
     assert answer.status_code == 200 and answer.json()["model"] == "default"

@@ -471,7 +471,7 @@ def test_an_adapter_reaches_every_replica_and_a_new_replica_catches_up(  # type:
         gone = httpx.post(
             f"{server.url}/v1/logprobs", json={"model": "ray-a", "tokens": [tokens]}, timeout=60
         )
-        assert gone.status_code == 422 and "'ray-a' is not served" in gone.text, gone.text
+        assert gone.status_code == 404 and "'ray-a' does not exist" in gone.text, gone.text
 
 
 class _Proxy:

@@ -162,6 +162,18 @@ def _generate_in_background(url: str, body: dict) -> tuple[threading.Thread, dic
     return worker, result
 
 
+def test_ctrl_c_stops_the_server_as_sigterm_does(tmp_path):
+    """SIGINT (Ctrl-C) shuts down gracefully, then ends the process at once with 130, as a
+    shell reports an interrupted command: no traceback, no wait for the interpreter to tear
+    the models down."""
+    with running_server(env=server_env(tmp_path), log=tmp_path / "server.log") as server:
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 130
+    log = (tmp_path / "server.log").read_text()
+    assert "Application shutdown complete" in log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log
+
+
 def test_sigterm_lets_in_flight_requests_finish(tmp_path):
     # A grace no loaded CI machine runs out of: this test is about what happens inside it.
     env = server_env(tmp_path, http__shutdown_timeout_s="300")

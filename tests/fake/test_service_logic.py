@@ -120,6 +120,8 @@ async def test_a_recorded_turn_keeps_the_finish_reason_of_its_reply(tmp_path: Pa
             (choice,) = response.json()["choices"]
             assert choice["finish_reason"] == "tool_calls"
             assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+            # a reply of tool calls alone has no text: its content is null, sent as vLLM does
+            assert "content" in choice["message"] and choice["message"]["content"] is None
             recorded = (await client.get("/v1/trajectories/t-1")).json()
             (segment,) = recorded["segments"]
             assert [turn["finish_reason"] for turn in segment["turns"]] == ["tool_calls"]

@@ -72,6 +72,24 @@ async def main(url: str, model: str, stop_id: int) -> dict[str, object]:
         await client.reset_prefix_cache()
     finally:
         await client.teardown()
+    # Without --served-model-name for it, SkyRL's model name (its policy's model path by
+    # default) names nothing the server serves: its own error says what to do.
+    unnamed = RemoteInferenceClient(
+        proxy_url=url, server_urls=[url], data_parallel_size=1, model_name="/models/policy"
+    )
+    try:
+        await unnamed.generate(
+            {
+                "prompt_token_ids": [[5, 6, 7, 8]],
+                "sampling_params": sampling_params(stop_id, 2),
+                "session_ids": ["c"],
+            }
+        )
+        out["unnamed"] = {"status": 200}
+    except Exception as exc:  # (whatever SkyRL raises: its status and words)
+        out["unnamed"] = {"status": getattr(exc, "status", None), "error": str(exc)}
+    finally:
+        await unnamed.teardown()
     return out
 
 

@@ -56,6 +56,14 @@ def scored(url: str, sequence: list[int]) -> list[float]:
     return body["outputs"][0]["log_probs"]["full"]  # type: ignore[no-any-return]
 
 
+def test_a_model_name_not_served_is_404_naming_the_flag(answers):
+    """SkyRL's model name without --served-model-name for it: 404 as vLLM answers, and the
+    message SkyRL raises names the flag that serves it."""
+    _, out = answers
+    assert out["unnamed"]["status"] == 404, out["unnamed"]
+    assert "--served-model-name" in out["unnamed"]["error"], out["unnamed"]
+
+
 def test_skyrl_generates_detokenizes_and_parses_log_probs(answers):
     url, out = answers
     generated = out["generate"]

@@ -300,26 +300,48 @@ async def test_a_group_left_behind_never_blocks_the_next_trainer(served, trainer
     await assert_serves(served, new)
 
 
-async def test_a_live_trainers_group_is_refused_to_another_until_an_admin_closes_it(served):
+async def test_a_live_trainers_group_is_refused_to_another_until_an_admin_closes_it(
+    served, tmp_path
+):
     """A group whose trainer still answers at its rendezvous is not taken from it: another
     trainer's join is refused at once, naming how an admin closes the group; the close is
-    answered at once too, and the first trainer's own close afterwards is harmless."""
+    answered at once too, and the first trainer's own close afterwards is harmless. The
+    refused trainer, waiting as rank 0 at its own rendezvous beside its request (as slime's
+    and AReaL's do, for 30 minutes by default; 60 s here), is let go at once: the server's
+    stand-ins join its group and leave, so its own call reads the refusal."""
     from tests.weights.test_transfer import opened
 
     async with opened(served):
+        port = free_port()
+        torch.save([], tmp_path / "no-buckets.pt")
+        trainer = subprocess.Popen(
+            [
+                sys.executable,
+                str(BROADCASTER),
+                str(port),
+                "2",
+                "another_trainer",
+                str(tmp_path / "no-buckets.pt"),
+            ]
+        )
         other = {
             "master_address": "127.0.0.1",
-            "master_port": free_port(),
+            "master_port": port,
             "rank_offset": 1,
             "world_size": 2,
             "group_name": "another_trainer",
             "backend": "gloo",
         }
         started = time.monotonic()
-        refused = await served.http.post("/init_weights_update_group", json=other)
-        assert refused.status_code == 409, refused.text
-        error = refused.json()["error"]
-        assert error["param"] == "model" and "/v1/weights/transfer/close" in error["message"]
+        try:
+            refused = await served.http.post("/init_weights_update_group", json=other)
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "model" and "/v1/weights/transfer/close" in error["message"]
+            assert await asyncio.to_thread(trainer.wait, 30) == 0
+            assert time.monotonic() - started < 30  # (its own rendezvous waits 60 s)
+        finally:
+            trainer.kill()
         closed = await served.http.post("/v1/weights/transfer/close", json={"model": "policy"})
         assert closed.status_code == 200 and closed.json()["state"] == "idle"
         assert time.monotonic() - started < 10

@@ -4,12 +4,13 @@ stream's chunks, log-probs and usage, with rlserve's RL extensions (`policy_vers
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from app.common.dialect_models import (
     DialectModel,
+    NullsKept,
 )
 from app.common.protocol import (
     VersionSpan,
@@ -37,15 +38,22 @@ _REASONING = (
 )
 
 
-class AssistantMessage(DialectModel):
+class AssistantMessage(NullsKept):
+    kept_null = ("content", "reasoning", "refusal")
+
     role: Literal["assistant"] = "assistant"
-    content: str | None = None
+    content: str | None = Field(default=None, description="null: no text (tool calls alone).")
+    refusal: str | None = Field(default=None, description="Always null (OpenAI's field).")
     reasoning: str | None = Field(default=None, description=_REASONING)
     reasoning_content: str | None = Field(default=None, description="Equal to reasoning.")
     tool_calls: list[ToolCall] | None = None
 
 
-class ChoiceExtensions(DialectModel):
+class ChoiceExtensions(NullsKept):
+    """What vLLM adds to a choice; its keys are sent as null when unset, as vLLM sends them."""
+
+    kept_null: ClassVar[tuple[str, ...]] = ("stop_reason", "token_ids", "routed_experts")
+
     token_ids: list[int] | None = Field(default=None, description="Extension (return_token_ids).")
     policy_versions: list[VersionSpan] | None = Field(
         default=None, description="Extension (return_token_ids): which weights sampled which."
@@ -68,6 +76,8 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
 class ChatChoice(ChoiceExtensions):
+    kept_null = (*ChoiceExtensions.kept_null, "logprobs")
+
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
@@ -89,13 +99,16 @@ class ReplyExtensions(DialectModel):
     turn: int | None = Field(default=None, description="Extension: its turn in the trajectory.")
 
 
-class ChatCompletion(ReplyExtensions):
+class ChatCompletion(ReplyExtensions, NullsKept):
+    kept_null = ("prompt_token_ids", "system_fingerprint")
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = Field(default=None, description="Always null.")
 
 
 class ToolCallDelta(DialectModel):
@@ -114,6 +127,8 @@ class ChatDelta(DialectModel):
 
 
 class ChatChunkChoice(ChoiceExtensions):
+    kept_null = (*ChoiceExtensions.kept_null, "logprobs", "finish_reason")
+
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
@@ -148,6 +163,14 @@ class PromptLogprob(DialectModel):
 
 
 class CompletionChoice(ChoiceExtensions):
+    kept_null = (
+        *ChoiceExtensions.kept_null,
+        "logprobs",
+        "finish_reason",
+        "prompt_token_ids",
+        "prompt_logprobs",
+    )
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -162,10 +185,13 @@ class CompletionChoice(ChoiceExtensions):
     )
 
 
-class Completion(ReplyExtensions):
+class Completion(ReplyExtensions, NullsKept):
+    kept_null = ("system_fingerprint",)
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = Field(default=None, description="Always null.")

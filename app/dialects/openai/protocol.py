@@ -357,11 +357,8 @@ class CompletionRequest(SamplingFields):
     prompt: (
         Annotated[str, Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-        | Annotated[
-            list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
-            Field(min_length=1),
-        ]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     logprobs: int | None = Field(
         default=None, ge=0, description="The k most likely tokens at each step (and the chosen)."

@@ -15,8 +15,8 @@ from typing import Any
 from app.common.dialect_models import (
     warn_ignored,
 )
-from app.common.failures import NotFound, invalid
-from app.common.inputs import Prepared
+from app.common.failures import invalid
+from app.common.inputs import Prepared, naming, text_volume
 from app.common.routed_experts import routing_to_return
 from app.common.service import ModelServing
 from app.config_groups import LimitSettings, ReasoningParser
@@ -83,15 +83,6 @@ class OpenAIService(ModelServing):
 
     def served(self, name: str) -> ServedModel:
         """The model named in the request; OpenAI answers an unknown one with 404."""
-        registry = self.registry
-        if registry.not_ready_reason() is None and not registry.serves(name):
-            served = ", ".join(registry.names())
-            raise NotFound(
-                f"model '{name}' does not exist (served: {served}; rlserve serve "
-                "--served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the policy "
-                "more names)",
-                param="model",
-            )
         return self.registry.get(name)
 
     async def chat_job(
@@ -111,13 +102,17 @@ class OpenAIService(ModelServing):
             request.max_new_tokens,
             "max_completion_tokens" if request.max_completion_tokens else "max_tokens",
         )
-        prompt = await preparer.off_loop(
-            preparer.template,
-            messages,
-            generation_prompt=request.add_generation_prompt,
-            tools=tools,
-            options=request.template_options(),
-        )
+
+        def prepare() -> Prepared:
+            with naming("messages"):
+                return preparer.template(
+                    messages,
+                    generation_prompt=request.add_generation_prompt,
+                    tools=tools,
+                    options=request.template_options(),
+                )
+
+        prompt = await preparer.off_loop(prepare, cost=text_volume(messages) + text_volume(tools))
         preparer.check([prompt], "messages", max_new_tokens=max_new)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         names = {tool["function"]["name"] for tool in tools} if tools else None
@@ -142,7 +137,7 @@ class OpenAIService(ModelServing):
             preparer.check(prepared, "prompt", max_new_tokens=max_new)
             return prepared
 
-        prompts = await preparer.off_loop(prepare)
+        prompts = await preparer.off_loop(prepare, cost=text_volume(texts))
         return self._job(
             "completion",
             served,

@@ -17,7 +17,7 @@ from app.common.dialect_models import (
     token_rows,
     warn_ignored,
 )
-from app.common.inputs import InputPreparer, Prepared
+from app.common.inputs import InputPreparer, Prepared, text_volume
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES
 
@@ -55,7 +55,11 @@ async def embeddings(request: EmbeddingRequest, rewards: RewardsDep) -> Embeddin
     warn_ignored("/v1/embeddings", sorted(request.model_extra or {}))
     name = request.model or "reward"
     scored = await rewards.score(
-        name, len(token_rows(request.input)), request.prepared, field="input"
+        name,
+        len(token_rows(request.input)),
+        request.prepared,
+        field="input",
+        cost=text_volume(request),
     )
     return EmbeddingResponse(
         data=[

@@ -30,7 +30,7 @@ from app.common.protocol import (
 from app.common.sampling import SamplingAsk
 from app.weights.transport import Transport
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+TokenIds = list[TokenId]
 
 
 SAMPLING_REFUSED = (

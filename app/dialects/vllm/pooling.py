@@ -25,7 +25,13 @@ from app.common.dialect_models import (
     token_rows,
     warn_ignored,
 )
-from app.common.inputs import InputPreparer, Prepared, plain_messages, template_kwargs
+from app.common.inputs import (
+    InputPreparer,
+    Prepared,
+    plain_messages,
+    template_kwargs,
+    text_volume,
+)
 from app.common.protocol import InputConversation, field_error, one_of
 from app.deps import RewardsDep
 from app.engine.transformers.reward import RewardModel
@@ -194,7 +200,13 @@ async def _scored(route: str, request: PoolingInput, rewards: RewardService) -> 
     given = request.input
     num_items = 1 if given is None else len(token_rows(given))
     field = "messages" if request.messages is not None else "input"
-    return await rewards.score(request.model or "reward", num_items, request.prepared, field=field)
+    return await rewards.score(
+        request.model or "reward",
+        num_items,
+        request.prepared,
+        field=field,
+        cost=text_volume(request),
+    )
 
 
 def _activated(model: RewardModel, values: torch.Tensor, use_activation: bool | None) -> Any:

@@ -162,7 +162,7 @@ class SamplingParams(DialectModel):
         description="Token id -> bias added to its logit (before the penalties).",
         json_schema_extra=TOKEN_ID_KEYS,
     )
-    allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, max_length=MAX_BAD_WORDS
     )
@@ -254,7 +254,7 @@ class InferenceGenerateRequest(DialectModel):
     )
 
     request_id: str | None = Field(default=None, max_length=256)
-    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    token_ids: list[TokenId] = Field(min_length=1)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = None
     features: Any | None = Field(

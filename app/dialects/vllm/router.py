@@ -263,9 +263,11 @@ async def update_weights(
 
 
 async def _broadcast_group(weights: WeightsControl) -> bool:
-    """Whether the policy is in prime-rl's broadcast group (joined by /init_broadcaster)."""
+    """Whether the policy is in prime-rl's broadcast group (joined by /init_broadcaster)
+    whose trainer is still there: prime-rl has no call that leaves the group, so a group
+    whose trainer is gone is closed here, and the folder loads."""
     try:
-        state = await weights.transfer_state("policy")
+        state = await weights.transfer_prune("policy")
     except Unsupported:
         return False
     return state.state != "idle" and state.packing == "in_band"

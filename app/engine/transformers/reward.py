@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from app.batching import Batcher, BatchingConfig
-from app.common.inputs import InputPreparer, Prepared
+from app.common.inputs import InputPreparer, Prepared, naming
 from app.common.lane import Lane
 from app.engine.transformers.decode import padded
 from app.engine.types import ModelInfo
@@ -102,18 +102,19 @@ class RewardModel:
         return cls(model, tokenizer, info, batching)
 
     async def read(
-        self, build: Callable[[InputPreparer], list[Prepared]], field: str
+        self, build: Callable[[InputPreparer], list[Prepared]], field: str, cost: float = 0.0
     ) -> tuple[list[Prepared], list[Rewarded]]:
         """The sequences `build` prepares with the reward model's tokenizer (off the event
         loop), each checked against its vocabulary and length (refusals name `field[i]`), and
         their head outputs."""
 
         def checked() -> list[Prepared]:
-            items = build(self.preparer)
+            with naming(field):  # (unless `build` names each item itself)
+                items = build(self.preparer)
             self.preparer.check(items, field)
             return items
 
-        items = await self.preparer.off_loop(checked)
+        items = await self.preparer.off_loop(checked, cost=cost)
         sequences = [item.ids for item in items]
         scored = await self.score(sequences)
         for _ in range(2):  # (a load landed between two calls of its rows: once more, whole)

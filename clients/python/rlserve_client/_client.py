@@ -66,6 +66,7 @@ class _Methods:
     load_reward_weights = _Route(routes.load_reward_weights)
     models = _Route(routes.models)
     health = _Route(routes.health)
+    live = _Route(routes.live)
     ready = _Route(routes.ready)
     batching = _Route(routes.batching)
     weights_version = _Route(routes.weights_version)

@@ -198,7 +198,13 @@ def models(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Models]:
 
 
 def health(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Health]:
+    """Raises `ServiceUnavailableError` (after retries) while the models load, as vLLM's."""
     return Call("GET", "/health", types.Health, timeout=timeout)
+
+
+def live(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Health]:
+    """Answers whenever the server process does: `model_status` says how far it is."""
+    return Call("GET", "/live", types.Health, timeout=timeout)
 
 
 def ready(*, timeout: Timeout = NOT_GIVEN) -> Call[types.Ready]:

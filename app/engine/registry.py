@@ -249,7 +249,7 @@ class ModelRegistry:
             if self.serves(name):
                 raise invalid(param, f"'{name}' is not the reward model (its names: {names})")
             raise NotFound(
-                f"{param}: model '{name}' does not exist (the reward model's names: {names})",
+                f"{param}: the model '{name}' does not exist (the reward model's names: {names})",
                 param=param,
             )
         return self.reward
@@ -346,7 +346,7 @@ class ModelRegistry:
         and OpenAI's servers answer), naming what is served and how the policy gets more
         names."""
         return NotFound(
-            f"{param}: model '{name}' does not exist (served: {', '.join(self.names())}; "
+            f"{param}: the model '{name}' does not exist (served: {', '.join(self.names())}; "
             "rlserve serve --served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the "
             "policy more names)",
             param=param,

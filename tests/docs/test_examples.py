@@ -1,10 +1,14 @@
 """Every example in the README and the docs runs, against a real server on the default model
-(SmolLM2-135M-Instruct, with its frozen copy as the reference), so a renamed route, field or
-script breaks the build rather than the reader. The blocks' `localhost:8000` is that server.
-See `tests/docs/examples.py` for what counts as an example and how one says it cannot run."""
+(SmolLM2-135M-Instruct, with its frozen copy as the reference, and the built-in reward model
+beside it, as `./scripts/serve.sh --reward-model builtin:tiny-reward` serves them), so a
+renamed route, field or script breaks the build rather than the reader, and what an example
+prints is what the page shows after it. The blocks' `localhost:8000` is that server. See
+`tests/docs/examples.py` for what counts as an example, how one says it cannot run, and how
+shown output is compared."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.examples import ROOT, Example, examples, pages
+from tests.docs.examples import ROOT, Example, examples, fresh_server, pages, shown_matches
 from tests.e2e.server import Server, running_server
 
 pytestmark = pytest.mark.slow
@@ -40,19 +44,25 @@ for line in sys.stdin:
             error = f"exited with {stop.code}"
     except BaseException:
         error = traceback.format_exc()
-    answers.write(json.dumps({"error": error, "output": out.getvalue()[-4000:]}) + "\\n")
+    answers.write(json.dumps({"error": error, "output": out.getvalue()[-100000:]}) + "\\n")
     answers.flush()
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    data = tmp_path_factory.mktemp("docs-server")
+@contextlib.contextmanager
+def docs_server(data: Path) -> Iterator[Server]:
     env = {
         "RLSERVE_MODELS__MODEL": "builtin:smollm2-135m-instruct",
+        "RLSERVE_MODELS__REWARD_MODEL": "builtin:tiny-reward",
         "RLSERVE_STORAGE__DATA_DIR": str(data),
     }
     with running_server(env=env, log=data / "server.log", ready_timeout=300) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with docs_server(tmp_path_factory.mktemp("docs-server")) as server:
         yield server
 
 
@@ -61,7 +71,7 @@ def _here(code: str, server: Server) -> str:
     return code.replace("localhost:8000", address).replace("127.0.0.1:8000", address)
 
 
-def _run_bash(example: Example, server: Server, env: dict[str, str]) -> None:
+def _run_bash(example: Example, server: Server, env: dict[str, str]) -> str:
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", _here(example.code, server)],
         cwd=ROOT,
@@ -74,6 +84,7 @@ def _run_bash(example: Example, server: Server, env: dict[str, str]) -> None:
         f"{example.name} exited with {done.returncode}\n--- code\n{example.code}"
         f"--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}"
     )
+    return done.stdout
 
 
 class _Interpreter:
@@ -89,7 +100,7 @@ class _Interpreter:
             text=True,
         )
 
-    def run(self, example: Example, server: Server) -> None:
+    def run(self, example: Example, server: Server) -> str:
         assert self.process.stdin is not None and self.process.stdout is not None
         block = {"name": example.name, "code": _here(example.code, server)}
         self.process.stdin.write(json.dumps(block) + "\n")
@@ -98,9 +109,10 @@ class _Interpreter:
         assert line, f"{example.name}: the interpreter died"
         answer = json.loads(line)
         assert answer["error"] is None, (
-            f"{example.name} failed\n--- code\n{example.code}--- output\n{answer['output']}"
-            f"\n--- error\n{answer['error']}"
+            f"{example.name} failed\n--- code\n{example.code}--- output\n"
+            f"{answer['output'][-4000:]}\n--- error\n{answer['error']}"
         )
+        return str(answer["output"])
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -112,23 +124,31 @@ class _Interpreter:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-def test_the_page_examples_run(page: Path, server: Server) -> None:
+def test_the_page_examples_run(page: Path, server: Server, tmp_path: Path) -> None:
+    """Every example runs, and prints what the page shows after it. The commands a reader
+    runs after ./scripts/serve.sh (.venv/bin/python, .venv/bin/rlserve, curl, python3) are
+    found as they are: nothing is put on PATH for them."""
     found = examples(page)
     runnable = [e for e in found if e.skip is None]
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "RLSERVE_URL": server.url,
-    }
-    interpreter = _Interpreter(env)
-    try:
+    unlike: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if fresh_server(page):  # (its shown output counts on a server of its own)
+            (tmp_path / "server").mkdir()
+            server = stack.enter_context(docs_server(tmp_path / "server"))
+        env = {**os.environ, "RLSERVE_URL": server.url}
+        interpreter = _Interpreter(env)
+        stack.callback(interpreter.close)
         for example in runnable:
             if example.language == "bash":
-                _run_bash(example, server, env)
+                printed = _run_bash(example, server, env)
             else:
-                interpreter.run(example, server)
-    finally:
-        interpreter.close()
+                printed = interpreter.run(example, server)
+            if example.shown is not None and not shown_matches(example.shown, printed):
+                unlike.append(
+                    f"{example.name} printed what its page does not show\n--- shown\n"
+                    f"{example.shown}\n--- printed\n{printed[-4000:]}"
+                )
+    assert not unlike, "\n".join(unlike) + "\n(tests/docs/examples.py says how they compare)"
     skipped = [f"{e.name} ({e.skip})" for e in found if e.skip is not None]
     if skipped and not runnable:
         pytest.skip("every example here is marked: " + "; ".join(skipped))

@@ -126,7 +126,7 @@ class _UnreadEnvSource(PydanticBaseSettingsSource):
     nor one of rlserve's own tools' (`TOOL_VARIABLES`), with the name the server reads where
     there is one: an operator who set `RLSERVE_API_KEYS` must not get a server without keys.
     A tool's variable that looks like a setting (the compose file's `RLSERVE_PORT`) is a
-    warning naming the setting."""
+    warning naming the setting, unless that setting is set too."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
@@ -138,8 +138,13 @@ class _UnreadEnvSource(PydanticBaseSettingsSource):
             if not upper.startswith(PREFIX):
                 continue
             if _tool_variable(upper):
-                if grouped := _grouped_names(upper.removeprefix(PREFIX).lower()):
-                    names = " or ".join(_env_name(g, f) for g, f in grouped)
+                grouped = [
+                    _env_name(g, f) for g, f in _grouped_names(upper.removeprefix(PREFIX).lower())
+                ]
+                # (beside the setting it looks like, it is plainly not meant for the server:
+                # the images set RLSERVE_HTTP__PORT, compose's .env RLSERVE_PORT)
+                if grouped and not any(n in os.environ for n in grouped):
+                    names = " or ".join(grouped)
                     _logger.warning("%s is not read by the server, which reads %s", name, names)
             elif (problem := _unread(upper)) is not None:
                 problems.append(f"{name} is not read: {problem}")

@@ -85,6 +85,11 @@ def test_the_project_tools_variables_start_a_server_and_look_alikes_warn(
     assert caplog.messages == [
         "RLSERVE_PORT is not read by the server, which reads RLSERVE_HTTP__PORT"
     ]
+    caplog.clear()
+    monkeypatch.setenv("RLSERVE_HTTP__PORT", "8000")  # (the images set it; compose's port too)
+    with caplog.at_level(logging.WARNING, logger="app.config"):
+        Settings()
+    assert caplog.messages == []
 
 
 @pytest.mark.parametrize("variable", ["RLSERVE_TEST_SOMETHING", "RLSERVE_FUZZ_X", "RLSERVE_X_VENV"])

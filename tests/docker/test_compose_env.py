@@ -1,8 +1,9 @@
 """What `docker compose` hands the server, read from `docker compose config` (no engine
-needed): every variable of the operator's env file reaches the container, so the server's
-own start-up checks see a misspelt or old name, an empty key list, a missing key; a name the
-file and the shell leave unset stays unset (never an empty key list). The started container
-refusing each of them: scripts/docker_smoke.py."""
+needed): every variable of the operator's env file reaches the container, and nothing else
+of theirs overrides it, whichever file compose reads for its own interpolation; so the
+server's own start-up checks see a misspelt or old name, an empty key list, a missing key,
+and a name the file leaves unset stays unset (never an empty key list). The started
+container refusing each of them: scripts/docker_smoke.py."""
 
 from __future__ import annotations
 
@@ -34,21 +35,21 @@ SERVICES = {"rlserve": [], "rlserve-cpu": ["--profile", "cpu"], "rlserve-ray": [
 
 
 def container_env(
-    tmp_path: Path, settings: str, service: str, shell: dict[str, str] | None = None
+    tmp_path: Path, settings: str, service: str, interpolated: Path | None = None
 ) -> dict[str, str]:
     """The environment compose gives `service`'s container, from an env file holding
-    .env.example and then `settings` (the operator's .env), and `shell` exported."""
+    .env.example and then `settings` (the operator's .env); compose interpolates the compose
+    file from `interpolated` (by default that same file)."""
     env_file = tmp_path / "operator.env"
     env_file.write_text((ROOT / ".env.example").read_text() + settings)
     environment = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": str(tmp_path),
         "RLSERVE_ENV_FILE": str(env_file),
-        **(shell or {}),
     }
     done = subprocess.run(
         [
-            "docker", "compose", "-p", "envcheck", "--env-file", str(env_file),
+            "docker", "compose", "-p", "envcheck", "--env-file", str(interpolated or env_file),
             "-f", str(ROOT / "docker-compose.yml"), *SERVICES[service],
             "config", "--format", "json",
         ],
@@ -104,13 +105,14 @@ def test_the_server_refuses_what_the_operator_got_wrong(
         start_check(monkeypatch, env)
 
 
-def test_keys_from_the_env_file_or_the_shell_start_a_closed_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_keys_from_the_env_file_start_a_closed_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, service: str
 ) -> None:
-    from_file = container_env(tmp_path, "RLSERVE_AUTH__API_KEYS=a,b\n", "rlserve-cpu")
+    """Whichever file compose interpolates from (`--env-file .env.example` beside
+    RLSERVE_ENV_FILE=prod.env), the keys of the file the containers read reach them."""
+    shipped = ROOT / ".env.example"
+    from_file = container_env(tmp_path, "RLSERVE_AUTH__API_KEYS=a,b\n", service, shipped)
     assert start_check(monkeypatch, from_file).auth.api_keys == ["a", "b"]
-    shell = {"RLSERVE_AUTH__API_KEYS": "c"}  # exported where compose runs: it wins
-    from_shell = container_env(tmp_path, "RLSERVE_AUTH__API_KEYS=a\n", "rlserve-cpu", shell)
-    assert start_check(monkeypatch, from_shell).auth.api_keys == ["c"]
-    opened = container_env(tmp_path, "RLSERVE_AUTH__ALLOW_NO_KEYS=true\n", "rlserve-cpu")
+    opened = container_env(tmp_path, "RLSERVE_AUTH__ALLOW_NO_KEYS=true\n", service, shipped)
     assert start_check(monkeypatch, opened).auth.allow_no_keys is True

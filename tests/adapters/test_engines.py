@@ -50,7 +50,7 @@ async def test_an_engine_without_adapters_refuses_them_by_name(client, backend_n
     else:  # the transformers backend reads the folder (an empty one here)
         assert response.status_code == 404 and "adapter_config.json" in error["message"]
     models = await client.post("/v1/logprobs", json={"model": "a", "tokens": [[1, 2, 3]]})
-    assert models.status_code == 422 and models.json()["error"]["param"] == "model"
+    assert models.status_code == 404 and models.json()["error"]["param"] == "model"
 
 
 ATTENTION = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}

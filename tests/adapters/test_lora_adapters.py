@@ -251,7 +251,7 @@ async def test_loading_a_name_again_serves_its_next_version(client, adapters):
     gone = await client.delete("/v1/adapters/versioned")
     assert gone.status_code == 200 and gone.json()["version"] == 1
     after = await client.post("/v1/logprobs", json={"model": "versioned", "tokens": SEQUENCES})
-    assert after.status_code == 422 and after.json()["error"]["param"] == "model"
+    assert after.status_code == 404 and after.json()["error"]["param"] == "model"
     again = await client.delete("/v1/adapters/versioned")
     assert again.status_code == 404
 
@@ -416,9 +416,9 @@ async def test_an_adapters_rollouts_penalise_its_kl_against_its_base(client, ada
     assert kls == [0.0, 0.0]
     unknown = {**env, "kl": {"coeff": 0.5, "model": "no-such-adapter"}}
     refused = await client.post("/v1/rollouts", json={**body, "env": unknown})
-    assert refused.status_code == 422 and refused.json()["error"]["param"] == "env.kl.model"
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "env.kl.model"
     session = await client.post("/v1/envs", json=unknown)
-    assert session.status_code == 422 and session.json()["error"]["param"] == "kl.model"
+    assert session.status_code == 404 and session.json()["error"]["param"] == "kl.model"
 
 
 async def test_name_at_version_names_a_resident_version(client, adapters):
@@ -480,4 +480,4 @@ async def test_name_at_version_names_a_resident_version(client, adapters):
     assert unknown.status_code == 404 and "steps" in unknown.json()["error"]["message"]
     await client.delete("/v1/adapters/steps")
     gone = await client.post("/v1/logprobs", json={"model": "steps@2", "tokens": SEQUENCES})
-    assert gone.status_code == 422 and gone.json()["error"]["param"] == "model"
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"

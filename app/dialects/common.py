@@ -70,7 +70,7 @@ def policy_side(registry: ModelRegistry, model: str | None, field: str = "model"
         served = registry.get(model, field)
         return "policy" if served.name == "policy" else model
     if registry.canonical(model) is None and not registry.serves(model):
-        raise registry.unknown(model, field)
+        registry.get(model, field)  # (503 while loading; then 404: nothing is served so)
     names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
     adapters = f", adapters {sorted(registry.adapters)}" if registry.adapters else ""
     raise invalid(field, f"'{model}' does not name the policy (served as {names}{adapters})")

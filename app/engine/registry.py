@@ -339,9 +339,9 @@ class ModelRegistry:
             served = self._at_version(*split, param)
             if served is not None:
                 return served
-        raise self.unknown(name, param)
+        raise self._unknown(name, param)
 
-    def unknown(self, name: str, param: str = "model") -> NotFound:
+    def _unknown(self, name: str, param: str = "model") -> NotFound:
         """The refusal of a model name nothing is served as (404 on every route, as vLLM's
         and OpenAI's servers answer), naming what is served and how the policy gets more
         names."""

@@ -75,9 +75,9 @@ main_args=("$@")
 # Torch starts a thread a core in every process; with a suite in each lane, the cores are
 # oversubscribed and torch's threads wait on each other: the benchmark smokes ran slower
 # (bench/learning.py --quick beside the main suite: 452 s with two threads in an earlier run;
-# 171 s with one in the last clean-clone rehearsal). So while two lanes run, the main suite and the long tests take one thread a torch
-# process (OMP_NUM_THREADS, unless it is set). The extra suites keep their own settings
-# (vLLM binds its threads itself).
+# 171 s and 236 s with one in two clean-clone rehearsals). So while two lanes run, the main
+# suite and the long tests take one thread a torch process (OMP_NUM_THREADS, unless it is
+# set). The extra suites keep their own settings (vLLM binds its threads itself).
 threads=()
 if [ "${#extras[@]}" -gt 0 ]; then
   threads=(env "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")

@@ -9,7 +9,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property
@@ -34,6 +34,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _UNREPEATABLE = re.compile(r"strftime_now|\brandom\b")
 RENDERS_KEPT = 512
 T = TypeVar("T")
+Item = TypeVar("Item")
 _FIELD: ContextVar[str] = ContextVar("rlserve_input_field", default="input")
 """The request field of the text being prepared (`naming`), for a refusal to name."""
 
@@ -46,6 +47,15 @@ def naming(field: str) -> Iterator[None]:
         yield
     finally:
         _FIELD.reset(token)
+
+
+def each_named(field: str, items: Iterable[Item], prepare: Callable[[Item], T]) -> list[T]:
+    """`prepare` of each item, the item's texts named `field[i]` (`naming`)."""
+    prepared = []
+    for i, item in enumerate(items):
+        with naming(f"{field}[{i}]"):
+            prepared.append(prepare(item))
+    return prepared
 
 
 def text_volume(value: Any) -> int:
@@ -335,19 +345,15 @@ class InputPreparer:
         more variables for the template)."""
         if messages is not None:
             self._require_template(field)
-            prompts = []
-            for i, conv in enumerate(messages):
-                with naming(f"{field}[{i}]"):
-                    prompts.append(
-                        self.template(plain_messages(conv), generation_prompt=True, options=options)
-                    )
-            return prompts
+            return each_named(
+                field,
+                messages,
+                lambda conv: self.template(
+                    plain_messages(conv), generation_prompt=True, options=options
+                ),
+            )
         if text is not None:
-            prompts = []
-            for i, t in enumerate(text):
-                with naming(f"{field}[{i}]"):
-                    prompts.append(Prepared(ids=self.encode(t), text=t))
-            return prompts
+            return each_named(field, text, lambda t: Prepared(ids=self.encode(t), text=t))
         return [Prepared(ids=list(seq)) for seq in tokens]
 
     def checked_prompts(self, request: Any, field: str, *, max_new_tokens: int) -> list[Prepared]:
@@ -368,21 +374,20 @@ class InputPreparer:
         if request.messages is not None:
             self._require_template(field)
             options = template_kwargs(getattr(request, "chat_template_kwargs", None))
-            scored = []
-            for i, conv in enumerate(request.messages):
-                with naming(f"{field}[{i}]"):
-                    scored.append(self._scored_conversation(plain_messages(conv), options))
-            return scored
+            return each_named(
+                field,
+                request.messages,
+                lambda conv: self._scored_conversation(plain_messages(conv), options),
+            )
         if request.prompt_text is not None:
-            split = []
-            pairs = zip(request.prompt_text, request.response_text, strict=True)
-            for i, (p, r) in enumerate(pairs):
-                with naming(f"prompt_text[{i}]"):
-                    prompt = self.encode(p)
-                with naming(f"response_text[{i}]"):
-                    response = self.encode(r, special=False)
-                split.append(self._split(prompt, response, prompt_text=p))
-            return split
+            prompts = each_named("prompt_text", request.prompt_text, self.encode)
+            responses = each_named(
+                "response_text", request.response_text, lambda r: self.encode(r, special=False)
+            )
+            return [
+                self._split(prompt, response, prompt_text=p)
+                for prompt, response, p in zip(prompts, responses, request.prompt_text, strict=True)
+            ]
         if request.prompt_tokens is not None:
             return [
                 self._split(list(p), list(r))

@@ -66,11 +66,9 @@ def policy_side(registry: ModelRegistry, model: str | None, field: str = "model"
     of one, or of the policy: `ModelRegistry.get`), as itself."""
     if model is None or registry.canonical(model) == "policy":
         return "policy"
-    if registry.serves(model) and registry.canonical(model) is None:
+    if registry.canonical(model) is None:  # an adapter, NAME@VERSION, or a 404 (503 loading)
         served = registry.get(model, field)
         return "policy" if served.name == "policy" else model
-    if registry.canonical(model) is None and not registry.serves(model):
-        registry.get(model, field)  # (503 while loading; then 404: nothing is served so)
     names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
     adapters = f", adapters {sorted(registry.adapters)}" if registry.adapters else ""
     raise invalid(field, f"'{model}' does not name the policy (served as {names}{adapters})")

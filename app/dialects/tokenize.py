@@ -15,7 +15,7 @@ from app.common.dialect_models import (
     warn_ignored,
 )
 from app.common.failures import invalid
-from app.common.inputs import naming, text_volume
+from app.common.inputs import each_named, naming, text_volume
 from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
     TokenId,
@@ -115,12 +115,13 @@ def _tokenize(generation: GenerationService, request: TokenizeRequest) -> Tokeni
             ids = preparer.encode(prepared.text, special=True)
         rows = [ids]
     else:
-        texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt or []
         special = request.add_special_tokens is not False
-        rows = []
-        for i, text in enumerate(texts):
-            with naming("prompt" if isinstance(request.prompt, str) else f"prompt[{i}]"):
-                rows.append(preparer.encode(text, special=special))
+        if isinstance(request.prompt, str):
+            with naming("prompt"):
+                rows = [preparer.encode(request.prompt, special=special)]
+        else:
+            texts = request.prompt or []
+            rows = each_named("prompt", texts, lambda t: preparer.encode(t, special=special))
     strs = None
     if request.return_token_strs:
         strs = [list(preparer.tokenizer.convert_ids_to_tokens(ids)) for ids in rows]

@@ -217,9 +217,8 @@ class TransferService:
         the background, so a trainer waiting there as rank 0 beside its request goes on to
         read the refusal instead of waiting out its own timeout."""
         connection = join.connection
-        if connection.transport == "auto":
-            device = self.registry.models[join.model].backend.info.device
-            connection = replace(connection, transport="nccl" if "cuda" in device else "gloo")
+        if connection.transport == "auto":  # (as the join would have resolved it)
+            connection = replace(connection, transport=self._transport(join))
         if not stands_in(connection):
             return
         connection = replace(connection, listen_grace_s=self.listen_grace_s)

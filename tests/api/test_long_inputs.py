@@ -1,6 +1,7 @@
 """A text too long for the model is refused by its length before any tokenizer sees it, on
 every route that tokenizes, naming its field; and one request's tokenizing never queues the
-short requests behind it (the tokenizer's lane runs the cheapest waiting call first)."""
+short requests behind it (the tokenizer's lane runs the cheapest waiting call first:
+tests/engine/test_lane.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 
-from app.common.lane import Lane
 from app.config import Settings
 from tests.conftest import served_app
 
@@ -149,28 +149,3 @@ async def test_a_long_request_waiting_to_tokenize_does_not_hold_up_a_short_one(
         preparer.tokenizer = watcher._tokenizer
     assert [a.status_code for a in answers] == [200, 200]
     assert watcher.calls == [1] + [len(longest)] * 8, watcher.calls
-
-
-def test_a_lane_by_cost_runs_the_cheapest_waiting_call_first_and_stops_last() -> None:
-    async def main() -> list[str]:
-        lane = Lane("test", by_cost=True)
-        ran: list[str] = []
-        busy, release = threading.Event(), threading.Event()
-
-        def occupy() -> None:
-            busy.set()
-            release.wait(10)
-
-        held = asyncio.ensure_future(lane.run(occupy))
-        await asyncio.to_thread(busy.wait, 10)
-        calls = [
-            asyncio.ensure_future(lane.run(ran.append, name, cost=cost))
-            for name, cost in (("five", 5), ("one", 1), ("three", 3), ("one again", 1))
-        ]
-        await asyncio.sleep(0.05)
-        release.set()
-        await asyncio.gather(held, *calls)
-        lane.close(wait=True)
-        return ran
-
-    assert asyncio.run(main()) == ["one", "one again", "three", "five"]

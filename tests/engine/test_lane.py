@@ -86,3 +86,25 @@ async def test_a_lane_nobody_closed_stops_its_thread_when_it_is_collected() -> N
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()
+
+
+async def test_a_lane_by_cost_runs_the_cheapest_waiting_call_first_and_stops_last() -> None:
+    lane = Lane("test-lane", by_cost=True)
+    ran: list[str] = []
+    busy, release = threading.Event(), threading.Event()
+
+    def occupy() -> None:
+        busy.set()
+        release.wait(10)
+
+    held = asyncio.ensure_future(lane.run(occupy))
+    await asyncio.to_thread(busy.wait, 10)
+    calls = [
+        asyncio.ensure_future(lane.run(ran.append, name, cost=cost))
+        for name, cost in (("five", 5), ("one", 1), ("three", 3), ("one again", 1))
+    ]
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.gather(held, *calls)
+    lane.close(wait=True)
+    assert ran == ["one", "one again", "three", "five"]

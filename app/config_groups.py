@@ -366,6 +366,14 @@ class LimitSettings(Group):
         "nothing. Generations a keep-mode pause froze mid-way are not refused: they go on "
         "at the resume.",
     )
+    version_wait_s: float = Field(
+        default=0,
+        ge=0,
+        le=3600,
+        description="How long a request that pins a later policy version than the one served "
+        "(X-Min-Policy-Version, X-Policy-Version) waits for it; past it (at once, by "
+        "default) it is refused with 409 and Retry-After, having started nothing.",
+    )
 
     @model_validator(mode="after")
     def _check_default(self) -> LimitSettings:

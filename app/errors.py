@@ -29,6 +29,8 @@ from app.common.failures import (
     TimedOut,
     TooLarge,
     Unsupported,
+    VersionBehind,
+    VersionPassed,
 )
 
 
@@ -79,6 +81,8 @@ FAILURES: dict[type[Failure], ErrorKind] = {
     NotFound: ErrorKind(404, "not_found_error"),
     Forbidden: ErrorKind(403, "permission_error"),
     Superseded: ErrorKind(409, "conflict_error", {"Retry-After": "0"}),
+    VersionBehind: ErrorKind(409, "version_error", {"Retry-After": "1"}),
+    VersionPassed: ErrorKind(409, "version_error"),
     Conflict: ErrorKind(409, "conflict_error"),
     TooLarge: ErrorKind(413, "request_too_large"),
     QuotaExceeded: ErrorKind(429, "rate_limit_error", {"Retry-After": "5"}),
@@ -105,6 +109,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (400, "Malformed request (e.g. control characters in the path)"),
         (401, "Missing or invalid API key (when RLSERVE_AUTH__API_KEYS is set)"),
         (404, "Unknown model name (or another thing the request names)"),
+        (
+            409,
+            "The policy version the request pins (X-Min-Policy-Version, X-Policy-Version) is "
+            "not served: retry it when Retry-After says so",
+        ),
         (413, "Request too large"),
         (422, "Invalid request"),
         (500, "Internal error"),

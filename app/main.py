@@ -55,6 +55,7 @@ from app.ops.context import RequestContextMiddleware
 from app.ops.limits import BodyLimitMiddleware
 from app.ops.metrics import Metrics
 from app.ops.router import router as ops_router
+from app.ops.versions import VersionPinMiddleware
 from app.rewards.judges import Judges
 from app.rewards.router import router as rewards_router
 from app.rewards.service import RewardService
@@ -194,6 +195,7 @@ def create_app(
             state_dir=data_dir / "vllm-weights",
             invariant=settings.batching.invariant,
             paused_wait_s=settings.limits.paused_wait_s,
+            version_wait_s=settings.limits.version_wait_s,
         )
         app.state.registry = registry
         app.state.probe = EngineProbe(
@@ -278,7 +280,9 @@ def create_app(
     )
     routes = [route for router in routers for route in router.routes]
     app.state.routes = routes  # flat, with each route's declared policy (app.ops.access)
-    # Added innermost first: the request context wraps auth, which wraps the body limit.
+    # Added innermost first: the request context wraps auth, which wraps the body limit,
+    # which wraps the version pins.
+    app.add_middleware(VersionPinMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.http.max_body_bytes)
     app.add_middleware(AuthMiddleware, settings=settings.auth)
     app.add_middleware(

@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 # Newer typing-extensions and anyio than such an image may hold, too.
 WHEELS=(fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv
   typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions anyio
-  uvicorn siphashc gguf
+  uvicorn siphashc gguf zstandard xxhash
   # --trainers: the test runner and what the tests import
   pytest pytest-asyncio pytest-timeout pluggy iniconfig peft)
 

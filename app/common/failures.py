@@ -57,6 +57,15 @@ class Superseded(Conflict):
     same request with the same Idempotency-Key may be sent again."""
 
 
+class VersionBehind(Conflict):
+    """The request pins a policy version later than the one served: nothing was started, and
+    it may be sent again (another replica, or this one after its next update, may serve it)."""
+
+
+class VersionPassed(Conflict):
+    """The request pins a policy version this server served before: it never comes back."""
+
+
 class TooLarge(Failure):
     """The request asks for more than the server's limits allow in one call."""
 

@@ -251,6 +251,10 @@ class ReplicatedWeights:
         shipment = await files.ship_checkpoint(path, put, self.chunk_bytes, param=param)
         return await self._update(shipment, model, publish, param)
 
+    async def pull_published(self, local: str, source: str, target: int) -> int:
+        """Here alone: the update that loads it ships it to every replica."""
+        return await self.local.pull_published(local, source, target)
+
     async def restore(self, model: str, publish: Publish) -> Applied:
         """Read here from where the model started, shipped to every replica."""
         path = await self.local.files.origin(model)

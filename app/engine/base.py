@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -42,6 +42,9 @@ class Capabilities:
     batches nothing across calls (batch-invariant mode runs each row in a call of its own)."""
     adapters: bool = False
     """Serves LoRA adapters (`Backend.build_adapter`), rows of several in one call."""
+    weight_deltas: bool = False
+    """Shows its live tensors and takes tensors by name (`Backend.served_tensor`,
+    `write_tensors`): updates may be deltas of the served weights (`app.weights.delta`)."""
     routed_experts: bool = False
     """A mixture-of-experts model whose routing it records (`SamplingConfig.
     return_routed_experts`) and replays (`ScoreSpec.routed_experts`): `Backend.routing`."""
@@ -90,6 +93,22 @@ class Backend(ABC):
     async def update_weights(self, files: list[Path]) -> None:
         """Copy the tensors of checked safetensors files into the live model."""
         raise NotImplementedError(f"{type(self).__name__} cannot update weights")
+
+    def served_tensor(self, name: str) -> torch.Tensor | None:
+        """The live tensor a checkpoint names `name` (read, never written, by the caller);
+        None when this engine cannot show its weights (then deltas and digests are not
+        offered: `app.weights.delta`)."""
+        return None
+
+    async def write_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy checked tensors (by checkpoint name) into the live model."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write tensors")
+
+    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str] | None:
+        """The checksums (`rlserve_client.weight_delta.DIGEST`) of the model's own tensors
+        (its `state_dict()` names; of `names` alone when given), or None when this engine
+        cannot show its weights. Called off the event loop."""
+        return None
 
     async def build_adapter(
         self,

@@ -35,9 +35,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-from app.common.failures import Conflict, Paused, invalid
+from app.common.failures import Conflict, Paused, VersionBehind, VersionPassed, invalid
+from app.engine import pins
 from app.engine.abandon import unless_set
 from app.engine.base import Backend
+from app.engine.pins import PIN_EXACT, PIN_MINIMUM
 from app.engine.types import MAX_VERSION
 
 PauseMode = Literal["wait", "abort", "keep"]
@@ -186,7 +188,11 @@ def resolve_version(
 
 class ServingGate(Admission[WorkKind]):
     def __init__(
-        self, backends: Callable[[], Mapping[str, Backend]], *, paused_wait_s: float | None = None
+        self,
+        backends: Callable[[], Mapping[str, Backend]],
+        *,
+        paused_wait_s: float | None = None,
+        version_wait_s: float = 0.0,
     ) -> None:
         """`paused_wait_s`: how long a request may wait for a paused gate (None: no limit)."""
         super().__init__("serving", paused_wait_s=paused_wait_s)
@@ -196,15 +202,56 @@ class ServingGate(Admission[WorkKind]):
         self._backends = backends
         self._by: Literal["request", "update"] | None = None
         self._aborting = asyncio.Event()  # set while an abort pause holds
+        self._version_changed = asyncio.Condition()
+        self.version_wait_s = version_wait_s
+        """How long a request pinned to a later version waits for it."""
 
     # -- requests ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def admitted(self, kind: WorkKind) -> AsyncIterator[int]:
         """Hold a place for one request's model work; yields the policy version it starts on.
-        Scoring never spans an update; a generation may (its tokens carry their versions)."""
+        Scoring never spans an update; a generation may (its tokens carry their versions). A
+        request that pins the version (`app.engine.pins`) is admitted only at a version that
+        fits: it waits for one at most `version_wait_s`, then is refused (retryable)."""
+        noted = pins.REQUEST.get()
+        if noted is not None:
+            await self._pinned(noted.pin)
         async with self._entered(kind):
-            yield self.versions["policy"]
+            version = self.versions["policy"]
+            if noted is not None:
+                self._check_pin(noted.pin, version)
+                if noted.admitted is None:
+                    noted.admitted = version
+            yield version
+
+    async def _pinned(self, pin: pins.Pin) -> None:
+        """Until the served version fits `pin`, at most `version_wait_s`."""
+        async with self._version_changed:
+            try:
+                async with asyncio.timeout(self.version_wait_s):
+                    await self._version_changed.wait_for(
+                        lambda: not pin.waits_for(self.versions["policy"])
+                    )
+            except TimeoutError:
+                pass
+        self._check_pin(pin, self.versions["policy"])
+
+    def _check_pin(self, pin: pins.Pin, served: int) -> None:
+        if pin.passed(served):
+            raise VersionPassed(
+                f"{PIN_EXACT}: version {pin.exact} of the policy is no longer served (version "
+                f"{served} is); a request pinned to it cannot be answered",
+                param=PIN_EXACT,
+            )
+        if pin.waits_for(served):
+            header = PIN_EXACT if pin.exact is not None else PIN_MINIMUM
+            wanted = pin.exact if pin.exact is not None else pin.minimum
+            raise VersionBehind(
+                f"{header}: version {served} of the policy is served, below {wanted}; another "
+                "replica, or this one after its next update, may serve it: send it again",
+                param=header,
+            )
 
     async def unless_aborted(self, work: Awaitable[R]) -> R | None:
         """`work`, model work a generation does after its tokens (inside its `admitted`), or
@@ -318,6 +365,8 @@ class ServingGate(Admission[WorkKind]):
                 if lineage_named is not None:
                     self._open_lineage(name, new, lineage_named)
                 await self._backends()[name].set_version(new)
+                async with self._version_changed:
+                    self._version_changed.notify_all()
             finally:
                 if paused_here:
                     await self._resume()

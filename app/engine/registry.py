@@ -18,6 +18,7 @@ from app.common.inputs import InputPreparer
 from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.base import Backend
+from app.engine.digests import Digests
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import checkpoint_dtype, load_backend, resolve_model, resolve_source
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
@@ -65,6 +66,7 @@ class ModelRegistry:
         state_dir: Path,
         invariant: bool = False,
         paused_wait_s: float | None = None,
+        version_wait_s: float = 0.0,
     ) -> None:
         self.model_settings = models
         self.vllm = vllm
@@ -88,11 +90,14 @@ class ModelRegistry:
         self.adapter_gates: dict[str, AdapterGate] = {}
         """Each served adapter's own pause (`app.engine.adapter_gate`). Who may change an
         adapter, and its versions' numbering, are `app.updates.adapters`' rules."""
+        self.digests = Digests()
+        """Each model's weight digest (`app.engine.digests`), kept with its version."""
         self.paused_wait_s = paused_wait_s
         """How long a request waits for a paused model or adapter (None: no limit)."""
         self.gate = ServingGate(
             lambda: {name: m.backend for name, m in self.models.items()},
             paused_wait_s=paused_wait_s,
+            version_wait_s=version_wait_s,
         )
 
     @property
@@ -187,6 +192,8 @@ class ModelRegistry:
             if self.invariant:
                 for served in self.models.values():
                     check_batch_invariant(served, "batching.invariant")
+            for name, served in self.models.items():
+                await self.digests.record_all(name, served.backend)
             self.status, self.loaded_at = "ready", time.time()
             logger.info(
                 "loaded %s", "; ".join(m.backend.info.summary() for m in self.models.values())

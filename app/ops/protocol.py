@@ -36,6 +36,13 @@ class ReadyResponse(WireModel):
         description="The policy's current lineage: a trainer that counts its versions again "
         "from below the served one (restarted from a checkpoint) opens the next.",
     )
+    digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="Each served model's weight digest (of its tensors' checksums), for the "
+        "version it serves: a trainer compares it with rlserve_client.weight_delta."
+        "weights_digest of its own weights. A model whose engine cannot show its weights "
+        "(vLLM) is absent.",
+    )
 
 
 class ModelCard(containers.ModelCard, WireModel):

@@ -72,6 +72,7 @@ async def ready(registry: RegistryDep, probe: ProbeDep) -> ReadyResponse:
         lineage=Lineage(
             number=lineage.number, since_version=lineage.since, trainer_version=lineage.named
         ),
+        digests=registry.digests.all(),
     )
 
 

@@ -46,6 +46,10 @@ class WeightsControl(Protocol):
         """Apply a checkpoint from a path the server can read, whole or not at all; `param`
         names the request field the path came from."""
 
+    async def pull_published(self, local: str, source: str, target: int) -> int:
+        """Bring the local checkpoint `local` to version `target` of those published under
+        `source` (`app.weights.published`), without touching serving; the version it holds."""
+
     async def restore(self, model: str, publish: Publish) -> Applied:
         """Serve again the weights the model started with (read from where they came from),
         as a new version."""

@@ -68,6 +68,9 @@ class LocalWeights:
     ) -> Applied:
         return await self.files.load(path, model, publish, param=param)
 
+    async def pull_published(self, local: str, source: str, target: int) -> int:
+        return await self.files.pull(Path(local), Path(source), target)
+
     async def restore(self, model: str, publish: Publish) -> Applied:
         path = await self.files.origin(model)
         return await self.load(str(path), model, publish)

@@ -21,10 +21,13 @@ def updated(
     paused: float,
     start: float,
     adapter: LoraAdapter | None = None,
+    *,
+    digest: str | None = None,
 ) -> Applied:
     """The answer to a committed update of `model`; `version` is the one it published, and
     `versions` the served ones (the others' stay as they are). With `adapter`, the update
-    served that adapter's new version, and every model keeps its own."""
+    served that adapter's new version, and every model keeps its own. `digest`: the weights'
+    digest `model` serves after it."""
     if adapter is None:
         logger.info(
             "loaded %d tensors (%d bytes) into %s as version %d; serving paused %.3f s",
@@ -52,4 +55,5 @@ def updated(
         paused_s=paused,
         total_s=time.perf_counter() - start,
         adapter=AdapterVersion(adapter.name, adapter.version) if adapter is not None else None,
+        digest=digest,
     )

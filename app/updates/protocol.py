@@ -92,6 +92,17 @@ class WeightsUpdated(WireModel):
         "is its new version, and the model's versions are as they were).",
     )
     adapter_version: int | None = None
+    digest: str | None = Field(
+        default=None,
+        description="The digest of the model's weights after the update (of its tensors' "
+        "checksums: rlserve_client.weight_delta.weights_digest computes it from a trainer's "
+        "own); null when the engine cannot show its weights (vLLM).",
+    )
+    sent_bytes: int | None = Field(
+        default=None,
+        description="For a delta: the bytes its compressed changes took, against num_bytes "
+        "of tensors it rebuilt.",
+    )
 
     @classmethod
     def of(cls, applied: Applied) -> WeightsUpdated:
@@ -106,6 +117,8 @@ class WeightsUpdated(WireModel):
             total_seconds=applied.total_s,
             adapter=adapter.name if adapter is not None else None,
             adapter_version=adapter.version if adapter is not None else None,
+            digest=applied.digest,
+            sent_bytes=applied.sent_bytes,
         )
 
 

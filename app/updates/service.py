@@ -11,16 +11,20 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.common.failures import Conflict, Malformed, TooLarge
+import torch
+from rlserve_client.weight_delta import DIGEST, DeltaHeader
+
+from app.common.failures import Conflict, Failure, Malformed, TooLarge, Unsupported, invalid
 from app.config_groups import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.updates.origin import origin_checkpoint
 from app.updates.outcome import updated
 from app.updates.types import Applied, Publish
+from app.weights import published
 from app.weights.checkpoint import (
     check_finite,
     check_layout,
@@ -29,6 +33,7 @@ from app.weights.checkpoint import (
     read_layout,
     snapshot,
 )
+from app.weights.delta import check_base, is_delta_file, is_delta_folder, read_delta, stage
 from app.weights.shipment import CHUNK_BYTES, Put, Shipment, ship
 
 T = TypeVar("T")
@@ -49,6 +54,7 @@ class Checked:
     """A checkpoint that passed every check and may be applied."""
 
     files: list[Path]
+    names: list[str]
     num_tensors: int
     num_bytes: int
 
@@ -74,7 +80,10 @@ class WeightsService:
     ) -> Applied:
         """Load a checkpoint the server can read (request field `param`). By default from a
         private snapshot taken first, so a checkpoint rewritten during the load is applied
-        whole or not at all."""
+        whole or not at all. A delta (a folder or file `app.weights.delta` reads as one) is
+        rebuilt from the served weights."""
+        if await self._file_work(_is_delta, Path(path), param=param):
+            return await self._apply_delta(Path(path), model, publish, param)
         files = await self._file_work(checkpoint_files, Path(path), param, param=param)
         if not self.settings.snapshot_loads:
             return await self._apply(files, model, param, publish)
@@ -93,6 +102,17 @@ class WeightsService:
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
+
+    async def pull(self, local: Path, source: Path, target: int, model: str = "policy") -> int:
+        """Bring the local checkpoint `local` to version `target` of those published under
+        `source` (`app.weights.published`; version 0 is `model`'s starting checkpoint); the
+        server then loads it as any checkpoint. Serving is not touched."""
+        try:
+            base: Path | str = await self.origin(model)
+        except Failure as exc:  # (needed only when no full version is published)
+            base = exc.message
+        work = published.pull
+        return await self._file_work(work, local, base, source, target, param="source_dir")
 
     async def origin(self, model: str) -> Path:
         """The checkpoint `model` started from, unchanged since (POST /v1/weights/restore)."""
@@ -126,6 +146,8 @@ class WeightsService:
     ) -> Applied:
         """Stream the body to a file on disk, then apply it."""
         async with self.received(chunks, self.upload_limit(), size) as path:
+            if await self._file_work(is_delta_file, path, param="body"):
+                return await self._apply_delta(path, model, publish, "body")
             return await self._apply([path], model, "body", publish)
 
     def upload_limit(self) -> Limit:
@@ -198,7 +220,7 @@ class WeightsService:
             check_layout(update, expected)
         served.backend.check_update(set(update), param)
         await self._file_work(check_finite, files, param, param=param)
-        return Checked(files, len(update), sum(f.stat().st_size for f in files))
+        return Checked(files, list(update), len(update), sum(f.stat().st_size for f in files))
 
     async def _commit(self, checked: Checked, model: str, publish: Publish) -> Applied:
         start = time.perf_counter()
@@ -208,11 +230,71 @@ class WeightsService:
         ):
             paused_at = time.perf_counter()
             await target.backend.update_weights(checked.files)
+            await self.registry.digests.record(model, target.backend, checked.names)
             paused = time.perf_counter() - paused_at
         versions = self.registry.versions
         return updated(
-            versions, model, version, checked.num_tensors, checked.num_bytes, paused, start
+            versions,
+            model,
+            version,
+            checked.num_tensors,
+            checked.num_bytes,
+            paused,
+            start,
+            digest=self.registry.digests.of(model),
         )
+
+    # -- deltas of the served weights (app.weights.delta) ------------------------------------
+
+    async def _apply_delta(self, path: Path, model: str, publish: Publish, param: str) -> Applied:
+        """Rebuild a delta's tensors from the served ones while serving goes on, check each
+        against its checksum, then swap them in under `publish`'s pause; refused whole (the
+        served weights untouched) at the first problem."""
+        start = time.perf_counter()
+        delta = await self._file_work(read_delta, path, param, param=param)
+        served = self.registry.get(model)
+        backend = served.backend
+        if not backend.capabilities.weight_deltas:
+            raise Unsupported(
+                f"{param}: the {backend.info.backend} engine takes full weights only (a delta "
+                "is rebuilt from the served tensors, which it does not show)",
+                param=param,
+            )
+        publish = _delta_publish(delta.header, publish, param)
+        base = self.registry.versions[model]
+        check_base(delta, base, self.registry.digests.of(model))
+        layout = backend.weight_layout() or {}
+
+        def tensor(name: str) -> torch.Tensor:
+            found = backend.served_tensor(name)
+            if found is None:
+                raise invalid(param, f"unknown parameter '{name}' (not in the served model)")
+            return found
+
+        staged = await self._file_work(stage, delta, layout, tensor, base, param=param)
+        async with self.registry.writing(model, **publish.gate()) as (target, version):
+            if self.registry.versions[model] != base:  # another update came first
+                raise Conflict(
+                    f"{param}: version {self.registry.versions[model]} was committed while the "
+                    f"delta of version {base} was staged; nothing was applied",
+                    param=param,
+                )
+            paused_at = time.perf_counter()
+            await target.backend.write_tensors(staged.tensors)
+            known = staged.checksums if delta.header.checksum_format == DIGEST else None
+            await self.registry.digests.record(model, target.backend, staged.tensors, known)
+            paused = time.perf_counter() - paused_at
+        applied = updated(
+            self.registry.versions,
+            model,
+            version,
+            len(staged.tensors),
+            staged.num_bytes,
+            paused,
+            start,
+            digest=self.registry.digests.of(model),
+        )
+        return replace(applied, sent_bytes=staged.compressed_bytes)
 
     # -- one update over several replicas (app.deploy.replicated): stage, then commit or abort
 
@@ -259,6 +341,22 @@ class WeightsService:
         update_id = f"adopt-{model}-{version}"
         await self.stage(update_id, shipment, model, "path")
         return await self.commit_staged(update_id, model, Publish(version=version))
+
+
+def _is_delta(path: Path) -> bool:
+    return is_delta_folder(path) if path.is_dir() else path.is_file() and is_delta_file(path)
+
+
+def _delta_publish(header: DeltaHeader, publish: Publish, param: str) -> Publish:
+    """The version a delta is served as: the request's, or the one the delta names."""
+    if header.version is None or publish.version == header.version:
+        return publish
+    if publish.version is None:
+        return replace(publish, version=header.version)
+    raise invalid(
+        "version",
+        f"the request names version {publish.version}, the delta ({param}) {header.version}",
+    )
 
 
 def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:

@@ -456,9 +456,14 @@ class TransferService:
         self, link: _Link, engine: WeightTransfer, model: str, publish: Publish
     ) -> Applied:
         try:
-            async with self.registry.writing(model, **publish.gate()) as (_, version):
+            async with self.registry.writing(model, **publish.gate()) as (target, version):
                 paused_at = time.perf_counter()
                 await engine.commit(version)
+                names = [t.name for p in link.announced for t in p.tensors]
+                if any(p.in_band for p in link.announced):  # (named over the group)
+                    await self.registry.digests.record_all(model, target.backend)
+                else:
+                    await self.registry.digests.record(model, target.backend, names)
                 paused = time.perf_counter() - paused_at
         except BaseException as exc:
             await self._drop(link, engine, exc)
@@ -473,6 +478,7 @@ class TransferService:
             sum(p.nbytes for p in plans),
             paused,
             link.started_at,
+            digest=self.registry.digests.of(model),
         )
 
     async def abort(self, model: str) -> TransferStatus:

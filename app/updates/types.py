@@ -98,6 +98,10 @@ class Applied:
     total_s: float
     adapter: AdapterVersion | None = None
     """The LoRA adapter whose next version the update served, if it was one's."""
+    digest: str | None = None
+    """The digest of the model's weights after it (None: its engine cannot show them)."""
+    sent_bytes: int | None = None
+    """For a delta: the bytes its changes took (compressed), against `num_bytes` rebuilt."""
 
 
 @dataclass(frozen=True)

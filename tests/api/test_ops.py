@@ -5,21 +5,30 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from rlserve_client.weight_delta import weights_digest
 
 from app.config import Settings
 from app.main import create_app
 
 
-async def test_health_ready_models(client, model_dir, backend_name):
+async def test_health_ready_models(client, model_dir, backend_name, hf_model):
     assert (await client.get("/health")).json() == {"status": "ok", "model_status": "ready"}
     assert (await client.get("/live")).json() == {"status": "ok", "model_status": "ready"}
-    assert (await client.get("/ready")).json() == {
+    ready = (await client.get("/ready")).json()
+    digests = ready.pop("digests")
+    assert ready == {
         "ready": True,
         "policy_version": 0,
         "paused": False,
         "pause_mode": None,
         "lineage": {"number": 0, "since_version": 0, "trainer_version": None},
     }
+    # Each model's digest is its checkpoint's own (vLLM's engine shows no weights: none).
+    if backend_name == "transformers":
+        own = weights_digest(hf_model.state_dict())
+        assert digests == {"policy": own, "reference": own}
+    else:
+        assert digests == {}
     body = (await client.get("/v1/models")).json()
     card, reference = body["models"]
     assert (card["name"], reference["name"]) == ("policy", "reference")

@@ -28,6 +28,7 @@ from app.common.protocol import (
     stop_list,
 )
 from app.common.sampling import SamplingAsk
+from app.engine.types import MAX_VERSION
 from app.weights.transport import Transport
 
 TokenIds = list[TokenId]
@@ -404,6 +405,20 @@ class UpdateWeightsFromDisk(DialectModel):
 
 class DiskUpdated(Success):
     num_paused_requests: int = 0
+
+
+class PullWeights(DialectModel):
+    """slime's SGLang patch's /pull_weights body (`PullWeightsReqInput`)."""
+
+    local_checkpoint_dir: ServerPath = Field(
+        description="The host-local checkpoint the pulled version lands in (the server "
+        "writes it; seeded from the model's own checkpoint, or a full published version)."
+    )
+    source_dir: ServerPath = Field(
+        description="Where the trainer publishes its versions, weight_v{N:06d}: each a full "
+        "checkpoint or a delta of the one before."
+    )
+    target_version: int = Field(ge=0, le=MAX_VERSION)
 
 
 class LoadLoRAAdapter(DialectModel):

@@ -35,6 +35,7 @@ from app.dialects.sglang.protocol import (
     LoRAUpdated,
     ModelInfo,
     PauseGeneration,
+    PullWeights,
     StatusMessage,
     Success,
     UnloadLoRAAdapter,
@@ -292,6 +293,24 @@ async def update_weights_from_disk(
     applied = await weights.load(body.model_path, "policy", publish, param="model_path")
     version = common.label(registry, applied.versions.policy)
     return DiskUpdated(message=f"Succeeded to update model weights. Weight version {version}.")
+
+
+@router.post(
+    "/pull_weights",
+    responses=WEIGHTS_ERROR_RESPONSES,
+    response_model=Success,
+    summary="Pull published weights to a local checkpoint (slime's SGLang patch)",
+    openapi_extra=ADMIN,
+)
+async def pull_weights(body: PullWeights, weights: WeightsDep) -> Success:
+    """slime's disk delta mode: bring `local_checkpoint_dir` to `target_version` of the
+    versions published under `source_dir` (full checkpoints, or deltas checked tensor by
+    tensor against their checksums), leaving it as it was when any check fails; serving is
+    untouched until `/update_weights_from_disk` loads it."""
+    held = await weights.pull_published(
+        body.local_checkpoint_dir, body.source_dir, body.target_version
+    )
+    return Success(message=f"Success. The local checkpoint holds version {held}.")
 
 
 @router.post(

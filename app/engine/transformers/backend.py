@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from rlserve_client.moe import Routing
+from rlserve_client.weight_delta import tensor_checksum
 
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.transformers import decode as hf_decode
@@ -43,7 +44,11 @@ def resolve_device(device: str) -> torch.device:
 
 class TransformersBackend(Backend):
     capabilities = Capabilities(
-        weight_transfer=True, processed_log_probs=True, batch_invariant=True, adapters=True
+        weight_transfer=True,
+        processed_log_probs=True,
+        batch_invariant=True,
+        adapters=True,
+        weight_deltas=True,
     )
 
     def __init__(
@@ -214,6 +219,17 @@ class TransformersBackend(Backend):
     async def update_weights(self, files: list[Path]) -> None:
         await asyncio.to_thread(copy_into, checkpoint_views(self.model), files)
 
+    def served_tensor(self, name: str) -> torch.Tensor | None:
+        return checkpoint_views(self.model).get(name)
+
+    async def write_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        await asyncio.to_thread(_write_into, checkpoint_views(self.model), tensors)
+
+    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str] | None:
+        state = self.model.state_dict()
+        wanted = state if names is None else {n: state[n] for n in names if n in state}
+        return {name: tensor_checksum(t) for name, t in wanted.items()}
+
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
             in_place = self.compiled is not None and self.compiled.graphs
@@ -289,6 +305,12 @@ def _own_memory(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             tensor.data = tensor.data.clone()
+
+
+def _write_into(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
 
 
 def _pad_id(tokenizer: Any, model: Any) -> int:

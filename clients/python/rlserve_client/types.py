@@ -270,6 +270,8 @@ class Health(Result):
 class Ready(Result):
     ready: bool
     policy_version: int
+    digests: dict[str, str] = Field(default_factory=dict)
+    """Each model's weight digest (`weight_delta.weights_digest` of the weights served)."""
 
 
 class ModelCard(Result):
@@ -335,6 +337,10 @@ class WeightsUpdated(WeightsVersion):
     adapter: str | None = None
     """The LoRA adapter the update pushed (`WeightSync.send_adapter`), and its new version."""
     adapter_version: int | None = None
+    digest: str | None = None
+    """The model's weight digest after the update (None: its engine cannot show it)."""
+    sent_bytes: int | None = None
+    """For a delta: the bytes of its compressed changes (against `num_bytes` rebuilt)."""
 
 
 class ServingState(Result):

@@ -1,0 +1,57 @@
+"""Each served model's weight digest: the checksum of its tensors' checksums
+(`rlserve_client.weight_delta.digest`), so a trainer can check that the weights served are its
+own, not only that a version number went up. Kept per tensor, so an update re-hashes only what
+it changed (a delta's tensors come with checksums already checked)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+
+from rlserve_client.weight_delta import digest
+
+from app.engine.base import Backend
+
+
+class Digests:
+    def __init__(self) -> None:
+        self._checksums: dict[str, dict[str, str]] = {}
+        self._digests: dict[str, str] = {}
+
+    def of(self, name: str) -> str | None:
+        """`name`'s digest; None when its engine cannot show its weights (vLLM's)."""
+        return self._digests.get(name)
+
+    def all(self) -> dict[str, str]:
+        return dict(self._digests)
+
+    async def record_all(self, name: str, backend: Backend) -> None:
+        """Hash every tensor of `name` (at start)."""
+        checksums = await asyncio.to_thread(backend.weight_checksums)
+        if checksums is not None:
+            self._set(name, checksums)
+
+    async def record(
+        self,
+        name: str,
+        backend: Backend,
+        changed: Iterable[str],
+        known: Mapping[str, str] | None = None,
+    ) -> None:
+        """`changed` tensors of `name` were just written (while serving is paused): hash them,
+        taking `known` checksums (checked already) as they are. A name the model's own
+        tensors do not have (a fused expert's part) re-hashes the whole model."""
+        table = self._checksums.get(name)
+        if table is None:
+            return
+        changed = set(changed)
+        known = dict(known or {})
+        if not changed <= table.keys():
+            await self.record_all(name, backend)
+            return
+        fresh = await asyncio.to_thread(backend.weight_checksums, changed - known.keys())
+        self._set(name, {**table, **(fresh or {}), **{n: known[n] for n in changed & known.keys()}})
+
+    def _set(self, name: str, checksums: dict[str, str]) -> None:
+        self._checksums[name] = checksums
+        self._digests[name] = digest(checksums)

@@ -1,0 +1,194 @@
+"""A local checkpoint kept up to date with published versions (slime's disk deltas, SGLang's
+`POST /pull_weights` as slime's SGLang patch defines it).
+
+A trainer publishes each version `N` as a folder `weight_v{N:06d}` under a shared source
+folder: a full checkpoint, or a delta of version N-1 (its index metadata names the encoding;
+`app.weights.delta` reads it). Pulling version N brings a host-local checkpoint to it: from
+the newest full version at or below N (version 0 is the model the server started from), or
+from the local checkpoint's own version when that is as new, then each delta in order. The
+server then loads the local checkpoint as any other (`update_weights_from_disk`).
+
+Unlike an in-place patch, each changed file is rebuilt beside the local one and verified
+(every tensor's checksum) before any file is replaced, so a bad delta leaves the local
+checkpoint as it was; a pull cut short while files were being replaced is noticed by the next
+pull, which rebuilds the checkpoint from its seed. Pulls on one host (replicas sharing the
+folder) are serialized by a file lock."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from rlserve_client import weight_delta as codec
+
+from app.common.failures import Conflict, Malformed, NotFound, invalid
+from app.weights.delta import is_delta_folder, read_delta
+
+SYNC = ".weight_sync"
+STATE = "state.json"
+REPLACING = "replacing"
+
+
+def version_folder(source: Path, version: int) -> Path:
+    return source / f"weight_v{version:06d}"
+
+
+def pull(local: Path, base: Path | str, source: Path, target: int) -> int:
+    """Bring `local` to version `target` of `source` (seeded from `base`, the served model's
+    own checkpoint, for version 0: or why there is none); the version it holds after. Raises
+    naming the fields of `/pull_weights`; the local checkpoint is never left part of one
+    version."""
+    local.mkdir(parents=True, exist_ok=True)
+    (local / SYNC).mkdir(exist_ok=True)
+    with _locked(local / SYNC / "lock"):
+        held = _held(local)
+        if (local / SYNC / REPLACING).exists():
+            held = None  # cut short while replacing files: rebuilt from its seed
+        if held is not None and held > target:
+            raise Conflict(
+                f"target_version: the local checkpoint holds version {held}, past {target}",
+                param="target_version",
+            )
+        floor = held if held is not None else 0
+        start = target
+        while start > floor and _is_delta(version_folder(source, start)):
+            start -= 1
+        if held is None or start > held:
+            if start == 0 and isinstance(base, str):
+                raise NotFound(
+                    f"source_dir: no full version at or below {target} is published, and the "
+                    f"model's own checkpoint cannot seed the local one ({base})",
+                    param="source_dir",
+                )
+            seed = base if start == 0 else version_folder(source, start)
+            assert isinstance(seed, Path)
+            _seed(seed, local, start)
+        else:
+            start = held
+        for version in range(start + 1, target + 1):
+            _apply(local, version_folder(source, version), version)
+        return target
+
+
+def _is_delta(folder: Path) -> bool:
+    if not folder.is_dir():
+        raise NotFound(f"source_dir: no published version {folder.name}", param="source_dir")
+    return is_delta_folder(folder)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _held(local: Path) -> int | None:
+    try:
+        return int(json.loads((local / SYNC / STATE).read_text())["version"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable: rebuilt from the seed
+
+
+def _write_held(local: Path, version: int) -> None:
+    tmp = local / SYNC / (STATE + ".tmp")
+    tmp.write_text(json.dumps({"version": f"{version:06d}"}))
+    os.replace(tmp, local / SYNC / STATE)
+
+
+def _seed(folder: Path, local: Path, version: int) -> None:
+    """`local` made a copy of the full checkpoint in `folder` (files it lacks removed)."""
+    if not folder.is_dir():
+        raise NotFound(f"source_dir: no checkpoint folder {folder}", param="source_dir")
+    (local / SYNC / REPLACING).touch()
+    files = [entry for entry in folder.iterdir() if entry.is_file()]
+    for entry in files:
+        shutil.copyfile(entry, local / (entry.name + ".part"))
+        os.replace(local / (entry.name + ".part"), local / entry.name)
+    names = {entry.name for entry in files}
+    for entry in local.iterdir():
+        if entry.is_file() and entry.name not in names:
+            entry.unlink()
+    _write_held(local, version)
+    (local / SYNC / REPLACING).unlink()
+
+
+def _locations(local: Path) -> dict[str, tuple[Path, int, int]]:
+    found: dict[str, tuple[Path, int, int]] = {}
+    for path in sorted(local.glob("*.safetensors")):
+        with path.open("rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = info["data_offsets"]
+                found[name] = (path, 8 + size + begin, end - begin)
+    return found
+
+
+def _apply(local: Path, folder: Path, version: int) -> None:
+    """One delta applied to copies of the files it changes; the copies replace the files only
+    once every tensor matched its checksum."""
+    param = "source_dir"
+    delta = read_delta(folder, param)
+    held = _held(local)
+    if delta.header.base_version != held:
+        raise Conflict(
+            f"{param}: {folder.name} builds on version {delta.header.base_version}, the local "
+            f"checkpoint holds {held}",
+            param=param,
+        )
+    if delta.header.version is not None and delta.header.version != version:
+        raise Malformed(
+            f"{param}: {folder.name} says it is version {delta.header.version}", param=param
+        )
+    locations = _locations(local)
+    copies: dict[Path, Path] = {}
+    try:
+        for part in delta.parts:
+            if part.name not in locations:
+                raise invalid(param, f"{folder.name} changes '{part.name}', which is not in it")
+            path, offset, size = locations[part.name]
+            if path not in copies:
+                copies[path] = path.with_name(path.name + ".next")
+                shutil.copyfile(path, copies[path])
+            with part.path.open("rb") as f:
+                f.seek(part.offset)
+                frame = f.read(part.size)
+            with copies[path].open("r+b") as handle, mmap.mmap(handle.fileno(), 0) as mapped:
+                region = np.ndarray((size,), dtype=np.uint8, buffer=mapped, offset=offset)
+                try:
+                    codec.apply(region, frame, part.encoding)
+                except ValueError as exc:
+                    message = f"{param}: {folder.name}, '{part.name}': {exc}"
+                    raise Malformed(message, param=param) from None
+                got = codec.checksum(region, delta.header.checksum_format)
+                del region
+            if got != part.checksum:
+                raise Conflict(
+                    f"{param}: {folder.name}: '{part.name}' does not rebuild to its checksum "
+                    f"({got}, not {part.checksum}); the local checkpoint stays at version {held}",
+                    param=param,
+                )
+        (local / SYNC / REPLACING).touch()
+        for path, copy in copies.items():
+            os.replace(copy, path)
+        copies.clear()
+        _write_held(local, version)
+        (local / SYNC / REPLACING).unlink()
+    finally:
+        for copy in copies.values():
+            copy.unlink(missing_ok=True)

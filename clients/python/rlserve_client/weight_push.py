@@ -1,0 +1,144 @@
+"""Weights pushed over HTTP as deltas: `WeightPusher` sends the first push whole, keeps what it
+sent (the server's base from then on) and sends each later push as the change from it
+(`weight_delta`), falling back to a whole push when the server serves something else (another
+trainer pushed, the server restarted). Needs the `[torch]` extra."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlserve_client._client import Client
+from rlserve_client._exceptions import ConflictError
+from rlserve_client.types import WeightsUpdated
+from rlserve_client.weight_delta import DeltaEncoder, weights_digest
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """One push: the server's answer and what it cost."""
+
+    updated: WeightsUpdated
+    delta: bool
+    """Sent as a delta (False: whole)."""
+    sent_bytes: int
+    full_bytes: int
+    """What a whole push of the same tensors sends."""
+    changed_share: float
+    """The share of bytes that changed (1.0 for a whole push)."""
+    encode_s: float
+    send_s: float
+    digest_ok: bool | None
+    """Whether the served digest equals that of the pushed tensors (None: the server shows
+    none). It says the server serves exactly them when they are all the model's (a
+    `state_dict()`); a push of some tensors leaves the others in the served digest."""
+
+    @property
+    def saved(self) -> float:
+        """The share of a whole push's bytes this push did not send."""
+        return 1.0 - self.sent_bytes / max(self.full_bytes, 1)
+
+
+class WeightPusher:
+    """Pushes `model`'s weights to `client`'s server, as deltas of its last push when it can.
+    `state` tensors are cast to the served dtype (read from the server's model card unless
+    `dtype` is given) before anything is compared or sent. It keeps a host copy of the last
+    push, the base of the next delta."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        model: str = "policy",
+        dtype: torch.dtype | None = None,
+        encoding: str = "auto",
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.dtype = dtype
+        self.encoder = DeltaEncoder(encoding=encoding)
+
+    def _served_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            cards = self.client.models().models
+            card = next((c for c in cards if c.name == self.model), cards[0])
+            self.dtype = _DTYPES.get(card.dtype, torch.float32)
+        return self.dtype
+
+    def push(
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        version: int | None = None,
+        pause: str = "keep",
+    ) -> Pushed:
+        dtype = self._served_dtype()
+        cast = {
+            name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu()
+            for name, t in state.items()
+        }
+        full_bytes = sum(t.numel() * t.element_size() for t in cast.values())
+        if self.encoder.covers(cast):
+            try:
+                return self._push_delta(cast, full_bytes, version, pause)
+            except ConflictError as exc:  # not the base it was built on: push whole
+                logger.warning("the delta was refused (%s); pushing the whole weights", exc)
+        return self._push_whole(cast, full_bytes, version, pause)
+
+    def _push_delta(
+        self, cast: dict[str, torch.Tensor], full_bytes: int, version: int | None, pause: str
+    ) -> Pushed:
+        started = time.perf_counter()
+        encoded = self.encoder.encode(cast, version)
+        encoded_at = time.perf_counter()
+        updated = self.client.upload_weights(
+            payload=encoded.blob, model=self.model, version=version, pause=pause, progress=False
+        )
+        sent_at = time.perf_counter()
+        ok = self._remember(cast, updated)
+        return Pushed(
+            updated,
+            True,
+            len(encoded.blob),
+            full_bytes,
+            encoded.changed_share,
+            encoded_at - started,
+            sent_at - encoded_at,
+            ok,
+        )
+
+    def _push_whole(
+        self, cast: dict[str, torch.Tensor], full_bytes: int, version: int | None, pause: str
+    ) -> Pushed:
+        from safetensors.torch import save
+
+        started = time.perf_counter()
+        blob = save({name: t.contiguous() for name, t in cast.items()})
+        encoded_at = time.perf_counter()
+        updated = self.client.upload_weights(
+            payload=blob, model=self.model, version=version, pause=pause, progress=False
+        )
+        sent_at = time.perf_counter()
+        ok = self._remember(cast, updated)
+        return Pushed(
+            updated,
+            False,
+            len(blob),
+            full_bytes,
+            1.0,
+            encoded_at - started,
+            sent_at - encoded_at,
+            ok,
+        )
+
+    def _remember(self, cast: dict[str, torch.Tensor], updated: WeightsUpdated) -> bool | None:
+        version = updated.policy_version if self.model == "policy" else updated.reference_version
+        self.encoder.remember(cast, version, updated.digest)
+        return None if updated.digest is None else weights_digest(cast) == updated.digest

@@ -1,0 +1,134 @@
+"""slime's disk delta mode against a real server: versions published as slime's writer lays
+them out (`weight_v{N:06d}` folders, zstd-compressed per-tensor changes, each tensor's checksum
+in its file's metadata, the index metadata naming version, base, encoding and checksum), pulled
+with `POST /pull_weights` into a local checkpoint and loaded with `/update_weights_from_disk`,
+as slime's `UpdateWeightFromDiskDelta._reload_engines` calls them; served log-probs equal the
+trainer's forward at every version. A corrupt version is refused and leaves the local
+checkpoint as it was."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from fastapi import FastAPI
+from rlserve_client import weight_delta as codec
+from safetensors.numpy import save_file
+from transformers import AutoModelForCausalLM
+
+from app.config import Settings
+from app.main import create_app
+from tests.conftest import assert_close, forward_log_probs, started
+from tests.weights.test_deltas import optimizer_step
+
+SEQUENCE = [3, 9, 27, 81, 243, 17, 5]
+
+
+@pytest.fixture
+async def server(
+    settings: Settings, tmp_path: Path
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            yield app, c
+
+
+def publish(source: Path, version: int, new: dict, old: dict, encoding: str, checksum: str) -> Path:
+    """One version folder as slime's `_write_delta_files` writes it (one rank's file)."""
+    folder = source / f"weight_v{version:06d}"
+    folder.mkdir(parents=True)
+    frames, sums = {}, {}
+    for name in new:
+        change = codec.encode(new[name], old[name], encoding)
+        if change is not None:
+            frames[name] = np.frombuffer(change.frame, dtype=np.uint8)
+            sums[name] = codec.checksum(new[name], checksum)
+    file = "model-00000-of-00001.safetensors"
+    save_file(frames, str(folder / file), metadata=sums)
+    index = {
+        "metadata": {
+            "version": f"{version:06d}",
+            "base_version": f"{version - 1:06d}",
+            "delta_encoding": encoding,
+            "compression_format": "zstd",
+            "checksum_format": checksum,
+        },
+        "weight_map": {name: file for name in frames},
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def state_bytes(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: codec.raw_bytes(t).copy() for name, t in model.state_dict().items()}
+
+
+async def pull(
+    client: httpx.AsyncClient, local: Path, source: Path, version: int
+) -> httpx.Response:
+    body = {
+        "local_checkpoint_dir": str(local),
+        "source_dir": str(source),
+        "target_version": version,
+    }
+    return await client.post("/pull_weights", json=body)
+
+
+async def test_three_published_versions_pulled_and_served(server, model_dir, tmp_path):
+    _app, client = server
+    source, local = tmp_path / "published", tmp_path / "local"
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # slime's seed call: version 0 is the engine's own checkpoint.
+    assert (await pull(client, local, source, 0)).status_code == 200
+    old = state_bytes(trainer)
+    encodings = [("xor", "xxh3-128"), ("overwrite", "adler32"), ("xor", "xxh3-128")]
+    for version, (encoding, checksum) in enumerate(encodings, start=1):
+        optimizer_step(trainer, seed=100 + version)
+        new = state_bytes(trainer)
+        publish(source, version, new, old, encoding, checksum)
+        old = new
+        pulled = await pull(client, local, source, version)
+        assert pulled.status_code == 200 and pulled.json()["success"], pulled.text
+        body = {"model_path": str(local), "weight_version": str(version)}
+        loaded = await client.post("/update_weights_from_disk", json=body)
+        assert loaded.status_code == 200, loaded.text
+        scored = await client.post("/v1/logprobs", json={"tokens": [SEQUENCE]})
+        got = scored.json()["outputs"][0]["log_probs"]["full"]
+        assert_close(got, forward_log_probs(trainer, SEQUENCE), 1e-5)
+    ready = (await client.get("/ready")).json()
+    assert ready["digests"]["policy"] == codec.weights_digest(trainer.state_dict())
+
+    # A fresh host (another local folder) catches up along the chain from the seed.
+    fresh = tmp_path / "fresh"
+    assert (await pull(client, fresh, source, 3)).status_code == 200
+    for file in local.glob("*.safetensors"):
+        assert (fresh / file.name).read_bytes() == file.read_bytes()
+
+    # A version with one corrupt byte is refused; the local checkpoint stays at version 3.
+    optimizer_step(trainer, seed=200)
+    folder = publish(source, 4, state_bytes(trainer), old, "xor", "xxh3-128")
+    frames = folder / "model-00000-of-00001.safetensors"
+    blob = bytearray(frames.read_bytes())
+    blob[-10] ^= 0x01
+    frames.write_bytes(bytes(blob))
+    before = {f.name: f.read_bytes() for f in local.glob("*.safetensors")}
+    refused = await pull(client, local, source, 4)
+    assert refused.status_code in (400, 409), refused.text
+    assert refused.json()["error"]["param"] == "source_dir"
+    assert {f.name: f.read_bytes() for f in local.glob("*.safetensors")} == before
+    assert json.loads((local / ".weight_sync" / "state.json").read_text())["version"] == "000003"
+
+
+async def test_a_missing_version_is_named(server, tmp_path):
+    _app, client = server
+    refused = await pull(client, tmp_path / "local", tmp_path / "nothing", 2)
+    assert refused.status_code == 404
+    assert refused.json()["error"]["param"] == "source_dir"

@@ -28,10 +28,22 @@ from app.weights.shipment import Chunk, Held, Shipment, ShippedFile, ship_bytes
 
 @dataclass(frozen=True)
 class Recorded:
-    """A model's last committed version and the checkpoint that replays every update."""
+    """A model's last committed version and what replays every update: a checkpoint (None:
+    the weights every replica starts with), as `base_version`, then the updates after it in
+    order (`chain`: deltas, which only apply on their base, and any update after one)."""
 
     version: int
-    shipment: Shipment
+    shipment: Shipment | None
+    base_version: int = -1
+    """The version `shipment` makes (-1: `version`)."""
+    chain: tuple[tuple[int, Shipment], ...] = ()
+
+    @property
+    def base(self) -> int:
+        return self.version if self.base_version < 0 else self.base_version
+
+    def chain_bytes(self) -> int:
+        return sum(f.size for _, shipped in self.chain for f in shipped.files)
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,15 @@ class Ledger(Protocol):
     async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         """Take `model`'s update lease, unless another live update holds it."""
 
-    async def decide(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
-        """Record `shipment` as `model`'s `version`, if `update_id` still holds the lease."""
+    async def decide(
+        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+    ) -> bool:
+        """Record `shipment` (a delta of the version before, if `delta`) as `model`'s
+        `version`, if `update_id` still holds the lease."""
+
+    async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+        """Record the whole checkpoint `shipment` as `model`'s `version` in place of its
+        chain, if `update_id` still holds the lease."""
 
     async def release(self, model: str, update_id: str) -> None: ...
 
@@ -110,14 +129,33 @@ class LocalLedger:
         self.leases[model] = (update_id, now + lease_s)
         return True
 
-    async def decide(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+    async def decide(
+        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+    ) -> bool:
         """The ledger keeps its own copy: the update merged over the ones before it, so one
-        checkpoint replays them all."""
+        checkpoint replays them all; a delta (and any update after one, until a `rebase`)
+        joins the chain after that checkpoint."""
         if not self._holds(model, update_id):
             return False
         before = self.latest.get(model)
-        kept = await self._merged(before.shipment if before else None, shipment)
+        if delta or (before is not None and before.chain):
+            kept = await self._kept(shipment)
+            base, base_version = (before.shipment, before.base) if before else (None, 0)
+            chain = (*(before.chain if before else ()), (version, kept))
+            record = Recorded(version, base, base_version, chain)
+        else:
+            merged_in = await self._merged(before.shipment if before else None, shipment)
+            record = Recorded(version, merged_in)
         if not self._holds(model, update_id):  # the lease ran out meanwhile
+            return False
+        self.latest[model] = record
+        return True
+
+    async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+        if not self._holds(model, update_id):
+            return False
+        kept = await self._kept(shipment)
+        if not self._holds(model, update_id):
             return False
         self.latest[model] = Recorded(version, kept)
         return True

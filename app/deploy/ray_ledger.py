@@ -46,8 +46,13 @@ class WeightLedger:
     async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         return await self.book.acquire(model, update_id, lease_s)
 
-    async def decide(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
-        return await self.book.decide(model, update_id, version, shipment)
+    async def decide(
+        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+    ) -> bool:
+        return await self.book.decide(model, update_id, version, shipment, delta)
+
+    async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+        return await self.book.rebase(model, update_id, version, shipment)
 
     async def release(self, model: str, update_id: str) -> None:
         await self.book.release(model, update_id)
@@ -91,9 +96,16 @@ class RayLedger:
         held: bool = await self._actor().acquire.remote(model, update_id, lease_s)
         return held
 
-    async def decide(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
-        decided: bool = await self._actor().decide.remote(model, update_id, version, shipment)
+    async def decide(
+        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+    ) -> bool:
+        actor = self._actor()
+        decided: bool = await actor.decide.remote(model, update_id, version, shipment, delta)
         return decided
+
+    async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
+        rebased: bool = await self._actor().rebase.remote(model, update_id, version, shipment)
+        return rebased
 
     async def release(self, model: str, update_id: str) -> None:
         await self._actor().release.remote(model, update_id)

@@ -112,10 +112,16 @@ class ReplicatedWeights:
         if removed := await ledger.tidy():
             logger.info("removed %d ledgers of earlier deployments", removed)
         state = await ledger.state()
+        versions = self.local.registry.versions
         for model, recorded in state.models.items():
-            if self.local.registry.versions.get(model, recorded.version) < recorded.version:
-                await self.local.files.adopt(model, recorded.version, recorded.shipment)
-                logger.info("caught up with version %d of %s", recorded.version, model)
+            if versions.get(model, recorded.version) >= recorded.version:
+                continue
+            if recorded.shipment is not None and versions[model] < recorded.base:
+                await self.local.files.adopt(model, recorded.base, recorded.shipment)
+            for version, step in recorded.chain:  # deltas, each on the one before
+                if versions[model] < version:
+                    await self.local.files.adopt(model, version, step)
+            logger.info("caught up with version %d of %s", recorded.version, model)
         for name, adapter in state.adapters.items():
             await self._catch_up_adapter(name, adapter)
         if state.paused is not None:
@@ -246,8 +252,15 @@ class ReplicatedWeights:
     async def load(
         self, path: str, model: str, publish: Publish, *, param: str = "path"
     ) -> Applied:
-        """Read once here, shipped to every replica."""
+        """Read once here, shipped to every replica (a delta folder as one file)."""
         put, files = self.replicas.put, self.local.files
+        delta = await files.delta_file(Path(path), param)
+        if isinstance(delta, Path):
+            shipment = await files.ship({"delta.safetensors": delta}, put, param, self.chunk_bytes)
+        elif delta is not None:
+            shipment = ship_bytes({"delta.safetensors": delta}, put, self.chunk_bytes)
+        if delta is not None:
+            return await self._update(shipment, model, publish, param, delta=True)
         shipment = await files.ship_checkpoint(path, put, self.chunk_bytes, param=param)
         return await self._update(shipment, model, publish, param)
 
@@ -271,12 +284,13 @@ class ReplicatedWeights:
         """Streamed to disk here, then shipped to every replica from there."""
         files = self.local.files
         async with files.received(chunks, files.upload_limit(), size) as path:
+            delta = await files.delta_file(path, "body") is not None
             shipped = {"model.safetensors": path}
             shipment = await files.ship(shipped, self.replicas.put, "body", self.chunk_bytes)
-        return await self._update(shipment, model, publish, "body")
+        return await self._update(shipment, model, publish, "body", delta=delta)
 
     async def _update(
-        self, shipment: Shipment, model: str, publish: Publish, param: str
+        self, shipment: Shipment, model: str, publish: Publish, param: str, delta: bool = False
     ) -> Applied:
         each = self.replicas.each
 
@@ -295,7 +309,7 @@ class ReplicatedWeights:
             return await each(ReplicaEndpoint.weights_commit, Commit(update_id, model, chosen))
 
         return await self._transaction(
-            model, publish, stage=stage, shipment=shipped, abort=abort, commit=commit
+            model, publish, stage=stage, shipment=shipped, abort=abort, commit=commit, delta=delta
         )
 
     async def _transaction(
@@ -307,10 +321,13 @@ class ReplicatedWeights:
         shipment: Callable[[], Awaitable[Shipment]],
         abort: Callable[[str, Failure], Awaitable[None]],
         commit: Callable[[str, Publish], Awaitable[list[Committed | Refusal]]],
+        delta: bool = False,
     ) -> Applied:
         """Stage on every replica (each answers the version it serves, or its refusal),
         decide in the ledger (with the checkpoint a later replica catches up to), then commit
-        on every replica, or abort on every one; the model's lease is held throughout."""
+        on every replica, or abort on every one; the model's lease is held throughout. A
+        `delta` joins the ledger's chain, which is replaced by this replica's own checkpoint
+        once it holds more bytes than one."""
         ledger, update_id = self.replicas.ledger, uuid.uuid4().hex
         await self._acquire(model, update_id)
         try:
@@ -334,7 +351,7 @@ class ReplicatedWeights:
                 except Conflict as exc:
                     problem = exc
             if problem is None and not await ledger.decide(
-                model, update_id, version, await shipment()
+                model, update_id, version, await shipment(), delta
             ):
                 problem = Conflict(
                     f"the update of '{model}' took over {self.wait_s:g} s and lost its turn to "
@@ -346,6 +363,8 @@ class ReplicatedWeights:
                 raise problem
             chosen = publish.decided(version, lineage_named)
             committed = await commit(update_id, chosen)
+            if delta and not any(isinstance(r, Refusal) for r in committed):
+                await self._compact(model, update_id, version)
         finally:
             await ledger.release(model, update_id)
         if failed := [r for r in committed if isinstance(r, Refusal)]:
@@ -356,6 +375,19 @@ class ReplicatedWeights:
         return next(
             r.applied for r in committed if isinstance(r, Committed) and r.applied is not None
         )
+
+    async def _compact(self, model: str, update_id: str, version: int) -> None:
+        """Once `model`'s chain in the ledger holds more bytes than its whole checkpoint, the
+        checkpoint this replica serves (at `version`, just committed) replaces it: a replica
+        that starts later replays at most about twice a checkpoint's bytes."""
+        recorded = (await self.replicas.ledger.state()).models.get(model)
+        files = self.local.files
+        if recorded is None or recorded.chain_bytes() <= files.checkpoint_bytes(model):
+            return
+        whole = await files.served_checkpoint(model)
+        shipment = ship_bytes({"model.safetensors": whole}, self.replicas.put, self.chunk_bytes)
+        if await self.replicas.ledger.rebase(model, update_id, version, shipment):
+            logger.info("the ledger holds version %d of %s whole again", version, model)
 
     async def _acquire(
         self, lease: str, update_id: str, what: str | None = None, param: str = "model"

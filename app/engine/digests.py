@@ -40,13 +40,12 @@ class Digests:
     ) -> None:
         """`changed` tensors of `name` were just written (while serving is paused): hash them,
         taking `known` checksums (checked already) as they are. A name the model's own
-        tensors do not have (a fused expert's part) re-hashes the whole model."""
+        tensors do not have (a fused expert's part), or a model not hashed yet, hashes the
+        whole model."""
         table = self._checksums.get(name)
-        if table is None:
-            return
         changed = set(changed)
         known = dict(known or {})
-        if not changed <= table.keys():
+        if table is None or not changed <= table.keys():
             await self.record_all(name, backend)
             return
         fresh = await asyncio.to_thread(backend.weight_checksums, changed - known.keys())

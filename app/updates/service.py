@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import shutil
 import tempfile
 import time
@@ -26,14 +27,24 @@ from app.updates.outcome import updated
 from app.updates.types import Applied, Publish
 from app.weights import published
 from app.weights.checkpoint import (
+    SAFETENSORS_TO_TORCH,
     check_finite,
     check_layout,
     checkpoint_files,
     file_work,
     read_layout,
     snapshot,
+    to_safetensors,
 )
-from app.weights.delta import check_base, is_delta_file, is_delta_folder, read_delta, stage
+from app.weights.delta import (
+    Staged,
+    check_base,
+    is_delta_file,
+    is_delta_folder,
+    one_file,
+    read_delta,
+    stage,
+)
 from app.weights.shipment import CHUNK_BYTES, Put, Shipment, ship
 
 T = TypeVar("T")
@@ -64,7 +75,7 @@ class WeightsService:
         self.registry = registry
         self.settings = settings
         self.data_dir = data_dir
-        self._staged: dict[str, Checked] = {}
+        self._staged: dict[str, Checked | Staged] = {}
 
     @property
     def uploads(self) -> Path:
@@ -102,6 +113,39 @@ class WeightsService:
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
+
+    async def delta_file(self, path: Path, param: str) -> bytes | Path | None:
+        """A delta at `path` as one file (a folder's parts gathered; a file as it is), or
+        None when `path` is a full checkpoint."""
+        if not await self._file_work(_is_delta, path, param=param):
+            return None
+        if path.is_file():
+            return path
+        delta = await self._file_work(read_delta, path, param, param=param)
+        return await self._file_work(one_file, delta, param=param)
+
+    def checkpoint_bytes(self, model: str) -> int:
+        """The bytes of `model`'s whole checkpoint (its tensors')."""
+        layout = self.registry.get(model).backend.weight_layout() or {}
+        return sum(
+            math.prod(shape) * SAFETENSORS_TO_TORCH[dtype].itemsize
+            for dtype, shape in layout.values()
+            if dtype in SAFETENSORS_TO_TORCH
+        )
+
+    async def served_checkpoint(self, model: str) -> bytes:
+        """The weights `model` serves now, as one safetensors file."""
+        backend = self.registry.get(model).backend
+        names = list(backend.weight_layout() or {})
+
+        def whole() -> bytes:
+            state = {}
+            for name in names:
+                if (tensor := backend.served_tensor(name)) is not None:
+                    state[name] = tensor.detach().to("cpu").contiguous()
+            return to_safetensors(state)
+
+        return await asyncio.to_thread(whole)
 
     async def pull(self, local: Path, source: Path, target: int, model: str = "policy") -> int:
         """Bring the local checkpoint `local` to version `target` of those published under
@@ -251,16 +295,20 @@ class WeightsService:
         against its checksum, then swap them in under `publish`'s pause; refused whole (the
         served weights untouched) at the first problem."""
         start = time.perf_counter()
+        staged, header = await self._stage_delta(path, model, param)
+        return await self._commit_delta(
+            staged, model, _delta_publish(header, publish, param), start
+        )
+
+    async def _stage_delta(self, path: Path, model: str, param: str) -> tuple[Staged, DeltaHeader]:
         delta = await self._file_work(read_delta, path, param, param=param)
-        served = self.registry.get(model)
-        backend = served.backend
+        backend = self.registry.get(model).backend
         if not backend.capabilities.weight_deltas:
             raise Unsupported(
                 f"{param}: the {backend.info.backend} engine takes full weights only (a delta "
                 "is rebuilt from the served tensors, which it does not show)",
                 param=param,
             )
-        publish = _delta_publish(delta.header, publish, param)
         base = self.registry.versions[model]
         check_base(delta, base, self.registry.digests.of(model))
         layout = backend.weight_layout() or {}
@@ -272,16 +320,22 @@ class WeightsService:
             return found
 
         staged = await self._file_work(stage, delta, layout, tensor, base, param=param)
+        return staged, delta.header
+
+    async def _commit_delta(
+        self, staged: Staged, model: str, publish: Publish, start: float
+    ) -> Applied:
         async with self.registry.writing(model, **publish.gate()) as (target, version):
-            if self.registry.versions[model] != base:  # another update came first
+            if self.registry.versions[model] != staged.base_version:  # another came first
                 raise Conflict(
-                    f"{param}: version {self.registry.versions[model]} was committed while the "
-                    f"delta of version {base} was staged; nothing was applied",
-                    param=param,
+                    f"{staged.param}: version {self.registry.versions[model]} was committed "
+                    f"while the delta of version {staged.base_version} was staged; nothing "
+                    "was applied",
+                    param=staged.param,
                 )
             paused_at = time.perf_counter()
             await target.backend.write_tensors(staged.tensors)
-            known = staged.checksums if delta.header.checksum_format == DIGEST else None
+            known = staged.checksums if staged.checksum_format == DIGEST else None
             await self.registry.digests.record(model, target.backend, staged.tensors, known)
             paused = time.perf_counter() - paused_at
         applied = updated(
@@ -313,7 +367,10 @@ class WeightsService:
                 with copy.open("wb") as sink:
                     for chunk in shipped.chunks:
                         await self._file_work(sink.write, await chunk.fetch(), param="body")
-            self._staged[update_id] = await self._check(copies, model, param)
+            if len(copies) == 1 and await self._file_work(is_delta_file, copies[0], param=param):
+                self._staged[update_id], _ = await self._stage_delta(copies[0], model, param)
+            else:
+                self._staged[update_id] = await self._check(copies, model, param)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -324,6 +381,8 @@ class WeightsService:
         if checked is None:
             raise Conflict(f"no update '{update_id}' is staged here", param="update")
         try:
+            if isinstance(checked, Staged):
+                return await self._commit_delta(checked, model, publish, time.perf_counter())
             return await self._commit(checked, model, publish)
         finally:
             shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rlserve_client import weight_delta as codec
 
@@ -25,6 +26,7 @@ __all__ = [
     "check_base",
     "is_delta_file",
     "is_delta_folder",
+    "one_file",
     "read_delta",
     "stage",
 ]
@@ -57,7 +59,10 @@ class Staged:
     base_version: int
     tensors: dict[str, torch.Tensor]
     checksums: dict[str, str]
+    checksum_format: str
     compressed_bytes: int
+    param: str
+    """The request field the delta came from."""
 
     @property
     def num_bytes(self) -> int:
@@ -121,6 +126,23 @@ def read_delta(path: Path, param: str) -> Delta:
         raise Malformed(f"{param}: the delta names a tensor twice", param=param)
     _check_header(header, param)
     return Delta(header, tuple(parts), param)
+
+
+def one_file(delta: Delta) -> bytes:
+    """`delta` (read from a folder, say) as one file, its header in the file's metadata: what
+    a deployment ships to its replicas."""
+    from safetensors.numpy import save
+
+    frames: dict[str, np.ndarray] = {}
+    for part in delta.parts:
+        with part.path.open("rb") as f:
+            f.seek(part.offset)
+            frames[part.name] = np.frombuffer(f.read(part.size), dtype=np.uint8)
+    encodings = {p.name: p.encoding for p in delta.parts if p.encoding != delta.header.encoding}
+    header = replace(delta.header, encodings=encodings)
+    metadata = {p.name: p.checksum for p in delta.parts}
+    metadata[codec.META_KEY] = json.dumps(header.metadata(), sort_keys=True)
+    return save(frames, metadata=metadata)
 
 
 def _check_header(header: codec.DeltaHeader, param: str) -> None:
@@ -209,4 +231,4 @@ def stage(
             raise invalid(param, f"tensor '{part.name}' holds NaN or infinite values")
         tensors[part.name] = new.view(shape)
         checksums[part.name] = got
-    return Staged(base_version, tensors, checksums, compressed)
+    return Staged(base_version, tensors, checksums, delta.header.checksum_format, compressed, param)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
 import torch
+from rlserve_client.weight_delta import tensor_checksum
 from safetensors.torch import save, save_file
 
 from app.common.caller import UNKEYED
@@ -100,7 +101,7 @@ class SmallModel(FakeBackend):
     """A model of two float tensors that takes file updates and transfers; `fail_swap` makes
     its next swap fail (a device gone)."""
 
-    capabilities = Capabilities(weight_transfer=True)
+    capabilities = Capabilities(weight_transfer=True, weight_deltas=True)
 
     def __init__(self, name: str, replica: str, trainer: Trainer) -> None:
         super().__init__(name, lambda _: -1.0)
@@ -118,6 +119,19 @@ class SmallModel(FakeBackend):
 
     def transfer(self) -> WeightTransfer:
         return self._transfer
+
+    def served_tensor(self, name: str) -> torch.Tensor | None:
+        return self.state.get(name)
+
+    async def write_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.fail_swap is not None:
+            raise RuntimeError(self.fail_swap)
+        for name, tensor in tensors.items():
+            self.state[name].copy_(tensor)
+
+    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        wanted = self.state if names is None else {n: self.state[n] for n in names}
+        return {name: tensor_checksum(t) for name, t in wanted.items()}
 
 
 class Replica(InProcessReplica):

@@ -37,6 +37,8 @@ class Recorded:
     base_version: int = -1
     """The version `shipment` makes (-1: `version`)."""
     chain: tuple[tuple[int, Shipment], ...] = ()
+    snapshot: str | None = None
+    """The identity of the published snapshot `version` is (None: not one)."""
 
     @property
     def base(self) -> int:
@@ -76,10 +78,16 @@ class Ledger(Protocol):
         """Take `model`'s update lease, unless another live update holds it."""
 
     async def decide(
-        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+        self,
+        model: str,
+        update_id: str,
+        version: int,
+        shipment: Shipment,
+        delta: bool = False,
+        snapshot: str | None = None,
     ) -> bool:
         """Record `shipment` (a delta of the version before, if `delta`) as `model`'s
-        `version`, if `update_id` still holds the lease."""
+        `version` (published snapshot `snapshot`), if `update_id` still holds the lease."""
 
     async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
         """Record the whole checkpoint `shipment` as `model`'s `version` in place of its
@@ -130,7 +138,13 @@ class LocalLedger:
         return True
 
     async def decide(
-        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+        self,
+        model: str,
+        update_id: str,
+        version: int,
+        shipment: Shipment,
+        delta: bool = False,
+        snapshot: str | None = None,
     ) -> bool:
         """The ledger keeps its own copy: the update merged over the ones before it, so one
         checkpoint replays them all; a delta (and any update after one, until a `rebase`)
@@ -142,10 +156,10 @@ class LocalLedger:
             kept = await self._kept(shipment)
             base, base_version = (before.shipment, before.base) if before else (None, 0)
             chain = (*(before.chain if before else ()), (version, kept))
-            record = Recorded(version, base, base_version, chain)
+            record = Recorded(version, base, base_version, chain, snapshot)
         else:
             merged_in = await self._merged(before.shipment if before else None, shipment)
-            record = Recorded(version, merged_in)
+            record = Recorded(version, merged_in, snapshot=snapshot)
         if not self._holds(model, update_id):  # the lease ran out meanwhile
             return False
         self.latest[model] = record
@@ -157,7 +171,8 @@ class LocalLedger:
         kept = await self._kept(shipment)
         if not self._holds(model, update_id):
             return False
-        self.latest[model] = Recorded(version, kept)
+        before = self.latest.get(model)
+        self.latest[model] = Recorded(version, kept, snapshot=before.snapshot if before else None)
         return True
 
     def _holds(self, model: str, update_id: str) -> bool:

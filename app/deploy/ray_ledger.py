@@ -47,9 +47,15 @@ class WeightLedger:
         return await self.book.acquire(model, update_id, lease_s)
 
     async def decide(
-        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+        self,
+        model: str,
+        update_id: str,
+        version: int,
+        shipment: Shipment,
+        delta: bool = False,
+        snapshot: str | None = None,
     ) -> bool:
-        return await self.book.decide(model, update_id, version, shipment, delta)
+        return await self.book.decide(model, update_id, version, shipment, delta, snapshot)
 
     async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
         return await self.book.rebase(model, update_id, version, shipment)
@@ -97,10 +103,18 @@ class RayLedger:
         return held
 
     async def decide(
-        self, model: str, update_id: str, version: int, shipment: Shipment, delta: bool = False
+        self,
+        model: str,
+        update_id: str,
+        version: int,
+        shipment: Shipment,
+        delta: bool = False,
+        snapshot: str | None = None,
     ) -> bool:
         actor = self._actor()
-        decided: bool = await actor.decide.remote(model, update_id, version, shipment, delta)
+        decided: bool = await actor.decide.remote(
+            model, update_id, version, shipment, delta, snapshot
+        )
         return decided
 
     async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:

@@ -94,6 +94,10 @@ class RLServeReplica(ReplicaEndpoint):
         problem = await self.server.state.probe.problem()
         if problem is not None and self.server.state.registry.status != "loading":
             raise RuntimeError(problem)
+        if self.server.state.registry.status == "ready":
+            weights: ReplicatedWeights = self.server.state.weights
+            if (lag := await weights.lagging()) is not None:
+                raise RuntimeError(lag)
 
 
 def build(args: dict[str, Any]) -> Application:

@@ -25,6 +25,7 @@ from app.updates.types import (
     Join,
     PauseMode,
     Publish,
+    ServedWeights,
     TransferStatus,
 )
 from app.weights.lora import ADAPTER_SOURCE, LoraAdapter
@@ -67,6 +68,8 @@ class Stage:
     model: str
     param: str
     """The request field the checkpoint came from (named in a refusal)."""
+    expect_digest: str | None = None
+    """The digest the weights must have once it is applied (`Publish.expect_digest`)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,9 @@ class ReplicaEndpoint:
     async def weights_stage(self, stage: Stage) -> int:
         """Copy and check the shipped checkpoint; the version this replica serves now."""
         files = self.local_weights().files
-        return await files.stage(stage.update_id, stage.shipment, stage.model, stage.param)
+        return await files.stage(
+            stage.update_id, stage.shipment, stage.model, stage.param, stage.expect_digest
+        )
 
     @answered
     async def weights_commit(self, commit: Commit) -> Committed:
@@ -164,6 +169,11 @@ class ReplicaEndpoint:
         return Committed(
             await weights.files.commit_staged(commit.update_id, commit.model, commit.publish)
         )
+
+    @answered
+    async def weights_served(self, model: str) -> ServedWeights:
+        weights = self.local_weights()
+        return weights.loads.served(weights.registry, model, self.replica_id())
 
     async def weights_abort(self, update_id: str) -> None:
         self.local_weights().files.abort_staged(update_id)

@@ -43,6 +43,7 @@ from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState, resolve_version
 from app.updates.local import LocalWeights
 from app.updates.session import UpdateSession
+from app.updates.snapshots import load_snapshot
 from app.updates.transfer import ADAPTER_VERSIONS
 from app.updates.types import (
     AdapterPush,
@@ -51,6 +52,8 @@ from app.updates.types import (
     Join,
     PauseMode,
     Publish,
+    ServedWeights,
+    SnapshotAsk,
     TransferStatus,
     Versions,
 )
@@ -95,6 +98,7 @@ class ReplicatedWeights:
         self.wait_s = wait_s
         """How long an update waits for another one to finish (and holds its lease)."""
         self.chunk_bytes = chunk_bytes
+        self._catching: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         await self.local.open()
@@ -116,17 +120,40 @@ class ReplicatedWeights:
         for model, recorded in state.models.items():
             if versions.get(model, recorded.version) >= recorded.version:
                 continue
+            files, last = self.local.files, recorded.snapshot
             if recorded.shipment is not None and versions[model] < recorded.base:
-                await self.local.files.adopt(model, recorded.base, recorded.shipment)
+                named = last if recorded.base == recorded.version else None
+                await files.adopt(model, recorded.base, recorded.shipment, named)
             for version, step in recorded.chain:  # deltas, each on the one before
                 if versions[model] < version:
-                    await self.local.files.adopt(model, version, step)
+                    named = last if version == recorded.version else None
+                    await files.adopt(model, version, step, named)
             logger.info("caught up with version %d of %s", recorded.version, model)
         for name, adapter in state.adapters.items():
             await self._catch_up_adapter(name, adapter)
         if state.paused is not None:
             await self.local.pause(state.paused)
             logger.info("paused (%s), as every replica is", state.paused)
+
+    async def lagging(self) -> str | None:
+        """Why this replica does not serve what the ledger says every replica serves (None:
+        it does, or an update is under way here); a replica that fell behind (its commit
+        failed where the others' succeeded) starts catching up in the background, and its
+        health check fails until it has (Ray Serve routes nothing to it meanwhile)."""
+        if self.local.files.has_any_staged():
+            return None
+        state = await self.replicas.ledger.state()
+        versions = self.local.registry.versions
+        behind = [
+            f"{model} at version {versions.get(model, 0)}, not {recorded.version}"
+            for model, recorded in state.models.items()
+            if versions.get(model, 0) < recorded.version
+        ]
+        if not behind:
+            return None
+        if self._catching is None or self._catching.done():
+            self._catching = asyncio.create_task(self.catch_up())
+        return "behind the other replicas, catching up: " + "; ".join(behind)
 
     async def _catch_up_adapter(self, name: str, record: AdapterRecord) -> None:
         """Serve the adapter's recorded version, owned by its owner, paused if it is."""
@@ -268,6 +295,20 @@ class ReplicatedWeights:
         """Here alone: the update that loads it ships it to every replica."""
         return await self.local.pull_published(local, source, target)
 
+    async def load_snapshot(self, ask: SnapshotAsk) -> Applied:
+        """Fetched and checked here, shipped to every replica as any update is."""
+        return await load_snapshot(self, self.local.files, self.local.loads, ask)
+
+    async def served(self, model: str) -> list[ServedWeights]:
+        self.local.registry.get(model)
+        answers = await self.replicas.each(ReplicaEndpoint.weights_served, model)
+        return [
+            answer
+            if isinstance(answer, ServedWeights)
+            else ServedWeights(model, -1, None, None, last_error=answer.message)
+            for answer in answers
+        ]
+
     async def restore(self, model: str, publish: Publish) -> Applied:
         """Read here from where the model started, shipped to every replica."""
         path = await self.local.files.origin(model)
@@ -296,7 +337,8 @@ class ReplicatedWeights:
 
         async def stage(update_id: str) -> list[int | Refusal]:
             return await each(
-                ReplicaEndpoint.weights_stage, Stage(update_id, shipment, model, param)
+                ReplicaEndpoint.weights_stage,
+                Stage(update_id, shipment, model, param, publish.expect_digest),
             )
 
         async def shipped() -> Shipment:
@@ -351,7 +393,7 @@ class ReplicatedWeights:
                 except Conflict as exc:
                     problem = exc
             if problem is None and not await ledger.decide(
-                model, update_id, version, await shipment(), delta
+                model, update_id, version, await shipment(), delta, publish.snapshot
             ):
                 problem = Conflict(
                     f"the update of '{model}' took over {self.wait_s:g} s and lost its turn to "

@@ -144,8 +144,10 @@ class Backend(ABC):
     async def abort_generations(self) -> None:  # noqa: B027
         """End in-flight generations at their next token (finish_reason "abort")."""
 
-    async def set_version(self, version: int) -> None:  # noqa: B027
-        """Label the tokens generated from now on with `version` (weights just committed)."""
+    async def set_version(self, version: int, *, keep_cache: bool = False) -> None:  # noqa: B027
+        """Label the tokens generated from now on with `version` (weights just committed).
+        An engine with a prefix cache drops what it cached of the old weights, unless
+        `keep_cache` (a snapshot loaded with the cache policy 'keep')."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the model and any worker processes or threads."""

@@ -51,6 +51,13 @@ class Digests:
         fresh = await asyncio.to_thread(backend.weight_checksums, changed - known.keys())
         self._set(name, {**table, **(fresh or {}), **{n: known[n] for n in changed & known.keys()}})
 
+    def predict(self, name: str, checksums: Mapping[str, str]) -> str | None:
+        """`name`'s digest once tensors with these checksums are written (None: unknown)."""
+        table = self._checksums.get(name)
+        if table is None or not checksums.keys() <= table.keys():
+            return None
+        return digest({**table, **checksums})
+
     def _set(self, name: str, checksums: dict[str, str]) -> None:
         self._checksums[name] = checksums
         self._digests[name] = digest(checksums)

@@ -345,6 +345,7 @@ class ServingGate(Admission[WorkKind]):
         version: int | None = None,
         restartable: bool = False,
         lineage_named: int | None = None,
+        keep_cache: bool = False,
     ) -> AsyncIterator[int]:
         """Serving paused (unless a request paused it already, which then stays paused);
         yields the version to publish, set only when the block returns. `restartable`: `version`
@@ -364,7 +365,7 @@ class ServingGate(Admission[WorkKind]):
                 self.versions[name] = new
                 if lineage_named is not None:
                     self._open_lineage(name, new, lineage_named)
-                await self._backends()[name].set_version(new)
+                await self._backends()[name].set_version(new, keep_cache=keep_cache)
                 async with self._version_changed:
                     self._version_changed.notify_all()
             finally:

@@ -90,6 +90,8 @@ class ModelRegistry:
         self.adapter_gates: dict[str, AdapterGate] = {}
         """Each served adapter's own pause (`app.engine.adapter_gate`). Who may change an
         adapter, and its versions' numbering, are `app.updates.adapters`' rules."""
+        self.snapshots: dict[str, str | None] = {}
+        """The identity of the published snapshot each model serves (None: not one)."""
         self.digests = Digests()
         """Each model's weight digest (`app.engine.digests`), kept with its version."""
         self.paused_wait_s = paused_wait_s
@@ -146,10 +148,13 @@ class ModelRegistry:
         version: int | None = None,
         restartable: bool = False,
         lineage_named: int | None = None,
+        keep_cache: bool = False,
+        snapshot: str | None = None,
     ) -> AsyncIterator[tuple[ServedModel, int]]:
         """Serving paused (`mode`) while `name`'s weights change; yields the model and the
         version it gets if the block returns (`version` if given: it must be higher, unless
-        `restartable`; see `ServingGate.updating`)."""
+        `restartable`; see `ServingGate.updating`). `snapshot`: the identity of the
+        published snapshot the update serves (None: none, whatever was served before)."""
         served = self.get(name)
         async with self.gate.updating(
             name,
@@ -157,8 +162,10 @@ class ModelRegistry:
             version=version,
             restartable=restartable,
             lineage_named=lineage_named,
+            keep_cache=keep_cache,
         ) as new_version:
             yield served, new_version
+            self.snapshots[name] = snapshot
 
     async def load(self) -> None:
         """Load the policy, the reference, the judge and the reward model off the event loop;

@@ -94,8 +94,16 @@ class ModelCollector(Collector):
             "The first version served in each model's current lineage.",
             labels=["model"],
         )
+        digests = GaugeMetricFamily(
+            "rlserve_weights_digest_info",
+            "1 for each model's served weights, labelled with their version and digest (of "
+            "their tensors' checksums; a model whose engine shows no weights is absent).",
+            labels=["model", "version", "digest"],
+        )
         for name, served in self.models.models.items():
             version.add_metric([name], self.models.versions.get(name, 0))
+            if (digest := self.models.digests.of(name)) is not None:
+                digests.add_metric([name, str(self.models.versions.get(name, 0)), digest], 1)
             current = self.models.gate.lineage(name)
             lineage.add_metric([name], current.number)
             since.add_metric([name], current.since)
@@ -109,4 +117,5 @@ class ModelCollector(Collector):
                 batches.add_metric([name, kind], stats.num_calls)
                 items.add_metric([name, kind], stats.num_items)
                 last.add_metric([name, kind], (stats.last_batch_sizes or [0])[-1])
-        yield from (version, lineage, since, queued, batches, items, last, generated, scored)
+        yield from (version, digests, lineage, since, queued, batches, items, last)
+        yield from (generated, scored)

@@ -19,6 +19,8 @@ from app.updates.types import (
     Join,
     PauseMode,
     Publish,
+    ServedWeights,
+    SnapshotAsk,
     TransferStatus,
     Versions,
 )
@@ -49,6 +51,14 @@ class WeightsControl(Protocol):
     async def pull_published(self, local: str, source: str, target: int) -> int:
         """Bring the local checkpoint `local` to version `target` of those published under
         `source` (`app.weights.published`), without touching serving; the version it holds."""
+
+    async def load_snapshot(self, ask: SnapshotAsk) -> Applied:
+        """Serve a published snapshot (`app.updates.snapshots`), on every replica, or refuse
+        it and serve on the current one."""
+
+    async def served(self, model: str) -> list[ServedWeights]:
+        """What each replica serves of `model` (its version, digest and snapshot) and where
+        its last snapshot load stands."""
 
     async def restore(self, model: str, publish: Publish) -> Applied:
         """Serve again the weights the model started with (read from where they came from),

@@ -16,6 +16,7 @@ from app.engine.registry import ModelRegistry
 from app.updates.adapters import AdapterCatalog
 from app.updates.service import WeightsService
 from app.updates.session import SessionRecord, UpdateSession
+from app.updates.snapshots import Loads, load_snapshot
 from app.updates.transfer import TransferService
 from app.updates.types import (
     AdapterPush,
@@ -24,6 +25,8 @@ from app.updates.types import (
     Join,
     PauseMode,
     Publish,
+    ServedWeights,
+    SnapshotAsk,
     TransferStatus,
     Versions,
 )
@@ -46,6 +49,7 @@ class LocalWeights:
             idle_timeout_s=settings.group_idle_timeout_s,
         )
         self._session = SessionRecord()
+        self.loads = Loads()
 
     async def open(self) -> None:
         await asyncio.to_thread(self.files.clean_uploads)
@@ -70,6 +74,13 @@ class LocalWeights:
 
     async def pull_published(self, local: str, source: str, target: int) -> int:
         return await self.files.pull(Path(local), Path(source), target)
+
+    async def load_snapshot(self, ask: SnapshotAsk) -> Applied:
+        return await load_snapshot(self, self.files, self.loads, ask)
+
+    async def served(self, model: str) -> list[ServedWeights]:
+        self.registry.get(model)
+        return [self.loads.served(self.registry, model, None)]
 
     async def restore(self, model: str, publish: Publish) -> Applied:
         path = await self.files.origin(model)

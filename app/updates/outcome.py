@@ -23,6 +23,7 @@ def updated(
     adapter: LoraAdapter | None = None,
     *,
     digest: str | None = None,
+    snapshot: str | None = None,
 ) -> Applied:
     """The answer to a committed update of `model`; `version` is the one it published, and
     `versions` the served ones (the others' stay as they are). With `adapter`, the update
@@ -56,4 +57,5 @@ def updated(
         total_s=time.perf_counter() - start,
         adapter=AdapterVersion(adapter.name, adapter.version) if adapter is not None else None,
         digest=digest,
+        snapshot=snapshot,
     )

@@ -19,6 +19,8 @@ from app.updates.types import (
     PauseMode,
     Publish,
     RendezvousStyle,
+    ServedWeights,
+    SnapshotAsk,
     TransferStatus,
     Transport,
     TransportChoice,
@@ -74,6 +76,85 @@ class LoadWeightsRequest(UpdateOptions):
     model: UpdatedModel = Field(default="policy", description="reference only when targeted.")
 
 
+SnapshotIdentity = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+Digest = Annotated[str, Field(max_length=128, pattern=r"^[a-z0-9-]+:[0-9a-f]+$")]
+
+
+class SnapshotRequest(WireModel):
+    """A published snapshot to serve."""
+
+    identity: SnapshotIdentity = Field(description="The snapshot's name (printable, no spaces).")
+    source: str = Field(
+        min_length=1,
+        max_length=8192,
+        description="Where it is: a path the server can read (a checkpoint folder or file, a "
+        "delta file, or a delta version folder), or an http(s) URL of one file (a presigned "
+        "object-store URL is one).",
+    )
+    base: SnapshotIdentity | None = Field(
+        default=None,
+        description="The snapshot a delta builds on (required for a delta; 409 unless it is "
+        "the one served).",
+    )
+    model: UpdatedModel = Field(default="policy")
+    cache: Literal["reset", "keep"] = Field(
+        default="reset",
+        description="Prefix caches of the previous weights: dropped ('reset'), or kept and "
+        "reused under the new ones ('keep'; engines without a prefix cache ignore it).",
+    )
+    pause: PauseMode = Field(default="keep", description=PAUSE_MODES_DOC)
+    digest: Digest | None = Field(
+        default=None,
+        description="The digest the weights must have once it is applied "
+        "(rlserve_client.weight_delta.weights_digest): refused before anything is written "
+        "(409) if they would not.",
+    )
+
+    def ask(self) -> SnapshotAsk:
+        return SnapshotAsk(
+            identity=self.identity,
+            source=self.source,
+            model=self.model,
+            base=self.base,
+            cache=self.cache,
+            pause=self.pause,
+            digest=self.digest,
+        )
+
+
+class ReplicaWeights(WireModel):
+    replica: str | None = Field(description="Which replica (null on a server of its own).")
+    version: int = Field(description="The version served (-1: the replica did not answer).")
+    digest: str | None
+    snapshot: str | None = Field(description="The published snapshot served, if one is.")
+    stage: Literal["serving", "fetching", "loading"] = Field(
+        description="Where a snapshot load this replica received stands."
+    )
+    last_error: str | None = Field(description="Why its last snapshot load failed, if it did.")
+
+
+class ServedSnapshots(WireModel):
+    model: ModelName
+    replicas: list[ReplicaWeights]
+
+    @classmethod
+    def of(cls, model: str, served: list[ServedWeights]) -> ServedSnapshots:
+        return cls(
+            model=model,  # type: ignore[arg-type]
+            replicas=[
+                ReplicaWeights(
+                    replica=s.replica,
+                    version=s.version,
+                    digest=s.digest,
+                    snapshot=s.snapshot,
+                    stage=s.stage,
+                    last_error=s.last_error,
+                )
+                for s in served
+            ],
+        )
+
+
 class RestoreWeightsRequest(UpdateOptions):
     model: UpdatedModel = Field(default="policy", description="reference only when targeted.")
 
@@ -103,6 +184,9 @@ class WeightsUpdated(WireModel):
         description="For a delta: the bytes its compressed changes took, against num_bytes "
         "of tensors it rebuilt.",
     )
+    snapshot: str | None = Field(
+        default=None, description="The published snapshot now served, if the update was one."
+    )
 
     @classmethod
     def of(cls, applied: Applied) -> WeightsUpdated:
@@ -119,6 +203,7 @@ class WeightsUpdated(WireModel):
             adapter_version=adapter.version if adapter is not None else None,
             digest=applied.digest,
             sent_bytes=applied.sent_bytes,
+            snapshot=applied.snapshot,
         )
 
 

@@ -21,7 +21,9 @@ from app.updates.protocol import (
     PauseMode,
     PauseRequest,
     RestoreWeightsRequest,
+    ServedSnapshots,
     ServingState,
+    SnapshotRequest,
     TransferFinish,
     TransferInit,
     TransferStart,
@@ -99,6 +101,43 @@ async def upload_weights(
     publish = Publish(version=version, pause=pause)
     size = declared_size(request.headers)
     return WeightsUpdated.of(await weights.upload(request.stream(), model, publish, size=size))
+
+
+@router.post(
+    "/v1/weights/snapshots",
+    response_model=WeightsUpdated,
+    summary="Serve a published snapshot",
+    openapi_extra=ADMIN,
+    responses={
+        409: {
+            "model": ErrorResponse,
+            "description": "Not the base it builds on, a checksum or digest that does not "
+            "match, or a load of the model under way; the current snapshot is served on",
+        },
+        502: {"model": ErrorResponse, "description": "The source URL failed to answer"},
+    },
+)
+async def load_snapshot(request: SnapshotRequest, weights: WeightsDep) -> WeightsUpdated:
+    """Fetch a published snapshot (a whole checkpoint, or a delta of the snapshot served),
+    check it (every tensor of a delta against its checksum, the `digest` given) and stage it
+    while serving goes on, then commit it under `pause`; on a deployment of replicas, on every
+    replica, and replicas that start later catch up to it before they serve. Any failure
+    leaves the current snapshot served (GET /v1/weights/snapshots says why)."""
+    return WeightsUpdated.of(await weights.load_snapshot(request.ask()))
+
+
+@router.get(
+    "/v1/weights/snapshots",
+    response_model=ServedSnapshots,
+    summary="What each replica serves",
+    openapi_extra=ADMIN,
+)
+async def served_snapshots(
+    weights: WeightsDep, model: Annotated[ModelName, Query()] = "policy"
+) -> ServedSnapshots:
+    """Each replica's version, digest and snapshot of `model`, and where its last snapshot
+    load stands (its stage and last error)."""
+    return ServedSnapshots.of(model, await weights.served(model))
 
 
 # -- collective transfer (vLLM's protocol: init -> start -> update -> finish) ---------------

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from rlserve_client.weight_delta import DIGEST, DeltaHeader
+from rlserve_client.weight_delta import DIGEST, DeltaHeader, tensor_checksum
 
 from app.common.failures import Conflict, Failure, Malformed, TooLarge, Unsupported, invalid
 from app.config_groups import WeightSettings
@@ -31,6 +31,7 @@ from app.weights.checkpoint import (
     check_finite,
     check_layout,
     checkpoint_files,
+    file_checksums,
     file_work,
     read_layout,
     snapshot,
@@ -253,7 +254,30 @@ class WeightsService:
 
     async def _apply(self, files: list[Path], model: str, param: str, publish: Publish) -> Applied:
         checked = await self._check(files, model, param)
+        await self._expected(checked, model, publish.expect_digest)
         return await self._commit(checked, model, publish)
+
+    async def _expected(self, staged: Checked | Staged, model: str, digest: str | None) -> None:
+        """Refuse an update whose weights would not have `digest` (before anything is
+        written)."""
+        if digest is None:
+            return
+        if isinstance(staged, Staged) and staged.checksum_format == DIGEST:
+            checksums = staged.checksums
+        elif isinstance(staged, Staged):
+            tensors = staged.tensors
+            checksums = await asyncio.to_thread(
+                lambda: {n: tensor_checksum(t) for n, t in tensors.items()}
+            )
+        else:
+            checksums = await self._file_work(file_checksums, staged.files, param="digest")
+        predicted = self.registry.digests.predict(model, checksums)
+        if predicted != digest:
+            raise Conflict(
+                f"digest: the weights would have digest {predicted}, not {digest}; nothing "
+                "was applied",
+                param="digest",
+            )
 
     async def _check(self, files: list[Path], model: str, param: str) -> Checked:
         """Everything that can refuse a checkpoint, before serving is touched."""
@@ -286,6 +310,7 @@ class WeightsService:
             paused,
             start,
             digest=self.registry.digests.of(model),
+            snapshot=publish.snapshot,
         )
 
     # -- deltas of the served weights (app.weights.delta) ------------------------------------
@@ -296,6 +321,7 @@ class WeightsService:
         served weights untouched) at the first problem."""
         start = time.perf_counter()
         staged, header = await self._stage_delta(path, model, param)
+        await self._expected(staged, model, publish.expect_digest)
         return await self._commit_delta(
             staged, model, _delta_publish(header, publish, param), start
         )
@@ -347,12 +373,20 @@ class WeightsService:
             paused,
             start,
             digest=self.registry.digests.of(model),
+            snapshot=publish.snapshot,
         )
         return replace(applied, sent_bytes=staged.compressed_bytes)
 
     # -- one update over several replicas (app.deploy.replicated): stage, then commit or abort
 
-    async def stage(self, update_id: str, shipment: Shipment, model: str, param: str) -> int:
+    async def stage(
+        self,
+        update_id: str,
+        shipment: Shipment,
+        model: str,
+        param: str,
+        expect_digest: str | None = None,
+    ) -> int:
         """Write a shipped checkpoint into this server's data, chunk by chunk, and check it,
         without touching serving; the current version of `model`. Whatever goes wrong raises
         (naming `param`, the request field the checkpoint came from) and leaves nothing
@@ -367,10 +401,13 @@ class WeightsService:
                 with copy.open("wb") as sink:
                     for chunk in shipped.chunks:
                         await self._file_work(sink.write, await chunk.fetch(), param="body")
+            staged: Checked | Staged
             if len(copies) == 1 and await self._file_work(is_delta_file, copies[0], param=param):
-                self._staged[update_id], _ = await self._stage_delta(copies[0], model, param)
+                staged, _ = await self._stage_delta(copies[0], model, param)
             else:
-                self._staged[update_id] = await self._check(copies, model, param)
+                staged = await self._check(copies, model, param)
+            await self._expected(staged, model, expect_digest)
+            self._staged[update_id] = staged
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -390,16 +427,22 @@ class WeightsService:
     def has_staged(self, update_id: str) -> bool:
         return update_id in self._staged
 
+    def has_any_staged(self) -> bool:
+        return bool(self._staged)
+
     def abort_staged(self, update_id: str) -> None:
         self._staged.pop(update_id, None)
         shutil.rmtree(self.uploads / f"staged-{update_id}", ignore_errors=True)
 
-    async def adopt(self, model: str, version: int, shipment: Shipment) -> Applied:
+    async def adopt(
+        self, model: str, version: int, shipment: Shipment, snapshot: str | None = None
+    ) -> Applied:
         """Serve a checkpoint the other replicas committed as `version` (a replica catching
-        up before it takes traffic)."""
+        up before it takes traffic), published as snapshot `snapshot`, if one."""
         update_id = f"adopt-{model}-{version}"
         await self.stage(update_id, shipment, model, "path")
-        return await self.commit_staged(update_id, model, Publish(version=version))
+        publish = Publish(version=version, snapshot=snapshot)
+        return await self.commit_staged(update_id, model, publish)
 
 
 def _is_delta(path: Path) -> bool:

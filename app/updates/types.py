@@ -35,6 +35,8 @@ __all__ = [
     "PauseMode",
     "Publish",
     "RendezvousStyle",
+    "ServedWeights",
+    "SnapshotAsk",
     "TransferStatus",
     "TransportChoice",
     "Versions",
@@ -55,6 +57,13 @@ class Publish:
     lineage_named: int | None = None
     """Set once decided (by a deployment's coordinator): the update opens a new lineage, its
     trainer's count starting at this."""
+    snapshot: str | None = None
+    """The identity of the published snapshot it serves (`app.updates.snapshots`)."""
+    cache: Literal["reset", "keep"] = "reset"
+    """Whether prefix caches of the old weights are dropped (always, but for a snapshot that
+    says 'keep')."""
+    expect_digest: str | None = None
+    """The digest the weights must have once it is applied: checked before anything is."""
 
     def gate(self) -> dict[str, Any]:
         """What the serving gate takes of it (`ModelRegistry.writing`'s keywords)."""
@@ -63,6 +72,8 @@ class Publish:
             "version": self.version,
             "restartable": self.restartable,
             "lineage_named": self.lineage_named,
+            "keep_cache": self.cache == "keep",
+            "snapshot": self.snapshot,
         }
 
     def decided(self, version: int, lineage_named: int | None) -> Publish:
@@ -102,6 +113,38 @@ class Applied:
     """The digest of the model's weights after it (None: its engine cannot show them)."""
     sent_bytes: int | None = None
     """For a delta: the bytes its changes took (compressed), against `num_bytes` rebuilt."""
+    snapshot: str | None = None
+    """The published snapshot it served, if one."""
+
+
+@dataclass(frozen=True)
+class SnapshotAsk:
+    """A published snapshot to serve: `identity`, the checkpoint or delta at `source` (a path
+    the server can read, or an HTTP(S) URL of one file), a delta naming the snapshot it
+    builds on (`base`)."""
+
+    identity: str
+    source: str
+    model: str = "policy"
+    base: str | None = None
+    cache: Literal["reset", "keep"] = "reset"
+    pause: PauseMode = "keep"
+    digest: str | None = None
+    """The digest the weights must have once it is applied (refused before, if not)."""
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """What one replica serves of a model, and where its last snapshot load stands."""
+
+    model: str
+    version: int
+    digest: str | None
+    snapshot: str | None
+    """The published snapshot served (None: weights pushed another way, or the start)."""
+    stage: Literal["serving", "fetching", "loading"] = "serving"
+    last_error: str | None = None
+    replica: str | None = None
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,13 @@ def copy_into(state: dict[str, torch.Tensor], files: list[Path]) -> None:
             target.copy_(data.view(target.dtype).view(target.shape))
 
 
+def file_checksums(files: list[Path]) -> dict[str, str]:
+    """Each tensor's checksum (`rlserve_client.weight_delta.DIGEST`) of its bytes."""
+    from rlserve_client.weight_delta import checksum
+
+    return {name: checksum(data.numpy()) for name, _, data in _tensor_bytes(files)}
+
+
 def check_finite(files: list[Path], param: str) -> None:
     """Refuse NaN and infinities in floating-point tensors."""
     for name, dtype, data in _tensor_bytes(files):

@@ -49,6 +49,8 @@ def pull(local: Path, base: Path | str, source: Path, target: int) -> int:
     local.mkdir(parents=True, exist_ok=True)
     (local / SYNC).mkdir(exist_ok=True)
     with _locked(local / SYNC / "lock"):
+        for leftover in local.glob("*.next"):  # a pull cut short before it replaced them
+            leftover.unlink()
         held = _held(local)
         if (local / SYNC / REPLACING).exists():
             held = None  # cut short while replacing files: rebuilt from its seed

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from rlserve_client.weight_delta import DeltaEncoder, weights_digest
+from safetensors.torch import save, save_file
 
-from app.common.failures import Conflict, VersionBehind
+from app.common.failures import Conflict, PeerFailed, VersionBehind
 from app.engine import pins
 from app.updates.service import WeightsService
-from app.updates.types import Publish
+from app.updates.types import Publish, SnapshotAsk
 from tests.deploy.test_replicated_weights import BASE, Cluster, body
 
 
@@ -99,3 +100,61 @@ async def test_a_replica_on_other_weights_refuses_the_delta_for_all(cluster: Clu
     assert "does not rebuild to its checksum" in str(refused.value)
     assert cluster.versions() == [0, 0]
     assert torch.equal(cluster.replicas[0].policy.state["w"], BASE["w"])
+
+
+async def test_one_snapshot_call_loads_every_replica_and_a_late_one_catches_up(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(WeightsService, "checkpoint_bytes", lambda self, model: 1 << 30)
+    first, second = steps(2)
+    whole = tmp_path / "first.safetensors"
+    save_file(first, str(whole))
+    await cluster.controls[1].load_snapshot(SnapshotAsk("v1", str(whole)))
+    encoder = DeltaEncoder()
+    encoder.remember(first, 1, weights_digest(first))
+    (tmp_path / "second.delta").write_bytes(encoder.encode(second).blob)
+    ask = SnapshotAsk("v2", str(tmp_path / "second.delta"), base="v1")
+    applied = await cluster.controls[0].load_snapshot(ask)
+    assert applied.snapshot == "v2" and applied.digest == weights_digest(second)
+    late = cluster.start_replica()
+    states = await cluster.controls[0].served("policy")
+    assert [(s.replica, s.version, s.snapshot) for s in states] == [
+        ("r0", 2, "v2"),
+        ("r1", 2, "v2"),
+        ("r2", 0, None),  # started, not caught up: held out of routing until it is
+    ]
+    await late.catch_up()
+    states = await cluster.controls[0].served("policy")
+    assert {(s.version, s.snapshot, s.digest) for s in states} == {
+        (2, "v2", weights_digest(second))
+    }
+    cluster.assert_serving(second)
+
+
+async def test_a_replica_that_fell_behind_catches_up_and_says_so_meanwhile(
+    cluster: Cluster,
+) -> None:
+    """Its commit failed where the other's succeeded: its health check says it lags (Ray
+    Serve then routes nothing to it) and it catches up; a pinned request it cannot serve is
+    refused meanwhile."""
+    state = steps(1)[0]
+    cluster.replicas[1].policy.fail_swap = "device lost"
+    with pytest.raises(PeerFailed):
+        await cluster.controls[0].upload(body(save(state), 1 << 20), "policy", Publish())
+    cluster.replicas[1].policy.fail_swap = None
+    assert cluster.versions() == [1, 0]
+    assert await cluster.controls[0].lagging() is None
+    token = pins.REQUEST.set(pins.Noted(pin=pins.Pin(minimum=1)))
+    try:
+        with pytest.raises(VersionBehind):
+            async with cluster.replicas[1].weights.registry.gate.admitted("generate"):
+                pass
+    finally:
+        pins.REQUEST.reset(token)
+    lag = await cluster.controls[1].lagging()
+    assert lag is not None and "policy at version 0, not 1" in lag
+    catching = cluster.controls[1]._catching
+    assert catching is not None
+    await catching
+    assert cluster.versions() == [1, 1] and await cluster.controls[1].lagging() is None
+    cluster.assert_serving(state)

@@ -132,3 +132,48 @@ async def test_a_missing_version_is_named(server, tmp_path):
     refused = await pull(client, tmp_path / "local", tmp_path / "nothing", 2)
     assert refused.status_code == 404
     assert refused.json()["error"]["param"] == "source_dir"
+
+
+def _pull_in_child(local: str, base: str, source: str, target: int) -> None:
+    from app.weights.published import pull as pulled
+
+    pulled(Path(local), Path(base), Path(source), target)
+
+
+@pytest.mark.parametrize("kill_after_s", [0.0, 0.01, 0.03, 0.06, 0.1, 0.15])
+def test_a_pull_killed_at_any_point_leaves_a_whole_version(tmp_path, kill_after_s):
+    """`kill -9` of the process pulling (at several moments of seeding and applying): the
+    next pull gives exactly the files a pull never cut short gives."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from app.weights.published import pull as pulled
+
+    rng = np.random.default_rng(0)
+    base, source = tmp_path / "base", tmp_path / "published"
+    base.mkdir()
+    old = {f"t{i}": rng.integers(0, 255, 16 << 20, dtype=np.uint8) for i in range(4)}
+    for i in range(2):
+        names = [f"t{2 * i}", f"t{2 * i + 1}"]
+        save_file({n: old[n] for n in names}, str(base / f"model-{i}.safetensors"))
+    new = {n: a.copy() for n, a in old.items()}
+    for array in new.values():
+        array[rng.integers(0, array.size, array.size // 50)] ^= 0x5A
+    publish(source, 1, new, old, "xor", "xxh3-128")
+    clean = tmp_path / "clean"
+    pulled(clean, base, source, 1)
+
+    local = tmp_path / "local"
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=_pull_in_child, args=(str(local), str(base), str(source), 1))
+    child.start()
+    time.sleep(kill_after_s)
+    if child.pid is not None and child.is_alive():
+        os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert pulled(local, base, source, 1) == 1
+    for file in clean.glob("*.safetensors"):
+        assert (local / file.name).read_bytes() == file.read_bytes(), file.name
+    assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in clean.iterdir())

@@ -61,6 +61,9 @@ async def test_every_admitted_answer_reports_its_versions_and_digest(client, oth
     assert new_digest != digest
     assert answer.headers["x-policy-version-start"] == "1"
     assert answer.headers["x-policy-digest"] == new_digest
+    metrics = (await client.get("/metrics")).text
+    line = f'rlserve_weights_digest_info{{digest="{new_digest}",model="policy",version="1"}} 1.0'
+    assert line in metrics
     # Nothing admitted, nothing reported.
     assert "x-policy-version-start" not in (await client.get("/v1/models")).headers
 

@@ -248,7 +248,8 @@ class TransformersBackend(Backend):
     async def abort_generations(self) -> None:
         self.control.aborting.set()
 
-    async def set_version(self, version: int) -> None:
+    async def set_version(self, version: int, *, keep_cache: bool = False) -> None:
+        # (no prefix cache to keep or drop: keys and values live with their generation)
         self.control.version = version
 
     async def aclose(self) -> None:

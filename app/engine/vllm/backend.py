@@ -224,11 +224,14 @@ class VLLMBackend(Backend):
         self._aborting.set()
         await self.engine.pause_generation(mode="abort", clear_cache=False)
 
-    async def set_version(self, version: int) -> None:
+    async def set_version(self, version: int, *, keep_cache: bool = False) -> None:
         """Label later tokens; drop every cached key and value of the old weights (frozen
-        requests recompute theirs, so their later tokens come from the new weights exactly)."""
+        requests recompute theirs, so their later tokens come from the new weights exactly),
+        unless `keep_cache`: then cached prefixes, and frozen requests' keys and values, are
+        reused under the new weights (a snapshot's cache policy 'keep')."""
         await self.engine.update_weight_version(str(version))
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        if not keep_cache:
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     # -- LoRA adapters (vLLM's LoRA layers, with RLSERVE_VLLM__MAX_LORAS) --------------------
 

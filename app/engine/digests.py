@@ -31,25 +31,18 @@ class Digests:
         if checksums is not None:
             self._set(name, checksums)
 
-    async def record(
-        self,
-        name: str,
-        backend: Backend,
-        changed: Iterable[str],
-        known: Mapping[str, str] | None = None,
-    ) -> None:
-        """`changed` tensors of `name` were just written (while serving is paused): hash them,
-        taking `known` checksums (checked already) as they are. A name the model's own
-        tensors do not have (a fused expert's part), or a model not hashed yet, hashes the
-        whole model."""
+    async def record(self, name: str, backend: Backend, changed: Iterable[str]) -> None:
+        """`changed` tensors of `name` were just written (while serving is paused): hash them
+        (and the names tied to them) again. A name the model's own tensors do not have (a
+        fused expert's part), or a model not hashed yet, hashes the whole model."""
         table = self._checksums.get(name)
         changed = set(changed)
-        known = dict(known or {})
         if table is None or not changed <= table.keys():
             await self.record_all(name, backend)
             return
-        fresh = await asyncio.to_thread(backend.weight_checksums, changed - known.keys())
-        self._set(name, {**table, **(fresh or {}), **{n: known[n] for n in changed & known.keys()}})
+        fresh = await asyncio.to_thread(backend.weight_checksums, changed)
+        if fresh is not None:
+            self._set(name, {**table, **fresh})
 
     def predict(self, name: str, checksums: Mapping[str, str]) -> str | None:
         """`name`'s digest once tensors with these checksums are written (None: unknown)."""

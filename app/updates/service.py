@@ -361,8 +361,7 @@ class WeightsService:
                 )
             paused_at = time.perf_counter()
             await target.backend.write_tensors(staged.tensors)
-            known = staged.checksums if staged.checksum_format == DIGEST else None
-            await self.registry.digests.record(model, target.backend, staged.tensors, known)
+            await self.registry.digests.record(model, target.backend, staged.tensors)
             paused = time.perf_counter() - paused_at
         applied = updated(
             self.registry.versions,

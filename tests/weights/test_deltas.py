@@ -168,3 +168,31 @@ async def test_a_delta_folder_loads_from_a_path(server, model_dir, tmp_path):
     assert response.json()["digest"] == weights_digest(trainer.state_dict())
     for name, tensor in trainer.state_dict().items():
         assert torch.equal(served_state(app)[name], tensor), name
+
+
+async def test_tied_embeddings_travel_once_and_the_digest_covers_both_names(settings, tmp_path):
+    """A model whose output layer is its embedding (SmolLM2's): the pusher sends the tensor
+    once, the server writes it under both names, and the digest stays the trainer's."""
+    from app.engine.builtin_model import build_model
+
+    folder = tmp_path / "tied"
+    build_model(folder, hidden_size=64, num_layers=2, seed=3, tie_embeddings=True)
+    trainer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    state = trainer.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    config = settings.replace(
+        models={"model": str(folder)}, storage={"data_dir": tmp_path / "data"}
+    )
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        await started(app)
+        pusher = WeightPusher(loop_client(app, asyncio.get_running_loop()))
+        first = await asyncio.to_thread(pusher.push, trainer.state_dict())
+        assert first.digest_ok and "lm_head.weight" not in pusher.encoder.base
+        for step in range(2):
+            optimizer_step(trainer, seed=30 + step, share=0.2)
+            pushed = await asyncio.to_thread(pusher.push, trainer.state_dict())
+            assert pushed.delta and pushed.digest_ok
+        served = served_state(app)
+        for name, tensor in trainer.state_dict().items():
+            assert torch.equal(served[name], tensor), name

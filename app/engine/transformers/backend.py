@@ -227,8 +227,11 @@ class TransformersBackend(Backend):
 
     def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str] | None:
         state = self.model.state_dict()
-        wanted = state if names is None else {n: state[n] for n in names if n in state}
-        return {name: tensor_checksum(t) for name, t in wanted.items()}
+        if names is None:
+            return {name: tensor_checksum(t) for name, t in state.items()}
+        # A write under one name is a write under every name of the same memory (tied).
+        written = {_memory(state[n]) for n in names if n in state}
+        return {n: tensor_checksum(t) for n, t in state.items() if _memory(t) in written}
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
@@ -306,6 +309,10 @@ def _own_memory(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             tensor.data = tensor.data.clone()
+
+
+def _memory(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
 
 
 def _write_into(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:

@@ -80,20 +80,27 @@ class WeightPusher:
         pause: str = "keep",
     ) -> Pushed:
         dtype = self._served_dtype()
-        cast = {
+        every = {
             name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu()
             for name, t in state.items()
         }
+        # A tensor under two names (tied embeddings) travels once: the server writes both.
+        cast = {name: every[name] for name in _first_names(state)}
         full_bytes = sum(t.numel() * t.element_size() for t in cast.values())
         if self.encoder.covers(cast):
             try:
-                return self._push_delta(cast, full_bytes, version, pause)
+                return self._push_delta(cast, every, full_bytes, version, pause)
             except ConflictError as exc:  # not the base it was built on: push whole
                 logger.warning("the delta was refused (%s); pushing the whole weights", exc)
-        return self._push_whole(cast, full_bytes, version, pause)
+        return self._push_whole(cast, every, full_bytes, version, pause)
 
     def _push_delta(
-        self, cast: dict[str, torch.Tensor], full_bytes: int, version: int | None, pause: str
+        self,
+        cast: dict[str, torch.Tensor],
+        every: dict[str, torch.Tensor],
+        full_bytes: int,
+        version: int | None,
+        pause: str,
     ) -> Pushed:
         started = time.perf_counter()
         encoded = self.encoder.encode(cast, version)
@@ -102,7 +109,7 @@ class WeightPusher:
             payload=encoded.blob, model=self.model, version=version, pause=pause, progress=False
         )
         sent_at = time.perf_counter()
-        ok = self._remember(cast, updated)
+        ok = self._remember(cast, every, updated)
         return Pushed(
             updated,
             True,
@@ -115,7 +122,12 @@ class WeightPusher:
         )
 
     def _push_whole(
-        self, cast: dict[str, torch.Tensor], full_bytes: int, version: int | None, pause: str
+        self,
+        cast: dict[str, torch.Tensor],
+        every: dict[str, torch.Tensor],
+        full_bytes: int,
+        version: int | None,
+        pause: str,
     ) -> Pushed:
         from safetensors.torch import save
 
@@ -126,7 +138,7 @@ class WeightPusher:
             payload=blob, model=self.model, version=version, pause=pause, progress=False
         )
         sent_at = time.perf_counter()
-        ok = self._remember(cast, updated)
+        ok = self._remember(cast, every, updated)
         return Pushed(
             updated,
             False,
@@ -138,7 +150,24 @@ class WeightPusher:
             ok,
         )
 
-    def _remember(self, cast: dict[str, torch.Tensor], updated: WeightsUpdated) -> bool | None:
+    def _remember(
+        self,
+        cast: dict[str, torch.Tensor],
+        every: dict[str, torch.Tensor],
+        updated: WeightsUpdated,
+    ) -> bool | None:
         version = updated.policy_version if self.model == "policy" else updated.reference_version
         self.encoder.remember(cast, version, updated.digest)
-        return None if updated.digest is None else weights_digest(cast) == updated.digest
+        return None if updated.digest is None else weights_digest(every) == updated.digest
+
+
+def _first_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Each tensor's first name (a tensor under several names, as tied embeddings are, once)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    names = []
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            names.append(name)
+    return names

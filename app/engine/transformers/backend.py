@@ -312,7 +312,7 @@ def _own_memory(model: torch.nn.Module) -> None:
 
 
 def _memory(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape)
 
 
 def _write_into(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:

@@ -166,7 +166,11 @@ def _first_names(state: Mapping[str, torch.Tensor]) -> list[str]:
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     names = []
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+        )
         if key not in seen:
             seen.add(key)
             names.append(name)

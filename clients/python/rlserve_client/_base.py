@@ -165,10 +165,16 @@ def next_delay(
 def request_arguments(call: Call[Any], *, asynchronous: bool = False) -> dict[str, Any]:
     """httpx.request keywords. Uploads go in 1 MiB chunks with an explicit length (a file is
     read as it is sent, never whole), so a progress bar can follow them; every attempt gets
-    fresh chunks."""
+    fresh chunks. Bytes over a chunk go in chunks too: httpx sent a 600 MiB body given whole
+    at 28 MB/s here, in 1 MiB chunks at 540 MB/s."""
     headers = dict(call.headers)
     content: Any = call.content
-    if isinstance(call.content, Path) or (call.content is not None and call.progress is not False):
+    large = isinstance(call.content, bytes) and len(call.content) > UPLOAD_CHUNK_BYTES
+    if (
+        isinstance(call.content, Path)
+        or large
+        or (call.content is not None and call.progress is not False)
+    ):
         size = call.content.stat().st_size if isinstance(call.content, Path) else len(call.content)
         headers["Content-Length"] = str(size)
         content = _chunks(call.content, size, call.progress, asynchronous)

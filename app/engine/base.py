@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
     from rlserve_client.moe import Routing
 
+    from app.weights.delta import Change
     from app.weights.lora import LoraAdapter
     from app.weights.transfer_engine import WeightTransfer
 
@@ -100,14 +101,18 @@ class Backend(ABC):
         offered: `app.weights.delta`)."""
         return None
 
-    async def write_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy checked tensors (by checkpoint name) into the live model."""
+    async def write_tensors(self, changes: dict[str, Change]) -> None:
+        """Write checked changes (by checkpoint name) into the live model: a tensor copied
+        whole, or a `Patch`'s bytes scattered (`app.weights.delta`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot write tensors")
 
-    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str] | None:
+    def weight_checksums(
+        self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
+    ) -> dict[str, str] | None:
         """The checksums (`rlserve_client.weight_delta.DIGEST`) of the model's own tensors
-        (its `state_dict()` names; of `names` alone when given), or None when this engine
-        cannot show its weights. Called off the event loop."""
+        (its `state_dict()` names; with `names`, of those and the names tied to them, taking
+        the `known` checksums as they are), or None when this engine cannot show its
+        weights. Called off the event loop."""
         return None
 
     async def build_adapter(

@@ -31,16 +31,23 @@ class Digests:
         if checksums is not None:
             self._set(name, checksums)
 
-    async def record(self, name: str, backend: Backend, changed: Iterable[str]) -> None:
+    async def record(
+        self,
+        name: str,
+        backend: Backend,
+        changed: Iterable[str],
+        known: Mapping[str, str] | None = None,
+    ) -> None:
         """`changed` tensors of `name` were just written (while serving is paused): hash them
-        (and the names tied to them) again. A name the model's own tensors do not have (a
-        fused expert's part), or a model not hashed yet, hashes the whole model."""
+        (and the names tied to them) again, but for the `known` checksums (checked already).
+        A name the model's own tensors do not have (a fused expert's part), or a model not
+        hashed yet, hashes the whole model."""
         table = self._checksums.get(name)
         changed = set(changed)
         if table is None or not changed <= table.keys():
             await self.record_all(name, backend)
             return
-        fresh = await asyncio.to_thread(backend.weight_checksums, changed)
+        fresh = await asyncio.to_thread(backend.weight_checksums, changed, known)
         if fresh is not None:
             self._set(name, {**table, **fresh})
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from rlserve_client.weight_delta import DIGEST, DeltaHeader, tensor_checksum
+from rlserve_client.weight_delta import DeltaHeader
 
 from app.common.failures import Conflict, Failure, Malformed, TooLarge, Unsupported, invalid
 from app.config_groups import WeightSettings
@@ -262,13 +262,8 @@ class WeightsService:
         written)."""
         if digest is None:
             return
-        if isinstance(staged, Staged) and staged.checksum_format == DIGEST:
+        if isinstance(staged, Staged):
             checksums = staged.checksums
-        elif isinstance(staged, Staged):
-            tensors = staged.tensors
-            checksums = await asyncio.to_thread(
-                lambda: {n: tensor_checksum(t) for n, t in tensors.items()}
-            )
         else:
             checksums = await self._file_work(file_checksums, staged.files, param="digest")
         predicted = self.registry.digests.predict(model, checksums)
@@ -360,14 +355,15 @@ class WeightsService:
                     param=staged.param,
                 )
             paused_at = time.perf_counter()
-            await target.backend.write_tensors(staged.tensors)
-            await self.registry.digests.record(model, target.backend, staged.tensors)
+            await target.backend.write_tensors(staged.changes)
+            changed, known = staged.changes, staged.checksums
+            await self.registry.digests.record(model, target.backend, changed, known)
             paused = time.perf_counter() - paused_at
         applied = updated(
             self.registry.versions,
             model,
             version,
-            len(staged.tensors),
+            len(staged.changes),
             staged.num_bytes,
             paused,
             start,

@@ -7,8 +7,10 @@ The format and its codec are `rlserve_client.weight_delta`'s (server and trainer
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,13 @@ from rlserve_client import weight_delta as codec
 from app.common.failures import Conflict, Malformed, Unsupported, invalid
 from app.weights.checkpoint import SAFETENSORS_TO_TORCH, Layout
 
+WORKERS = min(8, os.cpu_count() or 1)
+"""Tensors rebuilt at once."""
+
 __all__ = [
+    "Change",
     "Delta",
+    "Patch",
     "Staged",
     "check_base",
     "is_delta_file",
@@ -29,6 +36,7 @@ __all__ = [
     "one_file",
     "read_delta",
     "stage",
+    "write_changes",
 ]
 
 
@@ -52,21 +60,44 @@ class Delta:
     """The request field it came from (named in every refusal)."""
 
 
+BLOCK_BYTES = 4 << 20
+"""A rebuilt tensor is checked and hashed a block at a time, each block while it is in cache."""
+_EXPONENT: dict[torch.dtype, tuple[np.dtype[Any], int]] = {
+    torch.float32: (np.dtype(np.uint32), 0x7F800000),
+    torch.bfloat16: (np.dtype(np.uint16), 0x7F80),
+    torch.float16: (np.dtype(np.uint16), 0x7C00),
+    torch.float64: (np.dtype(np.uint64), 0x7FF0000000000000),
+}
+"""Per float dtype, its bits as an unsigned integer and its exponent's: all set is NaN or an
+infinity."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A tensor's changed bytes: their positions (ascending) and new values. Applied by
+    scattering them into the served tensor, which holds only its base until then."""
+
+    positions: np.ndarray
+    values: np.ndarray
+
+
+Change = torch.Tensor | Patch
+"""A staged tensor: rebuilt whole (an `xor` change), or the bytes to overwrite."""
+
+
 @dataclass(frozen=True)
 class Staged:
-    """A delta rebuilt: the new tensors (the served dtype and shape) and their checksums."""
+    """A delta rebuilt and checked: each changed tensor's change (`Change`), and the new
+    tensors' checksums (`codec.DIGEST`)."""
 
     base_version: int
-    tensors: dict[str, torch.Tensor]
+    changes: dict[str, Change]
     checksums: dict[str, str]
-    checksum_format: str
+    num_bytes: int
+    """The bytes of the tensors it changes."""
     compressed_bytes: int
     param: str
     """The request field the delta came from."""
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def _header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -193,42 +224,143 @@ def check_base(delta: Delta, served_version: int, served_digest: str | None) -> 
 def stage(
     delta: Delta, layout: Layout, served: Callable[[str], torch.Tensor], base_version: int
 ) -> Staged:
-    """Rebuild every changed tensor from `served(name)` (the served tensor) in a copy, and
-    check each against its checksum; raises at the first problem, naming the tensor. Runs
-    off the event loop (reads files, decompresses, hashes)."""
-    param = delta.where
-    tensors: dict[str, torch.Tensor] = {}
-    checksums: dict[str, str] = {}
-    compressed = 0
-    for part in delta.parts:
+    """Rebuild every changed tensor from `served(name)` (the served tensor, only read), and
+    check each against its checksum and for NaN or infinity; raises at the first problem,
+    naming the tensor. An `overwrite` change stays a `Patch` (nothing of the tensor is
+    copied); an `xor` change is rebuilt into a tensor of its own. Runs off the event loop,
+    tensors side by side on the host's cores (zstd, numpy and xxhash let go of the GIL)."""
+    for part in delta.parts:  # (refused before any work)
         if part.name not in layout:
-            raise invalid(param, f"unknown parameter '{part.name}' (not in the served model)")
-        dtype_name, shape = layout[part.name]
-        dtype = SAFETENSORS_TO_TORCH.get(dtype_name)
-        if dtype is None:
-            raise Unsupported(f"{param}: '{part.name}' has dtype {dtype_name}", param=param)
-        new = served(part.name).detach().to("cpu", copy=True).contiguous()
-        region = new.reshape(-1).view(torch.uint8).numpy()
-        with part.path.open("rb") as f:
-            f.seek(part.offset)
-            frame = f.read(part.size)
-        if len(frame) != part.size:
-            raise Malformed(f"{param}: the delta is truncated at '{part.name}'", param=param)
-        compressed += part.size
-        try:
-            codec.apply(region, frame, part.encoding)
-        except ValueError as exc:
-            raise Malformed(f"{param}: tensor '{part.name}': {exc}", param=param) from None
-        got = codec.checksum(region, delta.header.checksum_format)
-        if got != part.checksum:
-            raise Conflict(
-                f"{param}: tensor '{part.name}' does not rebuild to its checksum (got {got}, "
-                f"the delta says {part.checksum}): a corrupt delta, or another base than the "
-                "served weights; nothing was applied",
-                param=param,
+            raise invalid(delta.where, f"unknown parameter '{part.name}' (not in the served model)")
+        if layout[part.name][0] not in SAFETENSORS_TO_TORCH:
+            raise Unsupported(
+                f"{delta.where}: '{part.name}' has dtype {layout[part.name][0]}", param=delta.where
             )
-        if dtype.is_floating_point and not bool(torch.isfinite(new).all()):
-            raise invalid(param, f"tensor '{part.name}' holds NaN or infinite values")
-        tensors[part.name] = new.view(shape)
-        checksums[part.name] = got
-    return Staged(base_version, tensors, checksums, delta.header.checksum_format, compressed, param)
+    with ThreadPoolExecutor(WORKERS) as pool:
+        rebuilt = list(pool.map(lambda part: _rebuilt(delta, part, served), delta.parts))
+    return Staged(
+        base_version,
+        {part.name: change for part, (change, _, _) in zip(delta.parts, rebuilt, strict=True)},
+        {part.name: digest for part, (_, digest, _) in zip(delta.parts, rebuilt, strict=True)},
+        sum(size for _, _, size in rebuilt),
+        sum(part.size for part in delta.parts),
+        delta.where,
+    )
+
+
+def _rebuilt(
+    delta: Delta, part: Part, served: Callable[[str], torch.Tensor]
+) -> tuple[Change, str, int]:
+    """One tensor's change, checked: the change, the new tensor's checksum (`codec.DIGEST`)
+    and its size."""
+    param = delta.where
+    base = served(part.name).detach()
+    if base.device.type != "cpu" or not base.is_contiguous():
+        base = base.to("cpu").contiguous()
+    old = base.reshape(-1).view(torch.uint8).numpy()
+    with part.path.open("rb") as f:
+        f.seek(part.offset)
+        frame = f.read(part.size)
+    if len(frame) != part.size:
+        raise Malformed(f"{param}: the delta is truncated at '{part.name}'", param=param)
+    hashes = [codec.hasher(delta.header.checksum_format)]
+    if delta.header.checksum_format != codec.DIGEST:
+        hashes.append(codec.hasher(codec.DIGEST))
+    exponent = _EXPONENT.get(base.dtype)
+    try:
+        if part.encoding == "overwrite":
+            positions, values = codec.overwrites(frame, old.size)
+            if positions.size > 1 and bool((positions[1:] < positions[:-1]).any()):
+                order = np.argsort(positions, kind="stable")  # (a writer that did not sort)
+                positions, values = positions[order], values[order]
+            change: Change = Patch(positions, values)
+            nonfinite = _patched(old, positions, values, hashes, exponent)
+        else:
+            payload = codec.xor_payload(frame, old.size)
+            change = torch.empty_like(base)
+            new = change.reshape(-1).view(torch.uint8).numpy()
+            nonfinite = _xored(old, payload, new, hashes, exponent)
+    except ValueError as exc:
+        raise Malformed(f"{param}: tensor '{part.name}': {exc}", param=param) from None
+    got = hashes[0].hexdigest()
+    if got != part.checksum:
+        raise Conflict(
+            f"{param}: tensor '{part.name}' does not rebuild to its checksum (got {got}, the "
+            f"delta says {part.checksum}): a corrupt delta, or another base than the served "
+            "weights; nothing was applied",
+            param=param,
+        )
+    if nonfinite:
+        raise invalid(param, f"tensor '{part.name}' holds NaN or infinite values")
+    return change, hashes[-1].hexdigest(), old.size
+
+
+def _blocks(size: int) -> range:
+    return range(0, size, BLOCK_BYTES)
+
+
+def _patched(
+    old: np.ndarray,
+    positions: np.ndarray,
+    values: np.ndarray,
+    hashes: list[Any],
+    exponent: tuple[np.dtype[Any], int] | None,
+) -> bool:
+    """Hash the tensor `old` would be with `values` at `positions`, block by block in a
+    scratch buffer; whether a changed element is NaN or infinite (the others are served)."""
+    scratch = np.empty(min(BLOCK_BYTES, old.size), dtype=np.uint8)
+    bounds = np.searchsorted(positions, [*_blocks(old.size), old.size])
+    nonfinite = False
+    for i, start in enumerate(_blocks(old.size)):
+        block = scratch[: min(BLOCK_BYTES, old.size - start)]
+        np.copyto(block, old[start : start + block.size])
+        inside = positions[bounds[i] : bounds[i + 1]] - start
+        block[inside] = values[bounds[i] : bounds[i + 1]]
+        if exponent is not None and inside.size:
+            bits, mask = exponent
+            touched = block.view(bits)[inside // bits.itemsize]
+            nonfinite = nonfinite or bool(((touched & mask) == mask).any())
+        for h in hashes:
+            h.update(block)
+    return nonfinite
+
+
+def _xored(
+    old: np.ndarray,
+    payload: np.ndarray,
+    new: np.ndarray,
+    hashes: list[Any],
+    exponent: tuple[np.dtype[Any], int] | None,
+) -> bool:
+    """`new` = `old` XOR `payload`, hashed and checked block by block while in cache; whether
+    any element is NaN or infinite."""
+    nonfinite = False
+    for start in _blocks(old.size):
+        end = min(start + BLOCK_BYTES, old.size)
+        block = new[start:end]
+        np.bitwise_xor(old[start:end], payload[start:end], out=block)
+        if exponent is not None:
+            bits, mask = exponent
+            nonfinite = nonfinite or bool(((block.view(bits) & mask) == mask).any())
+        for h in hashes:
+            h.update(block)
+    return nonfinite
+
+
+def write_changes(state: dict[str, torch.Tensor], changes: dict[str, Change]) -> None:
+    """Write staged changes into the tensors of `state` (a model's, by checkpoint name)."""
+    with torch.no_grad():
+        for name, change in changes.items():
+            target = state[name]
+            if isinstance(change, torch.Tensor):
+                target.copy_(change)
+                continue
+            whole = target if target.is_contiguous() else target.contiguous()  # (a view's copy)
+            flat = whole.view(-1).view(torch.uint8)
+            if flat.device.type == "cpu":
+                flat.numpy()[change.positions] = change.values
+            else:
+                at = torch.from_numpy(change.positions.astype(np.int64)).to(flat.device)
+                flat[at] = torch.from_numpy(np.ascontiguousarray(change.values)).to(flat.device)
+            if whole is not target:
+                target.copy_(whole)

@@ -131,6 +131,20 @@ def test_weight_sync_benchmark_quick(tmp_path):
     )
 
 
+@pytest.mark.beside
+def test_weight_delta_benchmark_quick(tmp_path):
+    pytest.importorskip("ray", reason="ray is installed with the distributed extra")
+    report = run_quick("weight_delta", tmp_path)
+    for name, runs in report["results"].items():
+        assert [r["version"] for r in runs] == [1, 2, 3], name
+        assert [r["delta"] for r in runs] == [False, True, True], name
+        assert all(r["digest_ok"] for r in runs), name
+    # bfloat16 rounds most of a small step away: its deltas are a fraction of a whole push
+    bf16 = report["summaries"]["one_server_bfloat16"]
+    assert bf16["median_changed_elements"] < 0.5 and bf16["median_full_over_sent"] > 2
+    assert report["memory_copy_gb_per_s"] > 0
+
+
 def test_datasets_benchmark_quick(tmp_path):
     pytest.importorskip("lm_eval")
     report = run_quick("datasets", tmp_path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,7 @@ from app.engine.registry import ModelRegistry
 from app.updates.local import LocalWeights
 from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
+from app.weights.delta import Change, write_changes
 from app.weights.lora import ADAPTER_SOURCE
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import WeightTransfer
@@ -123,13 +124,14 @@ class SmallModel(FakeBackend):
     def served_tensor(self, name: str) -> torch.Tensor | None:
         return self.state.get(name)
 
-    async def write_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    async def write_tensors(self, changes: dict[str, Change]) -> None:
         if self.fail_swap is not None:
             raise RuntimeError(self.fail_swap)
-        for name, tensor in tensors.items():
-            self.state[name].copy_(tensor)
+        write_changes(self.state, changes)
 
-    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str]:
+    def weight_checksums(
+        self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
         wanted = self.state if names is None else {n: self.state[n] for n in names}
         return {name: tensor_checksum(t) for name, t in wanted.items()}
 

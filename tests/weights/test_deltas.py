@@ -57,13 +57,15 @@ async def ready(client: httpx.AsyncClient) -> dict:
     return (await client.get("/ready")).json()
 
 
-async def test_a_chain_of_five_deltas_rebuilds_the_weights_bitwise(server, model_dir):
+@pytest.mark.parametrize("encoding", ["auto", "xor", "overwrite"])
+async def test_a_chain_of_five_deltas_rebuilds_the_weights_bitwise(server, model_dir, encoding):
     app, client = server
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     start = await ready(client)
     # The server's starting digest is the trainer's own weights' (independently computed).
     assert start["digests"]["policy"] == weights_digest(trainer.state_dict())
-    pusher = WeightPusher(loop_client(app, asyncio.get_running_loop()), dtype=torch.float32)
+    client_ = loop_client(app, asyncio.get_running_loop())
+    pusher = WeightPusher(client_, dtype=torch.float32, encoding=encoding)
     first = await asyncio.to_thread(pusher.push, trainer.state_dict())
     assert not first.delta and first.digest_ok
     for step in range(5):
@@ -71,7 +73,7 @@ async def test_a_chain_of_five_deltas_rebuilds_the_weights_bitwise(server, model
         pushed = await asyncio.to_thread(pusher.push, trainer.state_dict())
         assert pushed.delta and pushed.digest_ok, pushed
         assert pushed.updated.policy_version == first.updated.policy_version + step + 1
-        assert pushed.sent_bytes < pushed.full_bytes / 3
+        assert pushed.sent_bytes < pushed.full_bytes / (3 if encoding != "overwrite" else 1.5)
         assert 0 < pushed.changed_share < 0.2
     served = served_state(app)
     for name, tensor in trainer.state_dict().items():
@@ -196,3 +198,17 @@ async def test_tied_embeddings_travel_once_and_the_digest_covers_both_names(sett
         served = served_state(app)
         for name, tensor in trainer.state_dict().items():
             assert torch.equal(served[name], tensor), name
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+async def test_a_delta_that_makes_a_nan_is_refused(server, model_dir, encoding):
+    app, client = server
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        trainer.model.norm.weight[3] = float("nan")
+    encoder = DeltaEncoder(encoding=encoding)
+    encoder.remember(served_state(app), 0, None)
+    response = await client.put("/v1/weights", content=encoder.encode(trainer.state_dict()).blob)
+    assert response.status_code == 422, response.text
+    assert "NaN or infinite" in response.json()["error"]["message"]
+    assert (await ready(client))["policy_version"] == 0

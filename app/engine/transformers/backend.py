@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -25,6 +25,7 @@ from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.delta import Change, write_changes
 from app.weights.expert_names import checkpoint_views
 from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import adapter_from
@@ -222,16 +223,25 @@ class TransformersBackend(Backend):
     def served_tensor(self, name: str) -> torch.Tensor | None:
         return checkpoint_views(self.model).get(name)
 
-    async def write_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        await asyncio.to_thread(_write_into, checkpoint_views(self.model), tensors)
+    async def write_tensors(self, changes: dict[str, Change]) -> None:
+        await asyncio.to_thread(write_changes, checkpoint_views(self.model), changes)
 
-    def weight_checksums(self, names: Iterable[str] | None = None) -> dict[str, str] | None:
+    def weight_checksums(
+        self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
+    ) -> dict[str, str] | None:
         state = self.model.state_dict()
         if names is None:
             return {name: tensor_checksum(t) for name, t in state.items()}
         # A write under one name is a write under every name of the same memory (tied).
-        written = {_memory(state[n]) for n in names if n in state}
-        return {n: tensor_checksum(t) for n, t in state.items() if _memory(t) in written}
+        known = known or {}
+        written = {_memory(state[n]): known.get(n) for n in names if n in state}
+        out: dict[str, str] = {}
+        for name, tensor in state.items():
+            memory = _memory(tensor)
+            if memory in written:
+                checksum = written[memory] or tensor_checksum(tensor)
+                out[name] = written[memory] = checksum
+        return out
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
@@ -313,12 +323,6 @@ def _own_memory(model: torch.nn.Module) -> None:
 
 def _memory(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
     return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape)
-
-
-def _write_into(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            state[name].copy_(tensor)
 
 
 def _pad_id(tokenizer: Any, model: Any) -> int:

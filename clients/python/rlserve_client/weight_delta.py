@@ -148,36 +148,50 @@ def encode(new: np.ndarray, old: np.ndarray, encoding: str) -> Change | None:
     return Change(encoding, frame, changed)
 
 
-def apply(region: np.ndarray, compressed: bytes | memoryview, encoding: str) -> None:
-    """Apply one tensor's change to `region` (its base bytes, flat uint8, written in place).
-    Raises ValueError when the change does not fit the region (a corrupt or foreign delta),
-    never reading more than the region can take."""
+def _decompressed(frame: bytes | memoryview, limit: int) -> np.ndarray:
     import zstandard
 
-    size = region.size
-    limit = size if encoding == "xor" else 4 + 5 * size
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(bytes(compressed))
-        data = reader.read(limit + 1)
+        data = zstandard.ZstdDecompressor().stream_reader(bytes(frame)).read(limit + 1)
     except zstandard.ZstdError as exc:
         raise ValueError(f"not a zstd frame ({exc})") from None
     if len(data) > limit:
-        raise ValueError(f"the change is larger than the tensor's {size} bytes")
-    payload = np.frombuffer(data, dtype=np.uint8)
+        raise ValueError(f"the change is larger than its tensor's bytes allow ({limit})")
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def xor_payload(frame: bytes | memoryview, size: int) -> np.ndarray:
+    """An `xor` change of a tensor of `size` bytes: `size` bytes to XOR onto it. Raises
+    ValueError for anything else (never decompressing more than `size` + 1 bytes)."""
+    payload = _decompressed(frame, size)
+    if payload.size != size:
+        raise ValueError(f"the change has {payload.size} bytes for a tensor of {size}")
+    return payload
+
+
+def overwrites(frame: bytes | memoryview, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """An `overwrite` change of a tensor of `size` bytes: the positions (uint32) and their new
+    bytes. Raises ValueError for anything else."""
+    payload = _decompressed(frame, 4 + 5 * size)
+    if payload.size < 4:
+        raise ValueError("the change is shorter than its count")
+    count = int(payload[:4].view("<u4")[0])
+    if payload.size != 4 + 5 * count:
+        raise ValueError(f"the change has {payload.size} bytes for {count} positions")
+    positions = payload[4 : 4 + 4 * count].view("<u4")
+    if count and int(positions.max()) >= size:
+        raise ValueError(f"a position is past the tensor's {size} bytes")
+    return positions, payload[4 + 4 * count :]
+
+
+def apply(region: np.ndarray, compressed: bytes | memoryview, encoding: str) -> None:
+    """Apply one tensor's change to `region` (its base bytes, flat uint8, written in place).
+    Raises ValueError when the change does not fit the region (a corrupt or foreign delta)."""
     if encoding == "xor":
-        if payload.size != size:
-            raise ValueError(f"the change has {payload.size} bytes for a tensor of {size}")
-        np.bitwise_xor(region, payload, out=region)
+        np.bitwise_xor(region, xor_payload(compressed, region.size), out=region)
     elif encoding == "overwrite":
-        if payload.size < 4:
-            raise ValueError("the change is shorter than its count")
-        count = int(payload[:4].view("<u4")[0])
-        if payload.size != 4 + 5 * count:
-            raise ValueError(f"the change has {payload.size} bytes for {count} positions")
-        positions = payload[4 : 4 + 4 * count].view("<u4")
-        if count and int(positions.max()) >= size:
-            raise ValueError(f"a position is past the tensor's {size} bytes")
-        region[positions] = payload[4 + 4 * count :]
+        positions, values = overwrites(compressed, region.size)
+        region[positions] = values
     else:
         raise ValueError(f"encoding: '{encoding}' is not one of {list(ENCODINGS)}")
 

@@ -64,9 +64,12 @@ def changed_share(before: dict[str, Any], after: dict[str, Any], dtype: Any) -> 
     return changed / total
 
 
-def figures(pushed: Any, share: float) -> dict[str, Any]:
+def figures(pushed: Any, share: float, replicated: bool = False) -> dict[str, Any]:
+    """One push's figures. On replicas the answer is the commit's (each replica staged the
+    update before it): the round trip is the whole update there."""
     updated = pushed.updated
-    staged = updated.total_seconds - updated.seconds
+    staged = None if replicated else round(updated.total_seconds - updated.seconds, 3)
+    server_s = max(updated.total_seconds, 1e-9)
     return {
         "version": updated.policy_version,
         "delta": pushed.delta,
@@ -76,29 +79,33 @@ def figures(pushed: Any, share: float) -> dict[str, Any]:
         "full_over_sent": round(pushed.full_bytes / pushed.sent_bytes, 2),
         "encode_s": round(pushed.encode_s, 3),
         "round_trip_s": round(pushed.send_s, 3),
-        "server_stage_s": round(staged, 3),
+        "server_stage_s": staged,
         "server_commit_s": round(updated.seconds, 3),
         "rebuilt_bytes": updated.num_bytes,
-        "apply_gb_per_s": round(updated.num_bytes / max(updated.total_seconds, 1e-9) / 1e9, 3),
+        "server_gb_per_s": None if replicated else round(updated.num_bytes / server_s / 1e9, 3),
         "digest_ok": pushed.digest_ok,
     }
 
 
-def summary(steps: list[dict[str, Any]], bandwidth: float) -> dict[str, Any]:
+def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     deltas = [s for s in steps if s["delta"]]
     if not deltas:
         return {}
-    apply = statistics.median(s["apply_gb_per_s"] for s in deltas) * 1e9
     return {
         "deltas": len(deltas),
         "median_full_over_sent": statistics.median(s["full_over_sent"] for s in deltas),
         "median_changed_elements": statistics.median(s["changed_elements"] for s in deltas),
         "median_round_trip_s": statistics.median(s["round_trip_s"] for s in deltas),
         "whole_push_round_trip_s": next(s["round_trip_s"] for s in steps if not s["delta"]),
-        "median_apply_gb_per_s": round(apply / 1e9, 3),
-        "apply_share_of_copy_bandwidth": round(apply / bandwidth, 3),
+        "median_server_stage_s": _median([s["server_stage_s"] for s in deltas]),
+        "median_server_commit_s": statistics.median(s["server_commit_s"] for s in deltas),
         "digests_ok": all(s["digest_ok"] for s in steps),
     }
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def train_and_record(url: str, steps: int, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,7 +139,7 @@ def train_and_record(url: str, steps: int, log: list[dict[str, Any]]) -> list[di
         def close(self) -> None:
             pass
 
-    grpo.FullWeights = Recorded  # type: ignore[misc]  # the example's push, by deltas
+    grpo.FullWeights = Recorded  # the example's push, by deltas
     argv = ["--steps", str(steps), "--prompts", "2", "--group-size", "4"]
     args = grpo.arguments([*argv, "--max-new-tokens", "16"])
     with Client(base_url=url, timeout=600) as client:
@@ -141,7 +148,9 @@ def train_and_record(url: str, steps: int, log: list[dict[str, Any]]) -> list[di
     return states
 
 
-def replay(url: str, states: list[dict[str, Any]], dtype_name: str, label: str) -> list[Any]:
+def replay(
+    url: str, states: list[dict[str, Any]], dtype_name: str, label: str, replicated: bool = False
+) -> list[Any]:
     import torch
     from rlserve_client import Client
     from rlserve_client.weight_push import WeightPusher
@@ -152,7 +161,7 @@ def replay(url: str, states: list[dict[str, Any]], dtype_name: str, label: str) 
         pusher = WeightPusher(client, dtype=dtype)
         for i, state in enumerate(states):
             share = changed_share(states[i - 1], state, dtype) if i else 1.0
-            out.append(figures(pusher.push(state), share))
+            out.append(figures(pusher.push(state), share, replicated))
             print(f"{label}:", out[-1], flush=True)
     return out
 
@@ -237,8 +246,8 @@ def main() -> None:
                 wait_for_replicas(served.url, 2, timeout=900)
                 label = f"{dtype_name}, two Ray Serve replicas"
                 key = f"two_replicas_{dtype_name}"
-                results[key] = replay(served.url, states, dtype_name, label)
-    summaries = {name: summary(runs, bandwidth) for name, runs in results.items()}
+                results[key] = replay(served.url, states, dtype_name, label, replicated=True)
+    summaries = {name: summary(runs) for name, runs in results.items()}
     for dtype_name, runs in applied.items():
         speed = statistics.median(r["apply_gb_per_s"] for r in runs) * 1e9
         summaries[f"apply_in_process_{dtype_name}"] = {

@@ -169,15 +169,12 @@ def request_arguments(call: Call[Any], *, asynchronous: bool = False) -> dict[st
     at 28 MB/s here, in 1 MiB chunks at 540 MB/s."""
     headers = dict(call.headers)
     content: Any = call.content
-    large = isinstance(call.content, bytes) and len(call.content) > UPLOAD_CHUNK_BYTES
-    if (
-        isinstance(call.content, Path)
-        or large
-        or (call.content is not None and call.progress is not False)
-    ):
-        size = call.content.stat().st_size if isinstance(call.content, Path) else len(call.content)
+    source = call.content
+    large = isinstance(source, bytes) and len(source) > UPLOAD_CHUNK_BYTES
+    if source is not None and (isinstance(source, Path) or large or call.progress is not False):
+        size = source.stat().st_size if isinstance(source, Path) else len(source)
         headers["Content-Length"] = str(size)
-        content = _chunks(call.content, size, call.progress, asynchronous)
+        content = _chunks(source, size, call.progress, asynchronous)
     timeout = call.timeout
     return {
         "method": call.method,

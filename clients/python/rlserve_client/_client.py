@@ -73,6 +73,8 @@ class _Methods:
     load_weights = _Route(routes.load_weights)
     upload_weights = _Route(routes.upload_weights)
     restore_weights = _Route(routes.restore_weights)
+    load_snapshot = _Route(routes.load_snapshot)
+    snapshots = _Route(routes.snapshots)
     load_adapter = _Route(routes.load_adapter)
     push_adapter = _Route(routes.push_adapter)
     adapters = _Route(routes.adapters)

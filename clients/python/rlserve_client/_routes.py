@@ -241,6 +241,54 @@ def load_weights(
     )
 
 
+def load_snapshot(
+    *,
+    identity: str,
+    source: str,
+    base: str | None = None,
+    model: str = "policy",
+    cache: str = "reset",
+    pause: str = "keep",
+    digest: str | None = None,
+    timeout: Timeout = NOT_GIVEN,
+) -> Call[types.WeightsUpdated]:
+    """Serve published snapshot `identity` from `source` (a path the server reads, or an
+    http(s) URL of one file): a whole checkpoint, or a delta of snapshot `base`. Checked and
+    staged while serving goes on (against `digest` too, when given), then committed on every
+    replica; a bad one leaves the current snapshot served. Admin key."""
+    body = _given(
+        identity=identity,
+        source=source,
+        base=base,
+        model=model,
+        cache=cache,
+        pause=pause,
+        digest=digest,
+    )
+    return Call(
+        "POST",
+        "/v1/weights/snapshots",
+        types.WeightsUpdated,
+        json=body,
+        timeout=timeout,
+        retry=Retry.UNSENT,
+    )
+
+
+def snapshots(
+    *, model: str = "policy", timeout: Timeout = NOT_GIVEN
+) -> Call[types.ServedSnapshots]:
+    """What each replica serves of `model` (version, digest, snapshot) and where its last
+    snapshot load stands. Admin key."""
+    return Call(
+        "GET",
+        "/v1/weights/snapshots",
+        types.ServedSnapshots,
+        params={"model": model},
+        timeout=timeout,
+    )
+
+
 def restore_weights(
     *,
     model: str = "policy",

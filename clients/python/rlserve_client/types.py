@@ -341,6 +341,23 @@ class WeightsUpdated(WeightsVersion):
     """The model's weight digest after the update (None: its engine cannot show it)."""
     sent_bytes: int | None = None
     """For a delta: the bytes of its compressed changes (against `num_bytes` rebuilt)."""
+    snapshot: str | None = None
+    """The published snapshot now served, when the update was one."""
+
+
+class ReplicaWeights(Result):
+    replica: str | None = None
+    version: int
+    """-1: the replica did not answer (`last_error` says why)."""
+    digest: str | None = None
+    snapshot: str | None = None
+    stage: str = "serving"
+    last_error: str | None = None
+
+
+class ServedSnapshots(Result):
+    model: str
+    replicas: list[ReplicaWeights]
 
 
 class ServingState(Result):

@@ -149,10 +149,24 @@ def encode(new: np.ndarray, old: np.ndarray, encoding: str) -> Change | None:
 
 
 def _decompressed(frame: bytes | memoryview, limit: int) -> np.ndarray:
+    """A zstd frame's content, refused past `limit` bytes: allocated at its declared size when
+    the frame declares one (zstandard's `compress` does), read in pieces otherwise."""
     import zstandard
 
+    frame = bytes(frame)
     try:
-        data = zstandard.ZstdDecompressor().stream_reader(bytes(frame)).read(limit + 1)
+        declared = zstandard.frame_content_size(frame)
+        if 0 <= declared <= limit:
+            data = zstandard.ZstdDecompressor().decompress(frame)
+        elif declared > limit:
+            raise ValueError(f"the change is larger than its tensor's bytes allow ({limit})")
+        else:
+            reader = zstandard.ZstdDecompressor().stream_reader(frame)
+            pieces, size = [], 0
+            while size <= limit and (piece := reader.read(min(1 << 24, limit + 1 - size))):
+                pieces.append(piece)
+                size += len(piece)
+            data = b"".join(pieces)
     except zstandard.ZstdError as exc:
         raise ValueError(f"not a zstd frame ({exc})") from None
     if len(data) > limit:

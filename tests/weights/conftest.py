@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,6 +74,19 @@ async def served(settings: Settings, backend_name: str) -> AsyncIterator[Served]
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
             yield Served(app, c, asyncio.get_running_loop())
+
+
+@pytest.fixture
+async def own_server(
+    settings: Settings, tmp_path: Path
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """A server of this test's own (its weights change), and an async client of it."""
+    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
+    async with app.router.lifespan_context(app):
+        await started(app)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            yield app, c
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,24 +17,11 @@ from rlserve_client.weight_delta import DeltaEncoder, raw_bytes, weights_digest
 from rlserve_client.weight_push import WeightPusher
 from transformers import AutoModelForCausalLM
 
-from app.config import Settings
 from app.main import create_app
 from tests.conftest import assert_close, forward_log_probs, started
 from tests.weights.conftest import loop_client
 
 SEQUENCE = [5, 6, 7, 8, 9, 10, 11, 12]
-
-
-@pytest.fixture
-async def server(
-    settings: Settings, tmp_path: Path
-) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            yield app, c
 
 
 def served_state(app: FastAPI) -> dict[str, torch.Tensor]:
@@ -58,8 +43,8 @@ async def ready(client: httpx.AsyncClient) -> dict:
 
 
 @pytest.mark.parametrize("encoding", ["auto", "xor", "overwrite"])
-async def test_a_chain_of_five_deltas_rebuilds_the_weights_bitwise(server, model_dir, encoding):
-    app, client = server
+async def test_a_chain_of_five_deltas_rebuilds_the_weights_bitwise(own_server, model_dir, encoding):
+    app, client = own_server
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     start = await ready(client)
     # The server's starting digest is the trainer's own weights' (independently computed).
@@ -105,8 +90,8 @@ def corrupt_a_frame(blob: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("fault", ["corrupt byte", "wrong base", "missing link", "wrong digest"])
-async def test_a_bad_delta_is_refused_whole(server, model_dir, fault):
-    app, client = server
+async def test_a_bad_delta_is_refused_whole(own_server, model_dir, fault):
+    app, client = own_server
     before = {k: v.clone() for k, v in served_state(app).items()}
     start = await ready(client)
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -133,13 +118,13 @@ async def test_a_bad_delta_is_refused_whole(server, model_dir, fault):
         assert torch.equal(tensor, before[name]), name
 
 
-async def test_a_delta_folder_loads_from_a_path(server, model_dir, tmp_path):
+async def test_a_delta_folder_loads_from_a_path(own_server, model_dir, tmp_path):
     """A version folder in slime's layout (index metadata naming the encoding), loaded as any
     checkpoint is."""
     from rlserve_client import weight_delta as codec
     from safetensors.numpy import save_file
 
-    app, client = server
+    app, client = own_server
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     optimizer_step(trainer, seed=21)
     new = {k: raw_bytes(v) for k, v in trainer.state_dict().items()}
@@ -201,8 +186,8 @@ async def test_tied_embeddings_travel_once_and_the_digest_covers_both_names(sett
 
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite"])
-async def test_a_delta_that_makes_a_nan_is_refused(server, model_dir, encoding):
-    app, client = server
+async def test_a_delta_that_makes_a_nan_is_refused(own_server, model_dir, encoding):
+    app, client = own_server
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         trainer.model.norm.weight[3] = float("nan")

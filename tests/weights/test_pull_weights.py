@@ -9,36 +9,20 @@ checkpoint as it was."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from fastapi import FastAPI
 from rlserve_client import weight_delta as codec
 from safetensors.numpy import save_file
 from transformers import AutoModelForCausalLM
 
-from app.config import Settings
-from app.main import create_app
-from tests.conftest import assert_close, forward_log_probs, started
+from tests.conftest import assert_close, forward_log_probs
 from tests.weights.test_deltas import optimizer_step
 
 SEQUENCE = [3, 9, 27, 81, 243, 17, 5]
-
-
-@pytest.fixture
-async def server(
-    settings: Settings, tmp_path: Path
-) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            yield app, c
 
 
 def publish(source: Path, version: int, new: dict, old: dict, encoding: str, checksum: str) -> Path:
@@ -82,8 +66,8 @@ async def pull(
     return await client.post("/pull_weights", json=body)
 
 
-async def test_three_published_versions_pulled_and_served(server, model_dir, tmp_path):
-    _app, client = server
+async def test_three_published_versions_pulled_and_served(own_server, model_dir, tmp_path):
+    _app, client = own_server
     source, local = tmp_path / "published", tmp_path / "local"
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # slime's seed call: version 0 is the engine's own checkpoint.
@@ -127,8 +111,8 @@ async def test_three_published_versions_pulled_and_served(server, model_dir, tmp
     assert json.loads((local / ".weight_sync" / "state.json").read_text())["version"] == "000003"
 
 
-async def test_a_missing_version_is_named(server, tmp_path):
-    _app, client = server
+async def test_a_missing_version_is_named(own_server, tmp_path):
+    _app, client = own_server
     refused = await pull(client, tmp_path / "local", tmp_path / "nothing", 2)
     assert refused.status_code == 404
     assert refused.json()["error"]["param"] == "source_dir"

@@ -7,35 +7,20 @@ from __future__ import annotations
 import functools
 import http.server
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from fastapi import FastAPI
 from rlserve_client.weight_delta import DeltaEncoder, weights_digest
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from app.config import Settings
-from app.main import create_app
-from tests.conftest import assert_close, forward_log_probs, started
+from tests.conftest import assert_close, forward_log_probs
 from tests.weights.test_deltas import corrupt_a_frame, optimizer_step, served_state
 
 SEQUENCE = [7, 8, 9, 10, 11, 12]
-
-
-@pytest.fixture
-async def server(
-    settings: Settings, tmp_path: Path
-) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            yield app, c
 
 
 @pytest.fixture
@@ -58,8 +43,8 @@ async def served(client: httpx.AsyncClient) -> dict:
     return body["replicas"][0]
 
 
-async def test_a_whole_snapshot_then_deltas_from_a_url(server, store, model_dir, tmp_path):
-    _app, client = server
+async def test_a_whole_snapshot_then_deltas_from_a_url(own_server, store, model_dir, tmp_path):
+    _app, client = own_server
     bucket, url = store
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     optimizer_step(trainer, seed=1)
@@ -103,9 +88,9 @@ async def test_a_whole_snapshot_then_deltas_from_a_url(server, store, model_dir,
 
 @pytest.mark.parametrize("fault", ["wrong base", "no base", "corrupt", "other digest", "404"])
 async def test_a_bad_snapshot_leaves_the_current_one_served(
-    server, store, model_dir, tmp_path, fault
+    own_server, store, model_dir, tmp_path, fault
 ):
-    app, client = server
+    app, client = own_server
     bucket, url = store
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     whole = tmp_path / "base.safetensors"

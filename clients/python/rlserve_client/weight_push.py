@@ -89,50 +89,31 @@ class WeightPusher:
         full_bytes = sum(t.numel() * t.element_size() for t in cast.values())
         if self.encoder.covers(cast):
             try:
-                return self._push_delta(cast, every, full_bytes, version, pause)
+                return self._send(cast, every, full_bytes, version, pause, delta=True)
             except ConflictError as exc:  # not the base it was built on: push whole
                 logger.warning("the delta was refused (%s); pushing the whole weights", exc)
-        return self._push_whole(cast, every, full_bytes, version, pause)
+        return self._send(cast, every, full_bytes, version, pause, delta=False)
 
-    def _push_delta(
+    def _send(
         self,
         cast: dict[str, torch.Tensor],
         every: dict[str, torch.Tensor],
         full_bytes: int,
         version: int | None,
         pause: str,
+        *,
+        delta: bool,
     ) -> Pushed:
-        started = time.perf_counter()
-        encoded = self.encoder.encode(cast, version)
-        encoded_at = time.perf_counter()
-        updated = self.client.upload_weights(
-            payload=encoded.blob, model=self.model, version=version, pause=pause, progress=False
-        )
-        sent_at = time.perf_counter()
-        ok = self._remember(cast, every, updated)
-        return Pushed(
-            updated,
-            True,
-            len(encoded.blob),
-            full_bytes,
-            encoded.changed_share,
-            encoded_at - started,
-            sent_at - encoded_at,
-            ok,
-        )
-
-    def _push_whole(
-        self,
-        cast: dict[str, torch.Tensor],
-        every: dict[str, torch.Tensor],
-        full_bytes: int,
-        version: int | None,
-        pause: str,
-    ) -> Pushed:
+        """`cast` encoded as a delta of the last push (or whole: one safetensors file), sent
+        and remembered as the next base; `every` is it under each of its names."""
         from safetensors.torch import save
 
         started = time.perf_counter()
-        blob = save({name: t.contiguous() for name, t in cast.items()})
+        if delta:
+            encoded = self.encoder.encode(cast, version)
+            blob, share = encoded.blob, encoded.changed_share
+        else:
+            blob, share = save({name: t.contiguous() for name, t in cast.items()}), 1.0
         encoded_at = time.perf_counter()
         updated = self.client.upload_weights(
             payload=blob, model=self.model, version=version, pause=pause, progress=False
@@ -141,10 +122,10 @@ class WeightPusher:
         ok = self._remember(cast, every, updated)
         return Pushed(
             updated,
-            False,
+            delta,
             len(blob),
             full_bytes,
-            1.0,
+            share,
             encoded_at - started,
             sent_at - encoded_at,
             ok,

@@ -115,3 +115,26 @@ async def test_a_pinned_request_waits_a_bounded_time_for_its_version(
         assert answer.status_code == 200, answer.text
         assert answer.json()["policy_version"] == 1
         assert answer.headers["x-policy-version-start"] == "1"
+
+
+async def test_the_client_pins_its_requests_and_waits_out_a_later_version(
+    own_server, other_weights
+):
+    """`Client.min_policy_version`: a server below it answers 409 with Retry-After; the client
+    sends the call again, and it is answered once the version is served."""
+    from rlserve_client import ConflictError
+
+    from tests.weights.conftest import loop_client
+
+    app, http = own_server
+    trainer = loop_client(app, asyncio.get_running_loop())
+    trainer.max_retries = 0
+    trainer.min_policy_version = 1
+    with pytest.raises(ConflictError, match="X-Min-Policy-Version"):
+        await asyncio.to_thread(trainer.logprobs, tokens=[[5, 6, 7]])
+    trainer.max_retries = 3
+    waiting = asyncio.create_task(asyncio.to_thread(trainer.logprobs, tokens=[[5, 6, 7]]))
+    await asyncio.sleep(0.3)  # refused once, its retry due in a second
+    assert (await http.put("/v1/weights", content=other_weights)).status_code == 200
+    answered = await waiting
+    assert answered.policy_version == 1

@@ -56,6 +56,21 @@ SESSION_HEADER = "x-session-id"
 Sent with an environment's or a trajectory's id; a single server ignores it."""
 
 
+MIN_VERSION_HEADER = "X-Min-Policy-Version"
+EXACT_VERSION_HEADER = "X-Policy-Version"
+"""The headers that pin the policy version a request is answered with (every route)."""
+
+
+def pins(minimum: int | None, exact: int | None) -> dict[str, str]:
+    """The headers of a client's version pins."""
+    headers = {}
+    if minimum is not None:
+        headers[MIN_VERSION_HEADER] = str(minimum)
+    if exact is not None:
+        headers[EXACT_VERSION_HEADER] = str(exact)
+    return headers
+
+
 def session(key: str | None) -> dict[str, str]:
     return {SESSION_HEADER: key} if key else {}
 
@@ -155,19 +170,29 @@ def next_delay(
         return None
     if response is not None and response.status_code not in RETRY_STATUSES:
         # 409 with Retry-After: another server changed the state first and nothing was
-        # applied; a keyed call sent again is answered as the server applied it.
-        superseded = response.status_code == 409 and "Retry-After" in response.headers
-        if not (superseded and call.retry is Retry.KEYED):
+        # applied; a keyed call sent again is answered as the server applied it. Or the
+        # policy version the call pins is not served yet: nothing was started.
+        later = response.status_code == 409 and "Retry-After" in response.headers
+        if not (later and (call.retry is Retry.KEYED or _version_error(response))):
             return None
     return retry_delay(attempt, response)
 
 
-def request_arguments(call: Call[Any], *, asynchronous: bool = False) -> dict[str, Any]:
+def _version_error(response: httpx.Response) -> bool:
+    try:
+        return bool(response.json()["error"]["type"] == "version_error")
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def request_arguments(
+    call: Call[Any], *, asynchronous: bool = False, pinned: dict[str, str] | None = None
+) -> dict[str, Any]:
     """httpx.request keywords. Uploads go in 1 MiB chunks with an explicit length (a file is
     read as it is sent, never whole), so a progress bar can follow them; every attempt gets
     fresh chunks. Bytes over a chunk go in chunks too: httpx sent a 600 MiB body given whole
     at 28 MB/s here, in 1 MiB chunks at 540 MB/s."""
-    headers = dict(call.headers)
+    headers = {**(pinned or {}), **call.headers}
     content: Any = call.content
     source = call.content
     large = isinstance(source, bytes) and len(source) > UPLOAD_CHUNK_BYTES

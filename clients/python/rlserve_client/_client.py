@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 import httpx
 
 from rlserve_client import _routes as routes
-from rlserve_client._base import DEFAULT_TIMEOUT, Call, next_delay, request_arguments, settings
+from rlserve_client._base import (
+    DEFAULT_TIMEOUT,
+    Call,
+    next_delay,
+    pins,
+    request_arguments,
+    settings,
+)
 from rlserve_client._exceptions import APIConnectionError, APITimeoutError, status_error
 from rlserve_client.types import Result
 
@@ -137,6 +144,12 @@ class Client(_Methods):
         url, headers = settings(base_url, api_key)
         self.base_url = url
         self.max_retries = max_retries
+        self.min_policy_version: int | None = None
+        """Every request asks for this policy version or a later one (`X-Min-Policy-Version`):
+        a server that serves an older one answers 409 with Retry-After, and the call is sent
+        again (within `max_retries`), never answered from older weights. None: any."""
+        self.exact_policy_version: int | None = None
+        """Every request asks for exactly this policy version (`X-Policy-Version`)."""
         self._http = httpx.Client(
             base_url=url, headers=headers, timeout=timeout, transport=transport
         )
@@ -144,7 +157,8 @@ class Client(_Methods):
     def _send(self, call: Call[T]) -> T:
         for attempt in itertools.count():
             try:
-                response = self._http.request(**request_arguments(call))
+                pinned = pins(self.min_policy_version, self.exact_policy_version)
+                response = self._http.request(**request_arguments(call, pinned=pinned))
             except httpx.TransportError as exc:
                 delay = next_delay(call, attempt, self.max_retries, error=exc)
                 if delay is None:
@@ -192,6 +206,10 @@ class AsyncClient(_Methods):
         url, headers = settings(base_url, api_key)
         self.base_url = url
         self.max_retries = max_retries
+        self.min_policy_version: int | None = None
+        """As `Client.min_policy_version`."""
+        self.exact_policy_version: int | None = None
+        """As `Client.exact_policy_version`."""
         limits = httpx.Limits(max_connections=max_connections)
         self._http = httpx.AsyncClient(
             base_url=url, headers=headers, timeout=timeout, transport=transport, limits=limits
@@ -200,7 +218,9 @@ class AsyncClient(_Methods):
     async def _send(self, call: Call[T]) -> T:
         for attempt in itertools.count():
             try:
-                response = await self._http.request(**request_arguments(call, asynchronous=True))
+                pinned = pins(self.min_policy_version, self.exact_policy_version)
+                arguments = request_arguments(call, asynchronous=True, pinned=pinned)
+                response = await self._http.request(**arguments)
             except httpx.TransportError as exc:
                 delay = next_delay(call, attempt, self.max_retries, error=exc)
                 if delay is None:

@@ -267,6 +267,13 @@ class WeightsService:
         else:
             checksums = await self._file_work(file_checksums, staged.files, param="digest")
         predicted = self.registry.digests.predict(model, checksums)
+        if predicted is None:
+            engine = self.registry.get(model).backend.info.backend
+            raise Unsupported(
+                f"digest: the {engine} engine does not show its weights, so their digest "
+                "cannot be checked; send the update without one",
+                param="digest",
+            )
         if predicted != digest:
             raise Conflict(
                 f"digest: the weights would have digest {predicted}, not {digest}; nothing "

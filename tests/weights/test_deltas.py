@@ -197,3 +197,21 @@ async def test_a_delta_that_makes_a_nan_is_refused(own_server, model_dir, encodi
     assert response.status_code == 422, response.text
     assert "NaN or infinite" in response.json()["error"]["message"]
     assert (await ready(client))["policy_version"] == 0
+
+
+async def test_an_engine_that_shows_no_weights_refuses_deltas_by_name(served, backend_name):
+    """vLLM's engine runs the model in its own processes: a delta (rebuilt from the served
+    tensors) and a digest to check are refused, saying why; the transformers engine has a
+    digest for each model."""
+    ready = (await served.http.get("/ready")).json()
+    if backend_name == "transformers":
+        assert set(ready["digests"]) == {"policy", "reference"}
+        return
+    assert ready["digests"] == {}
+    encoder = DeltaEncoder()
+    weight = torch.zeros(4)
+    encoder.remember({"model.norm.weight": weight}, ready["policy_version"], None)
+    blob = encoder.encode({"model.norm.weight": weight + 1}).blob
+    refused = await served.http.put("/v1/weights", content=blob)
+    assert refused.status_code == 422, refused.text
+    assert "takes full weights only" in refused.json()["error"]["message"]

@@ -28,13 +28,15 @@ renderers_needs=(
 # the server in .venv-trainers. SkyRL 0.3.0 (its last release that claims Python 3.11, where
 # it does not import: pydantic refuses its typing.TypedDict) goes to a folder of its own in
 # that venv, ahead of 0.4.0 on the drivers' path; its weight sync imports ray, omegaconf and
-# skyrl-gym. The drivers' training loop needs transformers (SkyRL's own pin) and httpx.
+# skyrl-gym. The drivers' training loop needs transformers (SkyRL's own pin) and httpx; its
+# checkpoint-delta publisher, zstandard and xxhash (its own requirements).
 skyrl_venv=${RLSERVE_SKYRL_VENV:-.venv-skyrl}
 skyrl=(skyrl==0.4.0)
 skyrl_previous=skyrl==0.3.0
 skyrl_needs=(
   torch==2.13.0 aiohttp orjson numpy pybase64 loguru rich pydantic cloudpathlib requests
   "ray==2.60.0" omegaconf "skyrl-gym==0.4.0" "transformers==5.16.1" "tokenizers>=0.23.1" httpx
+  zstandard xxhash
 )
 # ART (openpipe-art 0.5.23): its TrainableModel's OpenAI client, trajectory capture and
 # tokenizing, in a venv of its own (.venv-art: ART needs Python 3.12). `import art` loads

@@ -291,9 +291,11 @@ class ReplicatedWeights:
         shipment = await files.ship_checkpoint(path, put, self.chunk_bytes, param=param)
         return await self._update(shipment, model, publish, param)
 
-    async def pull_published(self, local: str, source: str, target: int) -> int:
+    async def pull_published(
+        self, local: str | None, source: str, target: int, stream: str = "slime"
+    ) -> str:
         """Here alone: the update that loads it ships it to every replica."""
-        return await self.local.pull_published(local, source, target)
+        return await self.local.pull_published(local, source, target, stream)
 
     async def load_snapshot(self, ask: SnapshotAsk) -> Applied:
         """Fetched and checked here, shipped to every replica as any update is."""

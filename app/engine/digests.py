@@ -6,11 +6,14 @@ it changed (a delta's tensors come with checksums already checked)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Mapping
 
 from rlserve_client.weight_delta import digest
 
 from app.engine.base import Backend
+
+logger = logging.getLogger(__name__)
 
 
 class Digests:
@@ -26,8 +29,15 @@ class Digests:
         return dict(self._digests)
 
     async def record_all(self, name: str, backend: Backend) -> None:
-        """Hash every tensor of `name` (at start)."""
-        checksums = await asyncio.to_thread(backend.weight_checksums)
+        """Hash every tensor of `name` (at start). A model whose tensors cannot be hashed is
+        served without a digest (said once in the log), never refused."""
+        try:
+            checksums = await asyncio.to_thread(backend.weight_checksums)
+        except Exception:  # (a tensor the engine cannot read as bytes: no digest, no refusal)
+            logger.exception("no weight digest for %s", name)
+            self._checksums.pop(name, None)
+            self._digests.pop(name, None)
+            return
         if checksums is not None:
             self._set(name, checksums)
 
@@ -47,7 +57,13 @@ class Digests:
         if table is None or not changed <= table.keys():
             await self.record_all(name, backend)
             return
-        fresh = await asyncio.to_thread(backend.weight_checksums, changed, known)
+        try:
+            fresh = await asyncio.to_thread(backend.weight_checksums, changed, known)
+        except Exception:  # (the weights are written: the update stands, without a digest)
+            logger.exception("no weight digest for %s after its update", name)
+            self._checksums.pop(name, None)
+            self._digests.pop(name, None)
+            return
         if fresh is not None:
             self._set(name, {**table, **fresh})
 

@@ -48,9 +48,12 @@ class WeightsControl(Protocol):
         """Apply a checkpoint from a path the server can read, whole or not at all; `param`
         names the request field the path came from."""
 
-    async def pull_published(self, local: str, source: str, target: int) -> int:
-        """Bring the local checkpoint `local` to version `target` of those published under
-        `source` (`app.weights.published`), without touching serving; the version it holds."""
+    async def pull_published(
+        self, local: str | None, source: str, target: int, stream: str = "slime"
+    ) -> str:
+        """Bring the local checkpoint `local` (None: one of the server's own) to version
+        `target` of those published under `source` as `stream` ('slime' or 'skyrl') lays
+        them out (`app.weights.published`), without touching serving; where it is."""
 
     async def load_snapshot(self, ask: SnapshotAsk) -> Applied:
         """Serve a published snapshot (`app.updates.snapshots`), on every replica, or refuse

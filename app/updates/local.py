@@ -72,8 +72,11 @@ class LocalWeights:
     ) -> Applied:
         return await self.files.load(path, model, publish, param=param)
 
-    async def pull_published(self, local: str, source: str, target: int) -> int:
-        return await self.files.pull(Path(local), Path(source), target)
+    async def pull_published(
+        self, local: str | None, source: str, target: int, stream: str = "slime"
+    ) -> str:
+        place = Path(local) if local is not None else None
+        return str(await self.files.pull(place, Path(source), target, stream))
 
     async def load_snapshot(self, ask: SnapshotAsk) -> Applied:
         return await load_snapshot(self, self.files, self.loads, ask)

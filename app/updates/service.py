@@ -148,16 +148,27 @@ class WeightsService:
 
         return await asyncio.to_thread(whole)
 
-    async def pull(self, local: Path, source: Path, target: int, model: str = "policy") -> int:
-        """Bring the local checkpoint `local` to version `target` of those published under
-        `source` (`app.weights.published`; version 0 is `model`'s starting checkpoint); the
-        server then loads it as any checkpoint. Serving is not touched."""
+    async def pull(
+        self,
+        local: Path | None,
+        source: Path,
+        target: int,
+        stream: str = "slime",
+        model: str = "policy",
+    ) -> Path:
+        """Bring the local checkpoint `local` (None: one of the server's own, for `source`) to
+        version `target` of those published under `source` as `stream` lays them out
+        (`app.weights.published`; version 0 is `model`'s starting checkpoint), and say where
+        it is; the server then loads it as any checkpoint. Serving is not touched."""
+        if local is None:  # (one per stream: another source's versions rebuild it)
+            local = self.data_dir / "published" / stream
         try:
             base: Path | str = await self.origin(model)
         except Failure as exc:  # (needed only when no full version is published)
             base = exc.message
-        work = published.pull
-        return await self._file_work(work, local, base, source, target, param="source_dir")
+        work, layout = published.pull, published.STREAMS[stream]
+        await self._file_work(work, local, base, source, target, layout, param="source_dir")
+        return local
 
     async def origin(self, model: str) -> Path:
         """The checkpoint `model` started from, unchanged since (POST /v1/weights/restore)."""

@@ -41,6 +41,10 @@ class UpdateSession:
     """The writes the record has taken: a write names the serial it read (`SessionRecord`)."""
     opened: int | None = None
     """The serial at which the open session opened: its identity (None: none is open)."""
+    published: bool = False
+    """The trainer publishes its versions to a folder (SkyRL's checkpoint-delta backend, set
+    at its init): an update loads the version it names, pulled there; the start and finish
+    of vLLM's update change nothing."""
 
 
 class SessionRecord:

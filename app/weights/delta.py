@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from rlserve_client import weight_delta as codec
 
-from app.common.failures import Conflict, Malformed, Unsupported, invalid
+from app.common.failures import Conflict, Malformed, NotFound, Unsupported, invalid
 from app.weights.checkpoint import SAFETENSORS_TO_TORCH, Layout
 
 WORKERS = min(8, os.cpu_count() or 1)
@@ -35,6 +35,7 @@ __all__ = [
     "is_delta_folder",
     "one_file",
     "read_delta",
+    "read_skyrl_delta",
     "stage",
     "write_changes",
 ]
@@ -156,6 +157,60 @@ def read_delta(path: Path, param: str) -> Delta:
     if len(set(names)) != len(names):
         raise Malformed(f"{param}: the delta names a tensor twice", param=param)
     _check_header(header, param)
+    return Delta(header, tuple(parts), param)
+
+
+SKYRL_MANIFEST = "manifest.json"
+
+
+def read_skyrl_delta(folder: Path, param: str) -> Delta:
+    """A version SkyRL's `DeltaCheckpointPublisher` (0.4.0) published: `manifest.json` (its
+    version, its base, per changed tensor the payload file and key, the xxh3-128 of the new
+    tensor) and safetensors files of zstd-compressed XOR patches against the version before.
+    Refusals name `param`."""
+    try:
+        manifest = json.loads((folder / SKYRL_MANIFEST).read_text())
+        header = codec.DeltaHeader(
+            base_version=int(manifest["base_version"]),
+            version=int(manifest["version"]),
+            encoding="xor",
+            checksum_format=codec.DIGEST,
+        )
+        headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+        parts = []
+        for record in manifest["tensors"]:
+            algorithm = record.get("checksum_algorithm", codec.DIGEST)
+            if algorithm != codec.DIGEST:
+                raise Unsupported(
+                    f"{param}: {folder.name} checks '{record['name']}' with {algorithm}, not "
+                    f"{codec.DIGEST}",
+                    param=param,
+                )
+            path = folder / Path(str(record["payload_file"])).name
+            if path not in headers:
+                headers[path] = _header(path)
+            size, tensors = headers[path]
+            begin, end = tensors[str(record["payload_key"])]["data_offsets"]
+            parts.append(
+                Part(
+                    str(record["name"]),
+                    path,
+                    8 + size + begin,
+                    end - begin,
+                    record["checksum"],
+                    "xor",
+                )
+            )
+    except FileNotFoundError:
+        raise NotFound(
+            f"{param}: {folder} holds no published version (its manifest, written last, is not "
+            "there)",
+            param=param,
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise Malformed(
+            f"{param}: {folder.name} is not a SkyRL delta ({exc!r})", param=param
+        ) from None
     return Delta(header, tuple(parts), param)
 
 

@@ -1,9 +1,11 @@
-"""A local checkpoint kept up to date with published versions (slime's disk deltas, SGLang's
-`POST /pull_weights` as slime's SGLang patch defines it).
+"""A local checkpoint kept up to date with published versions: slime's disk deltas (SGLang's
+`POST /pull_weights` as slime's SGLang patch defines it) and SkyRL's checkpoint deltas
+(its `/fetch_weights`).
 
-A trainer publishes each version `N` as a folder `weight_v{N:06d}` under a shared source
-folder: a full checkpoint, or a delta of version N-1 (its index metadata names the encoding;
-`app.weights.delta` reads it). Pulling version N brings a host-local checkpoint to it: from
+A trainer publishes each version `N` as a folder under a shared source folder (`Stream`:
+slime's `weight_v{N:06d}`, a full checkpoint, or a delta of version N-1 whose index metadata
+names the encoding; SkyRL's `delta-{N:08d}`, always a delta, its manifest written last;
+`app.weights.delta` reads both). Pulling version N brings a host-local checkpoint to it: from
 the newest full version at or below N (version 0 is the model the server started from), or
 from the local checkpoint's own version when that is as new, then each delta in order. The
 server then loads the local checkpoint as any other (`update_weights_from_disk`).
@@ -23,25 +25,38 @@ import mmap
 import os
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from rlserve_client import weight_delta as codec
 
 from app.common.failures import Conflict, Malformed, NotFound, invalid
-from app.weights.delta import is_delta_folder, read_delta
+from app.weights.delta import Delta, is_delta_folder, read_delta, read_skyrl_delta
 
 SYNC = ".weight_sync"
 STATE = "state.json"
 REPLACING = "replacing"
 
 
-def version_folder(source: Path, version: int) -> Path:
-    return source / f"weight_v{version:06d}"
+@dataclass(frozen=True)
+class Stream:
+    """How a trainer lays out its published versions."""
+
+    folder: Callable[[int], str]
+    """Version N's folder name."""
+    is_delta: Callable[[Path], bool]
+    """Whether a published folder is a delta (else a full checkpoint)."""
+    read: Callable[[Path, str], Delta]
 
 
-def pull(local: Path, base: Path | str, source: Path, target: int) -> int:
+SLIME = Stream(lambda version: f"weight_v{version:06d}", is_delta_folder, read_delta)
+SKYRL = Stream(lambda version: f"delta-{version:08d}", lambda _: True, read_skyrl_delta)
+STREAMS = {"slime": SLIME, "skyrl": SKYRL}
+
+
+def pull(local: Path, base: Path | str, source: Path, target: int, stream: Stream = SLIME) -> int:
     """Bring `local` to version `target` of `source` (seeded from `base`, the served model's
     own checkpoint, for version 0: or why there is none); the version it holds after. Raises
     naming the fields of `/pull_weights`; the local checkpoint is never left part of one
@@ -51,17 +66,14 @@ def pull(local: Path, base: Path | str, source: Path, target: int) -> int:
     with _locked(local / SYNC / "lock"):
         for leftover in local.glob("*.next"):  # a pull cut short before it replaced them
             leftover.unlink()
-        held = _held(local)
+        held = _held(local, source)
         if (local / SYNC / REPLACING).exists():
             held = None  # cut short while replacing files: rebuilt from its seed
         if held is not None and held > target:
-            raise Conflict(
-                f"target_version: the local checkpoint holds version {held}, past {target}",
-                param="target_version",
-            )
+            held = None  # a trainer counting again (restarted): rebuilt from its seed
         floor = held if held is not None else 0
         start = target
-        while start > floor and _is_delta(version_folder(source, start)):
+        while start > floor and _is_delta(source / stream.folder(start), stream):
             start -= 1
         if held is None or start > held:
             if start == 0 and isinstance(base, str):
@@ -70,20 +82,20 @@ def pull(local: Path, base: Path | str, source: Path, target: int) -> int:
                     f"model's own checkpoint cannot seed the local one ({base})",
                     param="source_dir",
                 )
-            seed = base if start == 0 else version_folder(source, start)
+            seed = base if start == 0 else source / stream.folder(start)
             assert isinstance(seed, Path)
-            _seed(seed, local, start)
+            _seed(seed, local, start, source)
         else:
             start = held
         for version in range(start + 1, target + 1):
-            _apply(local, version_folder(source, version), version)
+            _apply(local, source, version, stream)
         return target
 
 
-def _is_delta(folder: Path) -> bool:
+def _is_delta(folder: Path, stream: Stream) -> bool:
     if not folder.is_dir():
         raise NotFound(f"source_dir: no published version {folder.name}", param="source_dir")
-    return is_delta_folder(folder)
+    return stream.is_delta(folder)
 
 
 @contextlib.contextmanager
@@ -96,22 +108,26 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _held(local: Path) -> int | None:
+def _held(local: Path, source: Path) -> int | None:
+    """The version `local` holds of `source`'s (None: none, or another source's)."""
     try:
-        return int(json.loads((local / SYNC / STATE).read_text())["version"])
+        state = json.loads((local / SYNC / STATE).read_text())
+        if state.get("source", str(source)) != str(source):
+            return None  # another trainer's versions: rebuilt from the seed
+        return int(state["version"])
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: rebuilt from the seed
 
 
-def _write_held(local: Path, version: int) -> None:
+def _write_held(local: Path, version: int, source: Path) -> None:
     tmp = local / SYNC / (STATE + ".tmp")
-    tmp.write_text(json.dumps({"version": f"{version:06d}"}))
+    tmp.write_text(json.dumps({"version": f"{version:06d}", "source": str(source)}))
     os.replace(tmp, local / SYNC / STATE)
 
 
-def _seed(folder: Path, local: Path, version: int) -> None:
+def _seed(folder: Path, local: Path, version: int, source: Path) -> None:
     """`local` made a copy of the full checkpoint in `folder` (files it lacks removed)."""
     if not folder.is_dir():
         raise NotFound(f"source_dir: no checkpoint folder {folder}", param="source_dir")
@@ -124,7 +140,7 @@ def _seed(folder: Path, local: Path, version: int) -> None:
     for entry in local.iterdir():
         if entry.is_file() and entry.name not in names:
             entry.unlink()
-    _write_held(local, version)
+    _write_held(local, version, source)
     (local / SYNC / REPLACING).unlink()
 
 
@@ -141,12 +157,13 @@ def _locations(local: Path) -> dict[str, tuple[Path, int, int]]:
     return found
 
 
-def _apply(local: Path, folder: Path, version: int) -> None:
+def _apply(local: Path, source: Path, version: int, stream: Stream) -> None:
     """One delta applied to copies of the files it changes; the copies replace the files only
     once every tensor matched its checksum."""
     param = "source_dir"
-    delta = read_delta(folder, param)
-    held = _held(local)
+    folder = source / stream.folder(version)
+    delta = stream.read(folder, param)
+    held = _held(local, source)
     if delta.header.base_version != held:
         raise Conflict(
             f"{param}: {folder.name} builds on version {delta.header.base_version}, the local "
@@ -189,7 +206,7 @@ def _apply(local: Path, folder: Path, version: int) -> None:
         for path, copy in copies.items():
             os.replace(copy, path)
         copies.clear()
-        _write_held(local, version)
+        _write_held(local, version, source)
         (local / SYNC / REPLACING).unlink()
     finally:
         for copy in copies.values():

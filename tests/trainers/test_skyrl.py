@@ -157,3 +157,48 @@ def test_skyrls_weight_sync_loop_ends_serving_the_trainers_weights(release, tmp_
         if release == "0.3.0":
             log = (tmp_path / "server.log").read_text()
             assert log.count("POST /collective_rpc 200") == 9
+
+
+def test_skyrls_checkpoint_deltas_end_serving_the_trainers_weights(tmp_path):
+    """SkyRL 0.4.0's checkpoint-delta backend, its own publisher, engine and HTTP client
+    (`tests/trainers/skyrl_delta_driver.py`): three steps, each published as an XOR delta of
+    the one before and pulled by the server (POST /fetch_weights, before the pause) into a
+    local checkpoint seeded from the model it started with, then loaded (POST
+    /update_weights) between SkyRL's pause and resume. After each step the server's
+    log-probs are the trainer's own forward's, and each step is one version."""
+    if not SKYRL.exists():
+        pytest.skip("no .venv-skyrl (SkyRL needs Python 3.12: scripts/setup-trainers.sh)")
+    env = {"RLSERVE_STORAGE__DATA_DIR": str(tmp_path), "RLSERVE_MODELS__LOAD_REFERENCE": "false"}
+    with running_server(env=env, log=tmp_path / "server.log") as server:
+        source = httpx.get(f"{server.url}/v1/models").json()["data"][0]["source"]
+        driver = Path(__file__).with_name("skyrl_delta_driver.py")
+        ran = subprocess.run(
+            [str(SKYRL), str(driver), server.url, source, str(tmp_path / "sync")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert ran.returncode == 0, ran.stderr[-4000:]
+        out = json.loads(ran.stdout.strip().splitlines()[-1])
+        assert out["published"] == ["delta-00000001", "delta-00000002", "delta-00000003"]
+        for step in out["steps"]:
+            assert_close(step["served"], step["own"], 1e-4)
+        assert httpx.get(f"{server.url}/weight_info").json() == {"weight_version": "3"}
+        log = (tmp_path / "server.log").read_text()
+        order = [
+            line.split("POST ")[1].split(" ")[0].split("?")[0]
+            for line in log.splitlines()
+            if "POST /" in line and "/v1/logprobs" not in line
+        ]
+        step = [
+            "/fetch_weights",
+            "/pause",
+            "/reset_prefix_cache",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
+        assert order == ["/init_weight_transfer_engine", *step * 3]

@@ -9,6 +9,7 @@ checkpoint as it was."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -161,3 +162,67 @@ def test_a_pull_killed_at_any_point_leaves_a_whole_version(tmp_path, kill_after_
     for file in clean.glob("*.safetensors"):
         assert (local / file.name).read_bytes() == file.read_bytes(), file.name
     assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in clean.iterdir())
+
+
+async def test_skyrls_delta_routes_refuse_by_name(own_server, tmp_path):
+    """SkyRL's checkpoint-delta calls (its own flow runs in tests/trainers/test_skyrl.py):
+    a fetch without its folder, from an object store, or of a version not published is
+    refused naming the field; after its init, vLLM's start and finish need no group."""
+    _app, client = own_server
+    missing = await client.post("/fetch_weights", json={"target_version": 1})
+    assert missing.status_code == 422 and missing.json()["error"]["param"] == "sync_dir"
+    body = {"target_version": 1, "sync_dir": str(tmp_path), "uri": "gs://bucket/delta-00000001"}
+    cloud = await client.post("/fetch_weights", json=body)
+    assert cloud.status_code == 422 and cloud.json()["error"]["param"] == "uri"
+    absent = await client.post(
+        "/fetch_weights", json={"target_version": 2, "sync_dir": str(tmp_path)}
+    )
+    assert absent.status_code == 404, absent.text
+    assert absent.json()["error"]["param"] == "sync_dir"
+    assert (await client.post("/start_weight_update")).status_code == 409  # no group, no init
+    init = {
+        "init_info": {
+            "base_model_path": "Qwen/Qwen3-0.6B",
+            "local_checkpoint_dir": str(tmp_path / "theirs"),
+            "cloud_download_workers": 4,
+            "checkpoint_load_format": "vllm_multi_thread_safetensors",
+            "multi_thread_safetensors_max_workers": 8,
+        }
+    }
+    assert (await client.post("/init_weight_transfer_engine", json=init)).status_code == 200
+    assert (await client.post("/start_weight_update")).status_code == 200
+    update = {"update_info": {"target_version": 1, "version": 1, "sync_dir": str(tmp_path)}}
+    refused = await client.post("/update_weights", json=update)
+    assert refused.status_code == 404, refused.text
+    assert refused.json()["error"]["param"] == "update_info.sync_dir"
+    assert (await client.post("/finish_weight_update")).status_code == 200
+    assert (await client.get("/v1/weights/version")).json()["policy_version"] == 0
+
+
+def test_a_trainer_counting_again_gets_its_version_rebuilt(tmp_path):
+    """A local checkpoint past the target (its trainer restarted and counts from 1 again), or
+    another source's: rebuilt from the seed to exactly what a fresh pull gives."""
+    from app.weights.published import pull as pulled
+
+    rng = np.random.default_rng(1)
+    base, source = tmp_path / "base", tmp_path / "published"
+    base.mkdir()
+    versions = [{"t": rng.integers(0, 255, 4096, dtype=np.uint8)}]
+    save_file(versions[0], str(base / "model.safetensors"))
+    for version in (1, 2, 3):
+        new = {"t": versions[-1]["t"].copy()}
+        new["t"][rng.integers(0, 4096, 64)] ^= 0x11
+        publish(source, version, new, versions[-1], "xor", "xxh3-128")
+        versions.append(new)
+    local, fresh = tmp_path / "local", tmp_path / "fresh"
+    assert pulled(local, base, source, 3) == 3
+    assert pulled(local, base, source, 2) == 2
+    pulled(fresh, base, source, 2)
+    assert (local / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    assert pulled(local, base, other, 1) == 1  # another source's: from the seed
+    pulled(tmp_path / "fresh1", base, other, 1)
+    assert (local / "model.safetensors").read_bytes() == (
+        tmp_path / "fresh1" / "model.safetensors"
+    ).read_bytes()

@@ -307,10 +307,8 @@ async def pull_weights(body: PullWeights, weights: WeightsDep) -> Success:
     versions published under `source_dir` (full checkpoints, or deltas checked tensor by
     tensor against their checksums), leaving it as it was when any check fails; serving is
     untouched until `/update_weights_from_disk` loads it."""
-    held = await weights.pull_published(
-        body.local_checkpoint_dir, body.source_dir, body.target_version
-    )
-    return Success(message=f"Success. The local checkpoint holds version {held}.")
+    await weights.pull_published(body.local_checkpoint_dir, body.source_dir, body.target_version)
+    return Success(message=f"Success. The local checkpoint holds version {body.target_version}.")
 
 
 @router.post(

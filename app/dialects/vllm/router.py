@@ -4,12 +4,13 @@ and weight routes need the admin key when keys are set (vLLM leaves them open)."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import PlainTextResponse
 
-from app.common.failures import Unsupported, invalid, worded
+from app.common.failures import Conflict, Unsupported, invalid, worded
 from app.deps import (
     CallerDep,
     GenerationDep,
@@ -43,6 +44,10 @@ from app.dialects.vllm.protocol import (
 )
 from app.dialects.vllm.transfer import (
     CollectiveRpc,
+    DeltaInitInfo,
+    Fetched,
+    FetchedVersion,
+    FetchWeights,
     FinishWeightUpdate,
     InitBroadcaster,
     InitWeightTransfer,
@@ -155,8 +160,13 @@ async def server_info(
 )
 async def init_weight_transfer_engine(request: InitWeightTransfer, weights: WeightsDep) -> Message:
     """Join the trainer's group as vLLM's workers do: its stateless group (gloo on CPU,
-    vLLM's NCCL communicator on a GPU), packed buckets as vLLM cuts them when `packed`."""
+    vLLM's NCCL communicator on a GPU), packed buckets as vLLM cuts them when `packed`. Or,
+    given SkyRL's checkpoint-delta init info, take its versions from the folder it
+    publishes to (POST /fetch_weights, then POST /update_weights naming the version)."""
     info = request.init_info
+    if isinstance(info, DeltaInitInfo):
+        await _publishing(weights)
+        return Message(message="Weight transfer initialized (checkpoint deltas)")
     await weights.transfer_init(
         Join(
             "policy",
@@ -227,8 +237,26 @@ async def shutdown_weight_transfer_engine(weights: WeightsDep) -> Message:
 async def start_weight_update(
     weights: WeightsDep, body: Annotated[StartWeightUpdate | None, Body()] = None
 ) -> Message:
-    await weights.transfer_start("policy")
+    if not (await weights.session()).published:  # (a published version loads at its update)
+        await weights.transfer_start("policy")
     return Message(message="Weight update started")
+
+
+@router.post(
+    "/fetch_weights",
+    responses=WEIGHTS_ERROR_RESPONSES,
+    response_model=Fetched,
+    summary="Pull a published version (SkyRL's)",
+    openapi_extra=ADMIN,
+)
+async def fetch_weights(request: FetchWeights, weights: WeightsDep) -> Fetched:
+    """SkyRL's checkpoint-delta backend: bring the server's local checkpoint to
+    `target_version` of the deltas SkyRL publishes under `sync_dir` (each checked tensor by
+    tensor against its checksum; a bad one leaves the local checkpoint as it was), while
+    serving goes on; POST /update_weights then loads it."""
+    with worded({"source_dir": "sync_dir"}):
+        await weights.pull_published(None, request.sync_dir, request.target_version, "skyrl")
+    return Fetched(result=[FetchedVersion(target_version=request.target_version)])
 
 
 @router.post(
@@ -246,6 +274,14 @@ async def update_weights(
     (prime-rl's), load that checkpoint as POST /v1/weights/load, whole or not at all, or,
     in prime-rl's broadcast group (POST /init_broadcaster), receive its next broadcast and
     swap it in whole (prime-rl's workers then ignore the folder)."""
+    if (delta := request.delta) is not None:
+        with worded({"source_dir": "update_info.sync_dir"}):
+            local = await weights.pull_published(
+                None, delta.sync_dir, delta.target_version, "skyrl"
+            )
+        applied = await weights.load(local, "policy", Publish(), param="update_info")
+        version = common.label(registry, applied.versions.policy)
+        return Message(message=f"Weights loaded as version {version}")
     if request.weight_dir is not None:
         if await _broadcast_group(weights):
             await weights.transfer_start("policy")
@@ -284,9 +320,20 @@ async def finish_weight_update(
     weights: WeightsDep, body: Annotated[FinishWeightUpdate | None, Body()] = None
 ) -> Message:
     """Wait for every announced tensor, then swap them all in at once (or none)."""
+    if (await weights.session()).published:  # (loaded at its update)
+        return Message(message="Weight update finished")
     given = body.weight_version if body is not None else None
     await weights.transfer_finish("policy", common.publish(given, "weight_version"))
     return Message(message="Weight update finished")
+
+
+async def _publishing(weights: WeightsControl) -> None:
+    """Record that the policy's trainer publishes its versions (on every replica)."""
+    for _ in range(8):  # (compare-and-set: a write between the read and the swap reads again)
+        read = await weights.session()
+        if await weights.swap_session(read.serial, replace(read, published=True)) is not None:
+            return
+    raise Conflict("init_info: the update session kept changing; send it again")
 
 
 @router.post(

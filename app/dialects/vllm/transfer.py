@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, RootModel, model_validator
+from pydantic import ConfigDict, Discriminator, Field, RootModel, Tag, model_validator
 
 from app.common.dialect_models import (
     DialectModel,
@@ -20,6 +20,7 @@ from app.common.protocol import (
     field_error,
     one_of,
 )
+from app.engine.types import MAX_VERSION
 from app.updates.types import Announcement
 
 DEFAULT_PACKED_BUFFER_BYTES = 1 << 30
@@ -90,8 +91,80 @@ class InitBroadcaster(DialectModel):
         return self
 
 
+class DeltaInitInfo(DialectModel):
+    """SkyRL 0.4.0's checkpoint-delta backend (`DeltaTrainerInitInfo`, as its trainer sends it
+    once): the trainer publishes deltas to a folder; the server pulls them (POST
+    /fetch_weights) into a local checkpoint of its own, seeded from the model it started
+    with, and loads it (POST /update_weights)."""
+
+    base_model_path: str = Field(
+        max_length=4096,
+        description="Accepted: the server's base is the model it started with (each delta's "
+        "checksums refuse another).",
+    )
+    local_checkpoint_dir: str = Field(
+        max_length=4096, description="Accepted: the server keeps its local checkpoint itself."
+    )
+    cloud_download_workers: int = Field(default=4, ge=1, description="Accepted.")
+    checkpoint_load_format: str = Field(default="vllm_multi_thread_safetensors", max_length=64)
+    multi_thread_safetensors_max_workers: int = Field(default=8, ge=1, description="Accepted.")
+
+
+def _init_kind(value: Any) -> str:
+    return "delta" if isinstance(value, dict) and "local_checkpoint_dir" in value else "nccl"
+
+
 class InitWeightTransfer(DialectModel):
-    init_info: InitInfo
+    init_info: Annotated[
+        Annotated[InitInfo, Tag("nccl")] | Annotated[DeltaInitInfo, Tag("delta")],
+        Discriminator(_init_kind),
+    ]
+
+
+class DeltaUpdateInfo(DialectModel):
+    """SkyRL's checkpoint-delta update (`DeltaPublishResult` as published): the version its
+    publisher wrote under `sync_dir`, loaded once pulled."""
+
+    target_version: int = Field(ge=1, le=MAX_VERSION)
+    version: int | None = Field(default=None, ge=1, le=MAX_VERSION)
+    sync_dir: ServerPath
+    uri: str | None = Field(default=None, max_length=4096)
+
+
+class FetchedVersion(DialectModel):
+    status: Literal["ok"] = "ok"
+    target_version: int
+
+
+class Fetched(DialectModel):
+    """SkyRL's /fetch_weights answer: one result per worker (here, one)."""
+
+    status: Literal["ok"] = "ok"
+    result: list[FetchedVersion]
+
+
+LocalUri = Annotated[
+    str, Field(max_length=4096, json_schema_extra={"not": {"pattern": "^(gs|s3)://"}})
+]
+
+
+class FetchWeights(DialectModel):
+    """SkyRL's POST /fetch_weights: pull `target_version` (its `delta-{N:08d}` folders under
+    `sync_dir`) into the server's local checkpoint, before the pause."""
+
+    target_version: int = Field(ge=0, le=MAX_VERSION)
+    sync_dir: ServerPath = Field(description="The folder SkyRL publishes its versions under.")
+    uri: LocalUri | None = Field(
+        default=None,
+        description="The target version's folder, under sync_dir (gs:// and s3:// are not "
+        "fetched: publish to a folder the server reads).",
+    )
+
+    @model_validator(mode="after")
+    def _local(self) -> FetchWeights:
+        if self.uri is not None and self.uri.startswith(("gs://", "s3://")):
+            raise field_error("uri", "object-store URIs are not fetched: publish to a folder")
+        return self
 
 
 class StartWeightUpdate(DialectModel):
@@ -147,6 +220,12 @@ class UpdateInfo(DialectModel):
         )
 
 
+def _update_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "list"
+    return "delta" if isinstance(value, dict) and "target_version" in value else "nccl"
+
+
 class UpdateWeights(DialectModel):
     """vLLM's announcement of the tensors the trainer broadcasts next (`update_info`), or the
     folder of a checkpoint to load (`weight_dir`: prime-rl's vLLM sends it)."""
@@ -156,7 +235,13 @@ class UpdateWeights(DialectModel):
     )
 
     update_info: (
-        UpdateInfo | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024)] | None
+        Annotated[
+            Annotated[UpdateInfo, Tag("nccl")]
+            | Annotated[list[UpdateInfo], Field(min_length=1, max_length=1024), Tag("list")]
+            | Annotated[DeltaUpdateInfo, Tag("delta")],
+            Discriminator(_update_kind),
+        ]
+        | None
     ) = None
     weight_dir: ServerPath | None = Field(
         default=None, description="A safetensors checkpoint the server can read."
@@ -170,9 +255,13 @@ class UpdateWeights(DialectModel):
 
     @property
     def infos(self) -> list[UpdateInfo]:
-        if self.update_info is None:
+        if self.update_info is None or isinstance(self.update_info, DeltaUpdateInfo):
             return []
         return self.update_info if isinstance(self.update_info, list) else [self.update_info]
+
+    @property
+    def delta(self) -> DeltaUpdateInfo | None:
+        return self.update_info if isinstance(self.update_info, DeltaUpdateInfo) else None
 
 
 class RpcCall(DialectModel):

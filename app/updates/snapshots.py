@@ -125,8 +125,9 @@ async def _fetched(files: WeightsService, source: str) -> AsyncIterator[Path]:
                 async with files.received(chunks, files.upload_limit(), size) as path:
                     yield path
     except httpx.HTTPError as exc:
+        reason = type(exc).__name__  # (its text may repeat the URL, signature and all)
         raise PeerFailed(
-            f"source: fetching {_shown(source)} failed ({exc})", param="source"
+            f"source: fetching {_shown(source)} failed ({reason})", param="source"
         ) from None
 
 

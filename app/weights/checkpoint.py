@@ -183,10 +183,19 @@ def check_layout(update: Layout, model: Layout) -> None:
             raise invalid("weights", f"'{name}' has dtype {dtype}, the model's is {want_dtype}")
 
 
-def _header(path: Path) -> tuple[int, dict[str, Any]]:
+def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header (with its `__metadata__`) and the header's size in bytes
+    (a tensor's data starts at 8 + size + its first offset). ValueError past 100 MiB."""
     with path.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
+        if size > 100 << 20:
+            raise ValueError(f"a header of {size} bytes")
         header: dict[str, Any] = json.loads(f.read(size))
+    return size, header
+
+
+def _header(path: Path) -> tuple[int, dict[str, Any]]:
+    size, header = safetensors_header(path)
     header.pop("__metadata__", None)
     return size, header
 

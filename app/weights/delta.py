@@ -20,7 +20,7 @@ import torch
 from rlserve_client import weight_delta as codec
 
 from app.common.failures import Conflict, Malformed, NotFound, Unsupported, invalid
-from app.weights.checkpoint import SAFETENSORS_TO_TORCH, Layout
+from app.weights.checkpoint import SAFETENSORS_TO_TORCH, Layout, safetensors_header
 
 WORKERS = min(8, os.cpu_count() or 1)
 """Tensors rebuilt at once."""
@@ -101,19 +101,10 @@ class Staged:
     """The request field the delta came from."""
 
 
-def _header(path: Path) -> tuple[int, dict[str, Any]]:
-    with path.open("rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        if size > 100 << 20:
-            raise ValueError(f"a header of {size} bytes")
-        header: dict[str, Any] = json.loads(f.read(size))
-    return size, header
-
-
 def is_delta_file(path: Path) -> bool:
     """A safetensors file whose metadata declares it a delta (`codec.META_KEY`)."""
     try:
-        _, header = _header(path)
+        _, header = safetensors_header(path)
     except (OSError, ValueError, struct.error):
         return False
     return codec.META_KEY in (header.get("__metadata__") or {})
@@ -137,13 +128,13 @@ def read_delta(path: Path, param: str) -> Delta:
             metadata = json.loads((path / codec.INDEX).read_text())["metadata"]
             files = sorted(path.glob("*.safetensors"))
         else:
-            _, top = _header(path)
+            _, top = safetensors_header(path)
             metadata = json.loads((top.get("__metadata__") or {})[codec.META_KEY])
             files = [path]
         header = codec.header_of(metadata, param)
         parts: list[Part] = []
         for file in files:
-            size, tensors = _header(file)
+            size, tensors = safetensors_header(file)
             sums = tensors.pop("__metadata__", None) or {}
             for name, info in tensors.items():
                 begin, end = info["data_offsets"]
@@ -188,7 +179,7 @@ def read_skyrl_delta(folder: Path, param: str) -> Delta:
                 )
             path = folder / Path(str(record["payload_file"])).name
             if path not in headers:
-                headers[path] = _header(path)
+                headers[path] = safetensors_header(path)
             size, tensors = headers[path]
             begin, end = tensors[str(record["payload_key"])]["data_offsets"]
             parts.append(

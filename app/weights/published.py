@@ -24,7 +24,6 @@ import json
 import mmap
 import os
 import shutil
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 from rlserve_client import weight_delta as codec
 
 from app.common.failures import Conflict, Malformed, NotFound, invalid
+from app.weights.checkpoint import safetensors_header
 from app.weights.delta import Delta, is_delta_folder, read_delta, read_skyrl_delta
 
 SYNC = ".weight_sync"
@@ -147,9 +147,7 @@ def _seed(folder: Path, local: Path, version: int, source: Path) -> None:
 def _locations(local: Path) -> dict[str, tuple[Path, int, int]]:
     found: dict[str, tuple[Path, int, int]] = {}
     for path in sorted(local.glob("*.safetensors")):
-        with path.open("rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(size))
+        size, header = safetensors_header(path)
         for name, info in header.items():
             if name != "__metadata__":
                 begin, end = info["data_offsets"]

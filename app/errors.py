@@ -159,7 +159,7 @@ REWARD_WEIGHTS_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     409: {
         "model": ErrorResponse,
         "description": "The checkpoint changed while it was read, the version is not above "
-        "the current one, or the server is one replica of several",
+        "the current one, or a delta's base is not the served weights",
     },
     504: {"model": ErrorResponse, "description": "Reading the checkpoint took too long"},
 }

@@ -148,13 +148,6 @@ def build_services(
     app.state.generation = generation
     app.state.scoring = ScoringService(registry, limits)
     app.state.kl = KLService(registry, limits)
-    app.state.rewards = RewardService(
-        registry,
-        limits,
-        uploads=settings.storage.data_dir / "reward-uploads",
-        io_timeout_s=settings.weights.io_timeout_s,
-        replicated=replicas is not None,
-    )
     app.state.rollouts = RolloutService(
         envs, generation, max_rollout_turns=limits.max_rollout_turns
     )
@@ -173,6 +166,7 @@ def build_services(
         wait_s = settings.weights.io_timeout_s
         app.state.weights = ReplicatedWeights(app.state.weights, replicas, wait_s)
     app.state.sglang_weights = SGLangWeights(registry, app.state.weights)
+    app.state.rewards = RewardService(registry, limits, app.state.weights)
 
 
 def create_app(

@@ -280,6 +280,7 @@ class ReplicatedWeights:
         self, path: str, model: str, publish: Publish, *, param: str = "path"
     ) -> Applied:
         """Read once here, shipped to every replica (a delta folder as one file)."""
+        self.local.registry.weights(model)  # (a model not served is refused first)
         put, files = self.replicas.put, self.local.files
         delta = await files.delta_file(Path(path), param)
         if isinstance(delta, Path):
@@ -302,7 +303,7 @@ class ReplicatedWeights:
         return await load_snapshot(self, self.local.files, self.local.loads, ask)
 
     async def served(self, model: str) -> list[ServedWeights]:
-        self.local.registry.get(model)
+        self.local.registry.weights(model)
         answers = await self.replicas.each(ReplicaEndpoint.weights_served, model)
         return [
             answer
@@ -325,6 +326,7 @@ class ReplicatedWeights:
         size: int | None = None,
     ) -> Applied:
         """Streamed to disk here, then shipped to every replica from there."""
+        self.local.registry.weights(model)  # (a model not served is refused before the body)
         files = self.local.files
         async with files.received(chunks, files.upload_limit(), size) as path:
             delta = await files.delta_file(path, "body") is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,37 +52,14 @@ class Capabilities:
     return_routed_experts`) and replays (`ScoreSpec.routed_experts`): `Backend.routing`."""
 
 
-class Backend(ABC):
-    """A loaded model. Methods take whole batches; batching policy lives outside."""
+class ModelWeights(ABC):
+    """A served model's weights as the weights control sees them (`app.updates`): their
+    layout, their update by file, by tensor or over a collective transfer, their checksums,
+    and the hooks a pause calls. Every served model has them: the policy, the reference and
+    the judge (a `Backend`), and the reward model (`app.engine.transformers.reward`)."""
 
     info: ModelInfo
-    tokenizer: Any
     capabilities: Capabilities = Capabilities()
-    routing: Routing | None = None
-    """A mixture-of-experts model's routers (their layers, top-k and experts), when the engine
-    records and replays them (`Capabilities.routed_experts`)."""
-
-    @abstractmethod
-    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
-        """One Generation per item, in order."""
-
-    @abstractmethod
-    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
-
-    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
-        """Per (sequence, spec): the raw log-probs and the extras the spec asks for."""
-        raise NotImplementedError(f"{type(self).__name__} cannot score beyond log-probs")
-
-    def full_distribution_limit(self) -> int | None:
-        """The longest sequence whose whole next-token distribution (entropy, processed
-        log-probs, candidate ids) this engine scores; None: any (it works in chunks)."""
-        return None
-
-    async def check(self) -> None:
-        """Raise if the engine cannot serve: by default, score a two-token sequence (a real
-        forward through the model, as a readiness probe should make)."""
-        await self.score([[0, 0]])
 
     def weight_layout(self) -> Layout | None:
         """Names, dtypes and shapes an update may carry; None when unknown (not checked)."""
@@ -115,25 +93,6 @@ class Backend(ABC):
         weights. Called off the event loop."""
         return None
 
-    async def build_adapter(
-        self,
-        config: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
-        *,
-        name: str,
-        version: int,
-        source: str,
-        param: str,
-    ) -> LoraAdapter:
-        """A LoRA adapter (PEFT's config and tensor names) on this model, ready for rows to
-        name it (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming `param` if it does
-        not fit the model."""
-        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
-
-    def forget_adapter(self, adapter: LoraAdapter) -> None:  # noqa: B027
-        """`adapter` is no longer served: drop what the engine keeps of it for later requests
-        (caches built for it), so rows in flight hold its memory alone."""
-
     def transfer(self) -> WeightTransfer:
         """The server side of the collective weight transfer (when `capabilities` says so)."""
         raise NotImplementedError(f"{type(self).__name__} cannot receive weight transfers")
@@ -154,5 +113,60 @@ class Backend(ABC):
         An engine with a prefix cache drops what it cached of the old weights, unless
         `keep_cache` (a snapshot loaded with the cache policy 'keep')."""
 
+    def writes(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held while this model's weights change, inside the gate's pause: a model whose
+        calls the gate does not admit (the reward model's) holds them off here."""
+        return contextlib.nullcontext()
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the model and any worker processes or threads."""
+
+
+class Backend(ModelWeights):
+    """A loaded language model. Methods take whole batches; batching policy lives outside."""
+
+    tokenizer: Any
+    routing: Routing | None = None
+    """A mixture-of-experts model's routers (their layers, top-k and experts), when the engine
+    records and replays them (`Capabilities.routed_experts`)."""
+
+    @abstractmethod
+    async def generate(self, items: Sequence[GenerateItem]) -> list[Generation]:
+        """One Generation per item, in order."""
+
+    @abstractmethod
+    async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Per sequence, log p(x_t | x_<t) for every position; position 0 is 0.0."""
+
+    async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
+        """Per (sequence, spec): the raw log-probs and the extras the spec asks for."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score beyond log-probs")
+
+    def full_distribution_limit(self) -> int | None:
+        """The longest sequence whose whole next-token distribution (entropy, processed
+        log-probs, candidate ids) this engine scores; None: any (it works in chunks)."""
+        return None
+
+    async def check(self) -> None:
+        """Raise if the engine cannot serve: by default, score a two-token sequence (a real
+        forward through the model, as a readiness probe should make)."""
+        await self.score([[0, 0]])
+
+    async def build_adapter(
+        self,
+        config: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        *,
+        name: str,
+        version: int,
+        source: str,
+        param: str,
+    ) -> LoraAdapter:
+        """A LoRA adapter (PEFT's config and tensor names) on this model, ready for rows to
+        name it (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming `param` if it does
+        not fit the model."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
+
+    def forget_adapter(self, adapter: LoraAdapter) -> None:
+        """`adapter` is no longer served: drop what the engine keeps of it for later requests
+        (caches built for it), so rows in flight hold its memory alone."""

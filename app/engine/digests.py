@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from rlserve_client.weight_delta import digest
 
-from app.engine.base import Backend
+from app.engine.base import ModelWeights
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class Digests:
     def all(self) -> dict[str, str]:
         return dict(self._digests)
 
-    async def record_all(self, name: str, backend: Backend) -> None:
+    async def record_all(self, name: str, backend: ModelWeights) -> None:
         """Hash every tensor of `name` (at start). A model whose tensors cannot be hashed is
         served without a digest (said once in the log), never refused."""
         try:
@@ -44,7 +44,7 @@ class Digests:
     async def record(
         self,
         name: str,
-        backend: Backend,
+        backend: ModelWeights,
         changed: Iterable[str],
         known: Mapping[str, str] | None = None,
     ) -> None:

@@ -38,7 +38,7 @@ from typing import Generic, Literal, TypeVar
 from app.common.failures import Conflict, Paused, VersionBehind, VersionPassed, invalid
 from app.engine import pins
 from app.engine.abandon import unless_set
-from app.engine.base import Backend
+from app.engine.base import ModelWeights
 from app.engine.pins import PIN_EXACT, PIN_MINIMUM
 from app.engine.types import MAX_VERSION
 
@@ -189,7 +189,7 @@ def resolve_version(
 class ServingGate(Admission[WorkKind]):
     def __init__(
         self,
-        backends: Callable[[], Mapping[str, Backend]],
+        backends: Callable[[], Mapping[str, ModelWeights]],
         *,
         paused_wait_s: float | None = None,
         version_wait_s: float = 0.0,

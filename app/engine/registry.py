@@ -17,7 +17,7 @@ from app.common.failures import NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
-from app.engine.base import Backend
+from app.engine.base import Backend, ModelWeights
 from app.engine.digests import Digests
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import checkpoint_dtype, load_backend, resolve_model, resolve_source
@@ -97,7 +97,7 @@ class ModelRegistry:
         self.paused_wait_s = paused_wait_s
         """How long a request waits for a paused model or adapter (None: no limit)."""
         self.gate = ServingGate(
-            lambda: {name: m.backend for name, m in self.models.items()},
+            self.weighted,
             paused_wait_s=paused_wait_s,
             version_wait_s=version_wait_s,
         )
@@ -150,20 +150,23 @@ class ModelRegistry:
         lineage_named: int | None = None,
         keep_cache: bool = False,
         snapshot: str | None = None,
-    ) -> AsyncIterator[tuple[ServedModel, int]]:
-        """Serving paused (`mode`) while `name`'s weights change; yields the model and the
-        version it gets if the block returns (`version` if given: it must be higher, unless
-        `restartable`; see `ServingGate.updating`). `snapshot`: the identity of the
+    ) -> AsyncIterator[tuple[ModelWeights, int]]:
+        """Serving paused (`mode`) while `name`'s weights change; yields the model's weights
+        and the version they get if the block returns (`version` if given: it must be higher,
+        unless `restartable`; see `ServingGate.updating`). `snapshot`: the identity of the
         published snapshot the update serves (None: none, whatever was served before)."""
-        served = self.get(name)
-        async with self.gate.updating(
-            name,
-            mode=mode,
-            version=version,
-            restartable=restartable,
-            lineage_named=lineage_named,
-            keep_cache=keep_cache,
-        ) as new_version:
+        served = self.weights(name)
+        async with (
+            served.writes(),
+            self.gate.updating(
+                name,
+                mode=mode,
+                version=version,
+                restartable=restartable,
+                lineage_named=lineage_named,
+                keep_cache=keep_cache,
+            ) as new_version,
+        ):
             yield served, new_version
             self.snapshots[name] = snapshot
 
@@ -196,11 +199,12 @@ class ModelRegistry:
                 self.add(await self._load("judge", judge_source, judge_builtin, num_engines))
             if self.model_settings.reward_model:
                 self.reward = await self._load_reward(self.model_settings.reward_model)
+                self.gate.serve("reward")
             if self.invariant:
                 for served in self.models.values():
                     check_batch_invariant(served, "batching.invariant")
-            for name, served in self.models.items():
-                await self.digests.record_all(name, served.backend)
+            for name, weights in self.weighted().items():
+                await self.digests.record_all(name, weights)
             self.status, self.loaded_at = "ready", time.time()
             logger.info(
                 "loaded %s", "; ".join(m.backend.info.summary() for m in self.models.values())
@@ -267,6 +271,32 @@ class ModelRegistry:
                 param=param,
             )
         return self.reward
+
+    def weighted(self) -> dict[str, ModelWeights]:
+        """Every served model's weights by name: the language models' and the reward
+        model's ('reward')."""
+        held: dict[str, ModelWeights] = {name: m.backend for name, m in self.models.items()}
+        if self.reward is not None:
+            held["reward"] = self.reward
+        return held
+
+    def weights(self, name: str, param: str = "model") -> ModelWeights:
+        """The weights of the served model `name` (a language model's name or alias, or one
+        of the reward model's names), which the weights control changes; refused naming
+        `param` for any other name (a LoRA adapter's weights are its own: `app.updates.
+        adapters`)."""
+        if (reason := self.not_ready_reason()) is not None:
+            raise NotReady(reason)
+        if name in self.reward_names():
+            return self.get_reward(name, param)
+        canonical = self.canonical(name)
+        if canonical is None:
+            if name in self.adapters:
+                raise invalid(
+                    param, f"'{name}' is a LoRA adapter (its weights load with /v1/adapters)"
+                )
+            raise self._unknown(name, param)
+        return self.models[canonical].backend
 
     def add(self, backend: Backend) -> ServedModel:
         preparer = InputPreparer(
@@ -496,8 +526,10 @@ class ModelRegistry:
         return None if gate is None else gate.state()
 
     def origin(self, name: str) -> Origin:
-        """Where the served model `name` (or an alias) started from."""
-        return self.origins[self.get(name).name]
+        """Where the served model `name` (or an alias, or a name of the reward model)
+        started from."""
+        self.weights(name)  # (an unknown name is refused)
+        return self.origins["reward" if name in self.reward_names() else self.get(name).name]
 
     async def aclose(self) -> None:
         self.status = "stopped"

@@ -100,13 +100,14 @@ class ModelCollector(Collector):
             "their tensors' checksums; a model whose engine shows no weights is absent).",
             labels=["model", "version", "digest"],
         )
-        for name, served in self.models.models.items():
+        for name in self.models.weighted():  # (the reward model's too)
             version.add_metric([name], self.models.versions.get(name, 0))
             if (digest := self.models.digests.of(name)) is not None:
                 digests.add_metric([name, str(self.models.versions.get(name, 0)), digest], 1)
             current = self.models.gate.lineage(name)
             lineage.add_metric([name], current.number)
             since.add_metric([name], current.since)
+        for name, served in self.models.models.items():
             generated.add_metric([name], served.num_tokens_generated)
             scored.add_metric([name], served.num_tokens_scored)
             for kind, batcher in (("score", served.scoring), ("generate", served.generation)):

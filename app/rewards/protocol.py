@@ -72,3 +72,6 @@ class RewardWeightsLoaded(WireModel):
         description="The swap's time: the longest a reward model's call waited for it."
     )
     total_seconds: float = Field(description="Time the whole load took.")
+    digest: str | None = Field(
+        default=None, description="The digest of the reward model's weights after the load."
+    )

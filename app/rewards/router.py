@@ -39,7 +39,8 @@ async def load_reward_weights(
     request: LoadRewardWeightsRequest, service: RewardsDep
 ) -> RewardWeightsLoaded:
     """Load a safetensors checkpoint (HF layout, any subset of the reward model's parameters)
-    the server can read into the reward model, as its next version (`reward_version` of every
-    later reward). Its calls wait for the swap only; a checkpoint that does not fit the model
-    is refused before it is touched."""
+    or a delta of its served weights, which the server can read, into the reward model as its
+    next version (`reward_version` of every later reward), on every replica: `POST
+    /v1/weights/load` with model 'reward'. Its calls wait for the swap only; a checkpoint that
+    does not fit the model is refused before it is touched."""
     return await service.load_weights(request)

@@ -5,16 +5,9 @@ SGLang's embeddings, OpenRLHF's and slime's reward calls) are vocabularies over 
 
 from __future__ import annotations
 
-import asyncio
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
 
-from app.common.failures import Conflict
 from app.common.inputs import InputPreparer, Prepared, check_num_items, text_volume
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry
@@ -26,16 +19,8 @@ from app.rewards.protocol import (
     RewardsResponse,
     RewardWeightsLoaded,
 )
-from app.weights.checkpoint import (
-    check_finite,
-    check_layout,
-    checkpoint_files,
-    file_work,
-    read_layout,
-    snapshot,
-)
-
-T = TypeVar("T")
+from app.updates.control import WeightsControl
+from app.updates.types import Publish
 
 
 @dataclass(frozen=True)
@@ -54,21 +39,13 @@ class Scored:
 
 class RewardService:
     def __init__(
-        self,
-        registry: ModelRegistry,
-        limits: LimitSettings,
-        *,
-        uploads: Path,
-        io_timeout_s: float,
-        replicated: bool = False,
+        self, registry: ModelRegistry, limits: LimitSettings, weights: WeightsControl
     ) -> None:
         self.registry = registry
         self.limits = limits
-        self.uploads = uploads
-        """Where a checkpoint is copied before it is loaded."""
-        self.io_timeout_s = io_timeout_s
-        self.replicated = replicated
-        self._loading = asyncio.Lock()
+        self.weights = weights
+        """The one weights control: the reward model's weights change through it as every
+        served model's do (by file, delta, snapshot or transfer, on every replica)."""
 
     async def score(
         self,
@@ -104,47 +81,19 @@ class RewardService:
         return RewardsResponse(model=request.model, reward_version=scored.version, outputs=outputs)
 
     async def load_weights(self, request: LoadRewardWeightsRequest) -> RewardWeightsLoaded:
-        """Load a checkpoint into the reward model: copied first (a checkpoint rewritten while
-        it is read is refused, 409), checked whole (names, shapes, dtypes, finite values)
-        before the model is touched, then swapped in between two of its calls."""
-        model = self.registry.get_reward("reward", param="path")
-        if self.replicated:
-            raise Conflict(
-                "path: the reward model's weights load on a single server only (each replica "
-                "serves its own copy); restart the replicas with the new --reward-model",
-                param="path",
-            )
-        started = time.perf_counter()
-        files = await self._files(checkpoint_files, Path(request.path), "path")
-        async with self._loading:  # (one load at a time: versions rise in order)
-            await self._files(self.uploads.mkdir, 0o700, True, True)
-            folder = Path(await self._files(tempfile.mkdtemp, None, "load-", str(self.uploads)))
-            try:
-                copies = await self._files(snapshot, files, folder, "path")
-                layout = await self._files(read_layout, copies, "path")
-                check_layout(layout, model.layout())
-                await self._files(check_finite, copies, "path")
-                version = request.version or model.version + 1
-                if version <= model.version:
-                    raise Conflict(
-                        f"version: {version} is not above the reward model's current version "
-                        f"{model.version}",
-                        param="version",
-                    )
-                num_bytes = sum(copy.stat().st_size for copy in copies)
-                waited = await model.load_weights(copies, version)
-            finally:  # (a copy still being written after a timeout goes with its folder)
-                await asyncio.to_thread(shutil.rmtree, folder, True)
+        """`POST /v1/weights/load` for the reward model: a checkpoint (or a delta of the
+        served weights) checked whole before the model is touched, on every replica."""
+        self.registry.get_reward("reward", param="path")  # (404 naming the setting first)
+        publish = Publish(version=request.version, pause="keep")
+        applied = await self.weights.load(request.path, "reward", publish, param="path")
         return RewardWeightsLoaded(
-            reward_version=version,
-            num_tensors=len(layout),
-            num_bytes=num_bytes,
-            seconds=waited,
-            total_seconds=time.perf_counter() - started,
+            reward_version=applied.version,
+            num_tensors=applied.num_tensors,
+            num_bytes=applied.num_bytes,
+            seconds=applied.paused_s,
+            total_seconds=applied.total_s,
+            digest=applied.digest,
         )
-
-    async def _files(self, work: Callable[..., T], *args: Any) -> T:
-        return await file_work(work, *args, timeout_s=self.io_timeout_s)
 
 
 def _reward(values: Rewarded, token_ids: list[int] | None, per_token: bool) -> Reward:

@@ -82,7 +82,7 @@ class LocalWeights:
         return await load_snapshot(self, self.files, self.loads, ask)
 
     async def served(self, model: str) -> list[ServedWeights]:
-        self.registry.get(model)
+        self.registry.weights(model)
         return [self.loads.served(self.registry, model, None)]
 
     async def restore(self, model: str, publish: Publish) -> Applied:

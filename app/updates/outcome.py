@@ -51,6 +51,7 @@ def updated(
     return Applied(
         model=model,
         versions=Versions(policy=now["policy"], reference=now["reference"]),
+        version=now[model],
         num_tensors=num_tensors,
         num_bytes=num_bytes,
         paused_s=paused,

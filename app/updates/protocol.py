@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import Field
 
-from app.common.protocol import AdapterName, ModelName, ServerPath, Version, WireModel
+from app.common.protocol import AdapterName, ServerPath, Version, WireModel
 from app.updates.types import (
     BUCKET_BYTES,
     STREAMS,
@@ -27,18 +27,12 @@ from app.updates.types import (
     Versions,
 )
 
+UpdatedModel = Literal["policy", "reference", "judge", "reward"]
+"""A served model whose weights the weight routes change: the policy, the reference, the judge
+model (--judge-model) or the reward model (--reward-model); one the server does not serve is
+404."""
 
-def _not_the_reward_model(value: object) -> object:
-    if value == "reward":
-        raise ValueError(
-            "the reward model's weights load with POST /v1/rewards/weights (these routes take "
-            "'policy' or 'reference')"
-        )
-    return value
-
-
-UpdatedModel = Annotated[ModelName, BeforeValidator(_not_the_reward_model)]
-"""The model a weight route changes; the reward model's own route named to whoever asks for it."""
+MODEL_DOC = "The model whose weights change (the reward and judge models' only when served)."
 
 PAUSE_MODES_DOC = (
     "How in-flight work meets the pause: 'wait' lets it finish; 'abort' ends generations at "
@@ -73,7 +67,7 @@ class LoadWeightsRequest(UpdateOptions):
     path: ServerPath = Field(
         description="A safetensors checkpoint directory (HF layout) or file the server can read.",
     )
-    model: UpdatedModel = Field(default="policy", description="reference only when targeted.")
+    model: UpdatedModel = Field(default="policy", description=MODEL_DOC)
 
 
 SnapshotIdentity = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
@@ -134,7 +128,7 @@ class ReplicaWeights(WireModel):
 
 
 class ServedSnapshots(WireModel):
-    model: ModelName
+    model: UpdatedModel
     replicas: list[ReplicaWeights]
 
     @classmethod
@@ -156,11 +150,15 @@ class ServedSnapshots(WireModel):
 
 
 class RestoreWeightsRequest(UpdateOptions):
-    model: UpdatedModel = Field(default="policy", description="reference only when targeted.")
+    model: UpdatedModel = Field(default="policy", description=MODEL_DOC)
 
 
 class WeightsUpdated(WireModel):
-    model: ModelName
+    model: UpdatedModel
+    version: int = Field(
+        description="The version `model` serves after the update (the one it published, "
+        "unless it pushed a LoRA adapter)."
+    )
     policy_version: int
     reference_version: int
     num_tensors: int
@@ -193,6 +191,7 @@ class WeightsUpdated(WireModel):
         adapter = applied.adapter
         return cls(
             model=applied.model,  # type: ignore[arg-type]
+            version=applied.version,
             policy_version=applied.versions.policy,
             reference_version=applied.versions.reference,
             num_tensors=applied.num_tensors,
@@ -328,7 +327,7 @@ class TransferFinish(TransferTarget, UpdateOptions):
 
 
 class TransferState(WireModel):
-    model: ModelName
+    model: UpdatedModel
     state: Literal["idle", "joined", "updating"] = Field(
         description="idle: no group; joined: in the trainer's group; updating: between start "
         "and finish or abort."

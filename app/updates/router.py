@@ -3,7 +3,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from app.common.protocol import ModelName
 from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.engine.gate import GateState
 from app.engine.types import MAX_VERSION
@@ -30,6 +29,7 @@ from app.updates.protocol import (
     TransferState,
     TransferTarget,
     TransferUpdate,
+    UpdatedModel,
     WeightsUpdated,
     WeightsVersion,
 )
@@ -92,7 +92,7 @@ async def restore_weights(request: RestoreWeightsRequest, weights: WeightsDep) -
 async def upload_weights(
     request: Request,
     weights: WeightsDep,
-    model: Annotated[ModelName, Query()] = "policy",
+    model: Annotated[UpdatedModel, Query()] = "policy",
     version: Annotated[int | None, Query(ge=1, le=MAX_VERSION)] = None,
     pause: Annotated[PauseMode, Query()] = "keep",
 ) -> WeightsUpdated:
@@ -133,7 +133,7 @@ async def load_snapshot(request: SnapshotRequest, weights: WeightsDep) -> Weight
     openapi_extra=ADMIN,
 )
 async def served_snapshots(
-    weights: WeightsDep, model: Annotated[ModelName, Query()] = "policy"
+    weights: WeightsDep, model: Annotated[UpdatedModel, Query()] = "policy"
 ) -> ServedSnapshots:
     """Each replica's version, digest and snapshot of `model`, and where its last snapshot
     load stands (its stage and last error)."""
@@ -149,7 +149,7 @@ _NO_ADAPTER = "The update's adapter is not served (a first push gives its config
     "", response_model=TransferState, summary="Transfer state", openapi_extra=ADMIN
 )
 async def transfer_state(
-    weights: WeightsDep, model: Annotated[ModelName, Query()] = "policy"
+    weights: WeightsDep, model: Annotated[UpdatedModel, Query()] = "policy"
 ) -> TransferState:
     """The group state and `server_ranks`: the trainer's world size is 1 + server_ranks. On a
     replica of several, every replica's together (`server_ranks` counts all their ranks)."""

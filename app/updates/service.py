@@ -94,6 +94,7 @@ class WeightsService:
         private snapshot taken first, so a checkpoint rewritten during the load is applied
         whole or not at all. A delta (a folder or file `app.weights.delta` reads as one) is
         rebuilt from the served weights."""
+        self.registry.weights(model)  # (a model not served is refused first)
         if await self._file_work(_is_delta, Path(path), param=param):
             return await self._apply_delta(Path(path), model, publish, param)
         files = await self._file_work(checkpoint_files, Path(path), param, param=param)
@@ -127,7 +128,7 @@ class WeightsService:
 
     def checkpoint_bytes(self, model: str) -> int:
         """The bytes of `model`'s whole checkpoint (its tensors')."""
-        layout = self.registry.get(model).backend.weight_layout() or {}
+        layout = self.registry.weights(model).weight_layout() or {}
         return sum(
             math.prod(shape) * SAFETENSORS_TO_TORCH[dtype].itemsize
             for dtype, shape in layout.values()
@@ -136,7 +137,7 @@ class WeightsService:
 
     async def served_checkpoint(self, model: str) -> bytes:
         """The weights `model` serves now, as one safetensors file."""
-        backend = self.registry.get(model).backend
+        backend = self.registry.weights(model)
         names = list(backend.weight_layout() or {})
 
         def whole() -> bytes:
@@ -201,6 +202,7 @@ class WeightsService:
         size: int | None = None,
     ) -> Applied:
         """Stream the body to a file on disk, then apply it."""
+        self.registry.weights(model)  # (a model not served is refused before the body)
         async with self.received(chunks, self.upload_limit(), size) as path:
             if await self._file_work(is_delta_file, path, param="body"):
                 return await self._apply_delta(path, model, publish, "body")
@@ -279,7 +281,7 @@ class WeightsService:
             checksums = await self._file_work(file_checksums, staged.files, param="digest")
         predicted = self.registry.digests.predict(model, checksums)
         if predicted is None:
-            engine = self.registry.get(model).backend.info.backend
+            engine = self.registry.weights(model).info.backend
             raise Unsupported(
                 f"digest: the {engine} engine does not show its weights, so their digest "
                 "cannot be checked; send the update without one",
@@ -295,11 +297,11 @@ class WeightsService:
     async def _check(self, files: list[Path], model: str, param: str) -> Checked:
         """Everything that can refuse a checkpoint, before serving is touched."""
         update = await self._file_work(read_layout, files, param, param=param)
-        served = self.registry.get(model)
-        expected = served.backend.weight_layout()
+        served = self.registry.weights(model)
+        expected = served.weight_layout()
         if expected is not None:
             check_layout(update, expected)
-        served.backend.check_update(set(update), param)
+        served.check_update(set(update), param)
         await self._file_work(check_finite, files, param, param=param)
         return Checked(files, list(update), len(update), sum(f.stat().st_size for f in files))
 
@@ -310,8 +312,8 @@ class WeightsService:
             version,
         ):
             paused_at = time.perf_counter()
-            await target.backend.update_weights(checked.files)
-            await self.registry.digests.record(model, target.backend, checked.names)
+            await target.update_weights(checked.files)
+            await self.registry.digests.record(model, target, checked.names)
             paused = time.perf_counter() - paused_at
         versions = self.registry.versions
         return updated(
@@ -341,7 +343,7 @@ class WeightsService:
 
     async def _stage_delta(self, path: Path, model: str, param: str) -> tuple[Staged, DeltaHeader]:
         delta = await self._file_work(read_delta, path, param, param=param)
-        backend = self.registry.get(model).backend
+        backend = self.registry.weights(model)
         if not backend.capabilities.weight_deltas:
             raise Unsupported(
                 f"{param}: the {backend.info.backend} engine takes full weights only (a delta "
@@ -373,9 +375,9 @@ class WeightsService:
                     param=staged.param,
                 )
             paused_at = time.perf_counter()
-            await target.backend.write_tensors(staged.changes)
+            await target.write_tensors(staged.changes)
             changed, known = staged.changes, staged.checksums
-            await self.registry.digests.record(model, target.backend, changed, known)
+            await self.registry.digests.record(model, target, changed, known)
             paused = time.perf_counter() - paused_at
         applied = updated(
             self.registry.versions,

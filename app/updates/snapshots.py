@@ -80,7 +80,7 @@ async def load_snapshot(
 ) -> Applied:
     """Serve snapshot `ask` through `control` (every replica, on a deployment)."""
     registry = files.registry
-    registry.get(ask.model)  # (an unknown model is refused first)
+    registry.weights(ask.model)  # (an unknown model is refused first)
     with loads.tracked(ask.model) as load:
         current = registry.snapshots.get(ask.model)
         if ask.base is not None and ask.base != current:

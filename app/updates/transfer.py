@@ -108,7 +108,7 @@ class TransferService:
         self._sweeper: asyncio.Task[None] | None = None
 
     def _engine(self, model: str) -> WeightTransfer:
-        backend = self.registry.get(model).backend
+        backend = self.registry.weights(model)
         if not backend.capabilities.weight_transfer:
             raise Unsupported(
                 f"model: the {backend.info.backend} backend of '{model}' cannot receive weight "
@@ -277,7 +277,7 @@ class TransferService:
                         await self._leave(link, self._engine(model))
 
     def _transport(self, join: Join) -> Transport:
-        device = self.registry.get(join.model).backend.info.device
+        device = self.registry.weights(join.model).info.device
         on_gpu = device.startswith("cuda")
         if join.connection.transport == "auto":
             return "nccl" if on_gpu else "gloo"
@@ -319,7 +319,7 @@ class TransferService:
             buckets = announced.buckets
             packing = announced.packing or setup.packing
             bucket_bytes = announced.bucket_bytes or setup.bucket_bytes
-            expected = self.registry.get(announced.model).backend.weight_layout()
+            expected = self.registry.weights(announced.model).weight_layout()
             if link.adapter is not None:
                 expected = None  # (an adapter's: checked at finish)
             if packing == "in_band":
@@ -461,9 +461,9 @@ class TransferService:
                 await engine.commit(version)
                 names = [t.name for p in link.announced for t in p.tensors]
                 if any(p.in_band for p in link.announced):  # (named over the group)
-                    await self.registry.digests.record_all(model, target.backend)
+                    await self.registry.digests.record_all(model, target)
                 else:
-                    await self.registry.digests.record(model, target.backend, names)
+                    await self.registry.digests.record(model, target, names)
                 paused = time.perf_counter() - paused_at
         except BaseException as exc:
             await self._drop(link, engine, exc)

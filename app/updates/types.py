@@ -102,6 +102,8 @@ class Applied:
     model: str
     versions: Versions
     """Served after it (an adapter's update leaves them as they were)."""
+    version: int
+    """The version `model` serves after it (the one it published, unless an adapter's)."""
     num_tensors: int
     num_bytes: int
     paused_s: float

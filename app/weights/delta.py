@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +37,7 @@ __all__ = [
     "read_delta",
     "read_skyrl_delta",
     "stage",
+    "state_checksums",
     "write_changes",
 ]
 
@@ -410,3 +411,28 @@ def write_changes(state: dict[str, torch.Tensor], changes: dict[str, Change]) ->
                 flat[at] = torch.from_numpy(np.ascontiguousarray(change.values)).to(flat.device)
             if whole is not target:
                 target.copy_(whole)
+
+
+def state_checksums(
+    state: dict[str, torch.Tensor],
+    names: Iterable[str] | None = None,
+    known: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The checksums of a model's `state` tensors (`codec.tensor_checksum`): all of them, or
+    those of `names` and every name tied to one of them (a write under one name is a write
+    under every name of the same memory), taking the `known` checksums as they are."""
+    if names is None:
+        return {name: codec.tensor_checksum(t) for name, t in state.items()}
+    known = known or {}
+    written = {_memory(state[n]): known.get(n) for n in names if n in state}
+    out: dict[str, str] = {}
+    for name, tensor in state.items():
+        memory = _memory(tensor)
+        if memory in written:
+            checksum = written[memory] or codec.tensor_checksum(tensor)
+            out[name] = written[memory] = checksum
+    return out
+
+
+def _memory(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape)

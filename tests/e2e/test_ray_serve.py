@@ -514,3 +514,61 @@ def test_an_sglang_session_spans_the_replicas_its_calls_reach(  # type: ignore[n
         expected = forward_log_probs(new, tokens)
         for replica_scores in scores_by_replica(server.url, tokens).values():
             assert_close(replica_scores, expected, 1e-4)
+
+
+def test_the_reward_models_weights_reach_every_replica(server: Server, settings) -> None:  # type: ignore[no-untyped-def]
+    """The reward model's weights go through the one weights control: a push over HTTP (the
+    pusher's whole push, then a delta of it) and a collective transfer each reach both
+    replicas as one version, whose rewards are the pushed model's own forward on each."""
+    import torch
+    from rlserve_client import Client
+    from rlserve_client.weight_push import WeightPusher
+    from transformers import AutoModelForSequenceClassification
+
+    from app.engine.loader import builtin_reward_dir
+
+    path = builtin_reward_dir(settings.models)
+    trainer = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = [5, 9, 13, 77, 101]
+
+    def step(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            head = trainer.get_parameter("score.weight")
+            head.add_(0.1 * torch.randn(head.shape, generator=generator))
+
+    def served_everywhere(version: int) -> None:
+        with torch.inference_mode():
+            expected = float(trainer(torch.tensor([tokens])).logits[0, 0])
+        seen: dict[str, dict[str, Any]] = {}
+        for _ in range(60):
+            answer = httpx.post(f"{server.url}/v1/rewards", json={"tokens": [tokens]}, timeout=60)
+            assert answer.status_code == 200, answer.text
+            seen[answer.headers["x-rlserve-replica"]] = answer.json()
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2
+        for body in seen.values():
+            assert body["reward_version"] == version
+            assert abs(body["outputs"][0]["reward"] - expected) <= 1e-5, (body, expected)
+
+    with Client(base_url=server.url, max_retries=0, timeout=300) as client:
+        pusher = WeightPusher(client, model="reward")
+        step(1)
+        whole = pusher.push(trainer.state_dict())
+        version = whole.updated.version
+        assert version is not None
+        assert not whole.delta and whole.digest_ok is True
+        served_everywhere(version)
+        step(2)
+        delta = pusher.push(trainer.state_dict())
+        assert delta.delta and delta.digest_ok is True and delta.updated.version == version + 1
+        served_everywhere(version + 1)
+
+        step(3)
+        with client.weight_transfer(
+            model="reward", master_address="127.0.0.1", timeout_s=120
+        ) as sync:
+            sent = sync.send(trainer.state_dict())
+        assert (sent.model, sent.version) == ("reward", version + 2)
+        served_everywhere(version + 2)

@@ -113,22 +113,6 @@ async def test_a_checkpoint_that_does_not_fit_leaves_the_reward_model_as_it_was(
     assert await rewards(loading) == before
 
 
-async def test_the_policys_weight_routes_point_a_reward_model_load_at_its_own_route(
-    loading: httpx.AsyncClient, tmp_path: Path
-) -> None:
-    before = await rewards(loading)
-    for route in ("/v1/weights/load", "/v1/weights/restore"):
-        body = {"model": "reward", "path": str(tmp_path)}
-        if route.endswith("restore"):
-            del body["path"]
-        refused = await loading.post(route, json=body)
-        assert refused.status_code == 422, refused.text
-        error = refused.json()["error"]
-        assert error["param"] == "model"
-        assert "POST /v1/rewards/weights" in error["message"]
-    assert await rewards(loading) == before
-
-
 async def test_the_python_client_loads_and_reads_the_reward_model(
     loading: httpx.AsyncClient, reward_dir: Path, tmp_path: Path
 ) -> None:

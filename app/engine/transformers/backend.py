@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from rlserve_client.moe import Routing
-from rlserve_client.weight_delta import tensor_checksum
 
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.transformers import decode as hf_decode
@@ -25,7 +24,7 @@ from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.memory import release_after
 from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, Scores
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
-from app.weights.delta import Change, write_changes
+from app.weights.delta import Change, state_checksums, write_changes
 from app.weights.expert_names import checkpoint_views
 from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import adapter_from
@@ -229,19 +228,7 @@ class TransformersBackend(Backend):
     def weight_checksums(
         self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
     ) -> dict[str, str] | None:
-        state = self.model.state_dict()
-        if names is None:
-            return {name: tensor_checksum(t) for name, t in state.items()}
-        # A write under one name is a write under every name of the same memory (tied).
-        known = known or {}
-        written = {_memory(state[n]): known.get(n) for n in names if n in state}
-        out: dict[str, str] = {}
-        for name, tensor in state.items():
-            memory = _memory(tensor)
-            if memory in written:
-                checksum = written[memory] or tensor_checksum(tensor)
-                out[name] = written[memory] = checksum
-        return out
+        return state_checksums(self.model.state_dict(), names, known)
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
@@ -319,10 +306,6 @@ def _own_memory(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             tensor.data = tensor.data.clone()
-
-
-def _memory(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape)
 
 
 def _pad_id(tokenizer: Any, model: Any) -> int:

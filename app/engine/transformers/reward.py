@@ -9,10 +9,12 @@ position ids, so a row's values do not depend on the rows beside it beyond float
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,14 @@ import torch
 from app.batching import Batcher, BatchingConfig
 from app.common.inputs import InputPreparer, Prepared, naming
 from app.common.lane import Lane
+from app.engine.base import Capabilities, ModelWeights
 from app.engine.transformers.decode import padded
 from app.engine.types import ModelInfo
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
+from app.weights.delta import Change, state_checksums, write_changes
+from app.weights.expert_names import checkpoint_views
+from app.weights.staging import adopt
+from app.weights.transfer_engine import InProcessTransfer, WeightTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +46,15 @@ class Rewarded:
     """The version of the weights that scored it."""
 
 
-class RewardModel:
+class RewardModel(ModelWeights):
+    """Its weights change through the one weights control (`app.updates`), as the policy's
+    do: by file, delta, snapshot or collective transfer, on every replica. Its calls are not
+    admitted by the serving gate (a policy pause does not hold rewards); an update of its own
+    weights holds them off instead (`writes`), so no call reads a half-written model and
+    each reward carries the version of the weights that computed it."""
+
+    capabilities = Capabilities(weight_transfer=True, weight_deltas=True)
+
     def __init__(
         self, model: Any, tokenizer: Any, info: ModelInfo, batching: BatchingConfig | None
     ) -> None:
@@ -53,8 +68,11 @@ class RewardModel:
             tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len
         )
         self.version = 0
-        """Its weights' version (0 as loaded)."""
+        """Its weights' version (0 as loaded; the gate's count, `set_version`)."""
         self._lane = Lane("reward-model")
+        self._writing = asyncio.Lock()
+        """Held by every call and by an update of the weights (`writes`)."""
+        self._transfer: InProcessTransfer | None = None
         self._batcher: Batcher[list[int], Rewarded] | None = None
         if batching is not None:
             self._batcher = Batcher("reward", self._call, len, batching)
@@ -131,7 +149,8 @@ class RewardModel:
         return await self._call(list(sequences))
 
     async def _call(self, sequences: list[list[int]]) -> list[Rewarded]:
-        return await self._lane.run(self._forward, sequences)
+        async with self._writing:
+            return await self._lane.run(self._forward, sequences)
 
     @torch.inference_mode()
     def _forward(self, sequences: list[list[int]]) -> list[Rewarded]:
@@ -156,22 +175,40 @@ class RewardModel:
             return len(sequence) - 1
         return max((i for i, t in enumerate(sequence) if t != self.pooling_pad), default=0)
 
-    def layout(self) -> Layout:
-        """Its parameters' names, dtypes and shapes (what a weight load must match)."""
-        return layout_of_state(self.model.state_dict())
+    # -- its weights (`ModelWeights`): changed under `writes`, so between two of its calls --
 
-    async def load_weights(self, files: list[Path], version: int) -> float:
-        """Copy the tensors of checked checkpoint files into the model, between two of its
-        calls (the lane runs one at a time: no call reads half-loaded weights), and publish
-        `version`; the seconds its calls waited."""
+    def weight_layout(self) -> Layout:
+        return layout_of_state(checkpoint_views(self.model))
 
-        def swap() -> float:
-            started = time.perf_counter()
-            copy_into(self.model.state_dict(), files)
-            self.version = version
-            return time.perf_counter() - started
+    async def update_weights(self, files: list[Path]) -> None:
+        await self._lane.run(copy_into, checkpoint_views(self.model), files)
 
-        return await self._lane.run(swap)
+    def served_tensor(self, name: str) -> torch.Tensor | None:
+        return checkpoint_views(self.model).get(name)
+
+    async def write_tensors(self, changes: dict[str, Change]) -> None:
+        await self._lane.run(write_changes, checkpoint_views(self.model), changes)
+
+    def weight_checksums(
+        self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
+    ) -> dict[str, str] | None:
+        return state_checksums(self.model.state_dict(), names, known)
+
+    def transfer(self) -> WeightTransfer:
+        if self._transfer is None:
+            self._transfer = InProcessTransfer(self.model.device, partial(adopt, self.model))
+        return self._transfer
+
+    async def set_version(self, version: int, *, keep_cache: bool = False) -> None:
+        self.version = version
+
+    @contextlib.asynccontextmanager
+    async def _held(self) -> AsyncIterator[None]:
+        async with self._writing:
+            yield
+
+    def writes(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._held()
 
     async def aclose(self) -> None:
         if self._batcher is not None:

@@ -260,6 +260,8 @@ class RewardWeightsLoaded(Result):
     seconds: float = 0.0
     """The swap's time: the longest a reward model's call waited for it."""
     total_seconds: float = 0.0
+    digest: str | None = None
+    """The reward model's weight digest after the load."""
 
 
 class Health(Result):
@@ -329,6 +331,9 @@ class WeightsVersion(Result):
 
 class WeightsUpdated(WeightsVersion):
     model: str
+    version: int | None = None
+    """The version `model` serves after the update (any served model's: the reward and judge
+    models' too); None from a server that does not say."""
     num_tensors: int
     num_bytes: int
     seconds: float = 0.0

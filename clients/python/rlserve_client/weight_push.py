@@ -137,7 +137,10 @@ class WeightPusher:
         every: dict[str, torch.Tensor],
         updated: WeightsUpdated,
     ) -> bool | None:
-        version = updated.policy_version if self.model == "policy" else updated.reference_version
+        version = updated.version
+        if version is None:  # (a server that names the policy's and reference's only)
+            by_model = {"policy": updated.policy_version, "reference": updated.reference_version}
+            version = by_model[self.model]
         self.encoder.remember(cast, version, updated.digest)
         return None if updated.digest is None else weights_digest(every) == updated.digest
 

@@ -538,8 +538,15 @@ class ReplicatedWeights:
         async def commit(_: str, chosen: Publish) -> list[Committed | Refusal]:
             return await each(ReplicaEndpoint.transfer_commit, model, chosen)
 
+        delta = self.local.transfers.is_delta(model)  # (joins the ledger's chain)
         return await self._transaction(
-            model, publish, stage=received, shipment=shipment, abort=abandon, commit=commit
+            model,
+            publish,
+            stage=received,
+            shipment=shipment,
+            abort=abandon,
+            commit=commit,
+            delta=delta,
         )
 
     async def _finish_adapter_push(

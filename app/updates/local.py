@@ -47,6 +47,7 @@ class LocalWeights:
             self.adapters,
             listen_grace_s=settings.rendezvous_grace_s,
             idle_timeout_s=settings.group_idle_timeout_s,
+            files=self.files,
         )
         self._session = SessionRecord()
         self.loads = Loads()

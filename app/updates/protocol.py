@@ -317,9 +317,18 @@ class TransferUpdate(TransferTarget):
         description="Tensors per bucket, in order (each bucket is their bytes back to back, "
         "broadcast as one buffer); default: one tensor per bucket.",
     )
+    delta: bool = Field(
+        default=False,
+        description="The one tensor announced, 'rlserve.delta' (uint8, one dimension), is a "
+        "delta of the served weights in rlserve's delta format (rlserve_client.weight_delta): "
+        "each receiver stages it against its own weights and checks it as an uploaded delta "
+        "before any commits (a wrong base is 409 at finish, on every replica).",
+    )
 
     def announcement(self) -> Announcement:
-        return Announcement(self.model, self.names, self.dtype_names, self.shapes, self.buckets)
+        return Announcement(
+            self.model, self.names, self.dtype_names, self.shapes, self.buckets, delta=self.delta
+        )
 
 
 class TransferFinish(TransferTarget, UpdateOptions):

@@ -363,6 +363,25 @@ class WeightsService:
         staged = await self._file_work(stage, delta, layout, tensor, base, param=param)
         return staged, delta.header
 
+    async def stage_delta_bytes(
+        self, blob: bytes, model: str, param: str
+    ) -> tuple[Staged, DeltaHeader]:
+        """A delta received as bytes (over the collective transfer), staged against `model`'s
+        served weights and checked as an uploaded one is (`_stage_delta`); its file is gone
+        afterwards (the staged changes are in memory)."""
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
+            await self._file_work(_write_and_flush, sink, [blob], param=param)
+            return await self._stage_delta(Path(sink.name), model, param)
+
+    async def commit_delta(
+        self, staged: Staged, header: DeltaHeader, model: str, publish: Publish, start: float
+    ) -> Applied:
+        """Swap in a staged delta (`stage_delta_bytes`) as `publish` or the version it names."""
+        return await self._commit_delta(
+            staged, model, _delta_publish(header, publish, staged.param), start
+        )
+
     async def _commit_delta(
         self, staged: Staged, model: str, publish: Publish, start: float
     ) -> Applied:

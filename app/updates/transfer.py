@@ -43,6 +43,9 @@ from app.common.failures import (
 from app.engine.registry import ModelRegistry
 from app.updates.adapters import AdapterCatalog, Serving
 from app.updates.outcome import updated
+from app.updates.service import WeightsService
+from app.updates.transfer_delta import PARAM as DELTA_PARAM
+from app.updates.transfer_delta import ReceivedDelta, check_announced, stage_received
 from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
 from app.weights.lora import ADAPTER_SOURCE
@@ -86,6 +89,11 @@ class _Link:
     joining: asyncio.Event | None = None
     """Set while a join waits for the trainer's rendezvous to listen: a close sets it, and
     the join gives way at once (instead of the close waiting out the grace)."""
+    delta: bool = False
+    """The open update announced a delta of the served weights (`app.updates.
+    transfer_delta`)."""
+    received_delta: ReceivedDelta | None = None
+    """That delta, once received and staged."""
 
 
 class TransferService:
@@ -96,9 +104,12 @@ class TransferService:
         *,
         listen_grace_s: float,
         idle_timeout_s: float | None = None,
+        files: WeightsService | None = None,
     ) -> None:
         self.registry = registry
         self.adapters = adapters
+        self.files = files
+        """Stages and commits a delta received over the group (None: deltas refused)."""
         self.listen_grace_s = listen_grace_s
         """How long a join waits for the trainer's rendezvous to listen (settings)."""
         self.idle_timeout_s = idle_timeout_s
@@ -299,6 +310,7 @@ class TransferService:
             link.updating, link.announced, link.started_at = True, [], time.perf_counter()
             link.session += 1
             link.adapter = adapter
+            link.delta, link.received_delta = False, None
         return await self.state(model)
 
     def _check_adapter(self, model: str, adapter: AdapterPush) -> None:
@@ -322,6 +334,9 @@ class TransferService:
             expected = self.registry.weights(announced.model).weight_layout()
             if link.adapter is not None:
                 expected = None  # (an adapter's: checked at finish)
+            if announced.delta or link.delta:
+                self._check_delta(link, announced)
+                expected, packing, link.delta = None, "announced", True
             if packing == "in_band":
                 plan = TransferPlan.in_band_plan(expected)
             else:
@@ -339,6 +354,29 @@ class TransferService:
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
         return await self.state(announced.model)
+
+    def _check_delta(self, link: _Link, announced: Announcement) -> None:
+        """A delta is its update's one announcement, of a model's weights, where the server
+        can stage it."""
+        if link.adapter is not None or link.announced or not announced.delta:
+            raise invalid(
+                DELTA_PARAM,
+                "a delta is its update's only announcement, and of a model's weights (start "
+                "another update for other tensors or an adapter)",
+            )
+        weights = self.registry.weights(announced.model)
+        if self.files is None or not weights.capabilities.weight_deltas:
+            raise Unsupported(
+                f"{DELTA_PARAM}: the {weights.info.backend} engine takes full weights only (a "
+                "delta is rebuilt from the served tensors, which it does not show)",
+                param=DELTA_PARAM,
+            )
+        check_announced(announced, self.files)
+
+    def is_delta(self, model: str) -> bool:
+        """Whether the open update of `model` is a delta (`app.updates.transfer_delta`)."""
+        link = self._links.get(model)
+        return link is not None and link.delta
 
     async def _watch(
         self, link: _Link, engine: WeightTransfer, setup: Connection, session: int
@@ -375,7 +413,7 @@ class TransferService:
             except BaseException as exc:
                 await self._drop(link, engine, exc)
                 raise
-            await self._receive_all(link, engine)
+            await self._receive_all(link, engine, model)
             if link.adapter is not None:
                 return await self._serve_adapter(link, engine, link.adapter, adapter_version)
             return await self._commit(link, engine, model, publish)
@@ -420,13 +458,15 @@ class TransferService:
         """A replica's first phase of finish: every announced tensor arrived and passed its
         checks (else the update is dropped here); the version `model` serves now."""
         async with self._link(model) as (link, engine):
-            await self._receive_all(link, engine)
+            await self._receive_all(link, engine, model)
         return self.registry.versions[model]
 
     async def checkpoint(self, model: str) -> bytes:
         """What was received (after `received`) as one safetensors file."""
         async with self._link(model) as (link, engine):
             self._updating(link)
+            if link.received_delta is not None:  # (a later replica replays the delta)
+                return link.received_delta.blob
             return await engine.checkpoint()
 
     async def commit(self, model: str, publish: Publish) -> Applied:
@@ -442,12 +482,14 @@ class TransferService:
             if link.updating:
                 await self._drop(link, engine, failure)
 
-    async def _receive_all(self, link: _Link, engine: WeightTransfer) -> None:
+    async def _receive_all(self, link: _Link, engine: WeightTransfer, model: str) -> None:
         setup = self._updating(link)
         if not link.announced:
             raise Conflict("no update was announced since start", param="model")
         try:
             await _received(engine, setup)
+            if link.delta and link.received_delta is None and self.files is not None:
+                link.received_delta = await stage_received(engine, self.files, model)
         except BaseException as exc:
             await self._drop(link, engine, exc)
             raise
@@ -455,6 +497,17 @@ class TransferService:
     async def _commit(
         self, link: _Link, engine: WeightTransfer, model: str, publish: Publish
     ) -> Applied:
+        if (received := link.received_delta) is not None and self.files is not None:
+            try:
+                applied = await self.files.commit_delta(
+                    received.staged, received.header, model, publish, link.started_at
+                )
+            except BaseException as exc:
+                await self._drop(link, engine, exc)
+                raise
+            await engine.abort()  # (drops the received bytes)
+            link.updating, link.announced, link.delta, link.received_delta = False, [], False, None
+            return applied
         try:
             async with self.registry.writing(model, **publish.gate()) as (target, version):
                 paused_at = time.perf_counter()
@@ -528,6 +581,7 @@ class TransferService:
         then out of step with the receiver's)."""
         in_band = any(plan.in_band for plan in link.announced)
         link.updating, link.announced, link.adapter = False, [], None
+        link.delta, link.received_delta = False, None
         link.last_error = f"{type(exc).__name__}: {exc}"
         await engine.abort()
         if isinstance(exc, PeerFailed | TimedOut) or in_band:

@@ -185,6 +185,9 @@ class Announcement:
     """How tensors are cut into buckets when `buckets` says not (None: as the join said)."""
     bucket_bytes: int | None = None
     """The `packing`'s bucket size (None: the join's)."""
+    delta: bool = False
+    """The one tensor announced carries a delta of the served weights (`app.updates.
+    transfer_delta`)."""
 
 
 @dataclass(frozen=True)

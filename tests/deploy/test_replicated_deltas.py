@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlserve_client.weight_delta import DeltaEncoder, weights_digest
+from rlserve_client.weight_delta import TRANSFER_NAME, DeltaEncoder, weights_digest
 from safetensors.torch import save, save_file
 
-from app.common.failures import Conflict, PeerFailed, VersionBehind
+from app.common.failures import Conflict, InvalidInput, PeerFailed, VersionBehind
 from app.engine import pins
 from app.updates.service import WeightsService
-from app.updates.types import Publish, SnapshotAsk
-from tests.deploy.test_replicated_weights import BASE, Cluster, body
+from app.updates.types import Announcement, Applied, Publish, SnapshotAsk
+from tests.deploy.test_replicated_weights import BASE, Cluster, body, init
 
 
 @pytest.fixture
@@ -158,3 +158,60 @@ async def test_a_replica_that_fell_behind_catches_up_and_says_so_meanwhile(
     await catching
     assert cluster.versions() == [1, 1] and await cluster.controls[1].lagging() is None
     cluster.assert_serving(state)
+
+
+def delta_announced(blob: bytes) -> Announcement:
+    return Announcement("policy", [TRANSFER_NAME], ["uint8"], [[len(blob)]], delta=True)
+
+
+async def transfer_delta(cluster: Cluster, blob: bytes) -> Applied:
+    """The trainer's delta over the group: announced, broadcast to every replica, finished."""
+    control = cluster.controls[0]
+    await control.transfer_start("policy")
+    await control.transfer_update(delta_announced(blob))
+    cluster.trainer.send({TRANSFER_NAME: torch.frombuffer(bytearray(blob), dtype=torch.uint8)})
+    return await control.transfer_finish("policy", Publish())
+
+
+async def test_a_delta_over_the_transfer_reaches_every_replica_and_a_late_one_replays_it(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(WeightsService, "checkpoint_bytes", lambda self, model: 1 << 30)
+    await cluster.controls[0].transfer_init(init(world_size=3))
+    encoder = DeltaEncoder()
+    encoder.remember(BASE, 0, weights_digest(BASE))
+    for state in steps(2):
+        blob = encoder.encode(state).blob
+        applied = await transfer_delta(cluster, blob)
+        assert applied.digest == weights_digest(state) and applied.sent_bytes is not None
+        encoder.remember(state, applied.version, applied.digest)
+    assert cluster.versions() == [2, 2]
+    cluster.assert_serving(steps(2)[-1])
+    recorded = (await cluster.ledger.state()).models["policy"]
+    assert [v for v, _ in recorded.chain] == [1, 2]  # (the deltas, as sent)
+    late = cluster.start_replica()
+    await late.catch_up()
+    cluster.assert_serving(steps(2)[-1])
+
+
+async def test_a_transferred_delta_one_replica_cannot_rebuild_is_refused_by_all(
+    cluster: Cluster,
+) -> None:
+    await cluster.controls[0].transfer_init(init(world_size=3))
+    cluster.replicas[1].policy.state["b"][1] = 5.0  # (a replica gone wrong)
+    encoder = DeltaEncoder()
+    encoder.remember(BASE, 0, None)
+    state = {"w": BASE["w"], "b": torch.tensor([0.0, 1.0])}
+    with pytest.raises(Conflict) as refused:
+        await transfer_delta(cluster, encoder.encode(state).blob)
+    assert "1 of 2 replicas refused it" in str(refused.value)
+    assert cluster.versions() == [0, 0]
+    assert torch.equal(cluster.replicas[0].policy.state["b"], BASE["b"])
+    assert (await cluster.controls[0].transfer_state("policy")).state == "joined"
+
+    mixed = Announcement(
+        "policy", [TRANSFER_NAME, "w"], ["uint8", "float32"], [[4], [4]], delta=True
+    )
+    await cluster.controls[0].transfer_start("policy")
+    with pytest.raises(InvalidInput, match="one uint8 tensor"):
+        await cluster.controls[0].transfer_update(mixed)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -99,3 +100,33 @@ def test_skyrl_030s_weight_sync_over_vllms_nccl_engine(tmp_path):
             for sampled, own in zip(step["sampled"], step["own"], strict=True):
                 assert_close(sampled, own, 1e-3)
         assert httpx.get(f"{server.url}/weight_info").json() == {"weight_version": "3"}
+
+
+async def test_deltas_over_nccl_serve_the_trainers_weights(on_gpu, model_dir):
+    """`weight_transfer(deltas=True)` from a trainer on the second GPU: the first push whole,
+    then deltas as one uint8 tensor over NCCL, each served exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.weights.test_transfer_deltas import step
+
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    trainer = trainer.to("cuda:1")
+
+    def pushes() -> list[Any]:
+        torch.cuda.set_device(1)  # (this thread's NCCL rank)
+        with (
+            on_gpu.trainer_client() as client,
+            client.weight_transfer(master_address="127.0.0.1", deltas=True) as sync,
+        ):
+            sent = []
+            for seed in range(3):
+                step(trainer, seed)
+                sent.append(sync.send(trainer))
+            return sent
+
+    sent = await asyncio.to_thread(pushes)
+    assert sent[0].sent_bytes is None and all(s.sent_bytes for s in sent[1:])
+    expected = trainer.to("cpu")
+    body = await on_gpu.http.post("/v1/logprobs", json={"tokens": SEQUENCES})
+    for sequence, output in zip(SEQUENCES, body.json()["outputs"], strict=True):
+        assert_close(output["log_probs"]["full"], forward_log_probs(expected, sequence), 1e-4)

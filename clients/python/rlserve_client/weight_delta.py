@@ -38,6 +38,8 @@ CHECKSUMS: tuple[str, ...] = ("xxh3-128", "blake3", "adler32")
 DIGEST = "xxh3-128"
 """The checksum a digest is made of (and the one `DeltaEncoder` writes by default)."""
 META_KEY = "rlserve.delta"
+TRANSFER_NAME = META_KEY
+"""The name of the one uint8 tensor a delta travels as over the collective transfer."""
 INDEX = "model.safetensors.index.json"
 ZSTD_LEVEL = 1  # slime's choice: level 1 beats the others on size and speed for this data
 _MAX_POSITIONS = 2**32 - 1  # `overwrite` stores positions as uint32

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,9 +68,7 @@ class WeightPusher:
 
     def _served_dtype(self) -> torch.dtype:
         if self.dtype is None:
-            cards = self.client.models().models
-            card = next((c for c in cards if c.name == self.model), cards[0])
-            self.dtype = _DTYPES.get(card.dtype, torch.float32)
+            self.dtype = served_dtype(self.client, self.model)
         return self.dtype
 
     def push(
@@ -79,13 +78,7 @@ class WeightPusher:
         version: int | None = None,
         pause: str = "keep",
     ) -> Pushed:
-        dtype = self._served_dtype()
-        every = {
-            name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu()
-            for name, t in state.items()
-        }
-        # A tensor under two names (tied embeddings) travels once: the server writes both.
-        cast = {name: every[name] for name in _first_names(state)}
+        every, cast = host_copies(state, self._served_dtype())
         full_bytes = sum(t.numel() * t.element_size() for t in cast.values())
         if self.encoder.covers(cast):
             try:
@@ -137,12 +130,36 @@ class WeightPusher:
         every: dict[str, torch.Tensor],
         updated: WeightsUpdated,
     ) -> bool | None:
-        version = updated.version
-        if version is None:  # (a server that names the policy's and reference's only)
-            by_model = {"policy": updated.policy_version, "reference": updated.reference_version}
-            version = by_model[self.model]
-        self.encoder.remember(cast, version, updated.digest)
+        self.encoder.remember(cast, served_version(updated, self.model), updated.digest)
         return None if updated.digest is None else weights_digest(every) == updated.digest
+
+
+def served_dtype(client: Any, model: str) -> torch.dtype:
+    """The dtype `client`'s server serves `model` in (its model card's)."""
+    cards = client.models().models
+    card = next((c for c in cards if c.name == model), cards[0])
+    return _DTYPES.get(card.dtype, torch.float32)
+
+
+def host_copies(
+    state: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`state` on the host in `dtype` (floating-point tensors cast) under every name, and
+    under each tensor's first name only (a tensor under two names, as tied embeddings are,
+    travels once: the server writes both)."""
+    every = {
+        name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu()
+        for name, t in state.items()
+    }
+    return every, {name: every[name] for name in _first_names(state)}
+
+
+def served_version(updated: WeightsUpdated, model: str) -> int:
+    """The version `model` serves after `updated` (a server that names only the policy's
+    and the reference's: theirs)."""
+    if updated.version is not None:
+        return updated.version
+    return updated.policy_version if model == "policy" else updated.reference_version
 
 
 def _first_names(state: Mapping[str, torch.Tensor]) -> list[str]:

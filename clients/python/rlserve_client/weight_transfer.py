@@ -67,6 +67,11 @@ class TransferOptions:
     pack_below_bytes: int = 1 << 20
     streams: int = 4
     timeout_s: float = 120.0
+    deltas: bool = False
+    """Send each push after the first as a delta of the last one the server took (both sides
+    hold it): the bytes of rlserve's delta format (`weight_delta`) travel as one uint8 tensor,
+    with every tensor cast to the served dtype; a push the server finds on another base (409)
+    is sent whole. Needs the `[torch]` extra."""
 
 
 class WeightSync:
@@ -77,6 +82,9 @@ class WeightSync:
         self.options = TransferOptions(**options)
         self._group: Any = None
         self._store: Any = None
+        self._encoder: Any = None
+        """The last push the server took, when pushes are deltas (`TransferOptions.deltas`)."""
+        self._dtype: torch.dtype | None = None
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -171,7 +179,38 @@ class WeightSync:
         """Push every tensor of `weights` (a module's state dict, or a mapping of HF names to
         tensors: any subset of the model). `version`: the version to publish (above the
         current one); `pause`: how in-flight generations meet the swap (keep, wait, abort)."""
+        if self.options.deltas:
+            return self._send_delta(dict(_named_tensors(weights)), version, pause)
         return self._send(_named_tensors(weights), {}, version=version, pause=pause)
+
+    def _send_delta(
+        self, state: dict[str, torch.Tensor], version: int | None, pause: str
+    ) -> WeightsUpdated:
+        """`state` as a delta of the last push when it covers it (else whole), remembered as
+        the next push's base."""
+        import torch
+
+        from rlserve_client._exceptions import ConflictError
+        from rlserve_client.weight_delta import TRANSFER_NAME, DeltaEncoder
+        from rlserve_client.weight_push import host_copies, served_dtype, served_version
+
+        if self._encoder is None:
+            self._encoder = DeltaEncoder()
+            self._dtype = served_dtype(self.client, self.options.model)
+        assert self._dtype is not None
+        _, cast = host_copies(state, self._dtype)
+        updated = None
+        if self._encoder.covers(cast):
+            blob = bytearray(self._encoder.encode(cast, version).blob)
+            payload = [(TRANSFER_NAME, torch.frombuffer(blob, dtype=torch.uint8))]
+            try:
+                updated = self._send(payload, {}, version=version, pause=pause, delta=True)
+            except ConflictError:  # not the base it was built on: whole
+                updated = None
+        if updated is None:
+            updated = self._send(list(cast.items()), {}, version=version, pause=pause)
+        self._encoder.remember(cast, served_version(updated, self.options.model), updated.digest)
+        return updated
 
     def send_adapter(
         self,
@@ -201,6 +240,7 @@ class WeightSync:
         *,
         version: int | None = None,
         pause: str = "keep",
+        delta: bool = False,
     ) -> WeightsUpdated:
         if self._group is None:
             raise RuntimeError(
@@ -210,7 +250,8 @@ class WeightSync:
         buckets = list(_buckets(tensors, self.options.bucket_bytes, self.options.pack_below_bytes))
         self._step("start", start)
         try:
-            self._step("update", announcement(tensors, buckets))
+            announced = announcement(tensors, buckets)
+            self._step("update", {**announced, "delta": True} if delta else announced)
             self._broadcast(buckets, device)
         except BaseException:
             with contextlib.suppress(Exception):

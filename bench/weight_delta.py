@@ -13,7 +13,9 @@ Per delta: the share of elements that changed (in the served dtype), the bytes a
 sends and the bytes the delta sent, the seconds to encode it (trainer), the request's round
 trip, the server's staging (receive, rebuild and check: `total_seconds - seconds`) and its
 commit (serving paused: `seconds`), and whether the served digest is the trainer's. The limit
-for the apply is this host's memory-copy bandwidth, measured in the same run."""
+for the apply is this host's memory-copy bandwidth, measured in the same run. The same states
+go over the collective transfer too (`weight_transfer(deltas=True)`, gloo on this host), the
+first send whole and the later ones deltas, on each one-server deployment."""
 
 from __future__ import annotations
 
@@ -89,8 +91,12 @@ def figures(pushed: Any, share: float, replicated: bool = False) -> dict[str, An
 
 def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     deltas = [s for s in steps if s["delta"]]
-    if not deltas:
-        return {}
+    if not deltas:  # (every push whole: the deltas were over `delta_max_share`)
+        return {
+            "deltas": 0,
+            "median_whole_round_trip_s": statistics.median(s["round_trip_s"] for s in steps),
+            "digests_ok": all(s["digest_ok"] for s in steps),
+        }
     return {
         "deltas": len(deltas),
         "median_full_over_sent": statistics.median(s["full_over_sent"] for s in deltas),
@@ -166,6 +172,50 @@ def replay(
     return out
 
 
+def replay_transfer(
+    url: str, states: list[dict[str, Any]], dtype_name: str, label: str
+) -> list[dict[str, Any]]:
+    """The same states over the collective transfer (gloo, this host's loopback), with
+    `weight_transfer(deltas=True)`: the first send whole, each later one a delta broadcast as
+    one uint8 tensor. Per send the same figures as an HTTP push's (encode and send together
+    in the round trip)."""
+    import torch
+    from rlserve_client import Client
+    from rlserve_client.weight_delta import weights_digest
+    from rlserve_client.weight_push import host_copies
+
+    dtype = getattr(torch, dtype_name)
+    out = []
+    with (
+        Client(base_url=url, timeout=600, max_retries=0) as client,
+        client.weight_transfer(master_address="127.0.0.1", deltas=True) as sync,
+    ):
+        for i, state in enumerate(states):
+            share = changed_share(states[i - 1], state, dtype) if i else 1.0
+            every, cast = host_copies(state, dtype)
+            full = sum(t.numel() * t.element_size() for t in cast.values())
+            started = time.perf_counter()
+            updated = sync.send(state)
+            round_trip = time.perf_counter() - started
+            sent = updated.sent_bytes if updated.sent_bytes is not None else full
+            out.append(
+                {
+                    "version": updated.policy_version,
+                    "delta": updated.sent_bytes is not None,
+                    "changed_elements": round(share, 5),
+                    "full_bytes": full,
+                    "sent_bytes": sent,
+                    "full_over_sent": round(full / sent, 2),
+                    "round_trip_s": round(round_trip, 3),
+                    "server_stage_s": round(updated.total_seconds - updated.seconds, 3),
+                    "server_commit_s": round(updated.seconds, 3),
+                    "digest_ok": updated.digest == weights_digest(every),
+                }
+            )
+            print(f"{label}:", out[-1], flush=True)
+    return out
+
+
 def apply_in_process(states: list[dict[str, Any]], dtype_name: str, tmp: Path) -> list[Any]:
     """The server's apply alone, on this host's cores (no HTTP, no disk write): each delta
     rebuilt from served tensors and checked (`app.weights.delta.stage`), then copied in (the
@@ -222,6 +272,8 @@ def main() -> None:
     with running_server(env=f32_env, log=args.output / "delta-f32.log", ready_timeout=900) as s:
         results["one_server_float32"] = []
         states = train_and_record(s.url, steps, results["one_server_float32"])
+        label = "float32, one server, collective transfer"
+        results["transfer_float32"] = replay_transfer(s.url, states, "float32", label)
     applied = {
         dtype_name: apply_in_process(states, dtype_name, args.output)
         for dtype_name in ("float32", "bfloat16")
@@ -229,6 +281,8 @@ def main() -> None:
     bf16_env = {**env, "RLSERVE_MODELS__DTYPE": "bfloat16"}
     with running_server(env=bf16_env, log=args.output / "delta-bf16.log", ready_timeout=900) as s:
         results["one_server_bfloat16"] = replay(s.url, states, "bfloat16", "bfloat16, one server")
+        label = "bfloat16, one server, collective transfer"
+        results["transfer_bfloat16"] = replay_transfer(s.url, states, "bfloat16", label)
     # (--quick: one server only; the replicas' path has its own tests, tests/deploy, and two
     # Ray Serve replicas beside a busy test suite were the smoke's one flaky part)
     replica_dtypes = () if args.quick else ("float32", "bfloat16")

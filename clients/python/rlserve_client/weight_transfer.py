@@ -72,6 +72,10 @@ class TransferOptions:
     hold it): the bytes of rlserve's delta format (`weight_delta`) travel as one uint8 tensor,
     with every tensor cast to the served dtype; a push the server finds on another base (409)
     is sent whole. Needs the `[torch]` extra."""
+    delta_max_share: float = 0.5
+    """With `deltas`: a delta over this share of the whole push's bytes is sent whole instead
+    (where most elements moved, as float32 weights' low bits do after a step, the receivers'
+    rebuild costs more than the bytes save over a fast group)."""
 
 
 class WeightSync:
@@ -200,8 +204,13 @@ class WeightSync:
         assert self._dtype is not None
         _, cast = host_copies(state, self._dtype)
         updated = None
-        if self._encoder.covers(cast):
-            blob = bytearray(self._encoder.encode(cast, version).blob)
+        whole = sum(t.numel() * t.element_size() for t in cast.values())
+        blob = (
+            bytearray(self._encoder.encode(cast, version).blob)
+            if self._encoder.covers(cast)
+            else b""
+        )
+        if blob and len(blob) <= self.options.delta_max_share * whole:
             payload = [(TRANSFER_NAME, torch.frombuffer(blob, dtype=torch.uint8))]
             try:
                 updated = self._send(payload, {}, version=version, pause=pause, delta=True)

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from app.common.caller import Caller
 from app.config import Settings
 from app.datasets.service import DatasetService
+from app.dialects.anthropic.service import AnthropicService
 from app.dialects.openai.service import OpenAIService
 from app.dialects.sglang.service import SGLangWeights
 from app.engine.health import EngineProbe
@@ -98,6 +99,11 @@ async def _openai(request: Request) -> OpenAIService:
     return openai
 
 
+async def _anthropic(request: Request) -> AnthropicService:
+    anthropic: AnthropicService = request.app.state.anthropic
+    return anthropic
+
+
 async def _sglang_weights(request: Request) -> SGLangWeights:
     session: SGLangWeights = request.app.state.sglang_weights
     return session
@@ -127,6 +133,7 @@ DatasetsDep = Annotated[DatasetService, Depends(_datasets)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsControl, Depends(_weights)]
 OpenAIDep = Annotated[OpenAIService, Depends(_openai)]
+AnthropicDep = Annotated[AnthropicService, Depends(_anthropic)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
 TrajectoriesDep = Annotated[TrajectoryService, Depends(_trajectories)]
 SGLangWeightsDep = Annotated[SGLangWeights, Depends(_sglang_weights)]

@@ -24,6 +24,8 @@ from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService
 from app.datasets.store import DatasetStore, SQLiteDatasetStore
 from app.deploy.replicated import Replicas, ReplicatedWeights
+from app.dialects.anthropic.router import router as anthropic_router
+from app.dialects.anthropic.service import AnthropicService
 from app.dialects.areal import router as areal_router
 from app.dialects.openai.router import router as openai_router
 from app.dialects.openai.service import OpenAIService
@@ -161,6 +163,7 @@ def build_services(
         routed_experts=settings.models.return_routed_experts,
         tokens_as_ids=settings.models.return_tokens_as_token_ids,
     )
+    app.state.anthropic = AnthropicService(app.state.openai)
     app.state.weights = LocalWeights(registry, settings.weights, settings.storage.data_dir)
     if replicas is not None:  # one of several replicas: updates reach them all
         wait_s = settings.weights.io_timeout_s
@@ -258,6 +261,7 @@ def create_app(
         transfer_router,
         serving_router,
         openai_router,
+        anthropic_router,
         trajectories_router,
         ops_router,
         vllm_router,

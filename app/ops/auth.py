@@ -72,6 +72,16 @@ def matches(key: bytes, keys: list[bytes]) -> bool:
     return found
 
 
+def presented_key(headers: Headers) -> bytes | None:
+    """The key a request presents: a bearer key, else `x-api-key` (Anthropic's header)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip().encode("latin-1", "replace")
+    if (given := headers.get("x-api-key")) is not None:
+        return given.strip().encode("latin-1", "replace")
+    return None
+
+
 def owner_of(key: bytes) -> str:
     return "key-" + hashlib.sha256(b"rlserve-owner:" + key).hexdigest()[:32]
 
@@ -105,12 +115,12 @@ class AuthMiddleware:
             return None
         if level is Access.METRICS and not self.settings.metrics_auth:
             return None
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        key = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not matches(key, self.keys):
+        key = presented_key(Headers(scope=scope))
+        if key is None or not matches(key, self.keys):
             return APIError(
                 401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                "missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+                "'x-api-key: <key>', as Anthropic's clients do)",
                 type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )

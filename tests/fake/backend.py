@@ -58,10 +58,23 @@ class FakeBackend(Backend):
         out = []
         for item in items:
             ids = self.reply[: item.config.max_new_tokens]
-            values = [self.log_prob(t) for t in ids]
             finish = "length" if len(ids) == item.config.max_new_tokens else "stop"
-            out.append(Generation(ids, values, None, finish))
+            hit = self._stop_hit(ids, item.config.stop_sequences)
+            if hit is not None:  # (as engines stop: at the token that completes it)
+                ids, finish, stop_reason = ids[: hit[0]], "stop", hit[1]
+            else:
+                stop_reason = None
+            values = [self.log_prob(t) for t in ids]
+            out.append(Generation(ids, values, None, finish, stop_reason=stop_reason))
         return out
+
+    def _stop_hit(self, ids: list[int], stops: Sequence[str]) -> tuple[int, str] | None:
+        """Where the first stop string is complete in `ids`' text (tokens to keep), and it."""
+        for end in range(1, len(ids) + 1) if stops else ():
+            text = self.tokenizer.decode(ids[:end])
+            if hit := next((stop for stop in stops if stop in text), None):
+                return end, hit
+        return None
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         return [[0.0, *(self.log_prob(t) for t in seq[1:])] for seq in sequences]

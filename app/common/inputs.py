@@ -461,12 +461,22 @@ def check_num_items(num_items: int, limit: int, field: str) -> None:
 
 
 def plain_messages(conversation: Any) -> Conversation:
-    """Wire messages as the template takes them (an assistant turn's reasoning, if any)."""
+    """Wire messages as the template takes them, as the chat route gives them: an assistant
+    turn's reasoning (`reasoning_content`, or vLLM's `reasoning`) and tool calls, a tool
+    message's call id and name."""
     out: Conversation = []
     for m in conversation:
-        message = {"role": m.role, "content": m.content}
-        if (reasoning := getattr(m, "reasoning_content", None)) is not None:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        reasoning = getattr(m, "reasoning", None)  # (vLLM's name wins, as on the chat route)
+        if reasoning is None:
+            reasoning = getattr(m, "reasoning_content", None)
+        if reasoning is not None:
             message["reasoning_content"] = reasoning
+        for key in ("name", "tool_call_id"):
+            if (value := getattr(m, key, None)) is not None:
+                message[key] = value
+        if calls := getattr(m, "tool_calls", None):
+            message["tool_calls"] = [call.model_dump() for call in calls]
         out.append(message)
     return out
 

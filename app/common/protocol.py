@@ -290,14 +290,40 @@ class Message(WireModel):
 Conversation = Annotated[list[Message], Field(min_length=1)]
 
 
+class CalledFunction(WireModel):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    arguments: str = Field(
+        description="The JSON text of the arguments, as the model wrote it (the chat route's "
+        "`tool_calls`): a template that writes them as given renders the sampled tokens."
+    )
+
+
+class CalledTool(WireModel):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class InputMessage(Message):
-    """A message of a conversation to template: an assistant turn may carry its reasoning."""
+    """A message of a conversation to template, in the chat route's shape: an assistant turn
+    may carry its reasoning and its tool calls, a tool message the call it answers, so an
+    agent's episode is scored and sampled from exactly as the chat route rendered it."""
 
     reasoning_content: str | None = Field(
         default=None,
         description="An assistant turn's reasoning, rendered where its chat template renders "
         "it (Qwen3's <think> block), as on the chat route.",
     )
+    reasoning: str | None = Field(
+        default=None, description="vLLM's name for reasoning_content (either may be sent)."
+    )
+    tool_calls: Annotated[list[CalledTool], Field(max_length=1024)] | None = Field(
+        default=None, description="An assistant turn's tool calls, as the chat route gives them."
+    )
+    tool_call_id: str | None = Field(
+        default=None, max_length=256, description="A tool message's call, as on the chat route."
+    )
+    name: str | None = Field(default=None, max_length=256, description="As on the chat route.")
 
 
 InputConversation = Annotated[list[InputMessage], Field(min_length=1)]

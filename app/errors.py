@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from app.batching import BackendCallError, QueueFullError
+from app.common.disconnect import CancellableRoute
 from app.common.failures import (
     Conflict,
     Failure,
@@ -382,3 +384,31 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for failure in FAILURES:
         app.add_exception_handler(failure, _failure)
+
+
+class WordedRoute(CancellableRoute):
+    """A dialect's route: a request it refuses (a body that does not validate, a domain
+    failure; with `words_http_errors`, also a body that does not parse) is answered by `word`
+    in that dialect's shape and status, not the service's."""
+
+    words_http_errors = False
+
+    def word(self, error: APIError) -> Response:
+        raise NotImplementedError
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return self.word(validation_error(exc, request))
+            except Failure as exc:
+                return self.word(failure_error(exc))
+            except StarletteHTTPException as exc:
+                if not self.words_http_errors:
+                    raise
+                return self.word(APIError(exc.status_code, str(exc.detail)))
+
+        return handle

@@ -6,15 +6,13 @@ keys, as on every route."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 
-from app.common.disconnect import CancellableRoute, cancellable
+from app.common.disconnect import cancellable
 from app.common.failures import Failure
 from app.common.protocol import json_response
 from app.deps import AnthropicDep, OwnerDep
@@ -28,7 +26,7 @@ from app.dialects.anthropic.protocol import (
 )
 from app.dialects.anthropic.service import event
 from app.dialects.openai.router import TrajectoryHeader, _ignored_header
-from app.errors import APIError, ErrorResponse, failure_error, validation_error
+from app.errors import APIError, ErrorResponse, WordedRoute, failure_error
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +53,11 @@ def anthropic_error(error: APIError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=status, headers=error.headers)
 
 
-class AnthropicRoute(CancellableRoute):
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
+class AnthropicRoute(WordedRoute):
+    words_http_errors = True  # (a body that does not parse: Anthropic's shape too)
 
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                return anthropic_error(validation_error(exc, request))
-            except Failure as exc:
-                return anthropic_error(failure_error(exc))
-            except HTTPException as exc:  # (a body that does not parse)
-                return anthropic_error(APIError(exc.status_code, str(exc.detail)))
-
-        return handle
+    def word(self, error: APIError) -> Response:
+        return anthropic_error(error)
 
 
 router = APIRouter(tags=["anthropic"], route_class=AnthropicRoute)

@@ -2,16 +2,14 @@
 codes (an invalid request is a 400, as OpenAI answers it), server-sent events with `stream`."""
 
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Header, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 
-from app.common.disconnect import CancellableRoute, cancellable
-from app.common.failures import Failure
+from app.common.disconnect import cancellable
 from app.common.protocol import json_response
 from app.deps import OpenAIDep, OwnerDep
 from app.dialects.openai.answers import ChatCompletion, Completion
@@ -23,30 +21,19 @@ from app.errors import (
     ERROR_RESPONSES,
     APIError,
     ErrorResponse,
+    WordedRoute,
     error_body,
     error_response,
-    failure_error,
-    validation_error,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class OpenAIRoute(CancellableRoute):
+class OpenAIRoute(WordedRoute):
     """Answers an invalid request with 400 (OpenAI's status) instead of this API's 422."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                return error_response(_as_400(validation_error(exc, request)))
-            except Failure as exc:
-                return error_response(_as_400(failure_error(exc)))
-
-        return handle
+    def word(self, error: APIError) -> Response:
+        return error_response(_as_400(error))
 
 
 def _as_400(error: APIError) -> APIError:

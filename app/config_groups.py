@@ -156,6 +156,17 @@ class ModelSettings(Group):
         "sliding-window or linear attention, decode eagerly; a failed compile falls back to "
         "eager decoding.",
     )
+    prefix_cache_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="transformers backend: memory (on the model's device) for the keys and "
+        "values of recent sequences, so that a prompt continuing one (an agent's next turn, "
+        "a GRPO group sent as separate requests) prefills only its new tokens. Keyed by token "
+        "prefix, LoRA adapter and weight version; least recently used entries go first; a "
+        "weight change drops them (a snapshot with the cache policy 'keep' keeps them). "
+        "Bypassed in batch-invariant mode, with compile_decode, for MoE routing and prompt "
+        "log-probs. 0: off. vLLM keeps its own (--enable-prefix-caching).",
+    )
     trust_remote_code: bool = Field(
         default=False, description="Let transformers run a hub model's own Python code."
     )

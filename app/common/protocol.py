@@ -304,6 +304,30 @@ class CalledTool(WireModel):
     function: CalledFunction
 
 
+Refusal = Annotated[
+    str | None,
+    Field(
+        description="An assistant reply's refusal, as OpenAI's replies carry it (the OpenAI "
+        "SDK's message, sent back as it came): the turn's content when it has none."
+    ),
+]
+Annotations = Annotated[
+    list[dict[str, Any]] | None,
+    Field(
+        max_length=1024,
+        description="An assistant reply's annotations (URL citations), as OpenAI's replies "
+        "carry them: taken, not rendered.",
+    ),
+]
+NoValue = Annotated[
+    None,
+    Field(
+        description="Part of OpenAI's assistant replies that rlserve never gives (audio; the "
+        "deprecated function_call: send tool_calls): null only."
+    ),
+]
+
+
 class InputMessage(Message):
     """A message of a conversation to template, in the chat route's shape: an assistant turn
     may carry its reasoning and its tool calls, a tool message the call it answers, so an
@@ -324,6 +348,10 @@ class InputMessage(Message):
         default=None, max_length=256, description="A tool message's call, as on the chat route."
     )
     name: str | None = Field(default=None, max_length=256, description="As on the chat route.")
+    refusal: Refusal = None
+    annotations: Annotations = None
+    audio: NoValue = None
+    function_call: NoValue = None
 
 
 InputConversation = Annotated[list[InputMessage], Field(min_length=1)]

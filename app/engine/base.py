@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from app.engine.types import GenerateItem, Generation, ModelInfo, Scores, ScoreSpec
+from app.engine.types import (
+    GenerateItem,
+    Generation,
+    ModelInfo,
+    PrefixCacheStats,
+    Scores,
+    ScoreSpec,
+)
 from app.weights.checkpoint import Layout
 
 if TYPE_CHECKING:
@@ -141,6 +148,11 @@ class Backend(ModelWeights):
     async def score_detailed(self, items: Sequence[ScoreItem]) -> list[Scores]:
         """Per (sequence, spec): the raw log-probs and the extras the spec asks for."""
         raise NotImplementedError(f"{type(self).__name__} cannot score beyond log-probs")
+
+    def prefix_cache(self) -> PrefixCacheStats | None:
+        """The hit rate and memory of the engine's own prefix cache, where rlserve keeps it
+        (None: none, or the engine reports its own)."""
+        return None
 
     def full_distribution_limit(self) -> int | None:
         """The longest sequence whose whole next-token distribution (entropy, processed

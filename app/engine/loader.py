@@ -230,4 +230,5 @@ async def load_backend(
         trust_remote_code=models.trust_remote_code,
         builtin=builtin,
         compile_decode=models.compile_decode and name != "reference",  # (which scores)
+        prefix_cache_bytes=0 if name == "reference" else models.prefix_cache_bytes,
     )

@@ -102,7 +102,8 @@ class ServedModel:
         self, items: Sequence[GenerateItem], *, alone: bool | None = None
     ) -> list[Generation]:
         if self._alone(alone):
-            generations = await _one_at_a_time(self._generate_batch, items)
+            own = [dataclasses.replace(item, reuse_prefix=False) for item in items]
+            generations = await _one_at_a_time(self._generate_batch, own)
         elif self.generation is None:
             generations = await _direct(self._generate_batch(list(items)))
         else:

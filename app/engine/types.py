@@ -119,6 +119,22 @@ class GenerateItem:
     the generation's own pass: only for engines with `Capabilities.prompt_scores`."""
     adapter: LoraAdapter | None = None
     """Generate with this LoRA adapter on the model (None: the model itself)."""
+    reuse_prefix: bool = True
+    """Whether the engine may take the prompt's leading keys and values from its prefix
+    cache (False in batch-invariant mode: a row's values then come from its own prefill)."""
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """An engine's prefix cache (`Backend.prefix_cache`): its hit rate and memory."""
+
+    queried_tokens: int
+    """Prompt tokens looked up."""
+    hit_tokens: int
+    """Of those, tokens whose keys and values came from the cache (not prefilled)."""
+    entries: int
+    bytes: int
+    max_bytes: int
 
 
 class TokenSink(Protocol):

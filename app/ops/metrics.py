@@ -120,3 +120,33 @@ class ModelCollector(Collector):
                 last.add_metric([name, kind], (stats.last_batch_sizes or [0])[-1])
         yield from (version, digests, lineage, since, queued, batches, items, last)
         yield from (generated, scored)
+        yield from self._prefix_caches()
+
+    def _prefix_caches(self) -> Iterator[Metric]:
+        """vLLM's prefix-cache counters (prompt tokens looked up, and of those found), and
+        the cache's memory, for engines whose prefix cache rlserve keeps."""
+        queries = CounterMetricFamily(
+            "rlserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels=["model"],
+        )
+        hits = CounterMetricFamily(
+            "rlserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache, not prefilled (over "
+            "rlserve_prefix_cache_queries_total: the hit rate).",
+            labels=["model"],
+        )
+        held = GaugeMetricFamily(
+            "rlserve_prefix_cache_bytes", "Memory the prefix cache holds.", labels=["model"]
+        )
+        entries = GaugeMetricFamily(
+            "rlserve_prefix_cache_entries", "Sequences in the prefix cache.", labels=["model"]
+        )
+        for name, served in self.models.models.items():
+            if (stats := served.backend.prefix_cache()) is None:
+                continue
+            queries.add_metric([name], stats.queried_tokens)
+            hits.add_metric([name], stats.hit_tokens)
+            held.add_metric([name], stats.bytes)
+            entries.add_metric([name], stats.entries)
+        yield from (queries, hits, held, entries)

@@ -60,3 +60,45 @@ async def test_a_malformed_tool_call_in_history_names_its_field(client: httpx.As
     refused = await client.post("/v1/logprobs", json={"messages": [broken]})
     assert refused.status_code == 422, refused.text
     assert refused.json()["error"]["param"].startswith("messages[0][1].tool_calls[0]")
+
+
+async def test_a_reply_sent_back_as_the_openai_sdk_dumps_it_is_taken(
+    client: httpx.AsyncClient,
+) -> None:
+    """Agents append the SDK's reply message to their history as it came (`model_dump()`:
+    refusal, annotations, audio and function_call, null); a refusal with no content is the
+    turn's content; a non-null audio or function_call is refused naming the field."""
+    from openai.types.chat import ChatCompletionMessage
+
+    body = {"model": "policy", "messages": HISTORY[:1], "max_tokens": 3, "temperature": 0}
+    reply = await client.post("/v1/chat/completions", json=body)
+    message = ChatCompletionMessage.model_validate(reply.json()["choices"][0]["message"])
+    dumped = message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+    history = [*HISTORY[:1], dumped, {"role": "user", "content": "And tomorrow?"}]
+    for route, sent in (
+        ("/v1/chat/completions", {**body, "messages": history}),
+        ("/v1/generate", {"messages": [history], "max_tokens": 1}),
+        ("/v1/logprobs", {"messages": [history]}),
+    ):
+        taken = await client.post(route, json=sent)
+        assert taken.status_code == 200, (route, taken.text)
+
+    refused_turn = {"role": "assistant", "content": None, "refusal": "I cannot help with that."}
+    as_content = {"role": "assistant", "content": "I cannot help with that."}
+    scored = [
+        (await client.post("/v1/logprobs", json={"messages": [[*HISTORY[:1], m]]})).json()
+        for m in (refused_turn | {"content": ""}, as_content)
+    ]
+    assert scored[0]["outputs"][0]["tokens"] == scored[1]["outputs"][0]["tokens"]
+    chat = await client.post(
+        "/v1/chat/completions", json={**body, "messages": [*HISTORY[:1], refused_turn]}
+    )
+    assert chat.status_code == 200, chat.text
+    for field in ("audio", "function_call"):
+        bad = {**dumped, field: {"id": "x"}}
+        refused = await client.post(
+            "/v1/chat/completions", json={**body, "messages": [*HISTORY[:1], bad]}
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == f"messages[1].{field}"

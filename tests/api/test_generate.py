@@ -130,7 +130,12 @@ async def test_top_k_one_and_tiny_top_p_are_greedy(client, hf_model):
 async def test_seeded_sampling_is_reproducible(client):
     request = {"text": ["abc", "defgh"], "max_tokens": 16, "seed": 1234, "n": 3}
     first, second = await generate(client, **request), await generate(client, **request)
-    assert first["outputs"] == second["outputs"]
+    # (the repeat's prompts come from the prefix cache: the same tokens, log-probs within
+    # float32 rounding; batch-invariant mode is where values are bitwise)
+    for again, before in zip(second["outputs"], first["outputs"], strict=True):
+        for one, other in zip(again, before, strict=True):
+            assert one["tokens"] == other["tokens"]
+            assert_close(one["log_probs"]["response"], other["log_probs"]["response"], 1e-5)
     # ...also when batched with different neighbours (values differ only by padding noise).
     alone = await generate(client, **{**request, "text": ["abc"]})
     for single, batched in zip(alone["outputs"][0], first["outputs"][0], strict=True):

@@ -125,17 +125,27 @@ async def slime_abort(served: Served, pending: list[asyncio.Task[Any]]) -> tuple
     urls = [worker["url"] for worker in response.json()["workers"]]
     rounds = 0
     for url in urls:
-        while True:
-            rounds += 1
-            aborted = await served.http.post(f"{url}/abort_request", json={"abort_all": True})
-            assert aborted.status_code == 200, aborted.text
-            loads = await served.http.get(f"{url}/v1/loads?include=core")
-            loads.raise_for_status()
-            if num_requests_from_load(loads.json()) <= 0:
-                break
-            await asyncio.sleep(3)
-    await asyncio.gather(*pending)
+        # (bounded here: slime polls until the server is idle, however long that takes, and a
+        # server that never gets there would hold the test to pytest's timeout)
+        async with asyncio.timeout(120):
+            rounds += await abort_until_idle(served, url)
+    async with asyncio.timeout(120):
+        await asyncio.gather(*pending)
     return urls, rounds
+
+
+async def abort_until_idle(served: Served, url: str) -> int:
+    """slime's `abort_server_until_idle` for one worker: how many abort rounds ran."""
+    rounds = 0
+    while True:
+        rounds += 1
+        aborted = await served.http.post(f"{url}/abort_request", json={"abort_all": True})
+        assert aborted.status_code == 200, aborted.text
+        loads = await served.http.get(f"{url}/v1/loads?include=core")
+        loads.raise_for_status()
+        if num_requests_from_load(loads.json()) <= 0:
+            return rounds
+        await asyncio.sleep(3)
 
 
 async def test_slimes_abort_loop_finds_the_server_idle(served):

@@ -20,9 +20,12 @@ from app.common.protocol import (
     POSITIVE,
     STREAMED,
     TOKEN_ID_KEYS,
+    Annotations,
     BadWords,
     LogitBias,
+    NoValue,
     Penalty,
+    Refusal,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -197,6 +200,10 @@ class ChatMessage(DialectModel):
     reasoning: str | None = Field(
         default=None, description="vLLM's name for reasoning_content (either may be sent)."
     )
+    refusal: Refusal = None
+    annotations: Annotations = None
+    audio: NoValue = None
+    function_call: NoValue = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it: text content; tool-call arguments as the
@@ -205,7 +212,7 @@ class ChatMessage(DialectModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or self.refusal or ""}
         reasoning = self.reasoning_content if self.reasoning is None else self.reasoning
         if reasoning is not None:
             out["reasoning_content"] = reasoning

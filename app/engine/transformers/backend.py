@@ -22,7 +22,15 @@ from app.engine.transformers.compiled import CompiledDecode
 from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.memory import release_after
-from app.engine.types import GenerateItem, Generation, ModelInfo, SamplingConfig, Scores
+from app.engine.transformers.prefix_cache import PrefixCache
+from app.engine.types import (
+    GenerateItem,
+    Generation,
+    ModelInfo,
+    PrefixCacheStats,
+    SamplingConfig,
+    Scores,
+)
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
 from app.weights.delta import Change, state_checksums, write_changes
 from app.weights.expert_names import checkpoint_views
@@ -52,7 +60,13 @@ class TransformersBackend(Backend):
     )
 
     def __init__(
-        self, model: Any, tokenizer: Any, info: ModelInfo, *, compile_decode: bool = False
+        self,
+        model: Any,
+        tokenizer: Any,
+        info: ModelInfo,
+        *,
+        compile_decode: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -67,6 +81,8 @@ class TransformersBackend(Backend):
         """Hooks on a mixture-of-experts model's routers: routed experts recorded and replayed."""
         if self.routing is not None:
             self.capabilities = replace(self.capabilities, routed_experts=True)
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        """Keys and values of recent sequences (`models.prefix_cache_bytes`)."""
         self.compiled: CompiledDecode | None = None
         """Decoding steps compiled over a static cache (`models.compile_decode`)."""
         if compile_decode and self.routing is not None:
@@ -105,6 +121,7 @@ class TransformersBackend(Backend):
         trust_remote_code: bool = False,
         builtin: bool = False,
         compile_decode: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> TransformersBackend:
         from transformers import AutoModelForCausalLM
 
@@ -123,7 +140,13 @@ class TransformersBackend(Backend):
             max_model_len=max_model_len,
             builtin=builtin,
         )
-        return cls(model, tokenizer, info, compile_decode=compile_decode)
+        return cls(
+            model,
+            tokenizer,
+            info,
+            compile_decode=compile_decode,
+            prefix_cache_bytes=prefix_cache_bytes,
+        )
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """`fn` on the model thread; it waits there while the model is frozen."""
@@ -175,7 +198,11 @@ class TransformersBackend(Backend):
             lora=self.lora,
             routing=self.routing,
             compiled=self.compiled,
+            prefix=self.prefix,
         )
+
+    def prefix_cache(self) -> PrefixCacheStats | None:
+        return None if self.prefix is None else self.prefix.stats()
 
     async def build_adapter(
         self,
@@ -249,8 +276,9 @@ class TransformersBackend(Backend):
         self.control.aborting.set()
 
     async def set_version(self, version: int, *, keep_cache: bool = False) -> None:
-        # (no prefix cache to keep or drop: keys and values live with their generation)
         self.control.version = version
+        if self.prefix is not None:
+            self.prefix.weights_changed(version, keep=keep_cache)
 
     async def aclose(self) -> None:
         if self._transfer is not None:

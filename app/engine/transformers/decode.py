@@ -17,6 +17,7 @@ from app.engine.transformers.compiled import CompiledDecode, StaticRun, cache_ar
 from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.moe import RoutedRows, recording, replayed
+from app.engine.transformers.prefix_cache import PrefixCache, adapter_key, lay_out, remember
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
 from app.weights.lora import LoraAdapter
 
@@ -208,18 +209,30 @@ def generate(
     lora: LoraHooks | None = None,
     routing: Routing | None = None,
     compiled: CompiledDecode | None = None,
+    prefix: PrefixCache | None = None,
 ) -> list[Generation]:
     """Decode `items` together. With a `control`, the loop parks at its checkpoints while the
     model is frozen, ends every row on an abort, and labels each token with its version. A row
     that names a LoRA adapter runs with it (`lora`: the model's hooks). A row whose config asks
     gets the experts its tokens were routed to (`routing`: the model's MoE routers). With
     `compiled`, the steps run compiled over a static cache where they can
-    (`app.engine.transformers.compiled`: not on a model with adapters or MoE routers)."""
+    (`app.engine.transformers.compiled`: not on a model with adapters or MoE routers). With
+    a `prefix` cache, prompts reuse the keys and values of earlier sequences they continue,
+    and each row's are kept for later ones (`app.engine.transformers.prefix_cache`: not with
+    compiled steps, MoE routers, prompt log-probs or a row that must prefill alone)."""
     if compiled is not None and (lora is not None or routing is not None or not compiled.usable()):
         compiled = None
+    if (
+        compiled is not None
+        or routing is not None
+        or not all(it.reuse_prefix and not it.config.return_prompt_log_probs for it in items)
+    ):
+        prefix = None
     with recording(routing, items) as recorded:
         routes = RoutedRows(recorded)
-        return _decode(model, items, pad_id, eos_ids, decode, control, lora, routes, compiled)
+        return _decode(
+            model, items, pad_id, eos_ids, decode, control, lora, routes, compiled, prefix
+        )
 
 
 def _decode(
@@ -232,17 +245,22 @@ def _decode(
     lora: LoraHooks | None,
     routes: RoutedRows,
     compiled: CompiledDecode | None,
+    prefix: PrefixCache | None,
 ) -> list[Generation]:
     control = control or ModelThreadControl()
     device = model.device
     configs = [item.config for item in items]
     sampler = RowSampler(configs, [it.seed for it in items], device, eos_ids)
     ids, mask = padded([it.prompt_ids for it in items], pad_id, device, left=True)
-    positions = _positions(mask)
     want_prompt = any(c.return_prompt_log_probs for c in configs)
     version = control.checkpoint()
     new_tokens = max(c.max_new_tokens for c in configs)
-    cache, prefill_logits = _prefill(model, items, ids, mask, want_prompt, lora, routes)
+    cached = prefix and _cached_prefill(model, items, pad_id, version, lora, prefix)
+    if cached:
+        ids, mask, cache, prefill_logits = cached
+    else:
+        cache, prefill_logits = _prefill(model, items, ids, mask, want_prompt, lora, routes)
+    positions = _positions(mask)
     run: StaticRun | None = None
     if compiled is not None:
         try:
@@ -327,6 +345,8 @@ def _decode(
         routes.stepped(len(items), rebuilt=rebuild)
         cache, next_position = _returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
+    if prefix is not None and run is None:  # (every key and value is of `version`'s weights)
+        remember(prefix, cache, mask, items, rows.tokens, version)
     return [_result(rows, i, prompt_lps, routes) for i in range(len(items))]
 
 
@@ -357,6 +377,44 @@ def _prefill(
         cache.reorder_cache(expand)
         logits = logits.index_select(0, expand)
     return cache, logits
+
+
+def _cached_prefill(
+    model: Any,
+    items: Sequence[GenerateItem],
+    pad_id: int,
+    version: int,
+    lora: LoraHooks | None,
+    prefix: PrefixCache,
+) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor] | None:
+    """Where a distinct prompt continues a cached sequence, the forward of its other tokens
+    alone over the cached keys and values (`prefix_cache.lay_out`): the ids and mask of the
+    whole rows, the cache and the last position's logits. None when no prompt hits."""
+    firsts, expand = _distinct_prompts(items, model.device)
+    prompts = [items[i].prompt_ids for i in firsts]
+    adapters = [items[i].adapter for i in firsts]
+    hits = [
+        prefix.lookup(prompt, version, adapter_key(adapter))
+        for prompt, adapter in zip(prompts, adapters, strict=True)
+    ]
+    if all(hit is None for hit in hits):
+        return None
+    laid = lay_out(prompts, hits, pad_id, model.device)
+    with _adapted(lora, adapters):
+        out = model(
+            input_ids=laid.ids[:, laid.cached :],
+            attention_mask=laid.mask,
+            position_ids=_positions(laid.mask)[:, laid.cached :],
+            **{cache_argument(model): laid.past},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    cache, logits, ids, mask = _returned_cache(out), out.logits, laid.ids, laid.mask
+    if expand is not None:
+        cache.reorder_cache(expand)
+        logits = logits.index_select(0, expand)
+        ids, mask = ids.index_select(0, expand), mask.index_select(0, expand)
+    return ids, mask, cache, logits
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,16 @@ def test_weight_delta_benchmark_quick(tmp_path):
     assert report["memory_copy_gb_per_s"] > 0
 
 
+def test_agent_turns_benchmark_quick(tmp_path):
+    report = run_quick("agent_turns", tmp_path)
+    off, on = report["without_cache"], report["with_cache"]
+    assert off["prompt_tokens"] == on["prompt_tokens"]  # greedy: the same histories
+    assert off["cache_hit_tokens"] == 0 and on["cache_hit_tokens"] > 0
+    assert on["prefilled_tokens"] == on["prompt_tokens"] - on["cache_hit_tokens"]
+    assert 0 < on["cache_bytes_at_end"] <= report["cache_bytes"]
+    assert report["prefill_tokens_ratio"] > 1
+
+
 def test_datasets_benchmark_quick(tmp_path):
     pytest.importorskip("lm_eval")
     report = run_quick("datasets", tmp_path)

@@ -13,7 +13,7 @@ import torch
 
 from app.engine.transformers import decode as hf_decode
 from app.engine.transformers.freeze import ModelThreadControl
-from app.engine.transformers.prefix_cache import PrefixCache
+from app.engine.transformers.prefix_cache import PrefixCache, prefill_groups
 from app.engine.types import GenerateItem, Generation, SamplingConfig
 from tests.conftest import assert_close, forward_log_probs, served_app
 
@@ -99,13 +99,20 @@ def test_a_batch_mixing_hits_misses_and_a_shared_prompt_decodes_as_without_the_c
         GenerateItem((*long, 3, 4), sampled, seed=2),  # the same prompt
         GenerateItem((7, 8), GREEDY, seed=3),  # nothing cached
         GenerateItem((*long[:20], 99), GREEDY, seed=4),  # a shorter shared prefix
+        GenerateItem(tuple(range(100, 160)), sampled, seed=5),  # long, nothing cached
     ]
+    # (the long prompt that hits nothing is a forward of its own: the others, which prefill
+    # a token or two each, are not padded to its 60)
+    hits = [prefix.lookup(item.prompt_ids, 0, None) for item in items]
+    groups = prefill_groups([item.prompt_ids for item in items], hits)
+    assert [4] in groups and len(groups) >= 2
     before = counts(prefix)
     cached = run(hf_model, items, prefix)
     plain = run(hf_model, items, None)
     looked_up, found = prefilled(prefix, before)
-    assert looked_up == len(long) + 2 + 2 + 21  # distinct prompts only
+    assert looked_up == len(long) + 2 + 2 + 21 + 60  # distinct prompts only
     assert found == len(long) + 20
+
     for item, got, want in zip(items, cached, plain, strict=True):
         assert got.token_ids == want.token_ids
         assert_close(got.log_probs, want.log_probs, 1e-5)

@@ -5,7 +5,6 @@ other rows in its batch."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +16,9 @@ from app.engine.transformers.compiled import CompiledDecode, StaticRun, cache_ar
 from app.engine.transformers.freeze import ModelThreadControl
 from app.engine.transformers.lora import LoraHooks
 from app.engine.transformers.moe import RoutedRows, recording, replayed
-from app.engine.transformers.prefix_cache import PrefixCache, adapter_key, lay_out, remember
+from app.engine.transformers.prefix_cache import PrefixCache, cached_prefill, remember
+from app.engine.transformers.rows import adapted, distinct_prompts, positions, returned_cache
 from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, version_spans
-from app.weights.lora import LoraAdapter
 
 if TYPE_CHECKING:
     from rlserve_client.moe import Routing
@@ -55,18 +54,6 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24
 full-vocabulary work of a call stays bounded however long its sequences are."""
 
 
-def _adapted(
-    lora: LoraHooks | None, adapters: Sequence[LoraAdapter | None]
-) -> contextlib.AbstractContextManager[None]:
-    """Forwards in this block run each row with its LoRA adapter
-    (`app.engine.transformers.lora`)."""
-    if lora is None:
-        if any(a is not None for a in adapters):
-            raise ValueError("a row asks for a LoRA adapter, but this model serves none")
-        return contextlib.nullcontext()
-    return lora.rows(adapters)
-
-
 @torch.inference_mode()
 def score(model: Any, sequences: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:
     items = [(seq, ScoreSpec()) for seq in sequences]
@@ -90,7 +77,7 @@ def score_detailed(
     ids, mask = padded([seq for seq, _ in items], pad_id, device, left=False)
     specs = [spec for _, spec in items]
     with (
-        _adapted(lora, [spec.adapter for spec in specs]),
+        adapted(lora, [spec.adapter for spec in specs]),
         replayed(routing, specs, ids.shape[1]),
     ):
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)[0]
@@ -111,14 +98,14 @@ def score_detailed(
         group, size = [], 0
 
     for row, (seq, spec) in enumerate(items):
-        positions = len(seq) - 1
-        if spec.extras or positions > chunk:
+        scored = len(seq) - 1
+        if spec.extras or scored > chunk:
             results[row] = _row_scores(model.config, head, hidden, ids, row, seq, spec, chunk)
             continue
-        if size + positions > chunk:
+        if size + scored > chunk:
             flush()
         group.append(row)
-        size += positions
+        size += scored
     flush()
     return [r for r in results if r is not None]
 
@@ -255,12 +242,12 @@ def _decode(
     want_prompt = any(c.return_prompt_log_probs for c in configs)
     version = control.checkpoint()
     new_tokens = max(c.max_new_tokens for c in configs)
-    cached = prefix and _cached_prefill(model, items, pad_id, version, lora, prefix)
+    cached = prefix and cached_prefill(model, items, pad_id, version, lora, prefix)
     if cached:
         ids, mask, cache, prefill_logits = cached
     else:
         cache, prefill_logits = _prefill(model, items, ids, mask, want_prompt, lora, routes)
-    positions = _positions(mask)
+    start = positions(mask)
     run: StaticRun | None = None
     if compiled is not None:
         try:
@@ -277,7 +264,7 @@ def _decode(
     rows = _Rows(items)
     logits = prefill_logits[:, -1].float()
     del prefill_logits
-    next_position = positions[:, -1:] + 1
+    next_position = start[:, -1:] + 1
     columns: list[torch.Tensor] = []  # the tokens chosen so far (a cache rebuild needs them)
     cache_name = cache_argument(model)
     for _step in range(new_tokens):
@@ -311,7 +298,7 @@ def _decode(
         rebuild = version != previous
         if run is not None:
             stepped = (
-                run.rebuild(torch.cat([ids, *columns], dim=1), _positions(mask))
+                run.rebuild(torch.cat([ids, *columns], dim=1), positions(mask))
                 if rebuild
                 else run.step(chosen, next_position)
             )
@@ -321,7 +308,7 @@ def _decode(
             # The step failed (`CompiledDecode.failed`: it did not compile, or memory ran
             # out): on eagerly, over a cache rebuilt from everything so far.
             run, rebuild = None, True
-        with _adapted(lora, adapters):
+        with adapted(lora, adapters):
             if not rebuild:
                 out = model(
                     input_ids=chosen[:, None],
@@ -338,12 +325,12 @@ def _decode(
                 out = model(
                     input_ids=torch.cat([ids, *columns], dim=1),
                     attention_mask=mask,
-                    position_ids=_positions(mask),
+                    position_ids=positions(mask),
                     use_cache=True,
                     logits_to_keep=1,
                 )
         routes.stepped(len(items), rebuilt=rebuild)
-        cache, next_position = _returned_cache(out), next_position + 1
+        cache, next_position = returned_cache(out), next_position + 1
         logits = out.logits[:, -1].float()
     if prefix is not None and run is None:  # (every key and value is of `version`'s weights)
         remember(prefix, cache, mask, items, rows.tokens, version)
@@ -362,89 +349,21 @@ def _prefill(
     """The prompts' forward into a new key/value cache; the cache and the logits (of every
     position with `want_prompt`, else the last). A prompt shared by several rows (a GRPO
     group, n > 1) is prefilled once; its cache and logits are then copied to each of its rows."""
-    firsts, expand = _distinct_prompts(items, ids.device)
-    with _adapted(lora, [items[i].adapter for i in firsts]):
+    firsts, expand = distinct_prompts(items, ids.device)
+    with adapted(lora, [items[i].adapter for i in firsts]):
         out = model(
             input_ids=ids[firsts],
             attention_mask=mask[firsts],
-            position_ids=_positions(mask)[firsts],
+            position_ids=positions(mask)[firsts],
             use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
         )
-    cache, logits = _returned_cache(out), out.logits
+    cache, logits = returned_cache(out), out.logits
     routes.prefilled(len(firsts), expand)
     if expand is not None:
         cache.reorder_cache(expand)
         logits = logits.index_select(0, expand)
     return cache, logits
-
-
-def _cached_prefill(
-    model: Any,
-    items: Sequence[GenerateItem],
-    pad_id: int,
-    version: int,
-    lora: LoraHooks | None,
-    prefix: PrefixCache,
-) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor] | None:
-    """Where a distinct prompt continues a cached sequence, the forward of its other tokens
-    alone over the cached keys and values (`prefix_cache.lay_out`): the ids and mask of the
-    whole rows, the cache and the last position's logits. None when no prompt hits."""
-    firsts, expand = _distinct_prompts(items, model.device)
-    prompts = [items[i].prompt_ids for i in firsts]
-    adapters = [items[i].adapter for i in firsts]
-    hits = [
-        prefix.lookup(prompt, version, adapter_key(adapter))
-        for prompt, adapter in zip(prompts, adapters, strict=True)
-    ]
-    if all(hit is None for hit in hits):
-        return None
-    laid = lay_out(prompts, hits, pad_id, model.device)
-    with _adapted(lora, adapters):
-        out = model(
-            input_ids=laid.ids[:, laid.cached :],
-            attention_mask=laid.mask,
-            position_ids=_positions(laid.mask)[:, laid.cached :],
-            **{cache_argument(model): laid.past},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    cache, logits, ids, mask = _returned_cache(out), out.logits, laid.ids, laid.mask
-    if expand is not None:
-        cache.reorder_cache(expand)
-        logits = logits.index_select(0, expand)
-        ids, mask = ids.index_select(0, expand), mask.index_select(0, expand)
-    return ids, mask, cache, logits
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """Each column's position in its left-padded row (0 over the padding)."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _returned_cache(out: Any) -> Any:
-    """The cache a forward returned, under either of its names (see `cache_argument`)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
-def _distinct_prompts(
-    items: Sequence[GenerateItem], device: torch.device
-) -> tuple[list[int], torch.Tensor | None]:
-    """The first row of each distinct prompt (and adapter), and each row's index among those
-    (None when every prompt is distinct)."""
-    first: dict[tuple[int, tuple[int, ...]], int] = {}
-    firsts: list[int] = []
-    index = []
-    for row, item in enumerate(items):
-        key = (id(item.adapter), tuple(item.prompt_ids))
-        if key not in first:
-            first[key] = len(firsts)
-            firsts.append(row)
-        index.append(first[key])
-    if len(firsts) == len(items):
-        return firsts, None
-    return firsts, torch.tensor(index, dtype=torch.long, device=device)
 
 
 def _advance(

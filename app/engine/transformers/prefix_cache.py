@@ -18,10 +18,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from app.engine.transformers.compiled import cache_argument
+from app.engine.transformers.lora import LoraHooks
+from app.engine.transformers.rows import adapted, distinct_prompts, positions, returned_cache
 from app.engine.types import GenerateItem, PrefixCacheStats
 from app.weights.lora import LoraAdapter
 
@@ -152,12 +156,34 @@ class Prefilled:
     """Distinct prompts laid out over their cached prefixes: `ids` and `mask` [rows, P + S],
     each row's cached tokens right-aligned in the first P columns and its other tokens in the
     last S (padding between them is masked out); `past` holds the cached keys and values of
-    the first P columns."""
+    the first P columns (None when no row of the group hits)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
-    past: DynamicCache
+    past: DynamicCache | None
     cached: int  # P
+
+
+PADDING_WASTE = 1.25
+"""A prefill group's padded new tokens (rows x the longest) stay within this factor of its
+rows' own: a row with a long history cached is not padded to a row that hits nothing."""
+
+
+def prefill_groups(prompts: Sequence[Sequence[int]], hits: Sequence[Hit | None]) -> list[list[int]]:
+    """The rows, by how many tokens each still prefills, in groups of similar counts (each
+    group one forward)."""
+    rest = [len(p) - (0 if h is None else h.length) for p, h in zip(prompts, hits, strict=True)]
+    order = sorted(range(len(prompts)), key=lambda row: -rest[row])
+    groups: list[list[int]] = []
+    for row in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            longest, total = rest[group[0]], sum(rest[r] for r in group) + rest[row]
+            if longest * (len(group) + 1) <= PADDING_WASTE * total:
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
 
 
 def lay_out(
@@ -174,6 +200,8 @@ def lay_out(
         ids[row, width - rest :] = torch.tensor(prompt[length:], dtype=torch.long)
         mask[row, cached - length : cached] = 1
         mask[row, width - rest :] = 1
+    if not cached:
+        return Prefilled(ids.to(device), mask.to(device), None, 0)
     reference = next(hit for hit in hits if hit is not None).entry.kv
     layers = []
     for layer, (keys0, values0) in enumerate(reference):
@@ -187,6 +215,52 @@ def lay_out(
                 values[row, :, cached - length :] = v[:, :length]
         layers.append((keys, values))
     return Prefilled(ids.to(device), mask.to(device), DynamicCache(ddp_cache_data=layers), cached)
+
+
+@dataclass
+class Part:
+    """One prefill group's result: its rows (indices), their ids, mask, cache and logits."""
+
+    rows: list[int]
+    ids: torch.Tensor
+    mask: torch.Tensor
+    cache: Any
+    logits: torch.Tensor
+
+
+def merged(
+    parts: Sequence[Part], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]:
+    """The groups' rows as one batch, in row order: each group left-padded to the widest
+    (padding ids, masked out, zero keys and values)."""
+    if len(parts) == 1 and parts[0].rows == sorted(parts[0].rows):
+        part = parts[0]
+        return part.ids, part.mask, part.cache, part.logits
+    width = max(part.ids.shape[1] for part in parts)
+
+    def padded(tensor: torch.Tensor, dim: int, value: float) -> torch.Tensor:
+        missing = width - tensor.shape[dim]
+        if not missing:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = missing
+        return torch.cat([tensor.new_full(shape, value), tensor], dim=dim)
+
+    rows = [row for part in parts for row in part.rows]
+    back = torch.empty(len(rows), dtype=torch.long)
+    back[torch.tensor(rows)] = torch.arange(len(rows))
+    back = back.to(parts[0].ids.device)
+    ids = torch.cat([padded(part.ids, 1, pad_id) for part in parts]).index_select(0, back)
+    mask = torch.cat([padded(part.mask, 1, 0) for part in parts]).index_select(0, back)
+    logits = torch.cat([part.logits for part in parts]).index_select(0, back)
+    layers = []
+    for index in range(len(parts[0].cache.layers)):
+        keys = [padded(part.cache.layers[index].keys, 2, 0.0) for part in parts]
+        values = [padded(part.cache.layers[index].values, 2, 0.0) for part in parts]
+        layers.append(
+            (torch.cat(keys).index_select(0, back), torch.cat(values).index_select(0, back))
+        )
+    return ids, mask, DynamicCache(ddp_cache_data=layers), logits
 
 
 def remember(
@@ -218,3 +292,47 @@ def remember(
             for layer in layers
         ]
         prefix.store(sequence, kv, version, key[1])
+
+
+def cached_prefill(
+    model: Any,
+    items: Sequence[GenerateItem],
+    pad_id: int,
+    version: int,
+    lora: LoraHooks | None,
+    prefix: PrefixCache,
+) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor] | None:
+    """Where a distinct prompt continues a cached sequence, the forward of its other tokens
+    alone over the cached keys and values (`prefix_cache.lay_out`), rows grouped by how many
+    tokens they still prefill (`prefill_groups`: one forward each, merged after): the ids and
+    mask of the whole rows, the cache and the last position's logits. None when no prompt
+    hits."""
+    firsts, expand = distinct_prompts(items, model.device)
+    prompts = [items[i].prompt_ids for i in firsts]
+    adapters = [items[i].adapter for i in firsts]
+    hits = [
+        prefix.lookup(prompt, version, adapter_key(adapter))
+        for prompt, adapter in zip(prompts, adapters, strict=True)
+    ]
+    if all(hit is None for hit in hits):
+        return None
+    parts = []
+    for rows in prefill_groups(prompts, hits):
+        laid = lay_out([prompts[r] for r in rows], [hits[r] for r in rows], pad_id, model.device)
+        past = {} if laid.past is None else {cache_argument(model): laid.past}
+        with adapted(lora, [adapters[r] for r in rows]):
+            out = model(
+                input_ids=laid.ids[:, laid.cached :],
+                attention_mask=laid.mask,
+                position_ids=positions(laid.mask)[:, laid.cached :],
+                **past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        parts.append(Part(rows, laid.ids, laid.mask, returned_cache(out), out.logits))
+    ids, mask, cache, logits = merged(parts, pad_id)
+    if expand is not None:
+        cache.reorder_cache(expand)
+        logits = logits.index_select(0, expand)
+        ids, mask = ids.index_select(0, expand), mask.index_select(0, expand)
+    return ids, mask, cache, logits

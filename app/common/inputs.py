@@ -466,7 +466,7 @@ def plain_messages(conversation: Any) -> Conversation:
     message's call id and name."""
     out: Conversation = []
     for m in conversation:
-        content = m.content or getattr(m, "refusal", None) or m.content
+        content = m.content or getattr(m, "refusal", None) or ""
         message: dict[str, Any] = {"role": m.role, "content": content}
         reasoning = getattr(m, "reasoning", None)  # (vLLM's name wins, as on the chat route)
         if reasoning is None:

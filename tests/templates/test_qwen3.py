@@ -1,8 +1,8 @@
 """Qwen3's real chat template through the OpenAI routes: prompts token-exact with its own
 tokenizer's rendering (thinking on and off, tools, a multi-turn history with reasoning and tool
 calls), the reasoning parser on what a real Qwen3 architecture samples, and a scripted Qwen3
-reply whose reasoning, answer and tool call, sent back as the reply gave them, render the very
-tokens that were sampled."""
+reply whose reasoning, answer and tool call, sent back as the reply gave them (through the chat
+route and through Anthropic's Messages API), render the very tokens that were sampled."""
 
 from __future__ import annotations
 
@@ -262,3 +262,38 @@ async def test_generate_and_logprobs_template_as_the_chat_route(qwen3, qwen3_tok
     start = max(k for k in range(len(whole)) if whole[k : k + len(header)] == header)
     mask = scored.json()["outputs"][0]["masks"]["all_assistant_mask"]
     assert mask == [0] * (start + len(header)) + [1] * (len(whole) - start - len(header) - 1) + [0]
+
+
+async def test_a_messages_api_turn_sent_back_renders_the_tokens_it_sampled(scripted):
+    """The same reply through Anthropic's Messages API: thinking, text and tool_use blocks,
+    sent back as they came with the tool's result, render the sampled tokens (the arguments'
+    own spacing included), so the session's trajectory is one segment."""
+    client, sampled = scripted
+    tools = [{**f["function"], "input_schema": f["function"]["parameters"]} for f in TOOLS]
+    for tool in tools:
+        del tool["parameters"]
+    headers = {"X-Trajectory-ID": "qwen3-agent"}
+    body = {"model": "policy", "max_tokens": 64, "system": "Be brief.", "tools": tools}
+    asked = [{"role": "user", "content": "2+3?"}]
+    first = await client.post("/v1/messages", json={**body, "messages": asked}, headers=headers)
+    assert first.status_code == 200, first.text
+    reply = first.json()
+    assert [b["type"] for b in reply["content"]] == ["thinking", "text", "tool_use"]
+    thinking, text, use = reply["content"]
+    assert thinking["thinking"] == "\nI should add them.\n" and text["text"] == "Let me add."
+    assert (use["name"], use["input"]) == ("add", {"a": 2, "b": 3})
+    assert reply["stop_reason"] == "tool_use"
+    result = {"type": "tool_result", "tool_use_id": use["id"], "content": "5"}
+    history = [*asked, {"role": "assistant", "content": reply["content"]}]
+    history.append({"role": "user", "content": [result]})
+    second = await client.post("/v1/messages", json={**body, "messages": history}, headers=headers)
+    assert second.status_code == 200, second.text
+    got = (await client.get("/v1/trajectories/qwen3-agent")).json()
+    assert got["num_turns"] == 2
+    (segment,) = got["segments"]
+    assert "break_reason" not in segment
+    # The first reply's tokens sit in the one sequence as sampled, the assistant's.
+    tokens, mask = segment["tokens"]["full"], segment["masks"]["all_assistant_mask"]
+    start = next(i for i in range(len(tokens)) if tokens[i : i + len(sampled)] == sampled)
+    assert all(mask[start : start + len(sampled)])
+    assert sum(mask) == 2 * len(sampled)

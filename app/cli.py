@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rlserve: cannot start: {exc}", file=sys.stderr)
         return 2
     if args.replicas is not None:
-        return _serve_replicas(overrides, args.replicas, settings, args.sticky_sessions)
+        return _serve_replicas(overrides, args.replicas, settings, args)
     sock = bind(http.host, http.port)
     if http.port == 0:  # the port the system chose, for the ready line
         http = http.model_copy(update={"port": sock.getsockname()[1]})
@@ -122,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_replicas(
-    overrides: dict[str, Any], replicas: int, settings: Any, sticky_sessions: bool
+    overrides: dict[str, Any], replicas: int, settings: Any, args: argparse.Namespace
 ) -> int:
     """The same server as `replicas` replicas on Ray Serve (app.deploy.ray_serve), on the
     cluster RAY_ADDRESS names or a local one, its HTTP proxy on --host/--port."""
@@ -141,7 +141,8 @@ def _serve_replicas(
         "replicas": replicas,
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
-        "sticky_sessions": sticky_sessions,
+        "sticky_sessions": args.sticky_sessions,
+        **({"affinity_threshold": args.affinity_threshold} if args.affinity_threshold else {}),
     }
     application = build({**overrides, **shape})
     # SIGTERM ends the process through Python (not at once), so Ray's exit hook stops a
@@ -250,7 +251,15 @@ def parser() -> argparse.ArgumentParser:
         "--sticky-sessions",
         action="store_true",
         help="with --replicas: send an environment's or trajectory's requests to one replica "
-        "(by their x-session-id header) while it stands",
+        "(by their x-session-id header) while it stands and is not loaded past "
+        "--affinity-threshold",
+    )
+    serve.add_argument(
+        "--affinity-threshold",
+        type=int,
+        metavar="N",
+        help="with --sticky-sessions: a session's requests leave its replica for a less "
+        "loaded one while it has N requests in flight or more (default: 32, one engine batch)",
     )
     serve.set_defaults(func=_serve)
 

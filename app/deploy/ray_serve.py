@@ -12,11 +12,11 @@ Settings come from the RLSERVE_* environment of the process that builds the appl
 (handed to every replica) and from the application's args, whose keys are settings fields
 as `group.field` (`storage.session_store=redis://...`; in a config file also nested maps);
 `replicas`, `min_replicas`, `max_replicas`, `target_ongoing_requests`,
-`max_ongoing_requests`, `num_cpus`, `num_gpus` and `sticky_sessions` shape the deployment
-(Ray gives a replica's torch as many threads as its `num_cpus`), and `proxy_host` is the
-proxy's address when the caller knows it (`rlserve serve --replicas`): without API keys a
-deployment starts only on loopback, or with `auth.allow_no_keys`. Each replica keeps its local
-state (uploads, staged checkpoints, engine weight copies) in
+`max_ongoing_requests`, `num_cpus`, `num_gpus`, `sticky_sessions` and `affinity_threshold`
+shape the deployment (Ray gives a replica's torch as many threads as its `num_cpus`), and
+`proxy_host` is the proxy's address when the caller knows it (`rlserve serve --replicas`):
+without API keys a deployment starts only on loopback, or with `auth.allow_no_keys`. Each
+replica keeps its local state (uploads, staged checkpoints, engine weight copies) in
 `storage.data_dir/<replica id>`."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ray import serve
 from ray.serve import Application
 
 from app.config import Settings, nest
+from app.deploy.affinity import DEFAULT_LOAD_THRESHOLD
 from app.deploy.ray_replicas import RayReplicas
 from app.deploy.replica import ReplicaEndpoint
 from app.deploy.replicated import ReplicatedWeights
@@ -47,12 +48,14 @@ _SHAPE = (
     "num_cpus",
     "num_gpus",
     "sticky_sessions",
+    "affinity_threshold",
     "proxy_host",
 )
-STICKY_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-"""Ray Serve's consistent-hash router: requests that carry the same `x-session-id` header
-(the client sends an environment's or a trajectory's id) go to the same replica while it
-stands and has room; others spread evenly."""
+STICKY_ROUTER = "app.deploy.affinity.LoadGatedAffinity"
+"""Ray Serve's consistent-hash router, gated by load: requests that carry the same
+`x-session-id` header (the client sends an environment's or a trajectory's id) go to the
+same replica while it stands and has fewer than `affinity_threshold` requests in flight;
+others spread evenly (app.deploy.affinity)."""
 
 
 @serve.ingress()
@@ -130,12 +133,18 @@ def build(args: dict[str, Any]) -> Application:
             },
         },
     }
+    threshold = int(args.get("affinity_threshold", DEFAULT_LOAD_THRESHOLD))
+    if threshold <= 0:
+        raise ValueError(f"affinity_threshold must be positive, got {threshold}")
     if str(args.get("sticky_sessions", "")).lower() in ("1", "true", "yes"):
         # Sticky where it helps (the replica's prefix cache holds the episode so far);
         # correctness never depends on it: any replica serves any session.
         options["request_router_config"] = {
             "request_router_class": STICKY_ROUTER,
-            "request_router_kwargs": {"num_fallback_replicas": 2},
+            "request_router_kwargs": {
+                "num_fallback_replicas": 2,
+                "load_threshold": threshold,
+            },
         }
     if "min_replicas" in args or "max_replicas" in args:
         options["autoscaling_config"] = {

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ pytestmark = [
 RAY = str(Path(sys.executable).parent / "ray")
 # A local test cluster without token authentication (the servers and this test use it alike).
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DISABLE_USAGE_STATS": "1"}
+AFFINITY_THRESHOLD = 2
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def server(cluster: str, tmp_path_factory: pytest.TempPathFactory, settings) -> 
         }
         command = [
             *[sys.executable, "-m", "app.cli", "serve", "--replicas", "2", "--sticky-sessions"],
-            *["--port", str(port)],
+            *["--affinity-threshold", str(AFFINITY_THRESHOLD), "--port", str(port)],
         ]
         with running_process(
             command, port, "/ready", env=env, log=tmp / "serve.log", timeout=300
@@ -186,6 +188,48 @@ def test_a_session_sticks_to_one_replica(server: Server) -> None:
         assert len(seen) == 1, (session, seen)
         homes[session] = seen.pop()
     assert len(set(homes.values())) == 2
+
+
+def test_a_loaded_replica_lets_its_sessions_go_to_the_other(server: Server) -> None:
+    """Load-gated affinity: while a session's replica holds `--affinity-threshold` requests
+    (generations held by a pause), the session's next requests go to the other replica; once
+    they are answered, the session goes back to its own."""
+    session = "agent-7"
+    home = replica_of(server, session)
+    paused = httpx.post(f"{server.url}/v1/pause", json={"mode": "keep"}, timeout=60)
+    assert paused.status_code == 200, paused.text
+    body = {"tokens": [[1, 2, 3]], "max_tokens": 2, "temperature": 0}
+    headers = {SESSION_HEADER: session}
+    with ThreadPoolExecutor(AFFINITY_THRESHOLD + 1) as pool:
+        try:
+            held = []
+            for _ in range(AFFINITY_THRESHOLD + 1):
+                url = f"{server.url}/v1/generate"
+                held.append(pool.submit(httpx.post, url, json=body, headers=headers, timeout=120))
+                wait_for_held(server.url, len(held))
+            away = {replica_of(server, session) for _ in range(4)}
+        finally:
+            resumed = httpx.post(f"{server.url}/v1/resume", timeout=60)
+        assert resumed.status_code == 200, resumed.text
+        answers = [future.result() for future in held]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    # The first `threshold` went home; the next found it loaded and went to the other.
+    served_by = [a.headers["x-rlserve-replica"] for a in answers]
+    assert served_by[:AFFINITY_THRESHOLD] == [home] * AFFINITY_THRESHOLD, (home, served_by)
+    assert served_by[-1] != home, (home, served_by)
+    assert away == {served_by[-1]}, (home, away)
+    assert {replica_of(server, session) for _ in range(4)} == {home}
+
+
+def wait_for_held(url: str, count: int, timeout: float = 30) -> None:
+    """Until `count` generations wait for the resume, over all replicas."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = versions_by_replica(url, "/v1/serving")
+        if sum(s["waiting"] for s in states.values()) >= count:  # type: ignore[index]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} requests held: {states}")
 
 
 def versions_by_replica(url: str, path: str = "/v1/weights/version") -> dict[str, object]:

@@ -166,6 +166,39 @@ def test_num_samples_gives_torchrls_batch_layout(remote, hf_model):
             assert_close(row["log_probs", "response"].tolist(), expected, 1e-4)
 
 
+def test_every_generation_parameter_the_server_takes_the_policy_takes(remote):
+    """`generate_kwargs` are the server's vocabulary (`rlserve_client.sampling`): the shaping
+    parameters TorchRL's own wrappers take from vLLM reach the server and shape the reply."""
+    from rlserve_client.policy import RemotePolicy
+    from tensordict import TensorDict
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory
+
+    allowed = [40, 41, 42]
+    kwargs = {
+        "max_new_tokens": 6,
+        "min_tokens": 6,
+        "ignore_eos": True,
+        "min_p": 0.01,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "logit_bias": {"41": 100.0},
+        "allowed_token_ids": allowed,
+        "stop_token_ids": [7],
+        "seed": 3,
+    }
+    policy = RemotePolicy(remote, generate_kwargs=kwargs)
+    chats = [[{"role": "user", "content": r["query"]}] for r in ROWS]
+    td = TensorDict({"history": ChatHistory(prompt=History.from_chats(chats))}, batch_size=[2])
+    out = policy(td)
+    for i in range(2):
+        response = out[i]["tokens", "response"].tolist()
+        assert len(response) == 6 and set(response) <= set(allowed), response
+        assert response[0] == 41  # the bias wins the first token; the penalties act after
+    with pytest.raises(ValueError, match="beam_width"):
+        RemotePolicy(remote, generate_kwargs={"beam_width": 2})
+
+
 def test_env_rollout_with_retrieve_kl_equals_transformers_wrapper(
     remote, hf_model, ref_model, hf_tokenizer
 ):

@@ -10,6 +10,7 @@ from urllib.parse import quote
 
 from rlserve_client import types
 from rlserve_client._base import NOT_GIVEN, Call, Retry, Timeout, session, tensor_call
+from rlserve_client.sampling import check_generation_parameters
 
 
 def _given(**fields: Any) -> dict[str, Any]:
@@ -23,22 +24,26 @@ def generate(
     text: Any = None,
     tokens: Any = None,
     model: str = "policy",
+    chat_template_kwargs: dict[str, Any] | None = None,
     tensors: bool = False,
     sticky: str | None = None,
     timeout: Timeout = NOT_GIVEN,
     **params: Any,
 ) -> Call[types.GenerateResult]:
-    """Sample continuations. `params`: max_new_tokens/max_tokens, n, temperature, top_p,
-    top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
-    min_tokens, stop, stop_token_ids, allowed_token_ids, bad_words, seed,
-    return_prompt_log_probs, top_logprobs (k most
-    likely tokens at every generated step), entropy, return_routed_experts (mixture-of-experts
-    models: each sample's `routed_experts`, for `rlserve_client.moe.replay_experts`), ...
+    """Sample continuations. `params`: any of `rlserve_client.sampling.GENERATION_PARAMETERS`
+    (refused here otherwise), e.g. max_new_tokens/max_tokens, n, temperature, top_p, top_k,
+    min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens,
+    stop, stop_token_ids, allowed_token_ids, bad_words, seed, return_prompt_log_probs,
+    top_logprobs (k most likely tokens at every generated step), entropy,
+    return_routed_experts (mixture-of-experts models: each sample's `routed_experts`, for
+    `rlserve_client.moe.replay_experts`), batch_invariant.
     `tensors=True`: the reply travels as binary and its arrays are torch tensors (for
     building TensorDicts); tensors given as inputs always travel as binary.
     `sticky`: an episode's id, so that its turns reach one replica of several (its prefix
     cache holds the episode so far)."""
-    body = _given(messages=messages, text=text, tokens=tokens, model=model, **params)
+    check_generation_parameters(params, "generate")
+    inputs = _given(messages=messages, text=text, tokens=tokens, model=model)
+    body = {**inputs, **_given(chat_template_kwargs=chat_template_kwargs, **params)}
     return tensor_call(
         "/v1/generate",
         types.GenerateResult,

@@ -18,6 +18,7 @@ from rlserve_client.advantages import (
 )
 from rlserve_client.progress import progress_bar
 from rlserve_client.rounds import Turn, Versioned, play_round
+from rlserve_client.sampling import check_generation_parameters
 from rlserve_client.sequences import SequenceSplit
 from rlserve_client.types import (
     LogProbs,
@@ -54,20 +55,24 @@ async def collect(
     their advantages); with it, finished trajectories are held back until at least that many
     steps are ready (trajectories are never split). Rounds already running finish, so the
     total can exceed `total_dialog_turns` by what they add; a round starts only while the turns
-    done plus one per running row stay below it. `generation`: sampling
-    parameters of every turn (`seed` makes the run reproducible, with the same trajectories as
-    `/v1/rollouts` given the same seed). `trajectory_return`: what GRPO groups normalise, as
-    in `/v1/rollouts` (sum, mean, max, last, or steps). Sessions it created are
-    deleted when it finishes; to stop early, iterate inside `contextlib.aclosing(collect(...))`
-    so that happens at once."""
+    done plus one per running row stay below it. `generation`: the parameters of every
+    turn's generation (`rlserve_client.sampling.GENERATION_PARAMETERS`, one sample a turn;
+    `seed` makes the run reproducible, with the same trajectories as `/v1/rollouts` given the
+    same seed). `trajectory_return`: what GRPO groups normalise, as in `/v1/rollouts` (sum,
+    mean, max, last, or steps). Sessions it created are deleted when it finishes; to stop
+    early, iterate inside `contextlib.aclosing(collect(...))` so that happens at once."""
     if (env is None) == (env_id is None):
         raise ValueError("give exactly one of env and env_id")
+    generation = dict(generation or {})
+    check_generation_parameters(generation, "generation")
+    if {"n", "num_return_sequences"} & generation.keys():
+        raise ValueError("generation: one sample a turn (an environment's repeats make groups)")
     config = env if env is not None else (await client.get_env(env_id or "")).config
     if config.get("max_turns") is None or config.get("dataset") is None:
         raise ValueError("collect needs an environment with a dataset and max_turns")
     repeats = int(config.get("repeats") or 1)
     async with _sessions(client, env, env_id, num_envs) as env_ids:
-        runner = _Runner(client, dict(generation or {}), repeats, total_dialog_turns)
+        runner = _Runner(client, generation, repeats, total_dialog_turns)
         runner.trajectory_return = trajectory_return
         with progress_bar(total=total_dialog_turns, enabled=progress, unit="turn") as bar:
             runner.on_turns = bar.update

@@ -26,6 +26,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from rlserve_client._client import Client
 from rlserve_client.distributions import TopKCategorical
+from rlserve_client.sampling import check_generation_parameters
 from rlserve_client.seeds import turn_seed
 from rlserve_client.torchrl_layout import (
     RowLayout,
@@ -44,26 +45,8 @@ from rlserve_client.types import Sample, ScoredSample
 
 InputMode = Literal["history", "text", "tokens"]
 
-# Generation keywords the server takes as they are (TorchRL's common names and vLLM's).
-_GENERATE_KWARGS = frozenset(
-    {
-        "max_new_tokens",
-        "max_tokens",
-        "num_return_sequences",
-        "n",
-        "temperature",
-        "top_p",
-        "top_k",
-        "repetition_penalty",
-        "do_sample",
-        "stop_sequences",
-        "stop",
-        "ignore_eos",
-        "skip_special_tokens",
-        "seed",
-    }
-)
 _IGNORED_KWARGS = frozenset({"logprobs", "return_dict_in_generate", "output_scores"})
+"""TorchRL's generation flags for what a wrapper returns: `return_log_probs` says that here."""
 
 
 class RemotePolicy(WrapperBase):  # type: ignore[misc]
@@ -138,9 +121,9 @@ class RemotePolicy(WrapperBase):  # type: ignore[misc]
         if not generate and return_log_probs is False:
             raise ValueError("return_log_probs must be True when generate=False")
         kwargs = dict(generate_kwargs or {})
-        unknown = set(kwargs) - _GENERATE_KWARGS - _IGNORED_KWARGS
-        if unknown:
-            raise ValueError(f"generate_kwargs not supported by the server: {sorted(unknown)}")
+        if "return_log_probs" in kwargs:
+            raise ValueError("generate_kwargs: give return_log_probs to RemotePolicy itself")
+        check_generation_parameters(set(kwargs) - _IGNORED_KWARGS, "generate_kwargs")
         n = kwargs.pop("n", kwargs.pop("num_return_sequences", None))
         if n is not None and num_samples is not None and n != num_samples:
             raise ValueError("num_samples differs from generate_kwargs['n']")

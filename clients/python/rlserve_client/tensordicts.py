@@ -25,7 +25,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "TensorDict conversion needs torch and tensordict: pip install 'rlserve-client[torch]'"
     ) from error
 
-from rlserve_client.types import Message, Sample, Step, Trajectory
+from rlserve_client.records import Message, Sample, Step, Trajectory
 
 _TOKEN_PARTS = ("prompt", "response", "full")
 _LOG_PROB_PARTS = ("prompt", "response", "response_processed", "full")

@@ -1,6 +1,8 @@
 """Typed results: the response bodies as pydantic models mirroring TorchRL's containers
 (text / tokens / masks / log_probs / history, each with prompt / response / full). The server's
-wire models of these containers extend the ones here, so both read one definition.
+wire models of these containers extend the ones here, so both read one definition. The
+records results are made of (`Sample`, `Step`, `Trajectory`, ...) are `rlserve_client.records`',
+re-exported here.
 
 Unknown fields are kept (a newer server never breaks an older client); `.to_tensordict()`
 needs the `[torch]` extra."""
@@ -10,98 +12,75 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rlserve_client.records import (
+    History,
+    LogProbs,
+    Masks,
+    Message,
+    Result,
+    Sample,
+    Step,
+    Text,
+    Tokens,
+    TopLogProbs,
+    Trajectory,
+    VersionSpan,
+)
 
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
-
-class Result(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Message(Result):
-    role: str
-    content: str
-
-
-class Text(Result):
-    prompt: str | None = None
-    response: str | None = None
-    full: str | None = None
-
-
-class Tokens(Result):
-    prompt: list[int] | None = None
-    response: list[int] | None = None
-    full: list[int] | None = None
-
-
-class LogProbs(Result):
-    prompt: list[float] | None = None
-    response: list[float] | None = Field(
-        default=None,
-        description="Log-probs of the response tokens under the raw model distribution "
-        "(temperature 1, no top-k/top-p/penalty): what a trainer's own forward computes.",
-    )
-    response_processed: list[float] | None = Field(
-        default=None,
-        description="Generation only: log-probs of the sampled tokens under the distribution "
-        "actually sampled from (after repetition penalty, temperature, top-k and top-p).",
-    )
-    full: list[float] | None = Field(
-        default=None,
-        description="log p(x_t | x_<t) for every token of tokens.full; position 0 is 0.0.",
-    )
-
-
-class Masks(Result):
-    all_attention_mask: list[int] | None = None
-    all_assistant_mask: list[int] | None = Field(
-        default=None,
-        description="1 on tokens written by the assistant (content and end-of-turn token).",
-    )
-
-
-class History(Result):
-    prompt: list[Message] | None = None
-    response: list[Message] | None = None
-    full: list[Message] | None = None
-
-
-class VersionSpan(Result):
-    """Response tokens [start, end) were sampled by weights of policy version `version`."""
-
-    version: int
-    start: int = Field(description="First response token (index into tokens.response).")
-    end: int = Field(description="One past the last response token.")
-
-
-class Sample(Result):
-    """One generated or scored sequence: what a trainer reads first (tokens, masks,
-    log-probs), then the text and chat forms of the same sequence."""
-
-    tokens: Tokens
-    masks: Masks
-    log_probs: LogProbs | None = None
-    text: Text | None = None
-    history: History | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    stop_reason: str | int | None = None
-    """The stop string, or the token of stop_token_ids, that ended generation."""
-    policy_versions: list[VersionSpan] | None = None
-    top_logprobs: TopLogProbs | None = None
-    """Scored: one row per token of the span; generated: one per response token (asked for)."""
-    entropy: list[float | None] | None = None
-    routed_experts: Any = None
-    """Generated, when asked (mixture-of-experts models): per token of `tokens.full` but the
-    last, `[num_layers][top_k]` expert ids (a tensor with `tensors=True`)."""
-
-    def token_versions(self) -> list[int] | None:
-        """The policy version of each response token (None when the server did not say)."""
-        if self.policy_versions is None:
-            return None
-        return [span.version for span in self.policy_versions for _ in range(span.start, span.end)]
+__all__ = [
+    "Adapter",
+    "Adapters",
+    "EnvCreated",
+    "EnvList",
+    "EnvState",
+    "GenerateResult",
+    "Health",
+    "History",
+    "Json",
+    "KLResult",
+    "KLSample",
+    "LogProbs",
+    "LogProbsResult",
+    "Masks",
+    "Message",
+    "MismatchReport",
+    "ModelCard",
+    "Models",
+    "Observation",
+    "ProcessedLogProbs",
+    "Ready",
+    "RecordedTrajectory",
+    "ReplicaWeights",
+    "ResetResult",
+    "Result",
+    "Reward",
+    "RewardWeightsLoaded",
+    "RewardsResult",
+    "RolloutResult",
+    "RowState",
+    "Sample",
+    "ScoredSample",
+    "ServedSnapshots",
+    "ServingState",
+    "Step",
+    "StepOutput",
+    "StepResult",
+    "Text",
+    "Tokens",
+    "TopLogProbs",
+    "Trajectory",
+    "TrajectorySegment",
+    "TransferState",
+    "TurnSpan",
+    "VersionSpan",
+    "WeightsUpdated",
+    "WeightsVersion",
+]
 
 
 def _pad_id(given: int | None, served: int | None) -> int:
@@ -137,11 +116,6 @@ class GenerateResult(Result):
         pad with the model's pad token, as the server reports it."""
         pad = _pad_id(pad_token_id, self.pad_token_id)
         return _to_tensordict(self.samples, padded, pad)
-
-
-class TopLogProbs(Result):
-    ids: list[list[int] | None]
-    log_probs: list[list[float] | None]
 
 
 class ProcessedLogProbs(Result):
@@ -441,34 +415,6 @@ class EnvList(Result):
     total: int
     offset: int
     limit: int
-
-
-class Step(Sample):
-    """One dialog turn: the observation's tokens as `tokens.prompt`, the generated reply as
-    `tokens.response`, its raw log-probs, the env's reward and flags, and the policy version
-    that generated it."""
-
-    reward: float | None
-    """None when a judge gave no score (see `StepOutput.reward`)."""
-    done: bool
-    terminated: bool
-    truncated: bool
-    policy_version: int
-    info: dict[str, Any] = {}
-    advantage: float | None = None
-
-
-class Trajectory(Result):
-    """One episode. `advantage` and `group` are set for GRPO groups (repeats > 1)."""
-
-    env_id: str
-    row: int
-    steps: list[Step]
-    reward: float | None
-    """The steps' rewards summed; None when a step has none (no advantage then)."""
-    group: int | None = None
-    advantage: float | None = None
-    history: list[Message] | None = None
 
 
 class RolloutResult(Result):

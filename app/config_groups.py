@@ -679,8 +679,8 @@ class ProbeSettings(Group):
     interval_s: float = Field(
         default=5,
         ge=0,
-        description="/ready probes each engine at most this often (a request answered within "
-        "it counts as a probe).",
+        description="/ready probes each engine at most this often (a request answered, or a "
+        "step of a batch still in flight, within it counts as a probe).",
     )
     timeout_s: float = Field(
         default=30,

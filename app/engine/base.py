@@ -164,6 +164,12 @@ class Backend(ModelWeights):
         forward through the model, as a readiness probe should make)."""
         await self.score([[0, 0]])
 
+    def stepped_at(self) -> float:
+        """time.monotonic() of the engine's last step inside a call still in flight (a long
+        batch's last forward): as good a sign of life as a call that returned. 0.0 when the
+        engine does not say."""
+        return 0.0
+
     async def build_adapter(
         self,
         config: dict[str, Any],

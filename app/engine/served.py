@@ -112,9 +112,11 @@ class ServedModel:
         return generations
 
     async def check(self, fresh_s: float) -> None:
-        """Raise if the engine cannot serve. A call that returned within `fresh_s` seconds
-        is proof enough; otherwise the backend runs its probe."""
-        if time.monotonic() - self.last_success < fresh_s:
+        """Raise if the engine cannot serve. A call that returned, or a step of one still in
+        flight, within `fresh_s` seconds is proof enough (a probe would wait behind a long
+        batch and time out on an engine that works); otherwise the backend runs its probe."""
+        alive = max(self.last_success, self.backend.stepped_at())
+        if time.monotonic() - alive < fresh_s:
             return
         await self.backend.check()
         self.last_success = time.monotonic()

@@ -275,6 +275,9 @@ class TransformersBackend(Backend):
     async def abort_generations(self) -> None:
         self.control.aborting.set()
 
+    def stepped_at(self) -> float:
+        return self.control.stepped_at
+
     async def set_version(self, version: int, *, keep_cache: bool = False) -> None:
         self.control.version = version
         if self.prefix is not None:

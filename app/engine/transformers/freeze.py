@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 
@@ -20,6 +21,8 @@ class ModelThreadControl:
         self._busy = 0
         self.version = 0
         self.aborting = threading.Event()
+        self.stepped_at = 0.0
+        """time.monotonic() of the last checkpoint: a call in flight that passes them is alive."""
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -27,6 +30,7 @@ class ModelThreadControl:
         with self._cond:
             self._cond.wait_for(lambda: not self._frozen)
             self._busy += 1
+            self.stepped_at = time.monotonic()
         try:
             yield
         finally:
@@ -37,6 +41,7 @@ class ModelThreadControl:
     def checkpoint(self) -> int:
         """Between two forwards: park while frozen. Returns the version of the weights the
         next forward runs on."""
+        self.stepped_at = time.monotonic()
         with self._cond:
             if self._frozen:
                 self._busy -= 1

@@ -15,14 +15,11 @@ while it is under the threshold, else each ranked replica's answer to a probe.""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
-
-logger = logging.getLogger("ray.serve")
 
 DEFAULT_LOAD_THRESHOLD = 32
 """Requests in flight on a session's replica past which it may go elsewhere: one full batch

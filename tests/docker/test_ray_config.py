@@ -34,7 +34,13 @@ def test_the_serve_config_follows_ray_serves_schema(monkeypatch):
     assert env["RLSERVE_STORAGE__SESSION_STORE"] == "redis://redis:6379/0"
     router = deployment._deployment_config.request_router_config
     assert router.request_router_class == STICKY_ROUTER
-    assert router.get_request_router_class().__name__ == "ConsistentHashRouter"
+    from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
+
+    from app.deploy.affinity import DEFAULT_LOAD_THRESHOLD, LoadGatedAffinity
+
+    assert router.get_request_router_class() is LoadGatedAffinity
+    assert issubclass(LoadGatedAffinity, ConsistentHashRouter)
+    assert router.request_router_kwargs["load_threshold"] == DEFAULT_LOAD_THRESHOLD
 
 
 def test_several_replicas_need_a_shared_store(monkeypatch):

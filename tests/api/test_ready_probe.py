@@ -70,27 +70,22 @@ async def test_a_long_batch_in_flight_keeps_the_engine_ready(settings) -> None: 
     """A generation longer than the probe's timeout: the probe's forward would wait behind
     it on the model thread and time out, but the batch's own steps show the engine alive, so
     /ready stays 200 (a replica is not restarted for being busy)."""
-    from app.main import create_app
-    from tests.conftest import started
+    from tests.conftest import served_app
 
     configured = settings.replace(
         models={"backend": "transformers", "load_reference": False},
         probe={"interval_s": 0.3, "timeout_s": 0.3},
         limits={"max_new_tokens": 4096},
     )
-    app = create_app(configured)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=300) as c:
-            body = {"tokens": [[1, 2, 3]] * 8, "max_tokens": 1500, "ignore_eos": True}
-            long = asyncio.create_task(c.post("/v1/generate", json=body))
-            await asyncio.sleep(0.5)
-            answers = []
-            while not long.done():
-                answers.append((await c.get("/ready")).status_code)
-                await asyncio.sleep(0.4)
-            done = await long
-            assert done.status_code == 200, done.text
-            assert len(answers) >= 3, "the batch ended too soon to probe during it"
-            assert set(answers) == {200}, answers
+    async with served_app(configured, timeout=300) as c:
+        body = {"tokens": [[1, 2, 3]] * 8, "max_tokens": 1500, "ignore_eos": True}
+        long = asyncio.create_task(c.post("/v1/generate", json=body))
+        await asyncio.sleep(0.5)
+        answers = []
+        while not long.done():
+            answers.append((await c.get("/ready")).status_code)
+            await asyncio.sleep(0.4)
+        done = await long
+        assert done.status_code == 200, done.text
+        assert len(answers) >= 3, "the batch ended too soon to probe during it"
+        assert set(answers) == {200}, answers

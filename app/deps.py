@@ -9,9 +9,6 @@ from fastapi import Depends, Request
 from app.common.caller import Caller
 from app.config import Settings
 from app.datasets.service import DatasetService
-from app.dialects.anthropic.service import AnthropicService
-from app.dialects.openai.service import OpenAIService
-from app.dialects.sglang.service import SGLangWeights
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
 from app.envs.service import EnvService
@@ -23,6 +20,7 @@ from app.rollouts.service import RolloutService
 from app.scoring.service import ScoringService
 from app.trajectories.service import TrajectoryService
 from app.updates.control import WeightsControl
+from app.updates.driven import DrivenUpdates
 
 
 async def _settings(request: Request) -> Settings:
@@ -94,18 +92,8 @@ async def _weights(request: Request) -> WeightsControl:
     return weights
 
 
-async def _openai(request: Request) -> OpenAIService:
-    openai: OpenAIService = request.app.state.openai
-    return openai
-
-
-async def _anthropic(request: Request) -> AnthropicService:
-    anthropic: AnthropicService = request.app.state.anthropic
-    return anthropic
-
-
-async def _sglang_weights(request: Request) -> SGLangWeights:
-    session: SGLangWeights = request.app.state.sglang_weights
+async def _driven_updates(request: Request) -> DrivenUpdates:
+    session: DrivenUpdates = request.app.state.driven_updates
     return session
 
 
@@ -132,9 +120,7 @@ EnvsDep = Annotated[EnvService, Depends(_envs)]
 DatasetsDep = Annotated[DatasetService, Depends(_datasets)]
 RolloutsDep = Annotated[RolloutService, Depends(_rollouts)]
 WeightsDep = Annotated[WeightsControl, Depends(_weights)]
-OpenAIDep = Annotated[OpenAIService, Depends(_openai)]
-AnthropicDep = Annotated[AnthropicService, Depends(_anthropic)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
 TrajectoriesDep = Annotated[TrajectoryService, Depends(_trajectories)]
-SGLangWeightsDep = Annotated[SGLangWeights, Depends(_sglang_weights)]
+DrivenUpdatesDep = Annotated[DrivenUpdates, Depends(_driven_updates)]
 """The update session of this server's SGLang-speaking trainer (AReaL's vLLM routes share it)."""

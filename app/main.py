@@ -23,7 +23,8 @@ from app.datasets.bundled import BundledDatasets
 from app.datasets.router import router as datasets_router
 from app.datasets.service import DatasetService
 from app.datasets.store import DatasetStore, SQLiteDatasetStore
-from app.deploy.replicated import Replicas, ReplicatedWeights
+from app.deploy.replicated import ReplicatedWeights
+from app.deploy.replicated_adapters import Replicas
 from app.dialects.anthropic.router import router as anthropic_router
 from app.dialects.anthropic.service import AnthropicService
 from app.dialects.areal import router as areal_router
@@ -34,11 +35,10 @@ from app.dialects.refusals import router as refused_router
 from app.dialects.sglang.embeddings import router as sglang_embeddings_router
 from app.dialects.sglang.gateway import router as sglang_gateway_router
 from app.dialects.sglang.router import router as sglang_router
-from app.dialects.sglang.service import SGLangWeights
 from app.dialects.slime import router as slime_router
 from app.dialects.tokenize import router as tokenize_router
+from app.dialects.vllm.openai_router import render_router as vllm_render_router
 from app.dialects.vllm.pooling import router as vllm_pooling_router
-from app.dialects.vllm.router import render_router as vllm_render_router
 from app.dialects.vllm.router import router as vllm_router
 from app.engine.health import EngineProbe
 from app.engine.registry import ModelRegistry
@@ -68,6 +68,7 @@ from app.scoring.service import ScoringService
 from app.trajectories.router import router as trajectories_router
 from app.trajectories.service import TrajectoryService
 from app.trajectories.store import SQLiteTrajectoryStore, TrajectoryStore
+from app.updates.driven import DrivenUpdates
 from app.updates.local import LocalWeights
 from app.updates.router import router as weights_router
 from app.updates.router import serving_router, transfer_router
@@ -168,7 +169,7 @@ def build_services(
     if replicas is not None:  # one of several replicas: updates reach them all
         wait_s = settings.weights.io_timeout_s
         app.state.weights = ReplicatedWeights(app.state.weights, replicas, wait_s)
-    app.state.sglang_weights = SGLangWeights(registry, app.state.weights)
+    app.state.driven_updates = DrivenUpdates(registry, app.state.weights)
     app.state.rewards = RewardService(registry, limits, app.state.weights)
 
 

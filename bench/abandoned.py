@@ -18,6 +18,7 @@ from pathlib import Path
 
 from common import ROOT  # noqa: F401 - puts the project on sys.path
 
+from app.common.service import Resolved
 from app.config import Settings
 from app.engine.registry import ModelRegistry
 from app.engine.transformers import memory
@@ -44,11 +45,11 @@ async def scoring_memory(registry: ModelRegistry, release: bool) -> tuple[int, i
 async def latency_after_abandon(registry: ModelRegistry, settings: Settings) -> tuple[float, float]:
     service = GenerationService(registry, settings.limits)
     prompts = registry.get("policy").preparer.prompts(None, None, [[5, 6, 7]], "tokens")
-    small = SamplingConfig(max_new_tokens=3)
+    small = Resolved(SamplingConfig(max_new_tokens=3))
     started = time.perf_counter()
     await service.sample("policy", prompts, small, seed=0)
     alone = time.perf_counter() - started
-    huge = SamplingConfig(max_new_tokens=4000, ignore_eos=True)
+    huge = Resolved(SamplingConfig(max_new_tokens=4000, ignore_eos=True))
     big = asyncio.create_task(service.sample("policy", prompts, huge, n=256, seed=1))
     await asyncio.sleep(1.0)
     big.cancel()

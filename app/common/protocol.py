@@ -1,5 +1,5 @@
-"""Wire models shared by every route: the base class, chat messages, inputs and the
-TorchRL-style sample containers (text / tokens / masks / log_probs / history)."""
+"""Wire models shared by every route: the base class, chat messages and inputs (the
+TorchRL-style sample containers are `app.common.containers`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-from rlserve_client import types as containers
 
 from app.engine import types as engine_types
 
@@ -487,59 +486,6 @@ class SplitInputFields(InputFields):
 
     def num_items(self) -> int:
         return len(getattr(self, self.given_inputs()[0]))
-
-
-# TorchRL's containers: their fields are the client's (one definition both sides read), with
-# the strictness of every wire model here (WireModel last: its configuration wins).
-
-
-class TextFields(containers.Text, WireModel):
-    pass
-
-
-class TokenFields(containers.Tokens, WireModel):
-    pass
-
-
-class LogProbFields(containers.LogProbs, WireModel):
-    pass
-
-
-class Masks(containers.Masks, WireModel):
-    pass
-
-
-class HistoryFields(WireModel):
-    prompt: list[Message] | None = None
-    response: list[Message] | None = None
-    full: list[Message] | None = None
-
-
-class VersionSpan(containers.VersionSpan, WireModel):
-    pass
-
-
-def wire_spans(spans: list[engine_types.VersionSpan] | None) -> list[VersionSpan] | None:
-    if spans is None:
-        return None
-    return [VersionSpan(version=s.version, start=s.start, end=s.end) for s in spans]
-
-
-VERSIONS_DESCRIPTION = (
-    "Which weights sampled which response tokens: one span unless a weight update (pause "
-    "mode 'keep') happened during the generation. Tokens after an update come from the new "
-    "weights on the whole sequence so far (their context is recomputed)."
-)
-
-
-class Sample(WireModel):
-    """One generated or scored sequence, in TorchRL's container layout."""
-
-    text: TextFields | None = None
-    tokens: TokenFields
-    masks: Masks
-    log_probs: LogProbFields | None = None
-    history: HistoryFields | None = None
 
 
 def json_response(model: BaseModel, *, status_code: int = 200) -> Response:

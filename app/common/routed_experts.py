@@ -78,18 +78,6 @@ def replay_rows(
     return rows
 
 
-def routing_to_return(
-    enabled: bool, backend: Backend, start: int, prompt_lengths: Sequence[int], param: str
-) -> Routing | None:
-    """vLLM's --enable-return-routed-experts for one request: the model's routers when the
-    flag is on and the model has them (`start`, the request's routed_experts_prompt_start,
-    checked within every prompt); None when nothing is returned."""
-    if not enabled or backend.routing is None:
-        return None
-    check_prompt_start(start, prompt_lengths, param)
-    return backend.routing
-
-
 def check_prompt_start(start: int, prompt_lengths: Sequence[int], param: str) -> None:
     """vLLM's and SGLang's start of the returned routing: within every prompt."""
     shortest = min(prompt_lengths, default=0)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from rlserve_client.sequences import LogProbParts, MaskParts, Parts
 
-from app.common.inputs import InputPreparer, Prepared
-from app.common.protocol import (
+from app.common.containers import (
     HistoryFields,
     LogProbFields,
     Masks,
-    Message,
     Sample,
     TextFields,
     TokenFields,
 )
+from app.common.inputs import InputPreparer, Prepared
+from app.common.protocol import Message
 
 
 def token_fields(parts: Parts[int]) -> TokenFields:

@@ -4,18 +4,31 @@ the inputs on the model's tokenizer thread, never on the event loop."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from app.common.constraints import sampling_constraints
-from app.common.failures import invalid
+from app.common.failures import TooLarge, invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items, text_volume
-from app.common.routed_experts import routing_of
-from app.common.sampling import OWN_NAMES, Names, SamplingAsk
+from app.common.routed_experts import check_prompt_start, routing_of
+from app.common.sampling import OWN_NAMES, GenerationAsk, Names
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry, check_batch_invariant
 from app.engine.served import ServedModel
-from app.engine.types import SamplingConfig
+from app.engine.types import SamplingConfig, ScoreSpec
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A generation's ask, resolved for one served model: how every row samples, what is
+    scored along each generated token (`asks`) and each prompt (`prompt_asks`), and whether
+    rows run alone (None: the model's default, for a caller that asked nothing)."""
+
+    config: SamplingConfig
+    asks: ScoreSpec | None = None
+    prompt_asks: ScoreSpec | None = None
+    alone: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -59,31 +72,67 @@ class ModelServing:
             )
         return value
 
-    def sampling(
-        self, ask: SamplingAsk, model: str = "policy", names: Names = OWN_NAMES
-    ) -> SamplingConfig:
-        """The one resolver of sampling parameters, whatever the route (`app.common.sampling`):
+    def resolve(
+        self,
+        ask: GenerationAsk,
+        model: str = "policy",
+        names: Names = OWN_NAMES,
+        prompts: Sequence[Sequence[int]] | None = None,
+    ) -> Resolved:
+        """The one resolver of a generation's ask, whatever the route (`app.common.sampling`):
         the server's default and limit of new tokens, the greedy rule (greedy rows score at
         temperature 1 without top-k, top-p or min-p, as vLLM treats them), the constraints
-        checked against the model's vocabulary, and whether the model can record routing.
-        A refusal names the caller's field (`names`)."""
-        max_new = self.max_new_tokens(ask.max_new_tokens, names("max_new_tokens"))
+        checked against the model's vocabulary, the routing the model can record, the limits
+        of what is scored along, and batch invariance; the checks that need the prompts' lengths
+        run when `prompts` are given. A refusal names the caller's field (`names`)."""
+        sampling = ask.sampling
+        max_new = self.max_new_tokens(sampling.max_new_tokens, names("max_new_tokens"))
         served = self.served(model)
-        if ask.return_routed_experts:
-            routing_of(served.backend, model, names("return_routed_experts"))
-        return SamplingConfig.resolve(
+        backend = served.backend
+        routed = sampling.return_routed_experts
+        if routed:
+            routing_of(backend, model, names("return_routed_experts"))
+        elif ask.routing_where_recorded and backend.routing is not None:
+            routed = True
+            lengths = [len(p) for p in prompts or ()]
+            check_prompt_start(ask.routing_start, lengths, names("routed_experts_prompt_start"))
+        if ask.top_logprobs:
+            self.top_logprobs(ask.top_logprobs, names("top_logprobs"))
+        if ask.prompt_top_logprobs is not None:
+            self.top_logprobs(ask.prompt_top_logprobs, names("prompt_top_logprobs"))
+        limit = backend.full_distribution_limit()
+        if ask.entropy and limit is not None and prompts:
+            longest = max(len(p) for p in prompts) + max_new
+            if longest > limit:
+                raise TooLarge(
+                    f"{names('entropy')}: needs the whole vocabulary at every "
+                    f"position, which this backend scores for at most {limit} tokens per "
+                    f"sequence; prompt and max_new_tokens reach {longest}",
+                    param=names("entropy"),
+                )
+        config = SamplingConfig.resolve(
             max_new,
-            greedy=ask.greedy,
-            temperature=ask.temperature,
-            stops=list(ask.stop or ()),
-            top_p=ask.top_p,
-            top_k=ask.top_k_or_none,
-            min_p=ask.min_p,
-            repetition_penalty=ask.repetition_penalty,
-            ignore_eos=ask.ignore_eos,
-            return_prompt_log_probs=ask.return_prompt_log_probs,
-            return_routed_experts=ask.return_routed_experts,
-            **sampling_constraints(served, ask, max_new, names),
+            greedy=sampling.greedy,
+            temperature=sampling.temperature,
+            stops=list(sampling.stop or ()),
+            top_p=sampling.top_p,
+            top_k=sampling.top_k_or_none,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            ignore_eos=sampling.ignore_eos,
+            return_prompt_log_probs=sampling.return_prompt_log_probs,
+            return_routed_experts=routed,
+            **sampling_constraints(served, sampling, max_new, names),
+        )
+        scored = ask.top_logprobs or ask.entropy or ask.ranks
+        prompt_k = ask.prompt_top_logprobs
+        return Resolved(
+            config,
+            ScoreSpec(top_logprobs=ask.top_logprobs, entropy=ask.entropy, ranks=ask.ranks)
+            if scored
+            else None,
+            None if prompt_k is None else ScoreSpec(top_logprobs=prompt_k, ranks=True),
+            self.alone(ask.batch_invariant, served),
         )
 
     def top_logprobs(self, k: int, field: str) -> int:

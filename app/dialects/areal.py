@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.deps import RegistryDep, SGLangWeightsDep
+from app.deps import DrivenUpdatesDep, RegistryDep
 from app.dialects import common
 from app.dialects.sglang import router as sglang
 from app.dialects.sglang.protocol import Success, UpdateWeightsFromDistributed
+from app.dialects.sglang.service import bucket_of
 from app.errors import PAUSE_ERROR_RESPONSES, TRANSFER_ERROR_RESPONSES, WEIGHTS_ERROR_RESPONSES
 from app.ops.access import Access, access
 
@@ -47,8 +48,8 @@ for path, endpoint, summary in (
     summary="Name the tensors (AReaL's vLLM)",
     openapi_extra=ADMIN,
 )
-async def set_meta(body: UpdateWeightsFromDistributed, session: SGLangWeightsDep) -> Success:
-    await session.announce(body)
+async def set_meta(body: UpdateWeightsFromDistributed, session: DrivenUpdatesDep) -> Success:
+    await session.announce(bucket_of(body))
     return Success(message="Weight meta set")
 
 
@@ -58,10 +59,10 @@ async def set_meta(body: UpdateWeightsFromDistributed, session: SGLangWeightsDep
     summary="Receive the tensors (AReaL's vLLM)",
     openapi_extra=ADMIN,
 )
-async def update_xccl(session: SGLangWeightsDep, registry: RegistryDep) -> Success:
+async def update_xccl(session: DrivenUpdatesDep, registry: RegistryDep) -> Success:
     """Receive the tensors the last meta named, one broadcast each: committed at the continue
     while paused (as AReaL's loop runs it), else at once."""
-    applied = await session.update_announced()
+    applied = await session.receive_announced()
     if applied is None:
         return Success(message="Received; applied with the rest of the update at the continue")
     version = common.label(registry, applied.versions.policy)

@@ -10,8 +10,9 @@ from typing import Any
 
 from app.common.failures import Conflict, Unsupported, invalid
 from app.common.inputs import Prepared, text_volume
+from app.common.service import Resolved
 from app.engine.registry import ModelRegistry
-from app.engine.types import MAX_VERSION, SamplingConfig, ScoreSpec
+from app.engine.types import MAX_VERSION
 from app.generation.service import GenerationService, Sampled
 from app.updates.control import WeightsControl
 from app.updates.types import Publish
@@ -34,12 +35,10 @@ class Prompts:
 async def sample(
     generation: GenerationService,
     prompts: Prompts,
-    config: SamplingConfig,
+    resolved: Resolved,
     *,
     n: int = 1,
     seed: int | None = None,
-    asks: ScoreSpec | None = None,
-    prompt_asks: ScoreSpec | None = None,
     model: str = "policy",
 ) -> Sampled:
     """The policy's (or one of its adapters') `n` samples of each prompt, as /v1/generate
@@ -50,14 +49,12 @@ async def sample(
 
     def prepare() -> list[Prepared]:
         prepared = preparer.prompts(None, prompts.texts, prompts.token_ids, prompts.field)
-        preparer.check(prepared, prompts.field, max_new_tokens=config.max_new_tokens)
+        preparer.check(prepared, prompts.field, max_new_tokens=resolved.config.max_new_tokens)
         return prepared
 
     cost = text_volume(prompts.texts)
     checked = await preparer.off_loop(prepare, cost=cost)
-    return await generation.sample(
-        model, checked, config, n=n, seed=seed, asks=asks, prompt_asks=prompt_asks
-    )
+    return await generation.sample(model, checked, resolved, n=n, seed=seed)
 
 
 def policy_side(registry: ModelRegistry, model: str | None, field: str = "model") -> str:
@@ -105,20 +102,6 @@ def publish(text: str | None, field: str) -> Publish:
     and vLLM let it: a version not above the served one opens a new lineage, served as the
     next version (`app.engine.gate.Lineage`), instead of being refused."""
     return Publish(version=version_number(text, field), restartable=True)
-
-
-async def abort_all(registry: ModelRegistry, weights: WeightsControl) -> int:
-    """End every in-flight generation at its next token (each returns what it produced,
-    finish_reason 'abort'); how many there were. A paused server holds them already."""
-    state = registry.gate.state()
-    if state.paused:
-        raise Conflict(
-            "serving is paused: in-flight generations are held until the resume; resume first",
-            param="abort_all",
-        )
-    await weights.pause("abort")
-    await weights.resume()
-    return state.in_flight_generations
 
 
 def server_info(registry: ModelRegistry, settings: Any, ranks: int) -> dict[str, Any]:

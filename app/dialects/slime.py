@@ -15,7 +15,8 @@ from fastapi import APIRouter, Query
 from pydantic import ConfigDict, Field
 
 from app.common.dialect_models import DialectModel, warn_ignored
-from app.common.inputs import InputPreparer, Prepared, plain_messages, text_volume
+from app.common.inputs import InputPreparer, Prepared, text_volume
+from app.common.messages import plain_messages
 from app.common.protocol import InputConversation
 from app.deps import RewardsDep
 from app.errors import REWARD_ERROR_RESPONSES

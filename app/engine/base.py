@@ -18,6 +18,7 @@ from app.engine.types import (
     ScoreSpec,
 )
 from app.weights.checkpoint import Layout
+from app.weights.lora import AdapterBuild
 
 if TYPE_CHECKING:
     import torch
@@ -170,19 +171,10 @@ class Backend(ModelWeights):
         engine does not say."""
         return 0.0
 
-    async def build_adapter(
-        self,
-        config: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
-        *,
-        name: str,
-        version: int,
-        source: str,
-        param: str,
-    ) -> LoraAdapter:
+    async def build_adapter(self, build: AdapterBuild) -> LoraAdapter:
         """A LoRA adapter (PEFT's config and tensor names) on this model, ready for rows to
-        name it (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming `param` if it does
-        not fit the model."""
+        name it (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming the role
+        `ADAPTER_SOURCE` if it does not fit the model."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
 
     def forget_adapter(self, adapter: LoraAdapter) -> None:

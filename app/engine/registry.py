@@ -10,23 +10,20 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from app.batching import BatchingConfig
 from app.common.failures import NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
 from app.config_groups import ModelSettings, VllmSettings
-from app.engine.adapter_gate import AdapterGate, AdapterGateState
+from app.engine.adapter_registry import AdapterRegistry
 from app.engine.base import Backend, ModelWeights
 from app.engine.digests import Digests
 from app.engine.gate import PauseMode, ServingGate
 from app.engine.loader import checkpoint_dtype, load_backend, resolve_model, resolve_source
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
-from app.weights.lora import ADAPTER, ADAPTER_SOURCE, LoraAdapter
 
 if TYPE_CHECKING:
-    import torch
-
     from app.engine.transformers.reward import RewardModel
 
 logger = logging.getLogger(__name__)
@@ -54,8 +51,9 @@ def check_batch_invariant(served: ServedModel, param: str) -> None:
         )
 
 
-class ModelRegistry:
-    """`state_dir`: where vLLM engines keep their weight-update state (one folder each)."""
+class ModelRegistry(AdapterRegistry):
+    """`state_dir`: where vLLM engines keep their weight-update state (one folder each). The
+    policy's LoRA adapters: `AdapterRegistry` (`app.engine.adapter_registry`)."""
 
     def __init__(
         self,
@@ -68,6 +66,7 @@ class ModelRegistry:
         paused_wait_s: float | None = None,
         version_wait_s: float = 0.0,
     ) -> None:
+        super().__init__(paused_wait_s)
         self.model_settings = models
         self.vllm = vllm
         self.batching = batching
@@ -82,20 +81,10 @@ class ModelRegistry:
         self.pair: ModelPair | None = None
         self.reward: RewardModel | None = None
         """The reward model (`models.reward_model`), when one is served."""
-        self.adapters: dict[str, LoraAdapter] = {}
-        """LoRA adapters on the policy by name, each the version new requests get."""
-        self._older: dict[str, list[LoraAdapter]] = {}
-        """Each adapter's versions before its current one still resident (newest first): a
-        request names one as `NAME@VERSION` (`models.resident_adapter_versions`)."""
-        self.adapter_gates: dict[str, AdapterGate] = {}
-        """Each served adapter's own pause (`app.engine.adapter_gate`). Who may change an
-        adapter, and its versions' numbering, are `app.updates.adapters`' rules."""
         self.snapshots: dict[str, str | None] = {}
         """The identity of the published snapshot each model serves (None: not one)."""
         self.digests = Digests()
         """Each model's weight digest (`app.engine.digests`), kept with its version."""
-        self.paused_wait_s = paused_wait_s
-        """How long a request waits for a paused model or adapter (None: no limit)."""
         self.gate = ServingGate(
             self.weighted,
             paused_wait_s=paused_wait_s,
@@ -441,89 +430,6 @@ class ModelRegistry:
         """The version an answer of `served` reports: an adapter's own version, otherwise
         the policy version its work was admitted at."""
         return served.adapter.version if isinstance(served, AdaptedModel) else policy_version
-
-    def adapter_base(self) -> ServedModel:
-        """The policy, when its engine serves LoRA adapters."""
-        base = self.get("policy")
-        if not base.backend.capabilities.adapters:
-            raise Unsupported(
-                f"{ADAPTER_SOURCE}: the {base.backend.info.backend} backend serves no LoRA "
-                "adapters here (the transformers backend does; a vLLM engine does when started "
-                "with RLSERVE_VLLM__MAX_LORAS)",
-                param=ADAPTER_SOURCE,
-            )
-        return base
-
-    async def build_adapter(
-        self,
-        config: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
-        *,
-        name: str,
-        version: int,
-        source: str,
-    ) -> LoraAdapter:
-        """`tensors` (PEFT's names) as adapter `name` at `version`, fit to the policy (refused
-        naming the role `ADAPTER_SOURCE`), not served yet (`install`)."""
-        return await self.adapter_base().backend.build_adapter(
-            config, tensors, name=name, version=version, source=source, param=ADAPTER_SOURCE
-        )
-
-    def install(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` to new requests under its name (rows in flight keep the version
-        they started with; `models.resident_adapter_versions` stay resident by version)."""
-        name = adapter.name
-        if (previous := self.adapters.get(name)) is not None:
-            kept = self.model_settings.resident_adapter_versions - 1
-            resident = [previous, *self._older.get(name, [])]
-            self._older[name] = resident[:kept]
-            self._forget(resident[kept:])
-        self.adapters[name] = adapter
-        if name not in self.adapter_gates:
-            self.adapter_gates[name] = AdapterGate(name, paused_wait_s=self.paused_wait_s)
-        logger.info(
-            "adapter %s v%d served from %s (rank %d, %d layers)",
-            name,
-            adapter.version,
-            adapter.source,
-            adapter.rank,
-            len(adapter.modules),
-        )
-
-    def adapter_gate(self, name: str) -> AdapterGate:
-        """Served adapter `name`'s gate (refused naming the role `ADAPTER` when none is)."""
-        if (reason := self.not_ready_reason()) is not None:
-            raise NotReady(reason)
-        gate = self.adapter_gates.get(name)
-        if gate is None:
-            raise NotFound(
-                f"{ADAPTER}: no adapter '{name}' is served (have {sorted(self.adapters)})",
-                param=ADAPTER,
-            )
-        return gate
-
-    def remove(self, name: str) -> LoraAdapter:
-        """Stop serving adapter `name` to new requests (rows in flight finish with it;
-        requests waiting on its pause are refused)."""
-        gate = self.adapter_gate(name)
-        adapter = self.adapters.pop(name)
-        self._forget([adapter, *self._older.pop(name, [])])
-        del self.adapter_gates[name]
-        gate.close()
-        logger.info("adapter %s unloaded", name)
-        return adapter
-
-    def _forget(self, versions: list[LoraAdapter]) -> None:
-        """Versions no longer served: the engine keeps nothing of them beyond the rows in
-        flight that still use them, so their memory goes with the last such row."""
-        backend = self.get("policy").backend
-        for adapter in versions:
-            backend.forget_adapter(adapter)
-
-    def adapter_state(self, name: str) -> AdapterGateState | None:
-        """Served adapter `name`'s pause state (None once unloaded)."""
-        gate = self.adapter_gates.get(name)
-        return None if gate is None else gate.state()
 
     def origin(self, name: str) -> Origin:
         """Where the served model `name` (or an alias, or a name of the reward model)

@@ -6,24 +6,22 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from app.common.containers import VERSIONS_DESCRIPTION, Sample, VersionSpan
 from app.common.protocol import (
-    VERSIONS_DESCRIPTION,
     InputFields,
     RepetitionPenalty,
     RoutedExperts,
-    Sample,
     Seed,
     ServedName,
     ShapingFields,
     Temperature,
     TopK,
     TopP,
-    VersionSpan,
     WireModel,
     check_exactly_one,
     field_error,
 )
-from app.common.sampling import Names, SamplingAsk
+from app.common.sampling import GenerationAsk, Names, SamplingAsk
 from app.scoring.protocol import TopLogProbs
 
 _GENERATE_INPUTS = ("messages", "text", "tokens")
@@ -108,12 +106,18 @@ class GenerateRequest(InputFields, ShapingFields):
     def wants_log_probs(self) -> bool:
         return self.return_log_probs if self.logprobs is None else self.logprobs
 
-    def sampling_ask(self) -> tuple[SamplingAsk, Names]:
-        """The request's sampling parameters, and its names for them (an alias given wins)."""
-        ask = SamplingAsk.taken(
+    def generation_ask(self) -> tuple[GenerationAsk, Names]:
+        """The request's ask, and its names for its fields (an alias given wins)."""
+        sampling = SamplingAsk.taken(
             self,
             max_new_tokens=self.max_tokens or self.max_new_tokens,
             stop=self.stop if self.stop is not None else self.stop_sequences,
+        )
+        ask = GenerationAsk(
+            sampling,
+            top_logprobs=self.top_logprobs,
+            entropy=self.entropy,
+            batch_invariant=self.batch_invariant,
         )
         return ask, Names(renamed={"max_new_tokens": "max_tokens"} if self.max_tokens else {})
 

@@ -8,16 +8,15 @@ from dataclasses import dataclass, replace
 
 from rlserve_client.sequences import SequenceSplit
 
-from app.common.failures import TooLarge
+from app.common.containers import HistoryFields, TextFields, wire_spans
 from app.common.inputs import InputPreparer, Prepared
-from app.common.protocol import HistoryFields, TextFields, wire_spans
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
-from app.common.service import ModelServing
+from app.common.service import ModelServing, Resolved
 from app.engine.abandon import Abandonment
-from app.engine.base import Backend, ScoreItem
+from app.engine.base import ScoreItem
 from app.engine.sampling import row_seed
 from app.engine.served import ServedModel
-from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec, TokenSink
+from app.engine.types import GenerateItem, Generation, Scores, ScoreSpec, TokenSink
 from app.generation.protocol import (
     GeneratedSample,
     GenerateRequest,
@@ -50,26 +49,25 @@ class GenerationService(ModelServing):
         self,
         model: str,
         prompts: list[Prepared],
-        config: SamplingConfig,
+        resolved: Resolved,
         *,
         n: int = 1,
         seed: int | None = None,
-        asks: ScoreSpec | None = None,
-        prompt_asks: ScoreSpec | None = None,
         sinks: Sequence[TokenSink] | None = None,
         started: asyncio.Future[int] | None = None,
-        alone: bool | None = None,
     ) -> Sampled:
-        """The domain API: checked prompts in, `n` generations each out. Row k's random stream
-        is `row_seed(seed, k)`, whatever else is batched with it. With `asks`, each finished
-        sequence is also scored for them over its response, under the weights at its end;
-        with `prompt_asks`, each prompt is scored for them too. Row k's tokens also go to
-        `sinks[k]` as they are sampled (streaming), and `started` gets the policy version once
-        generation is admitted. `alone` (batch-invariant mode): every row and every scoring
-        pass in a model call of its own, and each finished row's log-probs those of one
-        scoring pass over its tokens."""
+        """The domain API: checked prompts and a resolved ask (`ModelServing.resolve`) in, `n`
+        generations each out. Row k's random stream is `row_seed(seed, k)`, whatever else is
+        batched with it. With `resolved.asks`, each finished sequence is also scored for them
+        over its response, under the weights at its end; with `resolved.prompt_asks`, each
+        prompt is scored for them too. Row k's tokens also go to `sinks[k]` as they are sampled
+        (streaming), and `started` gets the policy version once generation is admitted.
+        `resolved.alone` (batch-invariant mode): every row and every scoring pass in a model
+        call of its own, and each finished row's log-probs those of one scoring pass over its
+        tokens."""
         served = self.registry.get(model)
-        alone = served.invariant if alone is None else alone
+        config, asks, prompt_asks = resolved.config, resolved.asks, resolved.prompt_asks
+        alone = served.invariant if resolved.alone is None else resolved.alone
         abandoned = Abandonment()
         # An engine that scores prompts as it generates (top-k and ranks) does so for each
         # prompt's first row.
@@ -187,32 +185,10 @@ class GenerationService(ModelServing):
             if generation.prompt_log_probs is not None:
                 generation.prompt_log_probs = full[:num_prompt]
 
-    def _asks(
-        self,
-        request: GenerateRequest,
-        prompts: list[Prepared],
-        max_new_tokens: int,
-        backend: Backend,
-    ) -> ScoreSpec | None:
-        """The per-step extras a request asks for, checked against the server's bounds."""
-        if not request.top_logprobs and not request.entropy:
-            return None
-        self.top_logprobs(request.top_logprobs, "top_logprobs")
-        limit = backend.full_distribution_limit()
-        longest = max(len(p.ids) for p in prompts) + max_new_tokens
-        if request.entropy and limit is not None and longest > limit:
-            raise TooLarge(
-                f"entropy needs the whole vocabulary at every position, which this backend "
-                f"scores for at most {limit} tokens per sequence; prompt and max_new_tokens "
-                f"reach {longest}",
-                param="entropy",
-            )
-        return ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
-
     async def sample_tokens(
         self,
         prompts: list[list[int]],
-        config: SamplingConfig,
+        resolved: Resolved,
         *,
         seed: int | None = None,
         model: str = "policy",
@@ -221,28 +197,23 @@ class GenerationService(ModelServing):
         (env observations), checked as `tokens`."""
         preparer = self.registry.get(model).preparer
         prepared = preparer.prompts(None, None, prompts, "tokens")
-        preparer.check(prepared, "tokens", max_new_tokens=config.max_new_tokens)
-        return await self.sample(model, prepared, config, seed=seed)
+        preparer.check(prepared, "tokens", max_new_tokens=resolved.config.max_new_tokens)
+        return await self.sample(model, prepared, resolved, seed=seed)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        ask, names = request.sampling_ask()
-        config = self.sampling(ask, request.model, names)
-        max_new_tokens = config.max_new_tokens
+        ask, names = request.generation_ask()
+        max_new_tokens = self.max_new_tokens(ask.sampling.max_new_tokens, names("max_new_tokens"))
         inputs = await self.prompts(
             request, request.model, max_new_tokens=max_new_tokens, per_item=request.num_samples
         )
-        asks = self._asks(request, inputs.items, max_new_tokens, inputs.served.backend)
+        resolved = self.resolve(ask, request.model, names, [p.ids for p in inputs.items])
         sampled = await self.sample(
-            request.model,
-            inputs.items,
-            config,
-            n=request.num_samples,
-            seed=request.seed,
-            asks=asks,
-            alone=self.alone(request.batch_invariant, inputs.served),
+            request.model, inputs.items, resolved, n=request.num_samples, seed=request.seed
         )
         preparer = inputs.preparer
-        outputs = await preparer.off_loop(_generated_samples, sampled, preparer, request)
+        outputs = await preparer.off_loop(
+            _generated_samples, sampled, preparer, request, resolved.asks
+        )
         return GenerateResponse(
             policy_version=sampled.version,
             model=request.model,
@@ -269,10 +240,10 @@ def _generated_samples(
     sampled: Sampled,
     preparer: InputPreparer,
     request: GenerateRequest,
+    asked: ScoreSpec | None,
 ) -> list[list[GeneratedSample]]:
-    """Each prompt's samples, decoded (on the tokenizer thread)."""
+    """Each prompt's samples, decoded (on the tokenizer thread), with the extras `asked`."""
     n = request.num_samples
-    asked = ScoreSpec(top_logprobs=request.top_logprobs, entropy=request.entropy)
     out = []
     for i, prompt in enumerate(sampled.prompts):
         group = []
@@ -285,7 +256,7 @@ def _generated_samples(
                 skip_special_tokens=request.skip_special_tokens,
             )
             scores = sampled.scores_of(k)
-            if scores is not None:
+            if scores is not None and asked is not None:
                 sample = sample.model_copy(update=extras(scores, asked, len(prompt.ids)))
             group.append(sample)
         out.append(group)

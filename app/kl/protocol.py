@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from app.common.protocol import ServedName, SplitInputFields, TokenFields, WireModel, field_error
+from app.common.containers import TokenFields
+from app.common.protocol import ServedName, SplitInputFields, WireModel, field_error
 from app.kl.estimators import Estimator, RewardPlacement
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
+from app.common.containers import TokenFields
 from app.common.failures import invalid
 from app.common.inputs import Prepared
-from app.common.protocol import TokenFields
 from app.common.service import ModelServing
 from app.kl.estimators import per_token_kl, shape_rewards
 from app.kl.protocol import KLRequest, KLResponse, KLSample

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from app.batching import QueueFullError
 from app.common.failures import NotReady, TimedOut, invalid
 from app.common.inputs import InputPreparer, Prepared
+from app.common.service import Resolved
 from app.config_groups import JudgeSettings
 from app.engine.registry import ModelRegistry
 from app.engine.types import SamplingConfig
@@ -151,7 +152,8 @@ class Judges:
             temperature=judge.temperature or 1.0,
             allowed_token_ids=None if judge.choices is None else choice_ids(preparer, judge),
         )
-        sampled = await self.generation.sample(judge.model, [prepared[i] for i in fits], config)
+        chosen = [prepared[i] for i in fits]
+        sampled = await self.generation.sample(judge.model, chosen, Resolved(config))
         for index, generation in zip(fits, sampled.generations, strict=True):
             if generation.finish_reason == "abort":
                 answers[index] = Failed("the judge's generation was aborted")

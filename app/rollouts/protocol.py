@@ -9,12 +9,18 @@ from pydantic import ConfigDict, Field, model_validator
 from rlserve_client.advantages import DEFAULT_TRAJECTORY_RETURN, TrajectoryReturn, total
 from rlserve_client.sequences import SequenceSplit
 
-from app.common.inputs import Conversation
-from app.common.protocol import (
+from app.common.containers import (
     VERSIONS_DESCRIPTION,
-    KeepsNull,
     LogProbFields,
     Masks,
+    TextFields,
+    TokenFields,
+    VersionSpan,
+    wire_spans,
+)
+from app.common.inputs import Conversation
+from app.common.protocol import (
+    KeepsNull,
     Message,
     RepetitionPenalty,
     RoutedExperts,
@@ -22,15 +28,11 @@ from app.common.protocol import (
     ServedName,
     ShapingFields,
     Temperature,
-    TextFields,
-    TokenFields,
     TopK,
     TopP,
-    VersionSpan,
     WireModel,
     field_error,
     one_of,
-    wire_spans,
 )
 from app.common.samples import log_prob_fields, mask_fields, messages, token_fields
 from app.common.sampling import SamplingAsk

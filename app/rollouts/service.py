@@ -13,8 +13,9 @@ from rlserve_client.rounds import Turn, Versioned, play_round
 
 from app.common.failures import invalid
 from app.common.inputs import InputPreparer
-from app.common.sampling import Names
-from app.engine.types import Generation, SamplingConfig
+from app.common.sampling import GenerationAsk, Names
+from app.common.service import Resolved
+from app.engine.types import Generation
 from app.envs.engine import RowOutcome
 from app.envs.episodes import Act, Observation
 from app.envs.service import EnvService
@@ -93,8 +94,9 @@ class RolloutService:
                 with contextlib.suppress(Exception):
                     await self.envs.delete(env_id, owner)
 
-    def _sampling(self, generation: RolloutGeneration) -> SamplingConfig:
-        return self.generation.sampling(generation.sampling_ask(), generation.model, NAMES)
+    def _sampling(self, generation: RolloutGeneration) -> Resolved:
+        ask = GenerationAsk(generation.sampling_ask())
+        return self.generation.resolve(ask, generation.model, NAMES)
 
     async def _round(
         self,
@@ -127,7 +129,7 @@ class _PolicySession:
         service: RolloutService,
         env_id: str,
         owner: str,
-        sampling: SamplingConfig,
+        sampling: Resolved,
         model: str,
     ) -> None:
         self.service = service

@@ -6,14 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from app.common.protocol import (
-    RoutedExperts,
-    Sample,
-    ServedName,
-    SplitInputFields,
-    TopK,
-    WireModel,
-)
+from app.common.containers import Sample
+from app.common.protocol import RoutedExperts, ServedName, SplitInputFields, TopK, WireModel
 
 Span = Literal["response", "full"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from rlserve_client import types as containers
 
-from app.common.protocol import RoutedExperts, Sample, WireModel
+from app.common.containers import Sample
+from app.common.protocol import RoutedExperts, WireModel
 
 
 class TurnSpan(containers.TurnSpan, WireModel):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from app.common.containers import LogProbFields, Masks, TokenFields
 from app.common.failures import Conflict, NotFound, QuotaExceeded
-from app.common.protocol import LogProbFields, Masks, TokenFields
 from app.common.routed_experts import npy_base64
 from app.config_groups import TrajectorySettings
 from app.engine.registry import ModelRegistry

@@ -21,7 +21,7 @@ from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import PauseMode
 from app.engine.registry import ModelRegistry
 from app.updates.service import Limit
-from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE, LoraAdapter
+from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE, AdapterBuild, LoraAdapter
 from app.weights.lora_layout import CONFIG, CONFIG_METADATA, read_folder, read_upload
 
 if TYPE_CHECKING:
@@ -191,9 +191,8 @@ class AdapterCatalog:
                 last = self._last.get(name)
                 version = last + 1 if last is not None else 0
             config = step.config if step.config is not None else current.config  # type: ignore[union-attr]
-            adapter = await self.registry.build_adapter(
-                config, step.tensors, name=name, version=version, source=step.source
-            )
+            build = AdapterBuild(config, step.tensors, name, version, step.source)
+            adapter = await self.registry.build_adapter(build)
             if step.keep_layout and current is not None and not adapter.same_layout(current):
                 raise invalid(
                     ADAPTER_SOURCE,

@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from app.common.caller import Caller
+from app.common.failures import Conflict
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
+from app.engine.registry import ModelRegistry
 from app.updates.session import UpdateSession
 from app.updates.types import (
     AdapterPush,
@@ -142,3 +144,17 @@ class WeightsControl(Protocol):
     async def swap_session(self, serial: int, session: UpdateSession) -> UpdateSession | None:
         """`session` in place of the one read at `serial`, unless another call wrote it
         since (then None): `SessionRecord.swap`."""
+
+
+async def abort_in_flight(registry: ModelRegistry, weights: WeightsControl) -> int:
+    """End every in-flight generation at its next token (each returns what it produced,
+    finish_reason 'abort'); how many there were. A paused server holds them already."""
+    state = registry.gate.state()
+    if state.paused:
+        raise Conflict(
+            "serving is paused: in-flight generations are held until the resume; resume first",
+            param="abort_all",
+        )
+    await weights.pause("abort")
+    await weights.resume()
+    return state.in_flight_generations

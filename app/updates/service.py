@@ -1,7 +1,7 @@
 """Checkpoint updates on this server: check a safetensors checkpoint against the served model,
 then swap it in while all model work is paused; the version goes up only when the update
 succeeded. Also each step a replica of several takes in one update over all of them
-(app.deploy.replicated): stage, then commit or abort."""
+(`app.deploy.replicated`): stage, then commit or abort."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 the whole deployment) records it: SGLang's `/begin_weight_update` … `/end_weight_update`,
 buckets sent while paused (committed at `/continue_generation`), and AReaL's tensors named in
 one call and received in the next. `WeightsControl` keeps it where every replica reads the
-same record, so a call may reach any replica of a deployment."""
+same record, so a call may reach any replica of a deployment; `app.updates.driven` runs the
+flow on it."""
 
 from __future__ import annotations
 

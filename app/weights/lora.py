@@ -17,6 +17,19 @@ ADAPTER_CONFIG = "adapter.config"
 
 
 @dataclass(frozen=True)
+class AdapterBuild:
+    """What an engine builds one version of an adapter from: PEFT's config and tensors, and
+    the name, version and source it is served under. An engine's refusal of it names the
+    role `ADAPTER_SOURCE`."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    name: str
+    version: int
+    source: str
+
+
+@dataclass(frozen=True)
 class LoraModule:
     """One adapted linear layer: A [r, in_features], B [out_features, r]."""
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from app.common.failures import NotFound, Unsupported, file_failure, invalid
-from app.weights.lora import LoraAdapter, LoraModule
+from app.weights.lora import ADAPTER_SOURCE, AdapterBuild, LoraAdapter, LoraModule
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -109,16 +109,7 @@ def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in mapped.items()}
 
 
-def adapter_from(
-    config: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    model: torch.nn.Module,
-    *,
-    name: str,
-    version: int,
-    source: str,
-    param: str,
-) -> LoraAdapter:
+def adapter_from(build: AdapterBuild, model: torch.nn.Module) -> LoraAdapter:
     """An adapter from PEFT's config and tensors (names as PEFT saves them), checked against
     `model`: every adapted layer a linear layer of its decoder, A and B of matching shapes."""
     parameter = next(model.parameters())
@@ -129,33 +120,22 @@ def adapter_from(
         for module, layer in _decoder_linears(model).items()
     }
     return parse_adapter(
-        config,
-        tensors,
-        shapes,
-        device=parameter.device,
-        dtype=torch.float32 if half else parameter.dtype,
-        name=name,
-        version=version,
-        source=source,
-        param=param,
+        build, shapes, device=parameter.device, dtype=torch.float32 if half else parameter.dtype
     )
 
 
 def parse_adapter(
-    config: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
+    build: AdapterBuild,
     shapes: dict[str, tuple[int, int]] | None,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-    name: str,
-    version: int,
-    source: str,
-    param: str,
 ) -> LoraAdapter:
     """An adapter from PEFT's config and tensors, checked against `shapes` (each linear layer
     of the decoder: in and out features), or, without them, left for the engine that loads it
-    to check against its model (its layers' names as PEFT's, the output head refused here)."""
+    to check against its model (its layers' names as PEFT's, the output head refused here).
+    Refusals name the role `ADAPTER_SOURCE`."""
+    config, tensors, param = build.config, build.tensors, ADAPTER_SOURCE
     _check_config(config, param)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -206,9 +186,9 @@ def parse_adapter(
             scaling=scaling,
         )
     return LoraAdapter(
-        name=name,
-        version=version,
-        source=source,
+        name=build.name,
+        version=build.version,
+        source=build.source,
         config=config,
         rank=max(m.a.shape[0] for m in modules.values()),
         modules=modules,

@@ -179,7 +179,7 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     # (attention@0: models.resident_adapter_versions), the one before that goes with its last
     # holder (its folder removed, its LoRA id dropped from the engine at the next load)
     backend = client.app.state.registry.get("policy").backend  # type: ignore[attr-defined]
-    folders = sorted((backend._adapter_dir).iterdir())
+    folders = sorted(backend.loras.folder.iterdir())
     assert len(folders) == 2
     trained = peft_model(model_dir, 3, **ATTENTION)
     pushed = await client.put("/v1/adapters/attention", content=adapter_file(trained))
@@ -187,13 +187,13 @@ async def test_vllm_serves_adapters_as_peft_computes_them(lora_client, llama):
     assert_peft(await log_probs(client, "attention"), trained)
     assert_peft(await log_probs(client, "attention@0"), attention)
     gc.collect()
-    assert folders[0] in list(backend._adapter_dir.iterdir())
+    assert folders[0] in list(backend.loras.folder.iterdir())
     again = peft_model(model_dir, 5, **ATTENTION)
     pushed = await client.put("/v1/adapters/attention", content=adapter_file(again))
     assert pushed.json()["version"] == 2
     assert_peft(await log_probs(client, "attention@1"), trained)
     gc.collect()
-    assert folders[0] not in list(backend._adapter_dir.iterdir())
+    assert folders[0] not in list(backend.loras.folder.iterdir())
 
     # too large a rank is refused naming the setting
     big = {**ATTENTION, "r": 16}

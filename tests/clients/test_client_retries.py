@@ -17,7 +17,7 @@ from rlserve_client import (
     PermissionDeniedError,
     ServiceUnavailableError,
 )
-from rlserve_client import _routes as routes
+from rlserve_client import _weight_routes as weight_routes
 from rlserve_client._base import request_arguments
 
 HEALTHY = {"status": "ok", "model_status": "ready"}
@@ -132,7 +132,7 @@ def test_upload_from_a_path_streams_the_file(tmp_path: Path, monkeypatch):
     path = tmp_path / "w.safetensors"
     path.write_bytes(payload)
     monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail("read whole"))
-    arguments = request_arguments(routes.upload_weights(payload=path, progress=False))
+    arguments = request_arguments(weight_routes.upload_weights(payload=path, progress=False))
     chunks = [len(c) for c in arguments["content"]]  # what httpx will send, piece by piece
     assert arguments["headers"]["Content-Length"] == str(len(payload))
     assert sum(chunks) == len(payload) and max(chunks) == 1 << 20

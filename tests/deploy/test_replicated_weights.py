@@ -22,9 +22,10 @@ from app.config import Settings
 from app.deploy.ledger import LocalLedger
 from app.deploy.replicated import ReplicatedWeights
 from app.dialects.sglang.protocol import UpdateWeightsFromDistributed
-from app.dialects.sglang.service import SGLangWeights
+from app.dialects.sglang.service import bucket_of
 from app.engine.base import Capabilities
 from app.engine.registry import ModelRegistry
+from app.updates.driven import DrivenUpdates
 from app.updates.local import LocalWeights
 from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
@@ -364,12 +365,12 @@ async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Clu
     router may send them: one update, committed once at the end, on every replica. AReaL's
     meta, sent to one replica, names the tensors another one receives."""
     dialects = [
-        SGLangWeights(replica.weights.registry, control)
+        DrivenUpdates(replica.weights.registry, control)
         for replica, control in zip(cluster.replicas, cluster.controls, strict=True)
     ]
     await cluster.controls[0].transfer_init(init())
     await dialects[0].begin()
-    assert await dialects[1].update(bucket("7")) is None
+    assert await dialects[1].receive(bucket_of(bucket("7"))) is None
     sent = scaled(3.0)
     cluster.trainer.send(sent)
     assert cluster.versions() == [0, 0, 0]
@@ -381,8 +382,8 @@ async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Clu
     with pytest.raises(Conflict, match="no weight-update session is open"):
         await dialects[0].end()
 
-    await dialects[0].announce(bucket())
-    receiving = asyncio.create_task(dialects[2].update_announced())
+    await dialects[0].announce(bucket_of(bucket()))
+    receiving = asyncio.create_task(dialects[2].receive_announced())
     while (await cluster.controls[1].transfer_state("policy")).state != "updating":
         await asyncio.sleep(0.01)
     again = scaled(5.0)
@@ -390,7 +391,7 @@ async def test_an_sglang_session_spans_the_replicas_its_calls_reach(cluster: Clu
     assert (await receiving).versions.policy == 8 and cluster.versions() == [8, 8, 8]
     cluster.assert_serving(again)
     with pytest.raises(Conflict, match="no tensors were announced"):
-        await dialects[1].update_announced()
+        await dialects[1].receive_announced()
 
 
 async def test_adapter_refusals_across_replicas_name_the_field(cluster: Cluster) -> None:
@@ -472,7 +473,7 @@ async def test_sglang_session_calls_on_two_replicas_do_not_interleave(cluster: C
     atomically: of two begins, one opens the session and the other is refused; a bucket whose
     call raced an end never reopens the session the end committed."""
     dialects = [
-        SGLangWeights(replica.weights.registry, control)
+        DrivenUpdates(replica.weights.registry, control)
         for replica, control in zip(cluster.replicas, cluster.controls, strict=True)
     ]
     await cluster.controls[0].transfer_init(init())
@@ -481,12 +482,12 @@ async def test_sglang_session_calls_on_two_replicas_do_not_interleave(cluster: C
     assert len(refused) == 1 and isinstance(refused[0], Conflict), begun
     assert "already open" in str(refused[0])
 
-    assert await dialects[1].update(bucket("7")) is None
+    assert await dialects[1].receive(bucket_of(bucket("7"))) is None
     sent = scaled(3.0)
     cluster.trainer.send(sent)
     # An end on one replica and a late bucket naming a version on another, at once.
     late, ended = await asyncio.gather(
-        dialects[0].update(bucket("9")), dialects[2].end(), return_exceptions=True
+        dialects[0].receive(bucket_of(bucket("9"))), dialects[2].end(), return_exceptions=True
     )
     assert not isinstance(ended, BaseException), ended
     # The late bucket went into the committed update or was refused, naming why.

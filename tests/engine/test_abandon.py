@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
+from app.common.service import Resolved
 from app.engine.transformers import decode as hf_decode
 from app.engine.types import SamplingConfig
 
@@ -31,7 +32,7 @@ async def test_a_cancelled_request_stops_decoding_at_the_next_token(
     service = app.state.generation
     preparer = app.state.registry.get("policy").preparer
     prompts = preparer.prompts(None, None, [[5, 6, 7]], "tokens")
-    long = SamplingConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    long = Resolved(SamplingConfig(max_new_tokens=MAX_NEW, ignore_eos=True))
     big = asyncio.create_task(service.sample("policy", prompts, long, n=8, seed=1))
     while len(steps) < 8 * 5:  # decoding has started
         if big.done():  # it failed (or ended) before it got that far: say why
@@ -40,7 +41,9 @@ async def test_a_cancelled_request_stops_decoding_at_the_next_token(
     big.cancel()
     with pytest.raises(asyncio.CancelledError):
         await big
-    small = await service.sample("policy", prompts, SamplingConfig(max_new_tokens=3), seed=2)
+    small = await service.sample(
+        "policy", prompts, Resolved(SamplingConfig(max_new_tokens=3)), seed=2
+    )
     assert len(small.generations[0].token_ids) == 3
     # The small request ran after the abandoned one stopped: the big rows got far fewer
     # than their MAX_NEW tokens each (a few more at most, while the cancel reached the loop).

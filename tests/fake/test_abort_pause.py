@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 
+from app.common.service import Resolved
 from app.engine.base import ScoreItem
 from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec
 from app.generation.service import Sampled
@@ -79,8 +80,9 @@ class PausingEngine(FakeBackend):
 def sample(app: FastAPI, **asks: Any) -> Coroutine[Any, Any, Sampled]:
     """The service sampling 3 tokens for each of PROMPTS, with `asks` (asks, prompt_asks, n)."""
     prepared = app.state.registry.get("policy").preparer.prompts(None, None, PROMPTS, "tokens")
-    config = SamplingConfig(max_new_tokens=3)
-    return app.state.generation.sample("policy", prepared, config, seed=0, **asks)
+    n = asks.pop("n", 1)
+    resolved = Resolved(SamplingConfig(max_new_tokens=3), **asks)
+    return app.state.generation.sample("policy", prepared, resolved, n=n, seed=0)
 
 
 async def test_rows_an_abort_ended_are_not_scored(tmp_path: Path) -> None:

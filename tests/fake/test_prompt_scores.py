@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.common.service import Resolved
 from app.engine.base import Capabilities, ScoreItem
 from app.engine.types import GenerateItem, Generation, SamplingConfig, Scores, ScoreSpec
 from tests.fake.backend import FakeBackend, fake_app
@@ -67,10 +68,8 @@ async def sample(
     async with fake_app(tmp, engine, FakeBackend("reference", log_prob)) as app:
         preparer = app.state.registry.get("policy").preparer
         prepared = preparer.prompts(None, None, PROMPTS, "tokens")
-        config = SamplingConfig(max_new_tokens=2)
-        sampled = await app.state.generation.sample(
-            "policy", prepared, config, n=n, seed=0, prompt_asks=asks
-        )
+        resolved = Resolved(SamplingConfig(max_new_tokens=2), prompt_asks=asks)
+        sampled = await app.state.generation.sample("policy", prepared, resolved, n=n, seed=0)
     assert sampled.prompt_scores is not None
     assert len(sampled.generations) == len(PROMPTS) * n
     return sampled.prompt_scores, engine

@@ -352,8 +352,8 @@ async def test_a_live_trainers_group_is_refused_to_another_until_an_admin_closes
 async def test_a_group_idle_past_the_operators_timeout_is_closed(served, caplog):
     from tests.weights.test_transfer import opened
 
-    transfers = served.app.state.weights.transfers
-    transfers.idle_timeout_s = 1.0  # weights.group_idle_timeout_s
+    groups = served.app.state.weights.transfers.groups
+    groups.idle_timeout_s = 1.0  # weights.group_idle_timeout_s
     try:
         async with opened(served):
             state = (await served.http.get("/v1/weights/transfer")).json()
@@ -363,5 +363,5 @@ async def test_a_group_idle_past_the_operators_timeout_is_closed(served, caplog)
                     await asyncio.sleep(0.1)
                     state = (await served.http.get("/v1/weights/transfer")).json()
     finally:
-        transfers.idle_timeout_s = None
+        groups.idle_timeout_s = None
     assert "no call from its trainer" in caplog.text

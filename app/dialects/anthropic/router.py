@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.common.disconnect import cancellable
 from app.common.failures import Failure
 from app.common.protocol import json_response
-from app.deps import AnthropicDep, OwnerDep
+from app.deps import OwnerDep
 from app.dialects.anthropic.protocol import (
     AnthropicError,
     AnthropicErrorDetail,
@@ -24,11 +24,19 @@ from app.dialects.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
 )
-from app.dialects.anthropic.service import event
+from app.dialects.anthropic.service import AnthropicService, event
 from app.dialects.openai.router import TrajectoryHeader, _ignored_header
 from app.errors import APIError, ErrorResponse, WordedRoute, failure_error
 
 logger = logging.getLogger(__name__)
+
+
+async def _service(request: Request) -> AnthropicService:
+    service: AnthropicService = request.app.state.anthropic
+    return service
+
+
+AnthropicDep = Annotated[AnthropicService, Depends(_service)]
 
 _TYPES = {
     400: "invalid_request_error",

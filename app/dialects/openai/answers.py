@@ -8,12 +8,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from app.common.containers import VersionSpan
 from app.common.dialect_models import (
     DialectModel,
     NullsKept,
-)
-from app.common.protocol import (
-    VersionSpan,
 )
 from app.dialects.openai.protocol import FunctionCall, ToolCall
 

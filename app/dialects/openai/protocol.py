@@ -14,7 +14,7 @@ from app.common.dialect_models import (
     DialectModel,
     dialect_schema,
 )
-from app.common.inputs import template_kwargs
+from app.common.messages import template_kwargs
 from app.common.protocol import (
     NOT_CONTINUE_AND_OPEN,
     POSITIVE,

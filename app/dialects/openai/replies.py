@@ -9,9 +9,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.common.containers import wire_spans
 from app.common.inputs import Prepared
-from app.common.protocol import wire_spans
 from app.common.routed_experts import npy_base64
+from app.common.service import Resolved
 from app.common.text import final_text
 from app.config_groups import ReasoningParser
 from app.dialects.openai.answers import PromptLogprob, Usage
@@ -20,7 +21,7 @@ from app.dialects.openai.reasoning import ReasoningReader, prompt_opens_thinking
 from app.dialects.openai.tokens import TokenTexts
 from app.dialects.openai.tools import parse_tool_calls
 from app.engine.served import ServedModel
-from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
+from app.engine.types import Generation, SamplingConfig, Scores
 
 Kind = Literal["chat", "completion"]
 ROUTES: dict[Kind, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -34,7 +35,7 @@ class Job:
     model: str
     served: ServedModel
     prompts: list[Prepared]
-    config: SamplingConfig
+    resolved: Resolved
     request: SamplingFields
     logprobs: int | None
     """None: no log-probs; k: the chosen token's and the k most likely."""
@@ -56,8 +57,8 @@ class Job:
         return self.request.n
 
     @property
-    def asks(self) -> ScoreSpec | None:
-        return ScoreSpec(top_logprobs=self.logprobs) if self.logprobs else None
+    def config(self) -> SamplingConfig:
+        return self.resolved.config
 
     @property
     def processed(self) -> bool:

@@ -6,12 +6,12 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Header, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.common.disconnect import cancellable
 from app.common.protocol import json_response
-from app.deps import OpenAIDep, OwnerDep
+from app.deps import OwnerDep
 from app.dialects.openai.answers import ChatCompletion, Completion
 from app.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 from app.dialects.openai.replies import Job
@@ -27,6 +27,15 @@ from app.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+async def _service(request: Request) -> OpenAIService:
+    service: OpenAIService = request.app.state.openai
+    return service
+
+
+OpenAIDep = Annotated[OpenAIService, Depends(_service)]
+"""The OpenAI routes' service (built in `app.main`), for this dialect's routes and vLLM's."""
 
 
 class OpenAIRoute(WordedRoute):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from app.common.dialect_models import (
@@ -17,7 +16,7 @@ from app.common.dialect_models import (
 )
 from app.common.failures import invalid
 from app.common.inputs import Prepared, naming, text_volume
-from app.common.routed_experts import routing_to_return
+from app.common.sampling import GenerationAsk, Names
 from app.common.service import ModelServing
 from app.config_groups import LimitSettings, ReasoningParser
 from app.dialects.openai.answers import (
@@ -49,7 +48,7 @@ from app.dialects.openai.streaming import Tokens, TokenStream
 from app.dialects.openai.tokens import TokenTexts, Tops
 from app.engine.registry import ModelRegistry
 from app.engine.served import ServedModel
-from app.engine.types import Generation, Scores, ScoreSpec
+from app.engine.types import Generation, Scores
 from app.generation.service import GenerationService, Sampled
 from app.scoring.extras import extras
 from app.trajectories.service import TrajectoryService
@@ -165,8 +164,6 @@ class OpenAIService(ModelServing):
         self.check_num_items(len(prompts) * request.n, "n")
         warn_ignored(ROUTES[kind], request.model_extra or {})
         top_field = "top_logprobs" if kind == "chat" else "logprobs"
-        if logprobs:
-            self.top_logprobs(logprobs, top_field)
         capabilities = served.backend.capabilities
         if request.logprobs_mode == "processed" and not capabilities.processed_log_probs:
             raise invalid(
@@ -187,16 +184,23 @@ class OpenAIService(ModelServing):
         trajectory_id = request.trajectory_id or trajectory_id
         if trajectory_id is not None and len(prompts) * request.n != 1:
             raise invalid("n", "a completion recorded in a trajectory has one prompt and n = 1")
-        config = self.sampling(request.sampling_ask(max_new), request.model)
-        start, lengths = request.routed_experts_prompt_start, [len(p.ids) for p in prompts]
-        param = "routed_experts_prompt_start"
-        if routing_to_return(self.routed_experts, served.backend, start, lengths, param):
-            config = replace(config, return_routed_experts=True)
         prompt_logprobs = getattr(request, "prompt_logprobs", None)
-        if prompt_logprobs is not None:
-            self.top_logprobs(prompt_logprobs, "prompt_logprobs")
         if prompt_logprobs is not None and request.stream:
             raise invalid("prompt_logprobs", "is not streamed: ask without stream")
+        # vLLM's prompt_logprobs: each prompt token's raw log-prob and rank, and the k most
+        # likely tokens at each position; an echo with logprobs shows the prompt's too.
+        prompt_k = prompt_logprobs
+        if getattr(request, "echo", False) and logprobs is not None:
+            prompt_k = max(prompt_k or 0, logprobs)
+        ask = GenerationAsk(
+            request.sampling_ask(max_new),
+            top_logprobs=logprobs or 0,
+            prompt_top_logprobs=prompt_k,
+            routing_where_recorded=self.routed_experts,
+            routing_start=request.routed_experts_prompt_start,
+        )
+        names = Names(renamed={"top_logprobs": top_field, "prompt_top_logprobs": "prompt_logprobs"})
+        resolved = self.resolve(ask, request.model, names, [p.ids for p in prompts])
         engine = served.backend.info.name  # an adapter shares its base's tokenizer
         texts = self._texts.setdefault(engine, TokenTexts(served.preparer))
         if texts.preparer is not served.preparer:  # the model was reloaded
@@ -207,7 +211,7 @@ class OpenAIService(ModelServing):
             self.registry.name_of(served),
             served,
             prompts,
-            config,
+            resolved,
             request,
             logprobs,
             tool_names,
@@ -221,20 +225,8 @@ class OpenAIService(ModelServing):
 
     async def complete(self, job: Job) -> ChatCompletion | Completion:
         await self._check_trajectory(job)
-        # vLLM's prompt_logprobs: each prompt token's raw log-prob and rank, and the k most
-        # likely tokens at each position (scored in the generation's own pass where it can);
-        # an echo with logprobs shows the prompt's too.
-        k = getattr(job.request, "prompt_logprobs", None)
-        if echoes(job) and job.logprobs is not None:
-            k = max(k or 0, job.logprobs)
         sampled = await self.generation.sample(
-            job.model,
-            job.prompts,
-            job.config,
-            n=job.n,
-            seed=job.request.seed,
-            asks=job.asks,
-            prompt_asks=None if k is None else ScoreSpec(top_logprobs=k, ranks=True),
+            job.model, job.prompts, job.resolved, n=job.n, seed=job.request.seed
         )
         turn = await self._record(job, sampled)
         return await job.served.preparer.off_loop(self.reply, job, sampled, turn)
@@ -278,11 +270,10 @@ class OpenAIService(ModelServing):
 
     def _tops(self, job: Job, sampled: Sampled, k: int) -> list[list[tuple[int, float]]] | None:
         """Per generated token, the most likely (id, log-prob) pairs (when asked)."""
-        scores = sampled.scores_of(k)
-        if not job.logprobs or scores is None:
+        scores, asks = sampled.scores_of(k), job.resolved.asks
+        if asks is None or scores is None:
             return None
-        spec = ScoreSpec(top_logprobs=job.logprobs)
-        table = extras(scores, spec, len(job.prompt_of(k).ids), tensors=True)
+        table = extras(scores, asks, len(job.prompt_of(k).ids), tensors=True)
         ids, values = (
             table["top_logprobs"]["ids"].tolist(),
             table["top_logprobs"]["log_probs"].tolist(),
@@ -394,7 +385,7 @@ class OpenAIService(ModelServing):
             self.generation.sample(
                 job.model,
                 job.prompts,
-                job.config,
+                job.resolved,
                 n=job.n,
                 seed=job.request.seed,
                 sinks=sinks,

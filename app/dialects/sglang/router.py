@@ -11,10 +11,10 @@ from fastapi import APIRouter, Body, Query, Response
 from app.common.failures import Conflict, worded
 from app.deps import (
     CallerDep,
+    DrivenUpdatesDep,
     GenerationDep,
     ProbeDep,
     RegistryDep,
-    SGLangWeightsDep,
     WeightsDep,
 )
 from app.dialects import common
@@ -51,6 +51,7 @@ from app.errors import (
     WEIGHTS_ERROR_RESPONSES,
 )
 from app.ops.access import Access, access
+from app.updates.control import abort_in_flight
 from app.updates.types import Connection, Join
 
 router = APIRouter(tags=["SGLang dialect"], responses=ERROR_RESPONSES)
@@ -151,7 +152,7 @@ async def abort_request(
     """With abort_all, end every in-flight generation at its next token (each returns what
     it produced, finish_reason abort)."""
     if request.abort_all:
-        await common.abort_all(registry, weights)
+        await abort_in_flight(registry, weights)
     return Response(status_code=200)
 
 
@@ -177,10 +178,10 @@ async def pause_generation(
     openapi_extra=ADMIN,
 )
 async def continue_generation(
-    session: SGLangWeightsDep, body: Annotated[ContinueGeneration | None, Body()] = None
+    session: DrivenUpdatesDep, body: Annotated[ContinueGeneration | None, Body()] = None
 ) -> StatusMessage:
     """Commit the buckets sent while paused (all at once, or none), then resume."""
-    await session.continue_generation()
+    await session.resume()
     return StatusMessage(message="Generation continued successfully.")
 
 
@@ -237,7 +238,7 @@ async def destroy_weights_update_group(
     openapi_extra=ADMIN,
 )
 async def begin_weight_update(
-    session: SGLangWeightsDep, body: Annotated[BeginWeightUpdate | None, Body()] = None
+    session: DrivenUpdatesDep, body: Annotated[BeginWeightUpdate | None, Body()] = None
 ) -> Success:
     await session.begin()
     return Success(message="Success")
@@ -250,7 +251,7 @@ async def begin_weight_update(
     summary="Commit the update (SGLang)",
     openapi_extra=ADMIN,
 )
-async def end_weight_update(session: SGLangWeightsDep) -> Success:
+async def end_weight_update(session: DrivenUpdatesDep) -> Success:
     """Wait for every bucket of the session, then swap them all in at once (or none)."""
     await session.end()
     return Success(message="Success")
@@ -264,11 +265,11 @@ async def end_weight_update(session: SGLangWeightsDep) -> Success:
     openapi_extra=ADMIN,
 )
 async def update_weights_from_distributed(
-    body: UpdateWeightsFromDistributed, session: SGLangWeightsDep, registry: RegistryDep
+    body: UpdateWeightsFromDistributed, session: DrivenUpdatesDep, registry: RegistryDep
 ) -> Success:
     """Receive one bucket the trainer broadcasts: committed at /end_weight_update inside a
     session, at /continue_generation while paused, else at once (returning then)."""
-    applied = await session.update(body)
+    applied = await session.receive(service.bucket_of(body))
     if applied is None:
         return Success(message="Received; applied with the rest of the update.")
     return Success(

@@ -1,29 +1,24 @@
-"""SGLang's generation and weight-update flow on rlserve's services.
-
-Weight updates are staged and committed whole, as everywhere in rlserve. When they become
-visible follows the flow the trainer drives:
-- inside `/begin_weight_update` … `/end_weight_update` (SGLang 0.5.23): at the end;
-- while paused by `/pause_generation` (what slime and AReaL do around their buckets): at
-  `/continue_generation`, before generation resumes;
-- otherwise each `/update_weights_from_distributed` call is an update of its own."""
+"""SGLang's generation on rlserve's services, and its weight-update calls in rlserve's terms
+(the flow they drive, `/begin_weight_update` … `/end_weight_update` of SGLang 0.5.23, buckets
+sent while paused by `/pause_generation` and committed at `/continue_generation`, is
+`app.updates.driven`'s)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Iterable
 from typing import Any
 
 from app.common.dialect_models import (
     warn_ignored,
 )
-from app.common.failures import Conflict, invalid
+from app.common.failures import invalid
 from app.common.routed_experts import check_prompt_start, int32_base64
-from app.common.sampling import Names
+from app.common.sampling import GenerationAsk, Names
 from app.common.text import final_text
-from app.dialects.common import Prompts, abort_all, label, sample, version_number
+from app.dialects.common import Prompts, label, sample, version_number
 from app.dialects.sglang.protocol import (
     GenerateOutput,
     GenerateRequest,
@@ -31,164 +26,14 @@ from app.dialects.sglang.protocol import (
     SamplingParams,
     UpdateWeightsFromDistributed,
 )
-from app.engine.registry import ModelRegistry
-from app.engine.types import Generation, Scores, ScoreSpec
+from app.engine.types import Generation, Scores
 from app.generation.service import GenerationService, Sampled
-from app.updates.control import WeightsControl
-from app.updates.session import Bucket, UpdateSession
-from app.updates.types import Announcement, Applied, Publish
-
-OPEN = "a weight-update session is already open; end it first"
-SWAP_ATTEMPTS = 8
+from app.updates.session import Bucket
 
 
-class SGLangWeights:
-    """SGLang's weight-update flow over `WeightsControl`. Its session lives in the control
-    (`app.updates.session`), not here: on a deployment of several replicas, a begin, its
-    buckets and its end may each reach another replica, at once. Every change to the session
-    is one compare-and-set (`_write`), made before the transfer step it stands for: of two
-    begins one opens the session, of two ends one commits it, and a bucket never reopens a
-    session another call committed."""
-
-    def __init__(self, registry: ModelRegistry, weights: WeightsControl) -> None:
-        self.registry = registry
-        self.weights = weights
-        self._lock = asyncio.Lock()
-
-    async def _write(
-        self, change: Callable[[UpdateSession], UpdateSession]
-    ) -> tuple[UpdateSession, UpdateSession]:
-        """The session read and the one written: `change` of the record as the control holds
-        it, written unless another call wrote first (then `change` again, of what that call
-        wrote). `change` raises to refuse, and returns what it read to leave it be."""
-        for _ in range(SWAP_ATTEMPTS):
-            read = await self.weights.session()
-            new = change(read)
-            if new is read:
-                return read, read
-            if (written := await self.weights.swap_session(read.serial, new)) is not None:
-                return read, written
-        raise Conflict("the weight-update session kept changing under other calls; retry")
-
-    async def _start(self, opened: UpdateSession) -> None:
-        """Start the transfer of a session this call opened; if it cannot, close it again."""
-        try:
-            await self.weights.transfer_start("policy")
-        except BaseException:
-            await self.weights.swap_session(opened.serial, _closed(opened))
-            raise
-
-    async def begin(self) -> None:
-        def opened(session: UpdateSession) -> UpdateSession:
-            if session.kind == "explicit":
-                raise Conflict(OPEN)
-            return UpdateSession("explicit", announced=session.announced)
-
-        async with self._lock:
-            read, written = await self._write(opened)
-            if read.kind is None:
-                await self._start(written)
-
-    async def end(self) -> Applied:
-        def ended(session: UpdateSession) -> UpdateSession:
-            if session.kind != "explicit":
-                raise Conflict("no weight-update session is open; begin one first")
-            return _closed(session)
-
-        async with self._lock:
-            read, _ = await self._write(ended)
-            return await self._publish(read)
-
-    async def continue_generation(self) -> None:
-        """Commit the buckets received while paused, then resume: serving resumes whether the
-        commit succeeds or is refused (the refusal is then answered), never left paused."""
-        async with self._lock:
-            try:
-                read, written = await self._write(lambda s: _closed(s) if s.kind == "paused" else s)
-                if written is not read:
-                    await self._publish(read)
-            finally:
-                await self.weights.resume()
-
-    async def update(self, request: UpdateWeightsFromDistributed) -> Applied | None:
-        """Stage one bucket; commit it too when no session holds it (then the new state)."""
-        return await self.receive(_bucket(request))
-
-    async def receive(self, bucket: Bucket) -> Applied | None:
-        buckets = [len(bucket.names)] if bucket.flattened else None
-        announce = Announcement(
-            model="policy",
-            names=list(bucket.names),
-            dtype_names=list(bucket.dtypes),
-            shapes=[list(shape) for shape in bucket.shapes],
-            buckets=buckets,
-        )
-
-        def held(session: UpdateSession) -> UpdateSession:
-            """While serving is paused, a bucket with no session opens one."""
-            if session.kind is None and self.registry.gate.state().paused:
-                return UpdateSession("paused", announced=session.announced)
-            return session
-
-        async with self._lock:
-            if bucket.abort_all and not self.registry.gate.state().paused:
-                await abort_all(self.registry, self.weights)
-            read, session = await self._write(held)
-            if session.kind is None:  # an update of its own
-                await self.weights.transfer_start("policy")
-                await self.weights.transfer_update(announce)
-                return await self.weights.transfer_finish(
-                    "policy", Publish(version=bucket.version, restartable=True)
-                )
-            if read.kind is None:
-                await self._start(session)
-            await self.weights.transfer_update(announce)
-            if bucket.version is not None:
-
-                def named(now: UpdateSession) -> UpdateSession:
-                    if now.kind is None or now.opened != session.opened:
-                        raise Conflict(
-                            "the weight-update session this bucket was sent in was committed "
-                            "by another call before the bucket's version was recorded"
-                        )
-                    return replace(now, version=bucket.version)
-
-                await self._write(named)
-            return None
-
-    async def announce(self, request: UpdateWeightsFromDistributed) -> None:
-        """Remember the tensors of the next `update_announced` (AReaL's vLLM server takes
-        them in a call of their own, before the one that receives them)."""
-        bucket = _bucket(request)
-        async with self._lock:
-            await self._write(lambda session: replace(session, announced=bucket))
-
-    async def update_announced(self) -> Applied | None:
-        """`update` with the tensors `announce` named (409 when none were)."""
-
-        def taken(session: UpdateSession) -> UpdateSession:
-            if session.announced is None:
-                raise Conflict("no tensors were announced; set the update's meta first")
-            return replace(session, announced=None)
-
-        async with self._lock:
-            read, _ = await self._write(taken)
-        assert read.announced is not None
-        return await self.receive(read.announced)
-
-    async def _publish(self, session: UpdateSession) -> Applied:
-        """Commit what `session` received (this call closed it)."""
-        return await self.weights.transfer_finish(
-            "policy", Publish(version=session.version, restartable=True)
-        )
-
-
-def _closed(session: UpdateSession) -> UpdateSession:
-    """`session` committed: none open, what was announced kept."""
-    return replace(session, kind=None, version=None)
-
-
-def _bucket(request: UpdateWeightsFromDistributed) -> Bucket:
+def bucket_of(request: UpdateWeightsFromDistributed) -> Bucket:
+    """The tensors an update call names, in rlserve's terms (`app.updates.driven` receives
+    them)."""
     if len(request.dtypes) != len(request.names):
         raise invalid("dtypes", f"{len(request.dtypes)} entries for {len(request.names)} names")
     return Bucket(
@@ -254,20 +99,23 @@ async def _sample(
     model: str,
 ) -> Sampled:
     warn_ignored("/generate", [f"{field}.{name}" for name in p.ignored()])
-    ask = p.sampling_ask(
+    sampling = p.sampling_ask(
         return_prompt_log_probs=request.return_logprob and request.logprob_start_len >= 0,
         routed=request.return_routed_experts,
     )
+    # SGLang's top-k log-probs come with its log-probs only (return_logprob).
+    k = request.top_logprobs_num if request.return_logprob else 0
+    ask = GenerationAsk(sampling, top_logprobs=k)
     names = Names(
         f"{field}.",
-        {"min_tokens": f"{field}.min_new_tokens", "return_routed_experts": "return_routed_experts"},
+        {
+            "min_tokens": f"{field}.min_new_tokens",
+            "return_routed_experts": "return_routed_experts",
+            "top_logprobs": "top_logprobs_num",
+        },
     )
-    config = generation.sampling(ask, model, names)
-    k = generation.top_logprobs(request.top_logprobs_num, "top_logprobs_num")
-    asks = ScoreSpec(top_logprobs=k) if k and request.return_logprob else None
-    return await sample(
-        generation, prompt, config, n=p.n, seed=p.sampling_seed, asks=asks, model=model
-    )
+    resolved = generation.resolve(ask, model, names)
+    return await sample(generation, prompt, resolved, n=p.n, seed=p.sampling_seed, model=model)
 
 
 def _adapters(

@@ -25,13 +25,8 @@ from app.common.dialect_models import (
     token_rows,
     warn_ignored,
 )
-from app.common.inputs import (
-    InputPreparer,
-    Prepared,
-    plain_messages,
-    template_kwargs,
-    text_volume,
-)
+from app.common.inputs import InputPreparer, Prepared, text_volume
+from app.common.messages import plain_messages, template_kwargs
 from app.common.protocol import InputConversation, field_error, one_of
 from app.deps import RewardsDep
 from app.engine.transformers.reward import RewardModel

@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from app.common.dialect_models import (
     warn_ignored,
 )
-from app.common.routed_experts import npy_base64, routing_to_return
-from app.common.sampling import Names
+from app.common.routed_experts import npy_base64
+from app.common.sampling import GenerationAsk, Names
+from app.common.service import Resolved
 from app.common.text import final_text
 from app.dialects import common
 from app.dialects.common import Prompts, policy_side, sample
@@ -33,19 +33,41 @@ from app.dialects.vllm.protocol import (
     Usage,
     WeightVersionSpan,
 )
-from app.engine.types import Generation, SamplingConfig, Scores, ScoreSpec
+from app.engine.types import Generation, Scores
 from app.generation.service import GenerationService
 
 FIELD = "sampling_params."
 
 
-def config_of(
-    generation: GenerationService, params: SamplingParams, prefix: str = FIELD
-) -> SamplingConfig:
-    """vLLM's sampling parameters as rlserve's, checked against the policy (its vocabulary,
-    the server's limits), naming the field of a refusal."""
-    names = Names(prefix, {"max_new_tokens": prefix + "max_tokens"})
-    return generation.sampling(params.sampling_ask(), "policy", names)
+def resolve(
+    generation: GenerationService,
+    params: SamplingParams,
+    model: str = "policy",
+    prompts: Sequence[Sequence[int]] | None = None,
+    *,
+    routed_experts: bool = False,
+) -> Resolved:
+    """vLLM's sampling parameters as rlserve's ask, resolved against `model` (its vocabulary,
+    the server's limits), naming the field of a refusal. vLLM's logprobs ask each chosen
+    token's rank too, even for k = 0; `routed_experts`: the server's
+    --enable-return-routed-experts."""
+    names = Names(
+        FIELD,
+        {
+            "max_new_tokens": FIELD + "max_tokens",
+            "top_logprobs": FIELD + "logprobs",
+            "prompt_top_logprobs": FIELD + "prompt_logprobs",
+        },
+    )
+    ask = GenerationAsk(
+        params.sampling_ask(),
+        top_logprobs=params.logprobs or 0,
+        ranks=params.logprobs is not None,
+        prompt_top_logprobs=params.prompt_logprobs,
+        routing_where_recorded=routed_experts,
+        routing_start=params.routed_experts_prompt_start,
+    )
+    return generation.resolve(ask, model, names, prompts)
 
 
 async def generate(
@@ -59,33 +81,19 @@ async def generate(
     model = policy_side(generation.registry, request.model)
     warn_ignored("/inference/v1/generate", request.ignored())
     params = request.sampling_params
-    config = config_of(generation, params)
     token_ids = request.token_ids
     if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > 0:
         token_ids = token_ids[-params.truncate_prompt_tokens :]
-    start = params.routed_experts_prompt_start
+    resolved = resolve(generation, params, model, [token_ids], routed_experts=routed_experts)
     backend = generation.served(model).backend
-    routing = routing_to_return(
-        routed_experts,
-        backend,
-        start,
-        [len(token_ids)],
-        FIELD + "routed_experts_prompt_start",
-    )
-    if routing is not None:
-        config = replace(config, return_routed_experts=True)
-    k, prompt_k = params.logprobs, params.prompt_logprobs
-    for asked, name in ((k, "logprobs"), (prompt_k, "prompt_logprobs")):
-        if asked is not None:
-            generation.top_logprobs(asked, FIELD + name)
+    routing = backend.routing if resolved.config.return_routed_experts else None
+    k, prompt_k, start = params.logprobs, params.prompt_logprobs, params.routed_experts_prompt_start
     sampled = await sample(
         generation,
         Prompts(token_ids=[token_ids], field="token_ids"),
-        config,
+        resolved,
         n=params.n,
         seed=params.seed,
-        asks=ScoreSpec(top_logprobs=k, ranks=True) if k is not None else None,
-        prompt_asks=None if prompt_k is None else ScoreSpec(top_logprobs=prompt_k, ranks=True),
         model=model,
     )
     preparer = generation.served(model).preparer

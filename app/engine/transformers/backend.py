@@ -34,7 +34,7 @@ from app.engine.types import (
 from app.weights.checkpoint import Layout, copy_into, layout_of_state
 from app.weights.delta import Change, state_checksums, write_changes
 from app.weights.expert_names import checkpoint_views
-from app.weights.lora import LoraAdapter
+from app.weights.lora import AdapterBuild, LoraAdapter
 from app.weights.lora_layout import adapter_from
 from app.weights.staging import adopt
 from app.weights.transfer_engine import InProcessTransfer, WeightTransfer
@@ -204,26 +204,8 @@ class TransformersBackend(Backend):
     def prefix_cache(self) -> PrefixCacheStats | None:
         return None if self.prefix is None else self.prefix.stats()
 
-    async def build_adapter(
-        self,
-        config: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
-        *,
-        name: str,
-        version: int,
-        source: str,
-        param: str,
-    ) -> LoraAdapter:
-        adapter = await asyncio.to_thread(
-            adapter_from,
-            config,
-            tensors,
-            self.model,
-            name=name,
-            version=version,
-            source=source,
-            param=param,
-        )
+    async def build_adapter(self, build: AdapterBuild) -> LoraAdapter:
+        adapter = await asyncio.to_thread(adapter_from, build, self.model)
         # Hooks are added on the model thread, between model calls, never during one.
         await self._run(self._install, adapter)
         return adapter

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
-import json
 import logging
-import shutil
-import tempfile
 import uuid
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from app.common.failures import Conflict, Unsupported, invalid
+from app.common.failures import Conflict, Unsupported
 from app.engine.abandon import unless_abandoned, unless_set
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import assemble, position_scores
@@ -32,6 +27,7 @@ from app.engine.types import (
     TokenSink,
     VersionSpan,
 )
+from app.engine.vllm.lora import VLLMLoras
 from app.engine.vllm.outputs import (
     final_only,
     own_log_probs,
@@ -43,8 +39,7 @@ from app.engine.vllm.outputs import (
 from app.engine.vllm.raw_log_probs import raw_log_probs, read_raw_log_probs
 from app.engine.vllm.weights import VLLMTransfer, WeightFiles
 from app.weights.checkpoint import Layout
-from app.weights.lora import LoraAdapter
-from app.weights.lora_layout import CONFIG, WEIGHTS, parse_adapter
+from app.weights.lora import AdapterBuild, LoraAdapter
 from app.weights.transfer_engine import WeightTransfer
 
 logger = logging.getLogger(__name__)
@@ -93,21 +88,7 @@ class VLLMBackend(Backend):
             streamed_log_probs="processed" if processed_log_probs else "raw",
             adapters=lora_rank is not None,
         )
-        self.lora_rank = lora_rank
-        """The largest adapter rank the engine's LoRA layers take; None: LoRA off."""
-        self._adapter_dir = Path()
-        """One PEFT folder per adapter version, as vLLM loads LoRA (cleared at start: ids
-        count from 1 again)."""
-        if lora_rank is not None:
-            self._adapter_dir = adapter_dir or Path(tempfile.mkdtemp(prefix="rlserve-adapters-"))
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-            self._adapter_dir.mkdir(parents=True)
-        self._loras: weakref.WeakKeyDictionary[LoraAdapter, Any] = weakref.WeakKeyDictionary()
-        """Each served adapter version's vLLM LoRARequest, while anything holds the version."""
-        self._lora_ids = itertools.count(1)
-        self._released: list[int] = []
-        """LoRA ids of versions no longer held (appended by their finalizers, from any thread):
-        removed from the engine at the next adapter's load."""
+        self.loras = VLLMLoras(engine, lora_rank, adapter_dir)
 
     @classmethod
     async def start(
@@ -195,7 +176,7 @@ class VLLMBackend(Backend):
         final = None
         sent = 0
         request = TokensPrompt(prompt_token_ids=list(prompt))
-        lora = None if adapter is None else self._loras[adapter]
+        lora = None if adapter is None else self.loras.request_of(adapter)
         outputs = self.engine.generate(
             request, params, request_id=uuid.uuid4().hex, lora_request=lora
         )
@@ -235,54 +216,8 @@ class VLLMBackend(Backend):
 
     # -- LoRA adapters (vLLM's LoRA layers, with RLSERVE_VLLM__MAX_LORAS) --------------------
 
-    async def build_adapter(
-        self,
-        config: dict[str, Any],
-        tensors: dict[str, torch.Tensor],
-        *,
-        name: str,
-        version: int,
-        source: str,
-        param: str,
-    ) -> LoraAdapter:
-        """One version of an adapter as vLLM loads LoRA: a PEFT folder of its own (vLLM checks
-        it against the model as it loads it, here, before any request names it) and a LoRA id
-        of its own, so requests in flight keep the version they started with. The folder and
-        the id go when nothing holds the version any more."""
-        from vllm.lora.request import LoRARequest
-
-        if self.lora_rank is None:
-            raise Unsupported(
-                f"{param}: this vLLM engine serves no LoRA adapters; start it with "
-                "RLSERVE_VLLM__MAX_LORAS (how many adapters one batch may mix)",
-                param=param,
-            )
-        adapter = parse_adapter(
-            config, tensors, None, name=name, version=version, source=source, param=param
-        )
-        if adapter.rank > self.lora_rank:
-            raise Unsupported(
-                f"{param}: the adapter's rank {adapter.rank} is above this engine's largest, "
-                f"RLSERVE_VLLM__MAX_LORA_RANK={self.lora_rank}",
-                param=param,
-            )
-        for released in self._released[:]:
-            self._released.remove(released)
-            await self.engine.remove_lora(released)
-        lora_id = next(self._lora_ids)
-        folder = self._adapter_dir / str(lora_id)
-        await asyncio.to_thread(_write_peft_folder, folder, config, tensors)
-        request = LoRARequest(
-            lora_name=f"{name}@{version}", lora_int_id=lora_id, lora_path=str(folder)
-        )
-        try:
-            await self.engine.add_lora(request)
-        except Exception as exc:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise invalid(param, f"vLLM did not load the adapter: {exc}") from exc
-        self._loras[adapter] = request
-        weakref.finalize(adapter, _release, self._released, lora_id, folder)
-        return adapter
+    async def build_adapter(self, build: AdapterBuild) -> LoraAdapter:
+        return await self.loras.build(build)
 
     def transfer(self) -> WeightTransfer:
         if self._transfer is None:
@@ -474,24 +409,6 @@ class VLLMBackend(Backend):
             engine.shutdown()
             del engine
             gc.collect()  # let vLLM's finaliser run now, not at interpreter exit
-
-
-def _write_peft_folder(
-    folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
-) -> None:
-    """An adapter in PEFT's layout, as vLLM reads one (blocking: call in a thread)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    (folder / CONFIG).write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / WEIGHTS))
-
-
-def _release(released: list[int], lora_id: int, folder: Path) -> None:
-    """A version nothing holds any more (a finalizer, on any thread): its folder goes now, its
-    LoRA id at the engine's next adapter load."""
-    released.append(lora_id)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def platform_options() -> dict[str, Any]:

@@ -244,3 +244,8 @@ def _chunks(source: bytes | Path, size: int, progress: bool | None, asynchronous
             yield chunk  # file reads happen in a thread, off the caller's event loop
 
     return async_chunks() if asynchronous else chunks()
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """A body without the arguments that were not given."""
+    return {k: v for k, v in fields.items() if v is not None}

@@ -22,7 +22,8 @@ class Digests:
         self._digests: dict[str, str] = {}
 
     def of(self, name: str) -> str | None:
-        """`name`'s digest; None when its engine cannot show its weights (vLLM's)."""
+        """`name`'s digest; None when its engine cannot show its weights (a vLLM engine
+        serving no local checkpoint, or tensors a collective transfer set)."""
         return self._digests.get(name)
 
     def all(self) -> dict[str, str]:
@@ -35,10 +36,11 @@ class Digests:
             checksums = await asyncio.to_thread(backend.weight_checksums)
         except Exception:  # (a tensor the engine cannot read as bytes: no digest, no refusal)
             logger.exception("no weight digest for %s", name)
-            self._checksums.pop(name, None)
-            self._digests.pop(name, None)
+            self._forget(name)
             return
-        if checksums is not None:
+        if checksums is None:
+            self._forget(name)
+        else:
             self._set(name, checksums)
 
     async def record(
@@ -61,10 +63,11 @@ class Digests:
             fresh = await asyncio.to_thread(backend.weight_checksums, changed, known)
         except Exception:  # (the weights are written: the update stands, without a digest)
             logger.exception("no weight digest for %s after its update", name)
-            self._checksums.pop(name, None)
-            self._digests.pop(name, None)
+            self._forget(name)
             return
-        if fresh is not None:
+        if fresh is None:  # (the engine no longer shows its weights: no digest from now on)
+            self._forget(name)
+        else:
             self._set(name, {**table, **fresh})
 
     def predict(self, name: str, checksums: Mapping[str, str]) -> str | None:
@@ -73,6 +76,10 @@ class Digests:
         if table is None or not checksums.keys() <= table.keys():
             return None
         return digest({**table, **checksums})
+
+    def _forget(self, name: str) -> None:
+        self._checksums.pop(name, None)
+        self._digests.pop(name, None)
 
     def _set(self, name: str, checksums: dict[str, str]) -> None:
         self._checksums[name] = checksums

@@ -41,7 +41,7 @@ class ReadyResponse(WireModel):
         description="Each served model's weight digest (of its tensors' checksums), for the "
         "version it serves: a trainer compares it with rlserve_client.weight_delta."
         "weights_digest of its own weights. A model whose engine cannot show its weights "
-        "(vLLM) is absent.",
+        "(vLLM serving no local checkpoint, or values a collective transfer set) is absent.",
     )
 
 

@@ -175,7 +175,7 @@ class WeightsUpdated(WireModel):
         default=None,
         description="The digest of the model's weights after the update (of its tensors' "
         "checksums: rlserve_client.weight_delta.weights_digest computes it from a trainer's "
-        "own); null when the engine cannot show its weights (vLLM).",
+        "own); null when the engine cannot show its weights (vLLM after a collective transfer).",
     )
     sent_bytes: int | None = Field(
         default=None,

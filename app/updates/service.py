@@ -346,8 +346,8 @@ class WeightsService:
         backend = self.registry.weights(model)
         if not backend.capabilities.weight_deltas:
             raise Unsupported(
-                f"{param}: the {backend.info.backend} engine takes full weights only (a delta "
-                "is rebuilt from the served tensors, which it does not show)",
+                f"{param}: the {backend.info.backend} engine takes full weights only for this "
+                "model (vLLM: no local checkpoint, or tied embeddings it reloads stale)",
                 param=param,
             )
         base = self.registry.versions[model]
@@ -355,9 +355,9 @@ class WeightsService:
         layout = backend.weight_layout() or {}
 
         def tensor(name: str) -> torch.Tensor:
-            found = backend.served_tensor(name)
-            if found is None:
-                raise invalid(param, f"unknown parameter '{name}' (not in the served model)")
+            if (found := backend.served_tensor(name)) is None:  # (vLLM's, after a transfer)
+                why = f"no file holds '{name}' (the collective transfer set it): send it whole"
+                raise Conflict(f"{param}: {why}", param=param)
             return found
 
         staged = await self._file_work(stage, delta, layout, tensor, base, param=param)

@@ -163,8 +163,15 @@ class TransferService:
         weights = self.registry.weights(announced.model)
         if self.files is None or not weights.capabilities.weight_deltas:
             raise Unsupported(
-                f"{DELTA_PARAM}: the {weights.info.backend} engine takes full weights only (a "
-                "delta is rebuilt from the served tensors, which it does not show)",
+                f"{DELTA_PARAM}: the {weights.info.backend} engine takes full weights only for "
+                "this model (vLLM: no local checkpoint, or tied embeddings it reloads stale)",
+                param=DELTA_PARAM,
+            )
+        layout = weights.weight_layout() or {}
+        if layout and weights.served_tensor(next(iter(layout))) is None:  # (before bytes travel)
+            raise Conflict(
+                f"{DELTA_PARAM}: the {weights.info.backend} engine's weights came over the "
+                "collective transfer, and no file holds them to rebuild a delta on: send it whole",
                 param=DELTA_PARAM,
             )
         check_announced(announced, self.files)

@@ -199,19 +199,38 @@ async def test_a_delta_that_makes_a_nan_is_refused(own_server, model_dir, encodi
     assert (await ready(client))["policy_version"] == 0
 
 
-async def test_an_engine_that_shows_no_weights_refuses_deltas_by_name(served, backend_name):
-    """vLLM's engine runs the model in its own processes: a delta (rebuilt from the served
-    tensors) and a digest to check are refused, saying why; the transformers engine has a
-    digest for each model."""
-    ready = (await served.http.get("/ready")).json()
-    if backend_name == "transformers":
-        assert set(ready["digests"]) == {"policy", "reference"}
-        return
-    assert ready["digests"] == {}
+async def test_every_engine_takes_deltas_and_shows_the_digest_of_what_it_serves(
+    served, backend_name, model_dir
+):
+    """The transformers engine shows its live tensors; vLLM's runs the model in its own
+    processes, and the server reads the served values from the files that hold them (the
+    checkpoint, then each file update's, a delta being one). On both, the digest is the
+    trainer's own weights' (independently computed), a chain of deltas serves the trainer's
+    weights, and a corrupt delta changes nothing."""
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    start = (await served.http.get("/ready")).json()
+    assert set(start["digests"]) == {"policy", "reference"}
+    assert start["digests"]["policy"] == weights_digest(trainer.state_dict())
+    pusher = WeightPusher(served.trainer_client(), dtype=torch.float32)
+    first = await asyncio.to_thread(pusher.push, trainer.state_dict())
+    assert first.digest_ok
+    tolerance = 1e-5 if backend_name == "transformers" else 1e-3
+    for step in range(2):
+        optimizer_step(trainer, seed=40 + step)
+        pushed = await asyncio.to_thread(pusher.push, trainer.state_dict())
+        assert pushed.delta and pushed.digest_ok, pushed
+        assert pushed.sent_bytes < pushed.full_bytes / 3
+        (got,) = await served.scores([SEQUENCE])
+        assert_close(got, forward_log_probs(trainer, SEQUENCE), tolerance)
+    now = (await served.http.get("/ready")).json()
+    assert now["digests"]["policy"] == weights_digest(trainer.state_dict())
     encoder = DeltaEncoder()
-    weight = torch.zeros(4)
-    encoder.remember({"model.norm.weight": weight}, ready["policy_version"], None)
-    blob = encoder.encode({"model.norm.weight": weight + 1}).blob
+    served_now = {k: v.clone() for k, v in trainer.state_dict().items()}
+    encoder.remember(served_now, now["policy_version"], now["digests"]["policy"])
+    optimizer_step(trainer, seed=49)
+    blob = corrupt_a_frame(encoder.encode(trainer.state_dict()).blob)
     refused = await served.http.put("/v1/weights", content=blob)
-    assert refused.status_code == 422, refused.text
-    assert "takes full weights only" in refused.json()["error"]["message"]
+    assert refused.status_code in (400, 409), refused.text
+    assert refused.json()["error"]["param"] == "body"
+    after = (await served.http.get("/ready")).json()
+    assert after["policy_version"] == now["policy_version"] and after["digests"] == now["digests"]

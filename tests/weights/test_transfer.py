@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from rlserve_client import ConflictError, UnprocessableEntityError
+from rlserve_client.weight_delta import DeltaEncoder, weights_digest
 from rlserve_client.weight_transfer import _buckets, announcement
 from transformers import AutoModelForCausalLM
 
@@ -96,6 +97,19 @@ async def test_a_file_update_after_a_transfer_keeps_the_transferred_tensors(
     sent = perturbed(trainer_model, 0.75)
     await asyncio.to_thread(send, served, sent)
     before, current = await served.scores(SEQUENCES), await version(served)
+    digests = (await served.http.get("/ready")).json()["digests"]
+    if backend_name == "vllm":
+        # The transferred values are in vLLM's processes only: no digest, and no delta (it
+        # builds on the served values, which the server reads from files).
+        assert "policy" not in digests
+        encoder = DeltaEncoder()
+        encoder.remember(sent.state_dict(), current, None)
+        nudged = {k: v + 1 for k, v in sent.state_dict().items() if k.endswith("norm.weight")}
+        refused = await served.http.put("/v1/weights", content=encoder.encode(nudged).blob)
+        assert refused.status_code == 409, refused.text
+        assert "no file holds" in refused.json()["error"]["message"]
+    else:
+        assert digests["policy"] == weights_digest(sent.state_dict())
     name = "model.layers.1.mlp.up_proj.weight"
     changed = sent.state_dict()[name] * -0.5
     uploaded = await served.http.put("/v1/weights", content=save({name: changed.contiguous()}))
@@ -113,6 +127,9 @@ async def test_a_file_update_after_a_transfer_keeps_the_transferred_tensors(
     assert await version(served) == current + 1
     for sequence, got in zip(SEQUENCES, await served.scores(SEQUENCES), strict=True):
         assert_close(got, forward_log_probs(sent, sequence), 1e-5)
+    # Every value is in a file again (vLLM): the digest is back, the trainer's own.
+    digests = (await served.http.get("/ready")).json()["digests"]
+    assert digests["policy"] == weights_digest(sent.state_dict())
 
 
 async def test_versions_only_go_up(served, trainer_model):

@@ -8,7 +8,8 @@ import asyncio
 import gc
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from app.engine.vllm.outputs import (
 from app.engine.vllm.raw_log_probs import raw_log_probs, read_raw_log_probs
 from app.engine.vllm.weights import VLLMTransfer, WeightFiles
 from app.weights.checkpoint import Layout
+from app.weights.delta import Change
 from app.weights.lora import AdapterBuild, LoraAdapter
 from app.weights.transfer_engine import WeightTransfer
 
@@ -154,7 +156,7 @@ class VLLMBackend(Backend):
                 adapter_dir=state_dir / "adapters" if state_dir else None,
             )
             hf_config = model_config.hf_config
-            backend.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+            backend.tie_embeddings(bool(getattr(hf_config, "tie_word_embeddings", False)))
             await engine.update_weight_version("0")
             await backend.check()  # the engine answers: ready
         except BaseException:
@@ -355,6 +357,53 @@ class VLLMBackend(Backend):
         """vLLM's own check first (it raises once the engine core process is gone)."""
         await self.engine.check_health()
         await super().check()
+
+    def tie_embeddings(self, tied: bool) -> None:
+        """Whether the model's output head is its input embedding. File updates (and so
+        deltas, which reload from files) are refused then: vLLM's reload leaves a tied head
+        stale (`check_update`)."""
+        self.tied_embeddings = tied
+        deltas = self.weights is not None and not tied
+        self.capabilities = replace(self.capabilities, weight_deltas=deltas)
+
+    def _stored_names(self, names: Iterable[str] | None = None) -> dict[str, str] | None:
+        """Each tensor of the layout (all, or `names` and those tied to them) to the name its
+        file stores it under; None when the files do not hold the served values (no local
+        checkpoint, or a collective transfer set tensors that no file has)."""
+        if self.weights is None or self.transferred:
+            return None
+        layout = self.weight_layout() or {}
+        return self.weights.stored_names(layout, tied=self.tied_embeddings, names=names)
+
+    def served_tensor(self, name: str) -> torch.Tensor | None:
+        """The served value of `name`, read from the file that holds it (vLLM's tensors live
+        in its own processes); None after a collective transfer (its values are in none)."""
+        stored = self._stored_names([name])
+        if stored is None or name not in stored or self.weights is None:
+            return None
+        return self.weights.tensor(stored[name])
+
+    def weight_checksums(
+        self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
+    ) -> dict[str, str] | None:
+        """From the files that hold the served values (None after a collective transfer: the
+        model is then served without a digest until a file update)."""
+        stored = self._stored_names(names)
+        if stored is None or self.weights is None:
+            return None
+        return self.weights.checksums(stored, known)
+
+    async def write_tensors(self, changes: dict[str, Change]) -> None:
+        """A delta's changes as a file update: each changed tensor rebuilt on the host from
+        its file, written as one checkpoint, and the model reloaded from files (as vLLM
+        updates weights)."""
+        weights = self.weights
+        assert weights is not None and not self.transferred  # (`weight_deltas`, staging)
+        path = await asyncio.to_thread(weights.changed_file, changes)
+        try:
+            await self.update_weights([path])
+        finally:
+            path.unlink(missing_ok=True)
 
     def weight_layout(self) -> Layout | None:
         """The checkpoint's tensors; with tied embeddings also the output head a trainer's

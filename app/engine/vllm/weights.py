@@ -8,11 +8,18 @@ import dataclasses
 import logging
 import shutil
 import uuid
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+from rlserve_client.weight_delta import tensor_checksum
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from app.common.failures import InvalidInput
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
+from app.weights.delta import Change, write_changes
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import WeightTransfer, rendezvous_listening
 from app.weights.transport import Connection
@@ -92,7 +99,9 @@ class VLLMTransfer(WeightTransfer):
 class WeightFiles:
     """Where the current value of every tensor lives: the served checkpoint's files, or kept
     copies of later updates. vLLM reloads whole models (it repacks layers after loading), so a
-    partial update is completed with the current values of the other tensors."""
+    partial update is completed with the current values of the other tensors; and since the
+    model's own tensors live in vLLM's processes, these files are what the server shows of
+    them (a delta's base, the digest)."""
 
     def __init__(self, location: dict[str, Path], layout: Layout, directory: Path) -> None:
         self.location = location
@@ -115,6 +124,64 @@ class WeightFiles:
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
         return cls(location, layout, directory)
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The current value of tensor `name`, read from its file (None: no file has it)."""
+        file = self.location.get(name)
+        if file is None:
+            return None
+        with safe_open(str(file), framework="pt") as f:
+            tensor: torch.Tensor = f.get_tensor(name)
+        return tensor
+
+    def stored_names(
+        self, layout: Iterable[str], *, tied: bool, names: Iterable[str] | None = None
+    ) -> dict[str, str]:
+        """Each tensor of `layout` (all, or `names` and those tied to them) to the name its
+        file stores it under (a tied output head: the embedding's)."""
+        aliases = {}
+        if tied and "lm_head.weight" not in self.location:
+            aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        stored = {name: aliases.get(name, name) for name in layout}
+        if names is None:
+            return stored
+        wanted = {stored.get(name, name) for name in names}
+        return {name: s for name, s in stored.items() if s in wanted}
+
+    def changed_file(self, changes: dict[str, Change]) -> Path:
+        """A checkpoint of the changed tensors, each rebuilt from its current value (blocking:
+        call in a thread); the caller removes it."""
+        state: dict[str, torch.Tensor] = {}
+        patches: dict[str, Change] = {}
+        for name, change in changes.items():
+            if isinstance(change, torch.Tensor):
+                state[name] = change
+                continue
+            base = self.tensor(name)
+            assert base is not None  # (staged against it)
+            state[name], patches[name] = base.clone(), change
+        write_changes(state, patches)
+        path = self.directory / f"delta-{uuid.uuid4().hex}.safetensors"
+        save_file({name: t.contiguous() for name, t in state.items()}, str(path))
+        return path
+
+    def checksums(
+        self, names: dict[str, str], known: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        """The checksum (`rlserve_client.weight_delta.DIGEST`) of each name's tensor, by the
+        name whose file holds it (`names`: a name to the one its file stores it under), taking
+        the `known` checksums as they are; each tensor read once, a file opened once."""
+        known = known or {}
+        by_file: dict[Path, set[str]] = {}
+        for stored in set(names.values()):
+            if stored not in known:
+                by_file.setdefault(self.location[stored], set()).add(stored)
+        found = {stored: known[stored] for stored in names.values() if stored in known}
+        for file, stored_names in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for stored in stored_names:
+                    found[stored] = tensor_checksum(f.get_tensor(stored))
+        return {name: known.get(name) or found[stored] for name, stored in names.items()}
 
     def stage(self, files: list[Path]) -> list[tuple[str, list[str]]]:
         """Keep copies of `files`; return (file, names) covering every tensor."""

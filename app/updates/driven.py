@@ -152,10 +152,11 @@ class DrivenUpdates:
             buckets=[len(bucket.names)] if bucket.flattened else None,
         )
         async with self._lock:
-            paused = self.registry.gate.state().paused
-            if bucket.abort_all and not paused:
+            gate = self.registry.gate
+            if bucket.abort_all and not gate.state().paused:
                 await abort_in_flight(self.registry, self.weights)
-            read, session = await self._write(lambda s: held(s, paused))
+            # (the pause is read again on each try: a write that came first may follow one)
+            read, session = await self._write(lambda s: held(s, gate.state().paused))
             if session.kind is None:  # an update of its own
                 await self.weights.transfer_start("policy")
                 await self.weights.transfer_update(announce)

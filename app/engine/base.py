@@ -87,6 +87,11 @@ class ModelWeights(ABC):
         offered: `app.weights.delta`)."""
         return None
 
+    def delta_base_refusal(self) -> str | None:
+        """Why the served values cannot be a delta's base now, on an engine that takes deltas
+        (`Capabilities.weight_deltas`); None: they can."""
+        return None
+
     async def write_tensors(self, changes: dict[str, Change]) -> None:
         """Write checked changes (by checkpoint name) into the live model: a tensor copied
         whole, or a `Patch`'s bytes scattered (`app.weights.delta`)."""

@@ -12,16 +12,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-from rlserve_client.weight_delta import DeltaHeader
-
-from app.common.failures import Conflict, Failure, Malformed, TooLarge, Unsupported, invalid
+from app.common.failures import Conflict, Failure, Malformed, TooLarge, Unsupported
 from app.config_groups import WeightSettings
 from app.engine.registry import ModelRegistry
+from app.updates.deltas import DeltaUpdates, is_delta
 from app.updates.origin import origin_checkpoint
 from app.updates.outcome import updated
 from app.updates.types import Applied, Publish
@@ -36,15 +34,11 @@ from app.weights.checkpoint import (
     read_layout,
     snapshot,
     to_safetensors,
+    write_and_flush,
 )
 from app.weights.delta import (
     Staged,
-    check_base,
     is_delta_file,
-    is_delta_folder,
-    one_file,
-    read_delta,
-    stage,
 )
 from app.weights.shipment import CHUNK_BYTES, Put, Shipment, ship
 
@@ -71,7 +65,9 @@ class Checked:
     num_bytes: int
 
 
-class WeightsService:
+class WeightsService(DeltaUpdates):
+    """(Deltas of the served weights: `DeltaUpdates`, `app.updates.deltas`.)"""
+
     def __init__(self, registry: ModelRegistry, settings: WeightSettings, data_dir: Path) -> None:
         self.registry = registry
         self.settings = settings
@@ -95,7 +91,7 @@ class WeightsService:
         whole or not at all. A delta (a folder or file `app.weights.delta` reads as one) is
         rebuilt from the served weights."""
         self.registry.weights(model)  # (a model not served is refused first)
-        if await self._file_work(_is_delta, Path(path), param=param):
+        if await self._file_work(is_delta, Path(path), param=param):
             return await self._apply_delta(Path(path), model, publish, param)
         files = await self._file_work(checkpoint_files, Path(path), param, param=param)
         if not self.settings.snapshot_loads:
@@ -115,16 +111,6 @@ class WeightsService:
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
-
-    async def delta_file(self, path: Path, param: str) -> bytes | Path | None:
-        """A delta at `path` as one file (a folder's parts gathered; a file as it is), or
-        None when `path` is a full checkpoint."""
-        if not await self._file_work(_is_delta, path, param=param):
-            return None
-        if path.is_file():
-            return path
-        delta = await self._file_work(read_delta, path, param, param=param)
-        return await self._file_work(one_file, delta, param=param)
 
     def checkpoint_bytes(self, model: str) -> int:
         """The bytes of `model`'s whole checkpoint (its tensors')."""
@@ -244,7 +230,7 @@ class WeightsService:
                 if size - written >= _WRITE_BATCH_BYTES:
                     await asyncio.to_thread(sink.writelines, pending)
                     pending, written = [], size
-            await asyncio.to_thread(_write_and_flush, sink, pending)
+            await asyncio.to_thread(write_and_flush, sink, pending)
             if size == 0:
                 raise Malformed("body: the upload is empty", param="body")
             yield Path(sink.name)
@@ -330,87 +316,6 @@ class WeightsService:
 
     # -- deltas of the served weights (app.weights.delta) ------------------------------------
 
-    async def _apply_delta(self, path: Path, model: str, publish: Publish, param: str) -> Applied:
-        """Rebuild a delta's tensors from the served ones while serving goes on, check each
-        against its checksum, then swap them in under `publish`'s pause; refused whole (the
-        served weights untouched) at the first problem."""
-        start = time.perf_counter()
-        staged, header = await self._stage_delta(path, model, param)
-        await self._expected(staged, model, publish.expect_digest)
-        return await self._commit_delta(
-            staged, model, _delta_publish(header, publish, param), start
-        )
-
-    async def _stage_delta(self, path: Path, model: str, param: str) -> tuple[Staged, DeltaHeader]:
-        delta = await self._file_work(read_delta, path, param, param=param)
-        backend = self.registry.weights(model)
-        if not backend.capabilities.weight_deltas:
-            raise Unsupported(
-                f"{param}: the {backend.info.backend} engine takes full weights only for this "
-                "model (vLLM: no local checkpoint, or tied embeddings it reloads stale)",
-                param=param,
-            )
-        base = self.registry.versions[model]
-        check_base(delta, base, self.registry.digests.of(model))
-        layout = backend.weight_layout() or {}
-
-        def tensor(name: str) -> torch.Tensor:
-            if (found := backend.served_tensor(name)) is None:  # (vLLM's, after a transfer)
-                why = f"no file holds '{name}' (the collective transfer set it): send it whole"
-                raise Conflict(f"{param}: {why}", param=param)
-            return found
-
-        staged = await self._file_work(stage, delta, layout, tensor, base, param=param)
-        return staged, delta.header
-
-    async def stage_delta_bytes(
-        self, blob: bytes, model: str, param: str
-    ) -> tuple[Staged, DeltaHeader]:
-        """A delta received as bytes (over the collective transfer), staged against `model`'s
-        served weights and checked as an uploaded one is (`_stage_delta`); its file is gone
-        afterwards (the staged changes are in memory)."""
-        self.uploads.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
-            await self._file_work(_write_and_flush, sink, [blob], param=param)
-            return await self._stage_delta(Path(sink.name), model, param)
-
-    async def commit_delta(
-        self, staged: Staged, header: DeltaHeader, model: str, publish: Publish, start: float
-    ) -> Applied:
-        """Swap in a staged delta (`stage_delta_bytes`) as `publish` or the version it names."""
-        return await self._commit_delta(
-            staged, model, _delta_publish(header, publish, staged.param), start
-        )
-
-    async def _commit_delta(
-        self, staged: Staged, model: str, publish: Publish, start: float
-    ) -> Applied:
-        async with self.registry.writing(model, **publish.gate()) as (target, version):
-            if self.registry.versions[model] != staged.base_version:  # another came first
-                raise Conflict(
-                    f"{staged.param}: version {self.registry.versions[model]} was committed "
-                    f"while the delta of version {staged.base_version} was staged; nothing "
-                    "was applied",
-                    param=staged.param,
-                )
-            paused_at = time.perf_counter()
-            await target.write_tensors(staged.changes)
-            changed, known = staged.changes, staged.checksums
-            await self.registry.digests.record(model, target, changed, known)
-            paused = time.perf_counter() - paused_at
-        applied = updated(
-            self.registry.versions,
-            model,
-            version,
-            len(staged.changes),
-            staged.num_bytes,
-            paused,
-            start,
-            digest=self.registry.digests.of(model),
-            snapshot=publish.snapshot,
-        )
-        return replace(applied, sent_bytes=staged.compressed_bytes)
-
     # -- one update over several replicas (app.deploy.replicated): stage, then commit or abort
 
     async def stage(
@@ -477,24 +382,3 @@ class WeightsService:
         await self.stage(update_id, shipment, model, "path")
         publish = Publish(version=version, snapshot=snapshot)
         return await self.commit_staged(update_id, model, publish)
-
-
-def _is_delta(path: Path) -> bool:
-    return is_delta_folder(path) if path.is_dir() else path.is_file() and is_delta_file(path)
-
-
-def _delta_publish(header: DeltaHeader, publish: Publish, param: str) -> Publish:
-    """The version a delta is served as: the request's, or the one the delta names."""
-    if header.version is None or publish.version == header.version:
-        return publish
-    if publish.version is None:
-        return replace(publish, version=header.version)
-    raise invalid(
-        "version",
-        f"the request names version {publish.version}, the delta ({param}) {header.version}",
-    )
-
-
-def _write_and_flush(sink: Any, chunks: list[bytes]) -> None:
-    sink.writelines(chunks)
-    sink.flush()

@@ -160,20 +160,9 @@ class TransferService:
                 "a delta is its update's only announcement, and of a model's weights (start "
                 "another update for other tensors or an adapter)",
             )
-        weights = self.registry.weights(announced.model)
-        if self.files is None or not weights.capabilities.weight_deltas:
-            raise Unsupported(
-                f"{DELTA_PARAM}: the {weights.info.backend} engine takes full weights only for "
-                "this model (vLLM: no local checkpoint, or tied embeddings it reloads stale)",
-                param=DELTA_PARAM,
-            )
-        layout = weights.weight_layout() or {}
-        if layout and weights.served_tensor(next(iter(layout))) is None:  # (before bytes travel)
-            raise Conflict(
-                f"{DELTA_PARAM}: the {weights.info.backend} engine's weights came over the "
-                "collective transfer, and no file holds them to rebuild a delta on: send it whole",
-                param=DELTA_PARAM,
-            )
+        if self.files is None:
+            raise Unsupported(f"{DELTA_PARAM}: this server stages no deltas", param=DELTA_PARAM)
+        self.files.delta_base(announced.model, DELTA_PARAM)  # (refused before bytes travel)
         check_announced(announced, self.files)
 
     def is_delta(self, model: str) -> bool:

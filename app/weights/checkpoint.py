@@ -255,3 +255,9 @@ def _read_exactly(f: Any, buffer: memoryview) -> None:
         if not count:
             raise OSError("unexpected end of file")
         filled += count
+
+
+def write_and_flush(sink: Any, chunks: list[bytes]) -> None:
+    """Write `chunks` to the open file `sink` and flush it (blocking: call in a thread)."""
+    sink.writelines(chunks)
+    sink.flush()

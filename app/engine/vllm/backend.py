@@ -378,10 +378,17 @@ class VLLMBackend(Backend):
     def served_tensor(self, name: str) -> torch.Tensor | None:
         """The served value of `name`, read from the file that holds it (vLLM's tensors live
         in its own processes); None after a collective transfer (its values are in none)."""
-        stored = self._stored_names([name])
-        if stored is None or name not in stored or self.weights is None:
+        if self.weights is None or self.transferred:
             return None
-        return self.weights.tensor(stored[name])
+        return self.weights.tensor(self.weights.stored_name(name, tied=self.tied_embeddings))
+
+    def delta_base_refusal(self) -> str | None:
+        if self.transferred:
+            return (
+                "no file holds the values the collective transfer set (vLLM reloads from "
+                "files): send the whole model"
+            )
+        return None
 
     def weight_checksums(
         self, names: Iterable[str] | None = None, known: Mapping[str, str] | None = None
@@ -400,10 +407,7 @@ class VLLMBackend(Backend):
         weights = self.weights
         assert weights is not None and not self.transferred  # (`weight_deltas`, staging)
         path = await asyncio.to_thread(weights.changed_file, changes)
-        try:
-            await self.update_weights([path])
-        finally:
-            path.unlink(missing_ok=True)
+        await self._reload([path], move=True)
 
     def weight_layout(self) -> Layout | None:
         """The checkpoint's tensors; with tied embeddings also the output head a trainer's
@@ -442,8 +446,13 @@ class VLLMBackend(Backend):
             )
 
     async def update_weights(self, files: list[Path]) -> None:
+        await self._reload(files, move=False)
+
+    async def _reload(self, files: list[Path], *, move: bool) -> None:
+        """Reload the model from the current files with `files` over them (kept: copied, or
+        moved when they are the server's own)."""
         assert self.weights is not None  # check_update refused otherwise
-        sources = self.weights.stage(files)
+        sources = self.weights.stage(files, move=move)
         try:
             await self.engine.collective_rpc("rlserve_reload_weights", args=(sources,))
         except BaseException:

@@ -134,23 +134,27 @@ class WeightFiles:
             tensor: torch.Tensor = f.get_tensor(name)
         return tensor
 
+    def stored_name(self, name: str, *, tied: bool) -> str:
+        """The name `name`'s value is stored under in its file (a tied output head that no
+        file holds: the embedding's)."""
+        if tied and name == "lm_head.weight" and name not in self.location:
+            return "model.embed_tokens.weight"
+        return name
+
     def stored_names(
         self, layout: Iterable[str], *, tied: bool, names: Iterable[str] | None = None
     ) -> dict[str, str]:
         """Each tensor of `layout` (all, or `names` and those tied to them) to the name its
-        file stores it under (a tied output head: the embedding's)."""
-        aliases = {}
-        if tied and "lm_head.weight" not in self.location:
-            aliases["lm_head.weight"] = "model.embed_tokens.weight"
-        stored = {name: aliases.get(name, name) for name in layout}
+        file stores it under (`stored_name`)."""
+        stored = {name: self.stored_name(name, tied=tied) for name in layout}
         if names is None:
             return stored
         wanted = {stored.get(name, name) for name in names}
         return {name: s for name, s in stored.items() if s in wanted}
 
     def changed_file(self, changes: dict[str, Change]) -> Path:
-        """A checkpoint of the changed tensors, each rebuilt from its current value (blocking:
-        call in a thread); the caller removes it."""
+        """A checkpoint of the changed tensors, each rebuilt from its current value, in the
+        kept files' folder (blocking: call in a thread); `stage(..., move=True)` takes it."""
         state: dict[str, torch.Tensor] = {}
         patches: dict[str, Change] = {}
         for name, change in changes.items():
@@ -183,13 +187,17 @@ class WeightFiles:
                     found[stored] = tensor_checksum(f.get_tensor(stored))
         return {name: known.get(name) or found[stored] for name, stored in names.items()}
 
-    def stage(self, files: list[Path]) -> list[tuple[str, list[str]]]:
-        """Keep copies of `files`; return (file, names) covering every tensor."""
+    def stage(self, files: list[Path], *, move: bool = False) -> list[tuple[str, list[str]]]:
+        """Keep `files` (copies; with `move`, the files themselves); return (file, names)
+        covering every tensor."""
         location = dict(self.location)
         copies = []
         for file in files:
             copy = self.directory / f"{uuid.uuid4().hex}.safetensors"
-            shutil.copyfile(file, copy)
+            if move:
+                file.replace(copy)
+            else:
+                shutil.copyfile(file, copy)
             copies.append(copy)
             location |= dict.fromkeys(read_layout([copy], "weights"), copy)
         self._staged = (location, copies)

@@ -34,6 +34,7 @@ from app.common.failures import (
     VersionBehind,
     VersionPassed,
 )
+from app.words import NATIVE_WORDS
 
 
 class ErrorInfo(BaseModel):
@@ -102,6 +103,8 @@ FAILURES: dict[type[Failure], ErrorKind] = {
 def failure_error(exc: Failure) -> APIError:
     """The APIError for a domain failure (the nearest kind in the table along its MRO)."""
     kind = next(FAILURES[cls] for cls in type(exc).__mro__ if cls in FAILURES)
+    if exc.role is not None:  # (a role no route worded: rlserve's word, else its own name)
+        exc.word({exc.role: NATIVE_WORDS.get(exc.role, exc.role.value)})
     return APIError(kind.status, exc.message, type=kind.type, param=exc.param, headers=kind.headers)
 
 

@@ -19,6 +19,7 @@ BELOW_SERVICES = (
     "app.config",
     "app.config_groups",
     "app.errors",
+    "app.words",
 )
 """What every service stands on: none of these imports a service, a dialect or a route."""
 ENTRY_POINTS = {"app.cli", "app.deploy.ray_serve"}

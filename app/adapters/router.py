@@ -20,17 +20,17 @@ from app.adapters.protocol import (
 )
 from app.common.failures import worded
 from app.common.protocol import ADAPTER_NAME_PATTERN
+from app.common.roles import Role
 from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.errors import ADAPTER_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
 from app.ops.limits import declared_size
-from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE
 
 router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
-LOADED = {ADAPTER: "name", ADAPTER_SOURCE: "path", ADAPTER_CONFIG: "path"}
+LOADED = {Role.ADAPTER: "name", Role.ADAPTER_SOURCE: "path", Role.ADAPTER_CONFIG: "path"}
 """The fields an adapter's refusals name (`app.updates.adapters`' roles), per route."""
-PUSHED = {ADAPTER: "name", ADAPTER_SOURCE: "body", ADAPTER_CONFIG: "name"}
-NAMED = {ADAPTER: "name"}
+PUSHED = {Role.ADAPTER: "name", Role.ADAPTER_SOURCE: "body", Role.ADAPTER_CONFIG: "name"}
+NAMED = {Role.ADAPTER: "name"}
 AdapterPath = Annotated[str, Path(min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN)]
 
 

@@ -5,27 +5,76 @@ routes decides an HTTP status."""
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Mapping
+
+from app.common.roles import Role
 
 
 class Failure(Exception):
-    """A failure the caller caused or must wait out; `param` names the request field at fault
-    (or a role, which the route that called names in its own words: `worded`)."""
+    """A failure the caller caused or must wait out. At the edge, `param` names the request
+    field at fault and the message is whole. Below it, `role` names what is at fault in the
+    core's terms (and `index`, which of a list's items) and the message is the reason alone:
+    the route that called words the role (`word`), and the field and message are composed
+    from its word and the reason."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        role: Role | None = None,
+        index: int | None = None,
+    ) -> None:
         super().__init__(message)
-        self.message = message
-        self.param = param
+        self.reason = self.message = message
+        self.param, self.role, self.index = param, role, index
+        if role is not None:
+            self._name(str(role))
 
-    def reword(self, words: Mapping[str, str]) -> None:
-        """Name the caller's field in place of the role `param` is, when `words` names it
-        (the message's leading role too)."""
-        if self.param is None or (word := words.get(self.param)) is None:
-            return
-        if self.message.startswith(self.param):
-            self.message = word + self.message[len(self.param) :]
-        self.param = word
+    def _name(self, field: str) -> None:
+        self.message = f"{field}{'' if self.index is None else f'[{self.index}]'}: {self.reason}"
         self.args = (self.message,)
+
+    def word(self, words: Mapping[Role, str]) -> None:
+        """Name the role in `words`' terms, when they name it and no route has yet: the
+        field, and the message composed as `field: reason`."""
+        if self.role is None or self.param is not None or (field := words.get(self.role)) is None:
+            return
+        self._name(field)
+        self.param = self.message.partition(": ")[0]
+
+    def noted(self, context: str) -> Failure:
+        """The same failure, `context` appended to its reason."""
+        again = copy.copy(self)
+        again.reason, again.message = f"{self.reason} ({context})", f"{self.message} ({context})"
+        again.args = (again.message,)
+        return again
+
+    def recast(self, roles: Mapping[Role, Role]) -> None:
+        """Name another role in place of this one, where `roles` maps it (a step that gives a
+        lower step's failure its own meaning, e.g. an adapter's size at a transfer)."""
+        if self.role is not None and self.param is None and self.role in roles:
+            self.role = roles[self.role]
+            self._name(str(self.role))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled whole (a Ray replica's failure reaches the router with its role)."""
+        state = (self.reason, self.param, self.role, self.index, self.message)
+        return (_rebuilt, (type(self), *state))
+
+
+def _rebuilt(
+    kind: type[Failure],
+    reason: str,
+    param: str | None,
+    role: Role | None,
+    index: int | None,
+    message: str,
+) -> Failure:
+    failure = kind(reason, role=role, index=index)
+    failure.param, failure.message, failure.args = param, message, (message,)
+    return failure
 
 
 class InvalidInput(Failure):
@@ -96,31 +145,44 @@ class PeerFailed(Failure):
     """The other side of a collective (a trainer in a weight transfer) failed or went away."""
 
 
-def invalid(param: str, message: str) -> InvalidInput:
-    """An InvalidInput naming `param`, its message prefixed by it."""
-    return InvalidInput(f"{param}: {message}", param=param)
+def invalid(at: str | Role, message: str, *, index: int | None = None) -> InvalidInput:
+    """An InvalidInput naming a request field (its message prefixed by it) or a role (and
+    which of its items)."""
+    if isinstance(at, Role):
+        return InvalidInput(message, role=at, index=index)
+    return InvalidInput(f"{at}: {message}", param=at)
 
 
-def file_failure(error: OSError, param: str) -> Failure:
-    """A file call on a path the request named (field `param`) that failed: the client's
-    failure, named, never a 500. None there (404), not the server's to read (403), else a
-    path the server cannot use (422, with the system's reason)."""
+def file_failure(error: OSError, role: Role) -> Failure:
+    """A file call on a path the request named (as `role`) that failed: the client's failure,
+    named, never a 500. None there (404), not the server's to read (403), else a path the
+    server cannot use (422, with the system's reason)."""
     where = error.filename if error.filename is not None else "the path"
     reason = error.strerror or type(error).__name__
     if isinstance(error, FileNotFoundError):
-        return NotFound(f"{param}: {where} does not exist on the server", param=param)
+        return NotFound(f"{where} does not exist on the server", role=role)
     if isinstance(error, PermissionError):
-        return Forbidden(f"{param}: the server may not read {where} ({reason})", param=param)
-    return invalid(param, f"the server cannot use {where}: {reason}")
+        return Forbidden(f"the server may not read {where} ({reason})", role=role)
+    return InvalidInput(f"the server cannot use {where}: {reason}", role=role)
 
 
 @contextlib.contextmanager
-def worded(words: Mapping[str, str]) -> Iterator[None]:
-    """Failures raised inside that name one of the roles in `words` (the core's names for what
-    a request carries, e.g. `app.weights.lora.ADAPTER`) name the caller's field instead: each
-    route maps the roles to its own vocabulary's words."""
+def worded(words: Mapping[Role, str]) -> Iterator[None]:
+    """Failures raised inside that name one of the roles in `words` name the caller's field
+    for it: each route maps the roles to its own vocabulary's words (the innermost route that
+    words a role names it)."""
     try:
         yield
     except Failure as exc:
-        exc.reword(words)
+        exc.word(words)
+        raise
+
+
+@contextlib.contextmanager
+def recast(roles: Mapping[Role, Role]) -> Iterator[None]:
+    """Failures raised inside that name one of the roles in `roles` name its image instead."""
+    try:
+        yield
+    except Failure as exc:
+        exc.recast(roles)
         raise

@@ -11,6 +11,7 @@ from typing import Any
 from app.common.constraints import sampling_constraints
 from app.common.failures import TooLarge, invalid
 from app.common.inputs import InputPreparer, Prepared, check_num_items, text_volume
+from app.common.roles import Role
 from app.common.routed_experts import check_prompt_start, routing_of
 from app.common.sampling import OWN_NAMES, GenerationAsk, Names
 from app.config_groups import LimitSettings
@@ -58,7 +59,7 @@ class ModelServing:
         its `batch_invariant`, else the server's `batching.invariant`."""
         invariant = self.registry.invariant if requested is None else requested
         if invariant:
-            check_batch_invariant(served, "batch_invariant")
+            check_batch_invariant(served, Role.BATCH_INVARIANT)
         return invariant
 
     def max_new_tokens(self, requested: int | None, field: str = "max_new_tokens") -> int:

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import TypeVar
 
+from app.common.failures import TimedOut
 from app.deploy.replica import Refusal
 from app.engine.gate import GateState
 from app.updates.types import TransferStatus
@@ -28,7 +29,7 @@ def serving(states: list[GateState | Refusal]) -> GateState:
 def cause(refused: list[Refusal]) -> Refusal:
     """The refusal that says why: the first that is not a replica timing out (which the
     others waiting on a failed one do)."""
-    return next((r for r in refused if r.kind != "TimedOut"), refused[0])
+    return next((r for r in refused if not isinstance(r.raised, TimedOut)), refused[0])
 
 
 _STATES = ("idle", "joined", "updating")

@@ -6,14 +6,15 @@ replica's own local step (`app.updates.local.LocalWeights`). A failure is answer
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from app.common import failures
 from app.common.caller import Caller
 from app.common.failures import Conflict, Failure, PeerFailed
+from app.common.roles import Role
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.updates.adapters import Serving
@@ -28,7 +29,7 @@ from app.updates.types import (
     ServedWeights,
     TransferStatus,
 )
-from app.weights.lora import ADAPTER_SOURCE, LoraAdapter
+from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import read_upload
 from app.weights.shipment import Shipment
 
@@ -38,27 +39,27 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Refusal:
-    """A replica's failure, as data."""
+    """A replica's failure, as data: a `Failure` pickles whole (its kind, role, field and
+    message), so it crosses process boundaries as it was raised."""
 
-    kind: str
-    message: str
-    param: str | None = None
+    raised: Failure
+
+    @property
+    def message(self) -> str:
+        return self.raised.message
 
     @classmethod
     def of(cls, exc: Failure) -> Refusal:
-        return cls(type(exc).__name__, exc.message, exc.param)
+        return cls(exc)
 
     @classmethod
     def unreachable(cls, exc: BaseException) -> Refusal:
         """A replica that could not answer (gone, or failed outside the domain's failures)."""
-        return cls(PeerFailed.__name__, str(exc) or type(exc).__name__)
+        return cls(PeerFailed(str(exc) or type(exc).__name__))
 
-    def failure(self, context: str) -> Failure:
-        """The failure it raised there (same status, same field), `context` appended."""
-        kind = getattr(failures, self.kind, None)
-        if not (isinstance(kind, type) and issubclass(kind, Failure)):
-            kind = PeerFailed
-        return kind(f"{self.message} ({context})", param=self.param)
+    def failure(self, context: str | None = None) -> Failure:
+        """The failure it raised there (same kind, same role or field), `context` appended."""
+        return self.raised.noted(context) if context is not None else copy.copy(self.raised)
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ class Stage:
     update_id: str
     shipment: Shipment
     model: str
-    param: str
-    """The request field the checkpoint came from (named in a refusal)."""
+    role: Role
+    """What the checkpoint is to the request (named in a refusal)."""
     expect_digest: str | None = None
     """The digest the weights must have once it is applied (`Publish.expect_digest`)."""
 
@@ -114,7 +115,7 @@ async def serve_shipped_adapter(
     """Serve `step`'s shipped tensors on this replica, with `config` (default: the one in
     the file's metadata, else the one the adapter is served with)."""
     async with weights.files.unpacked(step.shipment) as file:
-        shipped_config, tensors = await asyncio.to_thread(read_upload, file, ADAPTER_SOURCE)
+        shipped_config, tensors = await asyncio.to_thread(read_upload, file, Role.ADAPTER_SOURCE)
     serving = Serving(
         step.name,
         tensors,
@@ -157,7 +158,7 @@ class ReplicaEndpoint:
         """Copy and check the shipped checkpoint; the version this replica serves now."""
         files = self.local_weights().files
         return await files.stage(
-            stage.update_id, stage.shipment, stage.model, stage.param, stage.expect_digest
+            stage.update_id, stage.shipment, stage.model, stage.role, stage.expect_digest
         )
 
     @answered
@@ -223,7 +224,7 @@ class ReplicaEndpoint:
         """Join at this replica's rank offset (`offsets`: by replica id)."""
         if (offset := offsets.get(self.replica_id())) is None:
             raise Conflict(
-                "model: the replicas changed while the group formed; init again", param="model"
+                "the replicas changed while the group formed; init again", role=Role.MODEL
             )
         return await self.local_weights().transfer_init(join.at(offset))
 

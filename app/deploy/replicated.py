@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed
+from app.common.roles import Role
 from app.deploy.answers import cause, combined, of_kind, serving
 from app.deploy.replica import (
     Commit,
@@ -118,20 +119,20 @@ class ReplicatedWeights(ReplicatedAdapters):
     # -- checkpoint updates ----------------------------------------------------------------
 
     async def load(
-        self, path: str, model: str, publish: Publish, *, param: str = "path"
+        self, path: str, model: str, publish: Publish, *, role: Role = Role.CHECKPOINT
     ) -> Applied:
         """Read once here, shipped to every replica (a delta folder as one file)."""
         self.local.registry.weights(model)  # (a model not served is refused first)
         put, files = self.replicas.put, self.local.files
-        delta = await files.delta_file(Path(path), param)
+        delta = await files.delta_file(Path(path), role)
         if isinstance(delta, Path):
-            shipment = await files.ship({"delta.safetensors": delta}, put, param, self.chunk_bytes)
+            shipment = await files.ship({"delta.safetensors": delta}, put, role, self.chunk_bytes)
         elif delta is not None:
             shipment = ship_bytes({"delta.safetensors": delta}, put, self.chunk_bytes)
         if delta is not None:
-            return await self._update(shipment, model, publish, param, delta=True)
-        shipment = await files.ship_checkpoint(path, put, self.chunk_bytes, param=param)
-        return await self._update(shipment, model, publish, param)
+            return await self._update(shipment, model, publish, role, delta=True)
+        shipment = await files.ship_checkpoint(path, put, self.chunk_bytes, role=role)
+        return await self._update(shipment, model, publish, role)
 
     async def pull_published(
         self, local: str | None, source: str, target: int, stream: str = "slime"
@@ -149,7 +150,7 @@ class ReplicatedWeights(ReplicatedAdapters):
         return [
             answer
             if isinstance(answer, ServedWeights)
-            else ServedWeights(model, -1, None, None, last_error=answer.message)
+            else ServedWeights(model, -1, None, None, last_error=answer.raised)
             for answer in answers
         ]
 
@@ -170,20 +171,20 @@ class ReplicatedWeights(ReplicatedAdapters):
         self.local.registry.weights(model)  # (a model not served is refused before the body)
         files = self.local.files
         async with files.received(chunks, files.upload_limit(), size) as path:
-            delta = await files.delta_file(path, "body") is not None
+            delta = await files.delta_file(path, Role.UPLOAD) is not None
             shipped = {"model.safetensors": path}
-            shipment = await files.ship(shipped, self.replicas.put, "body", self.chunk_bytes)
-        return await self._update(shipment, model, publish, "body", delta=delta)
+            shipment = await files.ship(shipped, self.replicas.put, Role.UPLOAD, self.chunk_bytes)
+        return await self._update(shipment, model, publish, Role.UPLOAD, delta=delta)
 
     async def _update(
-        self, shipment: Shipment, model: str, publish: Publish, param: str, delta: bool = False
+        self, shipment: Shipment, model: str, publish: Publish, role: Role, delta: bool = False
     ) -> Applied:
         each = self.replicas.each
 
         async def stage(update_id: str) -> list[int | Refusal]:
             return await each(
                 ReplicaEndpoint.weights_stage,
-                Stage(update_id, shipment, model, param, publish.expect_digest),
+                Stage(update_id, shipment, model, role, publish.expect_digest),
             )
 
         async def shipped() -> Shipment:
@@ -243,7 +244,7 @@ class ReplicatedWeights(ReplicatedAdapters):
                 problem = Conflict(
                     f"the update of '{model}' took over {self.wait_s:g} s and lost its turn to "
                     "a later one; send it again",
-                    param="model",
+                    role=Role.MODEL,
                 )
             if problem is not None:
                 await abort(update_id, problem)
@@ -311,10 +312,10 @@ class ReplicatedWeights(ReplicatedAdapters):
             # (no replica joined: stand-ins let the trainer's rendezvous go, as on one server)
             self.local.transfers.stand_in_for(join, next_rank - join.connection.rank_offset)
             raise InvalidInput(
-                f"world_size: {join.connection.world_size} leaves no room for the "
+                f"{join.connection.world_size} leaves no room for the "
                 f"{next_rank - join.connection.rank_offset} ranks of {len(counted)} replicas from "
                 f"rank_offset {join.connection.rank_offset} (GET /v1/weights/transfer counts them)",
-                param="world_size",
+                role=Role.GROUP_SIZE,
             )
         joined = await each(ReplicaEndpoint.transfer_join, join, offsets)
         if failed := [r for r in joined if isinstance(r, Refusal)]:

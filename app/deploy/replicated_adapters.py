@@ -16,6 +16,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from app.common.caller import Caller
 from app.common.failures import Conflict, Failure, PeerFailed, invalid
+from app.common.roles import Role
 from app.deploy.answers import cause
 from app.deploy.ledger import AdapterRecord, Ledger
 from app.deploy.replica import AdapterServe, Refusal, ReplicaEndpoint, serve_shipped_adapter
@@ -23,7 +24,7 @@ from app.engine.adapter_gate import AdapterGateState
 from app.updates.local import LocalWeights
 from app.updates.transfer import ADAPTER_VERSIONS
 from app.updates.types import AdapterPush, Applied, PauseMode, Publish
-from app.weights.lora import ADAPTER, ADAPTER_SOURCE, LoraAdapter
+from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import read_folder, upload_bytes
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
 
@@ -66,7 +67,7 @@ class ReplicatedAdapters:
         self.chunk_bytes = chunk_bytes
 
     async def _acquire(
-        self, lease: str, update_id: str, what: str | None = None, param: str = "model"
+        self, lease: str, update_id: str, what: str | None = None, role: Role = Role.MODEL
     ) -> None:
         """Wait for the update lease `lease` (a model's, or an adapter's: `what`), which
         another update holds while it runs."""
@@ -76,7 +77,7 @@ class ReplicatedAdapters:
                 raise Conflict(
                     f"another update of {what or repr(lease)} has been running for over "
                     f"{self.wait_s:g} s; try again later",
-                    param=param,
+                    role=role,
                 )
             await asyncio.sleep(0.2)
 
@@ -101,7 +102,7 @@ class ReplicatedAdapters:
     async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         """Read here, shipped to every replica."""
         self.local.adapters.check_push(name, caller)
-        config, tensors = await asyncio.to_thread(read_folder, Path(path), ADAPTER_SOURCE)
+        config, tensors = await asyncio.to_thread(read_folder, Path(path), Role.ADAPTER_SOURCE)
         data = await asyncio.to_thread(upload_bytes, config, tensors)
         shipment = ship_bytes({ADAPTER_FILE: data}, self.replicas.put, self.chunk_bytes)
         step = AdapterServe(
@@ -123,7 +124,9 @@ class ReplicatedAdapters:
         files = self.local.files
         async with files.received(chunks, adapters.upload_limit(), size) as path:
             put = self.replicas.put
-            shipment = await files.ship({ADAPTER_FILE: path}, put, ADAPTER_SOURCE, self.chunk_bytes)
+            shipment = await files.ship(
+                {ADAPTER_FILE: path}, put, Role.ADAPTER_SOURCE, self.chunk_bytes
+            )
         step = AdapterServe(
             name=name,
             shipment=shipment,
@@ -156,7 +159,7 @@ class ReplicatedAdapters:
         the adapter's lease orders its versions."""
         ledger, update_id = self.replicas.ledger, uuid.uuid4().hex
         lease = f"adapter:{name}"
-        await self._acquire(lease, update_id, f"adapter '{name}'", ADAPTER)
+        await self._acquire(lease, update_id, f"adapter '{name}'", Role.ADAPTER)
         try:
             last = (await ledger.state()).adapter_versions.get(name)
             version = last + 1 if last is not None else 0
@@ -206,7 +209,7 @@ class ReplicatedAdapters:
         each = self.replicas.each
         problem: Failure | None = None
         if publish.version is not None:
-            problem = invalid("version", ADAPTER_VERSIONS)
+            problem = invalid(Role.VERSION, ADAPTER_VERSIONS)
         else:
             received = await each(ReplicaEndpoint.transfer_received, model)
             if refused := [r for r in received if isinstance(r, Refusal)]:

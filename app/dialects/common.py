@@ -8,17 +8,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.common.failures import Conflict, Unsupported, invalid
+from app.common.failures import Conflict, Unsupported, invalid, worded
 from app.common.inputs import Prepared, text_volume
+from app.common.roles import Role
 from app.common.service import Resolved
 from app.engine.registry import ModelRegistry
 from app.engine.types import MAX_VERSION
 from app.generation.service import GenerationService, Sampled
 from app.updates.control import WeightsControl
 from app.updates.types import Publish
-from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE
 
-LORA_WORDS = {ADAPTER: "lora_name", ADAPTER_SOURCE: "lora_path", ADAPTER_CONFIG: "lora_path"}
+LORA_WORDS = {
+    Role.ADAPTER: "lora_name",
+    Role.ADAPTER_SOURCE: "lora_path",
+    Role.ADAPTER_CONFIG: "lora_path",
+}
 """The fields both dialects' LoRA routes name in an adapter's refusals
 (`app.updates.adapters`' roles)."""
 
@@ -64,7 +68,8 @@ def policy_side(registry: ModelRegistry, model: str | None, field: str = "model"
     if model is None or registry.canonical(model) == "policy":
         return "policy"
     if registry.canonical(model) is None:  # an adapter, NAME@VERSION, or a 404 (503 loading)
-        served = registry.get(model, field)
+        with worded({Role.MODEL: field}):
+            served = registry.get(model)
         return "policy" if served.name == "policy" else model
     names = ["policy", *(a for a, t in registry.aliases.items() if t == "policy")]
     adapters = f", adapters {sorted(registry.adapters)}" if registry.adapters else ""

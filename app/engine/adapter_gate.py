@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from app.common.failures import invalid
+from app.common.roles import Role
 from app.engine.gate import Admission, PauseMode
 
 
@@ -47,7 +48,7 @@ class AdapterGate(Admission[threading.Event | None]):
         async with self._entered(stop):
             if self.unloaded:
                 raise invalid(
-                    "model",
+                    Role.MODEL,
                     f"'{self.name}' is not served: the adapter was unloaded before this "
                     "request began (while it waited for the adapter's resume, or just before)",
                 )

@@ -8,9 +8,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from app.common.failures import NotFound, NotReady, Unsupported
+from app.common.roles import Role
 from app.engine.adapter_gate import AdapterGate, AdapterGateState
 from app.engine.served import ServedModel
-from app.weights.lora import ADAPTER, ADAPTER_SOURCE, AdapterBuild, LoraAdapter
+from app.weights.lora import AdapterBuild, LoraAdapter
 
 if TYPE_CHECKING:
     from app.config_groups import ModelSettings
@@ -34,7 +35,7 @@ class AdapterRegistry:
 
     if TYPE_CHECKING:
 
-        def get(self, name: str, param: str = "model") -> ServedModel: ...
+        def get(self, name: str, role: Role = Role.MODEL) -> ServedModel: ...
 
         def not_ready_reason(self) -> str | None: ...
 
@@ -43,15 +44,15 @@ class AdapterRegistry:
         base = self.get("policy")
         if not base.backend.capabilities.adapters:
             raise Unsupported(
-                f"{ADAPTER_SOURCE}: the {base.backend.info.backend} backend serves no LoRA "
+                f"the {base.backend.info.backend} backend serves no LoRA "
                 "adapters here (the transformers backend does; a vLLM engine does when started "
                 "with RLSERVE_VLLM__MAX_LORAS)",
-                param=ADAPTER_SOURCE,
+                role=Role.ADAPTER_SOURCE,
             )
         return base
 
     async def build_adapter(self, build: AdapterBuild) -> LoraAdapter:
-        """`build` as an adapter fit to the policy (refused naming the role `ADAPTER_SOURCE`),
+        """`build` as an adapter fit to the policy (refused naming the role `Role.ADAPTER_SOURCE`),
         not served yet (`install`)."""
         return await self.adapter_base().backend.build_adapter(build)
 
@@ -77,14 +78,14 @@ class AdapterRegistry:
         )
 
     def adapter_gate(self, name: str) -> AdapterGate:
-        """Served adapter `name`'s gate (refused naming the role `ADAPTER` when none is)."""
+        """Served adapter `name`'s gate (refused naming the role `Role.ADAPTER` when none is)."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         gate = self.adapter_gates.get(name)
         if gate is None:
             raise NotFound(
-                f"{ADAPTER}: no adapter '{name}' is served (have {sorted(self.adapters)})",
-                param=ADAPTER,
+                f"no adapter '{name}' is served (have {sorted(self.adapters)})",
+                role=Role.ADAPTER,
             )
         return gate
 

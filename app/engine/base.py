@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from app.common.roles import Role
 from app.engine.types import (
     GenerateItem,
     Generation,
@@ -73,8 +74,8 @@ class ModelWeights(ABC):
         """Names, dtypes and shapes an update may carry; None when unknown (not checked)."""
         return None
 
-    def check_update(self, names: set[str], param: str) -> None:  # noqa: B027
-        """Raise (naming `param`) if this engine cannot apply a file update of exactly these
+    def check_update(self, names: set[str], role: Role) -> None:  # noqa: B027
+        """Raise (naming `role`) if this engine cannot apply a file update of exactly these
         tensors, beyond what the layout check covers."""
 
     async def update_weights(self, files: list[Path]) -> None:
@@ -179,7 +180,7 @@ class Backend(ModelWeights):
     async def build_adapter(self, build: AdapterBuild) -> LoraAdapter:
         """A LoRA adapter (PEFT's config and tensor names) on this model, ready for rows to
         name it (`GenerateItem.adapter`, `ScoreSpec.adapter`); raise naming the role
-        `ADAPTER_SOURCE` if it does not fit the model."""
+        `Role.ADAPTER_SOURCE` if it does not fit the model."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
 
     def forget_adapter(self, adapter: LoraAdapter) -> None:

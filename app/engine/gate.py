@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 from app.common.failures import Conflict, Paused, VersionBehind, VersionPassed, invalid
+from app.common.roles import Role
 from app.engine import pins
 from app.engine.abandon import unless_set
 from app.engine.base import ModelWeights
-from app.engine.pins import PIN_EXACT, PIN_MINIMUM
 from app.engine.types import MAX_VERSION
 
 PauseMode = Literal["wait", "abort", "keep"]
@@ -109,8 +109,8 @@ class Admission(Generic[T]):
         if self._mode == mode:
             return True
         raise Conflict(
-            f"mode: {self.what} is already paused with mode '{self._mode}'; resume it first",
-            param="mode",
+            f"{self.what} is already paused with mode '{self._mode}'; resume it first",
+            role=Role.PAUSE_MODE,
         )
 
     def _close(self, mode: PauseMode) -> None:
@@ -171,7 +171,7 @@ def resolve_version(
         shifted = requested + lineage.offset
         if shifted > MAX_VERSION:
             raise invalid(
-                "version",
+                Role.VERSION,
                 f"{requested} is the trainer's count, served as {shifted} (its lineage began "
                 f"at {lineage.offset + 1}): over the largest version, {MAX_VERSION}",
             )
@@ -180,8 +180,8 @@ def resolve_version(
         return current + 1, requested
     if requested <= current:
         raise Conflict(
-            f"version: {requested} is not above the current version {current} of '{name}'",
-            param="version",
+            f"{requested} is not above the current version {current} of '{name}'",
+            role=Role.VERSION,
         )
     return requested, None
 
@@ -240,17 +240,17 @@ class ServingGate(Admission[WorkKind]):
     def _check_pin(self, pin: pins.Pin, served: int) -> None:
         if pin.passed(served):
             raise VersionPassed(
-                f"{PIN_EXACT}: version {pin.exact} of the policy is no longer served (version "
-                f"{served} is); a request pinned to it cannot be answered",
-                param=PIN_EXACT,
+                f"version {pin.exact} of the policy is no longer served (version {served} is); "
+                "a request pinned to it cannot be answered",
+                role=Role.PIN_EXACT,
             )
         if pin.waits_for(served):
-            header = PIN_EXACT if pin.exact is not None else PIN_MINIMUM
+            role = Role.PIN_EXACT if pin.exact is not None else Role.PIN_MINIMUM
             wanted = pin.exact if pin.exact is not None else pin.minimum
             raise VersionBehind(
-                f"{header}: version {served} of the policy is served, below {wanted}; another "
-                "replica, or this one after its next update, may serve it: send it again",
-                param=header,
+                f"version {served} of the policy is served, below {wanted}; another replica, "
+                "or this one after its next update, may serve it: send it again",
+                role=role,
             )
 
     async def unless_aborted(self, work: Awaitable[R]) -> R | None:

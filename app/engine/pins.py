@@ -33,8 +33,4 @@ class Noted:
     pin: Pin = field(default_factory=Pin)
 
 
-PIN_MINIMUM = "X-Min-Policy-Version"
-PIN_EXACT = "X-Policy-Version"
-"""The request headers that pin (the same on every route, whatever its body's vocabulary)."""
-
 REQUEST: contextvars.ContextVar[Noted | None] = contextvars.ContextVar("pin", default=None)

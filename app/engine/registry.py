@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 from app.batching import BatchingConfig
 from app.common.failures import NotFound, NotReady, Unsupported, invalid
 from app.common.inputs import InputPreparer
+from app.common.roles import Role
 from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_registry import AdapterRegistry
 from app.engine.base import Backend, ModelWeights
@@ -40,14 +41,14 @@ class Origin:
     read_at: float
 
 
-def check_batch_invariant(served: ServedModel, param: str) -> None:
-    """Refuse batch-invariant mode (named by `param`) on an engine that cannot run it."""
+def check_batch_invariant(served: ServedModel, role: Role) -> None:
+    """Refuse batch-invariant mode (named by `role`) on an engine that cannot run it."""
     if not served.backend.capabilities.batch_invariant:
         raise Unsupported(
-            f"{param}: batch-invariant mode needs the transformers backend; the "
+            f"batch-invariant mode needs the transformers backend; the "
             f"{served.backend.info.backend} engine batches requests itself (and vLLM's CPU "
             "attention has no batch-invariant kernels)",
-            param=param,
+            role=role,
         )
 
 
@@ -191,7 +192,7 @@ class ModelRegistry(AdapterRegistry):
                 self.gate.serve("reward")
             if self.invariant:
                 for served in self.models.values():
-                    check_batch_invariant(served, "batching.invariant")
+                    check_batch_invariant(served, Role.BATCH_INVARIANT)
             for name, weights in self.weighted().items():
                 await self.digests.record_all(name, weights)
             self.status, self.loaded_at = "ready", time.time()
@@ -240,24 +241,24 @@ class ModelRegistry(AdapterRegistry):
             return []
         return sorted({"reward", str(self.model_settings.reward_model)})
 
-    def get_reward(self, name: str, param: str = "model") -> RewardModel:
-        """The reward model, named `name` (refused naming `param` for another name, and
+    def get_reward(self, name: str, role: Role = Role.MODEL) -> RewardModel:
+        """The reward model, named `name` (refused naming `role` for another name, and
         NotFound naming the setting when no reward model is served)."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         if self.reward is None:
             raise NotFound(
-                f"{param}: no reward model is served (start the server with --reward-model "
+                "no reward model is served (start the server with --reward-model "
                 "PATH, or RLSERVE_MODELS__REWARD_MODEL)",
-                param=param,
+                role=role,
             )
         if name not in self.reward_names():
             names = ", ".join(self.reward_names())
             if self.serves(name):
-                raise invalid(param, f"'{name}' is not the reward model (its names: {names})")
+                raise invalid(role, f"'{name}' is not the reward model (its names: {names})")
             raise NotFound(
-                f"{param}: the model '{name}' does not exist (the reward model's names: {names})",
-                param=param,
+                f"the model '{name}' does not exist (the reward model's names: {names})",
+                role=role,
             )
         return self.reward
 
@@ -269,22 +270,22 @@ class ModelRegistry(AdapterRegistry):
             held["reward"] = self.reward
         return held
 
-    def weights(self, name: str, param: str = "model") -> ModelWeights:
+    def weights(self, name: str, role: Role = Role.MODEL) -> ModelWeights:
         """The weights of the served model `name` (a language model's name or alias, or one
         of the reward model's names), which the weights control changes; refused naming
-        `param` for any other name (a LoRA adapter's weights are its own: `app.updates.
+        `role` for any other name (a LoRA adapter's weights are its own: `app.updates.
         adapters`)."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         if name in self.reward_names():
-            return self.get_reward(name, param)
+            return self.get_reward(name, role)
         canonical = self.canonical(name)
         if canonical is None:
             if name in self.adapters:
                 raise invalid(
-                    param, f"'{name}' is a LoRA adapter (its weights load with /v1/adapters)"
+                    role, f"'{name}' is a LoRA adapter (its weights load with /v1/adapters)"
                 )
-            raise self._unknown(name, param)
+            raise self._unknown(name, role)
         return self.models[canonical].backend
 
     def add(self, backend: Backend) -> ServedModel:
@@ -298,21 +299,20 @@ class ModelRegistry(AdapterRegistry):
         self.gate.serve(served.name)
         return served
 
-    def get_pair(self, model: str = "policy", param: str = "model") -> ModelPair | AdapterPair:
+    def get_pair(self, model: str = "policy", role: Role = Role.MODEL) -> ModelPair | AdapterPair:
         """The policy (or `model`, one of its LoRA adapters) and its reference, for KL. An
         adapter's reference is its base with the adapter off, unless a reference model of
-        its own is configured (`ref_model`). An unfit `model` is refused naming `param`."""
-        served = self.get(model, param)
+        its own is configured (`ref_model`). An unfit `model` is refused naming `role`."""
+        served = self.get(model, role)
         if isinstance(served, AdaptedModel):
             separate = self.model_settings.ref_model and "reference" in self.models
             return AdapterPair(served, self.models["reference"] if separate else served.base)
         if served.name != "policy":
-            raise invalid(param, f"'{model}' is not the policy or one of its adapters")
+            raise invalid(role, f"'{model}' is not the policy or one of its adapters")
         if self.pair is None:
             raise Unsupported(
-                f"{param}: no reference model is served "
-                "(start with RLSERVE_MODELS__LOAD_REFERENCE=true)",
-                param=param,
+                "no reference model is served (start with RLSERVE_MODELS__LOAD_REFERENCE=true)",
+                role=role,
             )
         return self.pair
 
@@ -354,12 +354,12 @@ class ModelRegistry(AdapterRegistry):
             split[0] in self.adapters or self.canonical(split[0]) == "policy"
         )
 
-    def get(self, name: str, param: str = "model") -> ServedModel:
+    def get(self, name: str, role: Role = Role.MODEL) -> ServedModel:
         """The served model, alias or LoRA adapter `name` (an adapter: its current version);
         `NAME@VERSION`, vLLM's per-version names as ART serves each training step: the
         adapter NAME at that version while it is resident, or the policy (NAME one of its
         names) while it serves that version, in its trainer's count (else NotFound, naming
-        the versions resident). An unknown name is refused naming `param`."""
+        the versions resident). An unknown name is refused naming `role`."""
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
         canonical = self.canonical(name)
@@ -369,20 +369,20 @@ class ModelRegistry(AdapterRegistry):
         if adapter is not None:
             return AdaptedModel(self.models["policy"], adapter, self.adapter_gates[name])
         if (split := _at_version(name)) is not None:
-            served = self._at_version(*split, param)
+            served = self._at_version(*split, role)
             if served is not None:
                 return served
-        raise self._unknown(name, param)
+        raise self._unknown(name, role)
 
-    def _unknown(self, name: str, param: str = "model") -> NotFound:
+    def _unknown(self, name: str, role: Role = Role.MODEL) -> NotFound:
         """The refusal of a model name nothing is served as (404 on every route, as vLLM's
         and OpenAI's servers answer), naming what is served and how the policy gets more
         names."""
         return NotFound(
-            f"{param}: the model '{name}' does not exist (served: {', '.join(self.names())}; "
+            f"the model '{name}' does not exist (served: {', '.join(self.names())}; "
             "rlserve serve --served-model-name, or RLSERVE_MODELS__SERVED_MODEL_NAME, gives the "
             "policy more names)",
-            param=param,
+            role=role,
         )
 
     def name_of(self, served: ServedModel) -> str:
@@ -395,7 +395,7 @@ class ModelRegistry(AdapterRegistry):
             return f"{served.name}@{served.adapter.version}"
         return served.name
 
-    def _at_version(self, base: str, version: int, param: str) -> ServedModel | None:
+    def _at_version(self, base: str, version: int, role: Role) -> ServedModel | None:
         """`base` at `version` (None when `base` names neither an adapter nor the policy)."""
         if base in self.adapters:
             resident = [self.adapters[base], *self._older.get(base, [])]
@@ -404,18 +404,18 @@ class ModelRegistry(AdapterRegistry):
                     return AdaptedModel(self.models["policy"], adapter, self.adapter_gates[base])
             have = sorted(a.version for a in resident)
             raise NotFound(
-                f"{param}: adapter '{base}' has no version {version} resident (resident: "
+                f"adapter '{base}' has no version {version} resident (resident: "
                 f"{have}; models.resident_adapter_versions keeps that many)",
-                param=param,
+                role=role,
             )
         if self.canonical(base) == "policy":
             current = self.gate.label("policy", self.versions["policy"])
             if version == current:
                 return self.models["policy"]
             raise NotFound(
-                f"{param}: '{base}' serves version {current} of the policy, not {version} (a "
+                f"'{base}' serves version {current} of the policy, not {version} (a "
                 "model's weights have one version resident)",
-                param=param,
+                role=role,
             )
         return None
 

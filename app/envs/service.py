@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from app.common.failures import Conflict, invalid
+from app.common.failures import Conflict, invalid, worded
 from app.common.inputs import InputPreparer, Prepared
+from app.common.roles import Role
 from app.datasets.rows import Problem
 from app.datasets.service import DatasetService
 from app.engine.registry import ModelRegistry
@@ -52,7 +53,8 @@ class EnvService:
                     "text environment)",
                 )
             if self.registry.not_ready_reason() is None:
-                self.registry.get_reward("reward", param="reward")  # (else at the first step)
+                with worded({Role.MODEL: "reward"}):  # (else at the first step)
+                    self.registry.get_reward("reward")
         if (judge := judge_of(config.reward)) is not None:
             self.judges.check(judge)
         self.engine.check_tools(config.tools)
@@ -68,7 +70,8 @@ class EnvService:
             await self._problems(config, owner, missing=invalid)
         kl_model = config.kl.model if config.kl is not None else None
         if kl_model is not None and self.registry.not_ready_reason() is None:
-            self.registry.get_pair(kl_model, param="kl.model")  # (else at the first step)
+            with worded({Role.MODEL: "kl.model"}):  # (else at the first step)
+                self.registry.get_pair(kl_model)
         return await self.sessions.create(config, owner)
 
     async def get(self, env_id: str, owner: str) -> SessionView:
@@ -160,7 +163,8 @@ class EnvService:
         reward model's context refuses the step (nothing applied), naming the row."""
         if not turns:
             return
-        model = self.registry.get_reward("reward", param="reward")
+        with worded({Role.MODEL: "reward"}):
+            model = self.registry.get_reward("reward")
 
         def prepared(preparer: InputPreparer) -> list[Prepared]:
             return [
@@ -201,7 +205,8 @@ class EnvService:
         if config.kl is None or not turns:
             return self.registry.policy_version
         adapter = sampler if sampler in self.registry.adapters else None
-        pair = self.registry.get_pair(config.kl.model or adapter or "policy", param="kl.model")
+        with worded({Role.MODEL: "kl.model"}):
+            pair = self.registry.get_pair(config.kl.model or adapter or "policy")
         async with self.registry.reading(pair.policy) as version:
             scored = await pair.score([t.action.full for t in turns])
         penalise_kl(config.kl, turns, scored)

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.engine import pins
 from app.engine.types import MAX_VERSION
 from app.errors import APIError, error_response
+from app.words import PIN_EXACT, PIN_MINIMUM
 
 STARTED = b"x-policy-version-start"
 ENDED = b"x-policy-version-end"
@@ -36,8 +37,8 @@ class VersionPinMiddleware:
         headers = Headers(scope=scope)
         try:
             pin = pins.Pin(
-                minimum=_version(headers, pins.PIN_MINIMUM),
-                exact=_version(headers, pins.PIN_EXACT),
+                minimum=_version(headers, PIN_MINIMUM),
+                exact=_version(headers, PIN_EXACT),
             )
         except APIError as problem:
             await error_response(problem)(scope, receive, send)

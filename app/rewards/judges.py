@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from app.batching import QueueFullError
-from app.common.failures import NotReady, TimedOut, invalid
+from app.common.failures import NotReady, TimedOut, invalid, worded
 from app.common.inputs import InputPreparer, Prepared
+from app.common.roles import Role
 from app.common.service import Resolved
 from app.config_groups import JudgeSettings
 from app.engine.registry import ModelRegistry
@@ -87,7 +88,9 @@ class Judges:
                 f"{', '.join(self.registry.names())})",
             )
         try:
-            choice_ids(self.registry.get(judge.model, param).preparer, judge)
+            with worded({Role.MODEL: param}):
+                served = self.registry.get(judge.model)
+            choice_ids(served.preparer, judge)
         except ValueError as error:
             raise invalid(param, f"judge '{name}': {error}") from None
 
@@ -127,7 +130,8 @@ class Judges:
     ) -> list[str | Failed]:
         """The judge model's answer to each conversation (greedy at temperature 0); a
         conversation too long for its context is not sent."""
-        served = self.registry.get(judge.model, param="reward")
+        with worded({Role.MODEL: "reward"}):
+            served = self.registry.get(judge.model)
         preparer = served.preparer
 
         def prepare() -> list[Prepared]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.common.failures import worded
 from app.common.inputs import InputPreparer, Prepared, check_num_items, text_volume
+from app.common.roles import Role
 from app.config_groups import LimitSettings
 from app.engine.registry import ModelRegistry
 from app.engine.transformers.reward import Rewarded, RewardModel
@@ -60,7 +62,8 @@ class RewardService:
         """The reward model `name` (refused naming `param`) on the `num_items` sequences
         `build` prepares with its tokenizer (off the event loop), each checked against its
         vocabulary and length (refusals name `field[i]`)."""
-        model = self.registry.get_reward(name, param)
+        with worded({Role.MODEL: param}):
+            model = self.registry.get_reward(name)
         check_num_items(num_items, self.limits.max_items_per_request, field)
         return Scored(model, *await model.read(build, field, cost))
 
@@ -83,9 +86,10 @@ class RewardService:
     async def load_weights(self, request: LoadRewardWeightsRequest) -> RewardWeightsLoaded:
         """`POST /v1/weights/load` for the reward model: a checkpoint (or a delta of the
         served weights) checked whole before the model is touched, on every replica."""
-        self.registry.get_reward("reward", param="path")  # (404 naming the setting first)
+        with worded({Role.MODEL: "path"}):  # (404 naming the setting first)
+            self.registry.get_reward("reward")
         publish = Publish(version=request.version, pause="keep")
-        applied = await self.weights.load(request.path, "reward", publish, param="path")
+        applied = await self.weights.load(request.path, "reward", publish)
         return RewardWeightsLoaded(
             reward_version=applied.version,
             num_tensors=applied.num_tensors,

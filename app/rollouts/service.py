@@ -11,8 +11,9 @@ from typing import TypeAlias
 from rlserve_client.advantages import assign_advantages
 from rlserve_client.rounds import Turn, Versioned, play_round
 
-from app.common.failures import invalid
+from app.common.failures import invalid, worded
 from app.common.inputs import InputPreparer
+from app.common.roles import Role
 from app.common.sampling import GenerationAsk, Names
 from app.common.service import Resolved
 from app.engine.types import Generation
@@ -51,11 +52,13 @@ class RolloutService:
         _check(config, request.num_episodes, limit, given_env=request.env is not None)
         registry = self.envs.registry
         if registry.not_ready_reason() is None:  # (a model still loading is answered later)
-            registry.get(request.generation.model, param="generation.model")
+            with worded({Role.MODEL: "generation.model"}):
+                registry.get(request.generation.model)
             self._sampling(request.generation)  # refused now, before any episode starts
             if config.kl is not None and config.kl.model is not None:
                 where = "env.kl.model" if request.env is not None else "env_id"
-                registry.get_pair(config.kl.model, param=where)
+                with worded({Role.MODEL: where}):
+                    registry.get_pair(config.kl.model)
         num_rounds = request.num_episodes // config.batch_size
         rounds = iter(range(num_rounds))  # shared: each session takes the next round it can
         results: dict[int, list[Trajectory]] = {}

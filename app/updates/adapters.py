@@ -4,8 +4,8 @@ versions are numbered, and who may change, pause or unload it. The engine
 these rules alone (`app.updates.local`), a replica of several before it ships an adapter to every
 replica (`app.deploy.replicated`).
 
-Refusals name roles (`ADAPTER`, `ADAPTER_SOURCE`, `ADAPTER_CONFIG`), which each route names in its
-own words (`app.common.failures.worded`)."""
+Refusals name roles (`Role.ADAPTER`, `Role.ADAPTER_SOURCE`, `Role.ADAPTER_CONFIG`), which each
+route names in its own words (`app.common.failures.worded`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from app.common.caller import Caller
 from app.common.failures import Conflict, Forbidden, NotFound, QuotaExceeded, TooLarge, invalid
+from app.common.roles import Role
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import PauseMode
 from app.engine.registry import ModelRegistry
 from app.updates.service import Limit
-from app.weights.lora import ADAPTER, ADAPTER_CONFIG, ADAPTER_SOURCE, AdapterBuild, LoraAdapter
+from app.weights.lora import AdapterBuild, LoraAdapter
 from app.weights.lora_layout import CONFIG, CONFIG_METADATA, read_folder, read_upload
 
 if TYPE_CHECKING:
@@ -80,9 +81,7 @@ class AdapterCatalog:
         registry = self.registry
         registry.adapter_base()
         if registry.canonical(name) is not None:
-            raise Conflict(
-                f"{ADAPTER}: '{name}' names a served model, not an adapter", param=ADAPTER
-            )
+            raise Conflict(f"'{name}' names a served model, not an adapter", role=Role.ADAPTER)
         self._check_owner(name, caller)
         self._check_room(name, caller)
 
@@ -95,9 +94,9 @@ class AdapterCatalog:
         owner = self.owner(name)
         if owner is not None and not caller.may_change(owner):
             raise Forbidden(
-                f"{ADAPTER}: adapter '{name}' belongs to another API key (only its owner, or an "
+                f"adapter '{name}' belongs to another API key (only its owner, or an "
                 "admin key, may change it)",
-                param=ADAPTER,
+                role=Role.ADAPTER,
             )
 
     def _check_room(self, name: str, caller: Caller) -> None:
@@ -109,18 +108,18 @@ class AdapterCatalog:
         settings = self.registry.model_settings
         if len(served) >= settings.max_adapters:
             raise QuotaExceeded(
-                f"{ADAPTER}: the server serves {len(served)} adapters, the most "
+                f"the server serves {len(served)} adapters, the most "
                 "models.max_adapters (RLSERVE_MODELS__MAX_ADAPTERS) allows; unload one "
                 "(DELETE /v1/adapters/NAME) before serving another name",
-                param=ADAPTER,
+                role=Role.ADAPTER,
             )
         owned = sum(self.owner(other) == caller.owner for other in served)
         if owned >= settings.max_adapters_per_key and not (caller.admin and caller.owner):
             raise QuotaExceeded(
-                f"{ADAPTER}: this API key serves {owned} adapters, the most "
+                f"this API key serves {owned} adapters, the most "
                 "models.max_adapters_per_key (RLSERVE_MODELS__MAX_ADAPTERS_PER_KEY) allows; "
                 "unload one of them (DELETE /v1/adapters/NAME) before serving another name",
-                param=ADAPTER,
+                role=Role.ADAPTER,
             )
 
     # -- how large ---------------------------------------------------------------------------
@@ -129,14 +128,14 @@ class AdapterCatalog:
         """The most bytes an adapter's upload may hold."""
         return Limit(self.registry.model_settings.max_adapter_bytes, MAX_BYTES)
 
-    def check_size(self, num_bytes: int, param: str = ADAPTER_SOURCE) -> None:
+    def check_size(self, num_bytes: int, role: Role = Role.ADAPTER_SOURCE) -> None:
         """An adapter of `num_bytes` bytes of tensors fits `models.max_adapter_bytes`."""
         most = self.registry.model_settings.max_adapter_bytes
         if num_bytes > most:
             raise TooLarge(
-                f"{param}: the adapter's tensors hold {num_bytes} bytes, more than "
+                f"the adapter's tensors hold {num_bytes} bytes, more than "
                 f"{MAX_BYTES} allows ({most})",
-                param=param,
+                role=role,
             )
 
     def _check_shape(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -146,9 +145,8 @@ class AdapterCatalog:
         ranks = [t.shape[0] for k, t in tensors.items() if ".lora_A." in k and t.dim() == 2]
         if ranks and max(ranks) > most:
             raise TooLarge(
-                f"{ADAPTER_SOURCE}: the adapter has rank {max(ranks)}, more than {MAX_RANK} "
-                f"allows ({most})",
-                param=ADAPTER_SOURCE,
+                f"the adapter has rank {max(ranks)}, more than {MAX_RANK} allows ({most})",
+                role=Role.ADAPTER_SOURCE,
             )
 
     # -- serving ---------------------------------------------------------------------------
@@ -158,7 +156,7 @@ class AdapterCatalog:
         (owned by `caller`), a name served before as its next version (its layout may
         change)."""
         self.check_push(name, caller)
-        config, tensors = await asyncio.to_thread(read_folder, path, ADAPTER_SOURCE)
+        config, tensors = await asyncio.to_thread(read_folder, path, Role.ADAPTER_SOURCE)
         return await self.serve(
             Serving(name, tensors, config, str(path), caller, keep_layout=False)
         )
@@ -169,7 +167,7 @@ class AdapterCatalog:
         gives one (`CONFIG_METADATA`). A name not served needs that config, and is then
         served at version 0, owned by `caller`."""
         self.check_push(name, caller)
-        config, tensors = await asyncio.to_thread(read_upload, file, ADAPTER_SOURCE)
+        config, tensors = await asyncio.to_thread(read_upload, file, Role.ADAPTER_SOURCE)
         return await self.serve(Serving(name, tensors, config, "upload", caller))
 
     async def serve(self, step: Serving) -> LoraAdapter:
@@ -182,8 +180,8 @@ class AdapterCatalog:
             current = self.registry.adapters.get(name)
             if current is None and step.config is None:
                 raise NotFound(
-                    f"{ADAPTER_CONFIG}: no adapter '{name}' is served; {step.first}",
-                    param=ADAPTER_CONFIG,
+                    f"no adapter '{name}' is served; {step.first}",
+                    role=Role.ADAPTER_CONFIG,
                 )
             self.check_push(name, step.caller)
             version = step.version
@@ -195,7 +193,7 @@ class AdapterCatalog:
             adapter = await self.registry.build_adapter(build)
             if step.keep_layout and current is not None and not adapter.same_layout(current):
                 raise invalid(
-                    ADAPTER_SOURCE,
+                    Role.ADAPTER_SOURCE,
                     f"the tensors adapt other layers, or have other shapes, than adapter "
                     f"'{name}' (version {current.version}); load a folder to change its layout",
                 )

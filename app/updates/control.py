@@ -10,6 +10,7 @@ from typing import Protocol
 
 from app.common.caller import Caller
 from app.common.failures import Conflict
+from app.common.roles import Role
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
 from app.engine.registry import ModelRegistry
@@ -45,10 +46,10 @@ class WeightsControl(Protocol):
     async def resume(self) -> GateState: ...
 
     async def load(
-        self, path: str, model: str, publish: Publish, *, param: str = "path"
+        self, path: str, model: str, publish: Publish, *, role: Role = Role.CHECKPOINT
     ) -> Applied:
-        """Apply a checkpoint from a path the server can read, whole or not at all; `param`
-        names the request field the path came from."""
+        """Apply a checkpoint from a path the server can read, whole or not at all; refusals
+        name `role`, what the path is to the request."""
 
     async def pull_published(
         self, local: str | None, source: str, target: int, stream: str = "slime"
@@ -153,7 +154,7 @@ async def abort_in_flight(registry: ModelRegistry, weights: WeightsControl) -> i
     if state.paused:
         raise Conflict(
             "serving is paused: in-flight generations are held until the resume; resume first",
-            param="abort_all",
+            role=Role.ABORT,
         )
     await weights.pause("abort")
     await weights.resume()

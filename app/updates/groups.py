@@ -27,6 +27,7 @@ from app.common.failures import (
     TimedOut,
     Unsupported,
 )
+from app.common.roles import Role
 from app.engine.registry import ModelRegistry
 from app.updates.transfer_delta import ReceivedDelta
 from app.updates.types import AdapterPush, Join, TransferStatus
@@ -99,9 +100,9 @@ class TransferGroups:
         backend = self.registry.weights(model)
         if not backend.capabilities.weight_transfer:
             raise Unsupported(
-                f"model: the {backend.info.backend} backend of '{model}' cannot receive weight "
+                f"the {backend.info.backend} backend of '{model}' cannot receive weight "
                 "transfers; use PUT /v1/weights or POST /v1/weights/load",
-                param="model",
+                role=Role.MODEL,
             )
         return backend.transfer()
 
@@ -153,9 +154,9 @@ class TransferGroups:
             except Exception as exc:
                 text = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
                 raise PeerAbsent(
-                    f"timeout_s: no trainer joined the group at {join.connection.address}:"
+                    f"no trainer joined the group at {join.connection.address}:"
                     f"{join.connection.port} within {join.connection.timeout_s:g} s ({text})",
-                    param="timeout_s",
+                    role=Role.GROUP_TIMEOUT,
                 ) from exc
             finally:
                 JOIN_CLOSED.reset(joining)
@@ -174,11 +175,11 @@ class TransferGroups:
             if reason is None:
                 setup = link.setup
                 raise Conflict(
-                    f"model: already in a weight-transfer group with the trainer at "
+                    f"already in a weight-transfer group with the trainer at "
                     f"{setup.address}:{setup.port}, which still answers there; it leaves "
                     "it with its own close call, or an admin closes it (POST "
                     "/v1/weights/transfer/close)",
-                    param="model",
+                    role=Role.MODEL,
                 )
             logger.warning(
                 "closing the weight-transfer group of '%s' (trainer at %s:%d): %s",
@@ -191,9 +192,9 @@ class TransferGroups:
         last = join.connection.rank_offset + engine.ranks
         if last > join.connection.world_size:
             raise InvalidInput(
-                f"world_size: {join.connection.world_size} leaves no room for the server's "
+                f"{join.connection.world_size} leaves no room for the server's "
                 f"{engine.ranks} rank(s) from rank_offset {join.connection.rank_offset}",
-                param="world_size",
+                role=Role.GROUP_SIZE,
             )
         return replace(
             join.connection, transport=self._transport(join), listen_grace_s=self.listen_grace_s
@@ -269,8 +270,8 @@ class TransferGroups:
             return "nccl" if on_gpu else "gloo"
         if join.connection.transport == "nccl" and not on_gpu:
             raise InvalidInput(
-                f"transport: NCCL needs the model on a GPU; '{join.model}' is on {device}",
-                param="transport",
+                f"NCCL needs the model on a GPU; '{join.model}' is on {device}",
+                role=Role.TRANSPORT,
             )
         return join.connection.transport
 
@@ -326,11 +327,11 @@ class TransferGroups:
     @staticmethod
     def joined(link: Link) -> Connection:
         if link.setup is None:
-            raise Conflict("model: not in a weight-transfer group; call init first", param="model")
+            raise Conflict("not in a weight-transfer group; call init first", role=Role.MODEL)
         return link.setup
 
     def updating(self, link: Link) -> Connection:
         setup = self.joined(link)
         if not link.updating:
-            raise Conflict("model: no weight update in progress; call start first", param="model")
+            raise Conflict("no weight update in progress; call start first", role=Role.MODEL)
         return setup

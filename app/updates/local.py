@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from app.common.caller import Caller
+from app.common.roles import Role
 from app.config_groups import WeightSettings
 from app.engine.adapter_gate import AdapterGateState
 from app.engine.gate import GateState
@@ -69,9 +70,9 @@ class LocalWeights:
         return await self.registry.gate.resume()
 
     async def load(
-        self, path: str, model: str, publish: Publish, *, param: str = "path"
+        self, path: str, model: str, publish: Publish, *, role: Role = Role.CHECKPOINT
     ) -> Applied:
-        return await self.files.load(path, model, publish, param=param)
+        return await self.files.load(path, model, publish, role=role)
 
     async def pull_published(
         self, local: str | None, source: str, target: int, stream: str = "slime"

@@ -6,7 +6,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from app.common.failures import Failure
 from app.common.protocol import AdapterName, ServerPath, Version, WireModel
+from app.errors import failure_error
 from app.updates.types import (
     BUCKET_BYTES,
     STREAMS,
@@ -142,11 +144,16 @@ class ServedSnapshots(WireModel):
                     digest=s.digest,
                     snapshot=s.snapshot,
                     stage=s.stage,
-                    last_error=s.last_error,
+                    last_error=_shown(s.last_error),
                 )
                 for s in served
             ],
         )
+
+
+def _shown(error: Failure | str | None) -> str | None:
+    """A recorded failure, as rlserve's routes word it."""
+    return failure_error(error).message if isinstance(error, Failure) else error
 
 
 class RestoreWeightsRequest(UpdateOptions):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.common.failures import Conflict, Failure, Malformed, TooLarge, Unsupported
+from app.common.roles import Role
 from app.config_groups import WeightSettings
 from app.engine.registry import ModelRegistry
 from app.updates.deltas import DeltaUpdates, is_delta
@@ -84,30 +85,30 @@ class WeightsService(DeltaUpdates):
             leftover.unlink(missing_ok=True)
 
     async def load(
-        self, path: str, model: str, publish: Publish, *, param: str = "path"
+        self, path: str, model: str, publish: Publish, *, role: Role = Role.CHECKPOINT
     ) -> Applied:
-        """Load a checkpoint the server can read (request field `param`). By default from a
+        """Load a checkpoint the server can read (refusals name `role`). By default from a
         private snapshot taken first, so a checkpoint rewritten during the load is applied
         whole or not at all. A delta (a folder or file `app.weights.delta` reads as one) is
         rebuilt from the served weights."""
         self.registry.weights(model)  # (a model not served is refused first)
-        if await self._file_work(is_delta, Path(path), param=param):
-            return await self._apply_delta(Path(path), model, publish, param)
-        files = await self._file_work(checkpoint_files, Path(path), param, param=param)
+        if await self._file_work(is_delta, Path(path), role=role):
+            return await self._apply_delta(Path(path), model, publish, role)
+        files = await self._file_work(checkpoint_files, Path(path), role, role=role)
         if not self.settings.snapshot_loads:
-            return await self._apply(files, model, param, publish)
+            return await self._apply(files, model, role, publish)
         self.uploads.mkdir(parents=True, exist_ok=True)
         needed = sum(f.stat().st_size for f in files)
         room = self._disk_room()
         if needed > room:
             raise TooLarge(
-                f"{param}: the checkpoint ({needed} bytes) does not fit the free disk ({room} "
+                f"the checkpoint ({needed} bytes) does not fit the free disk ({room} "
                 "bytes) for its snapshot; free space or set RLSERVE_WEIGHTS__SNAPSHOT_LOADS=false",
-                param=param,
+                role=role,
             )
-        copies = await self._file_work(snapshot, files, self.uploads, param, param=param)
+        copies = await self._file_work(snapshot, files, self.uploads, role, role=role)
         try:
-            return await self._apply(copies, model, param, publish)
+            return await self._apply(copies, model, role, publish)
         finally:
             for copy in copies:
                 copy.unlink(missing_ok=True)
@@ -152,28 +153,30 @@ class WeightsService(DeltaUpdates):
         try:
             base: Path | str = await self.origin(model)
         except Failure as exc:  # (needed only when no full version is published)
-            base = exc.message
+            base = exc.reason
         work, layout = published.pull, published.STREAMS[stream]
-        await self._file_work(work, local, base, source, target, layout, param="source_dir")
+        await self._file_work(work, local, base, source, target, layout, role=Role.PUBLISHED)
         return local
 
     async def origin(self, model: str) -> Path:
         """The checkpoint `model` started from, unchanged since (POST /v1/weights/restore)."""
-        return await self._file_work(origin_checkpoint, self.registry.origin(model), param="model")
+        return await self._file_work(
+            origin_checkpoint, self.registry.origin(model), role=Role.MODEL
+        )
 
     async def ship(
-        self, files: Mapping[str, Path], put: Put, param: str, chunk_bytes: int = CHUNK_BYTES
+        self, files: Mapping[str, Path], put: Put, role: Role, chunk_bytes: int = CHUNK_BYTES
     ) -> Shipment:
         """Files (by the name they travel under) read chunk by chunk into `put`, for other
-        servers to stage; `param` names the request field they came from."""
-        return await self._file_work(ship, files, put, param, chunk_bytes, param=param)
+        servers to stage; refusals name `role`, what they are to the request."""
+        return await self._file_work(ship, files, put, role, chunk_bytes, role=role)
 
     async def ship_checkpoint(
-        self, path: str, put: Put, chunk_bytes: int = CHUNK_BYTES, *, param: str = "path"
+        self, path: str, put: Put, chunk_bytes: int = CHUNK_BYTES, *, role: Role = Role.CHECKPOINT
     ) -> Shipment:
         """The checkpoint at `path` (one this server can read), shipped as `ship` does."""
-        found = await self._file_work(checkpoint_files, Path(path), param, param=param)
-        return await self.ship({f.name: f for f in found}, put, param, chunk_bytes)
+        found = await self._file_work(checkpoint_files, Path(path), role, role=role)
+        return await self.ship({f.name: f for f in found}, put, role, chunk_bytes)
 
     def _disk_room(self) -> int:
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
@@ -190,9 +193,9 @@ class WeightsService(DeltaUpdates):
         """Stream the body to a file on disk, then apply it."""
         self.registry.weights(model)  # (a model not served is refused before the body)
         async with self.received(chunks, self.upload_limit(), size) as path:
-            if await self._file_work(is_delta_file, path, param="body"):
-                return await self._apply_delta(path, model, publish, "body")
-            return await self._apply([path], model, "body", publish)
+            if await self._file_work(is_delta_file, path, role=Role.UPLOAD):
+                return await self._apply_delta(path, model, publish, Role.UPLOAD)
+            return await self._apply([path], model, Role.UPLOAD, publish)
 
     def upload_limit(self) -> Limit:
         return Limit(self.settings.max_bytes, "weights.max_bytes (RLSERVE_WEIGHTS__MAX_BYTES)")
@@ -212,9 +215,9 @@ class WeightsService(DeltaUpdates):
 
         def too_large(size: str) -> TooLarge:
             return TooLarge(
-                f"body: the upload ({size}) exceeds {max(limit, 0)} bytes ({bound.setting} "
+                f"the upload ({size}) exceeds {max(limit, 0)} bytes ({bound.setting} "
                 f"{bound.bytes}, free disk {room + _DISK_RESERVE})",
-                param="body",
+                role=Role.UPLOAD,
             )
 
         if declared is not None and declared > limit:
@@ -232,7 +235,7 @@ class WeightsService(DeltaUpdates):
                     pending, written = [], size
             await asyncio.to_thread(write_and_flush, sink, pending)
             if size == 0:
-                raise Malformed("body: the upload is empty", param="body")
+                raise Malformed("the upload is empty", role=Role.UPLOAD)
             yield Path(sink.name)
 
     @contextlib.asynccontextmanager
@@ -243,16 +246,18 @@ class WeightsService(DeltaUpdates):
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             for shipped in shipment.files:
                 for chunk in shipped.chunks:
-                    await self._file_work(sink.write, await chunk.fetch(), param="body")
-            await self._file_work(sink.flush, param="body")
+                    await self._file_work(sink.write, await chunk.fetch(), role=Role.UPLOAD)
+            await self._file_work(sink.flush, role=Role.UPLOAD)
             yield Path(sink.name)
 
-    async def _file_work(self, work: Callable[..., T], *args: Any, param: str = "path") -> T:
+    async def _file_work(
+        self, work: Callable[..., T], *args: Any, role: Role = Role.CHECKPOINT
+    ) -> T:
         """`file_work` within the weights' I/O timeout."""
-        return await file_work(work, *args, timeout_s=self.settings.io_timeout_s, param=param)
+        return await file_work(work, *args, timeout_s=self.settings.io_timeout_s, role=role)
 
-    async def _apply(self, files: list[Path], model: str, param: str, publish: Publish) -> Applied:
-        checked = await self._check(files, model, param)
+    async def _apply(self, files: list[Path], model: str, role: Role, publish: Publish) -> Applied:
+        checked = await self._check(files, model, role)
         await self._expected(checked, model, publish.expect_digest)
         return await self._commit(checked, model, publish)
 
@@ -264,31 +269,30 @@ class WeightsService(DeltaUpdates):
         if isinstance(staged, Staged):
             checksums = staged.checksums
         else:
-            checksums = await self._file_work(file_checksums, staged.files, param="digest")
+            checksums = await self._file_work(file_checksums, staged.files, role=Role.DIGEST)
         predicted = self.registry.digests.predict(model, checksums)
         if predicted is None:
             engine = self.registry.weights(model).info.backend
             raise Unsupported(
-                f"digest: the {engine} engine does not show its weights, so their digest "
+                f"the {engine} engine does not show its weights, so their digest "
                 "cannot be checked; send the update without one",
-                param="digest",
+                role=Role.DIGEST,
             )
         if predicted != digest:
             raise Conflict(
-                f"digest: the weights would have digest {predicted}, not {digest}; nothing "
-                "was applied",
-                param="digest",
+                f"the weights would have digest {predicted}, not {digest}; nothing was applied",
+                role=Role.DIGEST,
             )
 
-    async def _check(self, files: list[Path], model: str, param: str) -> Checked:
+    async def _check(self, files: list[Path], model: str, role: Role) -> Checked:
         """Everything that can refuse a checkpoint, before serving is touched."""
-        update = await self._file_work(read_layout, files, param, param=param)
+        update = await self._file_work(read_layout, files, role, role=role)
         served = self.registry.weights(model)
         expected = served.weight_layout()
         if expected is not None:
             check_layout(update, expected)
-        served.check_update(set(update), param)
-        await self._file_work(check_finite, files, param, param=param)
+        served.check_update(set(update), role)
+        await self._file_work(check_finite, files, role, role=role)
         return Checked(files, list(update), len(update), sum(f.stat().st_size for f in files))
 
     async def _commit(self, checked: Checked, model: str, publish: Publish) -> Applied:
@@ -323,12 +327,12 @@ class WeightsService(DeltaUpdates):
         update_id: str,
         shipment: Shipment,
         model: str,
-        param: str,
+        role: Role,
         expect_digest: str | None = None,
     ) -> int:
         """Write a shipped checkpoint into this server's data, chunk by chunk, and check it,
         without touching serving; the current version of `model`. Whatever goes wrong raises
-        (naming `param`, the request field the checkpoint came from) and leaves nothing
+        (naming `role`, what the checkpoint is to the request) and leaves nothing
         staged."""
         self.uploads.mkdir(parents=True, exist_ok=True)
         folder = self.uploads / f"staged-{update_id}"
@@ -339,12 +343,12 @@ class WeightsService(DeltaUpdates):
                 copies.append(copy := folder / Path(shipped.name).name)
                 with copy.open("wb") as sink:
                     for chunk in shipped.chunks:
-                        await self._file_work(sink.write, await chunk.fetch(), param="body")
+                        await self._file_work(sink.write, await chunk.fetch(), role=Role.UPLOAD)
             staged: Checked | Staged
-            if len(copies) == 1 and await self._file_work(is_delta_file, copies[0], param=param):
-                staged, _ = await self._stage_delta(copies[0], model, param)
+            if len(copies) == 1 and await self._file_work(is_delta_file, copies[0], role=role):
+                staged, _ = await self._stage_delta(copies[0], model, role)
             else:
-                staged = await self._check(copies, model, param)
+                staged = await self._check(copies, model, role)
             await self._expected(staged, model, expect_digest)
             self._staged[update_id] = staged
         except BaseException:
@@ -355,7 +359,7 @@ class WeightsService(DeltaUpdates):
     async def commit_staged(self, update_id: str, model: str, publish: Publish) -> Applied:
         checked = self._staged.pop(update_id, None)
         if checked is None:
-            raise Conflict(f"no update '{update_id}' is staged here", param="update")
+            raise Conflict(f"no update '{update_id}' is staged here", role=Role.STAGED_UPDATE)
         try:
             if isinstance(checked, Staged):
                 return await self._commit_delta(checked, model, publish, time.perf_counter())
@@ -379,6 +383,6 @@ class WeightsService(DeltaUpdates):
         """Serve a checkpoint the other replicas committed as `version` (a replica catching
         up before it takes traffic), published as snapshot `snapshot`, if one."""
         update_id = f"adopt-{model}-{version}"
-        await self.stage(update_id, shipment, model, "path")
+        await self.stage(update_id, shipment, model, Role.CHECKPOINT)
         publish = Publish(version=version, snapshot=snapshot)
         return await self.commit_staged(update_id, model, publish)

@@ -17,7 +17,8 @@ from typing import Literal
 
 import httpx
 
-from app.common.failures import Conflict, Failure, NotFound, PeerFailed, invalid, worded
+from app.common.failures import Conflict, Failure, NotFound, PeerFailed, invalid, recast
+from app.common.roles import Role
 from app.engine.registry import ModelRegistry
 from app.updates.control import WeightsControl
 from app.updates.service import WeightsService
@@ -29,7 +30,7 @@ FETCH_CHUNK = 1 << 20
 @dataclass
 class _Load:
     stage: Literal["serving", "fetching", "loading"] = "serving"
-    last_error: str | None = None
+    last_error: Failure | str | None = None
     since: float = 0.0
 
 
@@ -56,15 +57,15 @@ class Loads:
         load = self._loads.setdefault(model, _Load())
         if load.stage != "serving":
             raise Conflict(
-                f"model: a snapshot of '{model}' is being loaded already (since "
+                f"a snapshot of '{model}' is being loaded already (since "
                 f"{time.time() - load.since:.0f} s ago)",
-                param="model",
+                role=Role.MODEL,
             )
         load.stage, load.since = "fetching", time.time()
         try:
             yield load
         except Failure as exc:
-            load.last_error = exc.message
+            load.last_error = exc  # (each route words its role)
             raise
         except Exception as exc:
             load.last_error = f"{type(exc).__name__}: {exc}"
@@ -85,19 +86,21 @@ async def load_snapshot(
         current = registry.snapshots.get(ask.model)
         if ask.base is not None and ask.base != current:
             raise Conflict(
-                f"base: snapshot '{ask.identity}' builds on '{ask.base}', but "
+                f"snapshot '{ask.identity}' builds on '{ask.base}', but "
                 f"{repr(current) if current else 'no snapshot'} is served",
-                param="base",
+                role=Role.SNAPSHOT_BASE,
             )
         async with _fetched(files, ask.source) as path:
-            delta = await files.delta_file(path, "source") is not None
+            delta = await files.delta_file(path, Role.SNAPSHOT_SOURCE) is not None
             if delta and ask.base is None:
-                raise invalid("base", "a delta snapshot names the snapshot it builds on")
+                raise invalid(
+                    Role.SNAPSHOT_BASE, "a delta snapshot names the snapshot it builds on"
+                )
             load.stage = "loading"
             publish = Publish(
                 pause=ask.pause, snapshot=ask.identity, cache=ask.cache, expect_digest=ask.digest
             )
-            return await control.load(str(path), ask.model, publish, param="source")
+            return await control.load(str(path), ask.model, publish, role=Role.SNAPSHOT_SOURCE)
 
 
 @contextlib.asynccontextmanager
@@ -113,21 +116,21 @@ async def _fetched(files: WeightsService, source: str) -> AsyncIterator[Path]:
             http.stream("GET", source) as response,
         ):
             if response.status_code == 404:
-                raise NotFound(f"source: nothing at {_shown(source)} (404)", param="source")
+                raise NotFound(f"nothing at {_shown(source)} (404)", role=Role.SNAPSHOT_SOURCE)
             if response.status_code >= 400:
                 raise PeerFailed(
-                    f"source: {_shown(source)} answered {response.status_code}", param="source"
+                    f"{_shown(source)} answered {response.status_code}", role=Role.SNAPSHOT_SOURCE
                 )
             declared = response.headers.get("content-length")
             size = int(declared) if declared and declared.isdigit() else None
             chunks = response.aiter_bytes(FETCH_CHUNK)
-            with worded({"body": "source"}):
+            with recast({Role.UPLOAD: Role.SNAPSHOT_SOURCE}):
                 async with files.received(chunks, files.upload_limit(), size) as path:
                     yield path
     except httpx.HTTPError as exc:
         reason = type(exc).__name__  # (its text may repeat the URL, signature and all)
         raise PeerFailed(
-            f"source: fetching {_shown(source)} failed ({reason})", param="source"
+            f"fetching {_shown(source)} failed ({reason})", role=Role.SNAPSHOT_SOURCE
         ) from None
 
 

@@ -27,18 +27,17 @@ from app.common.failures import (
     TimedOut,
     Unsupported,
     invalid,
-    worded,
+    recast,
 )
+from app.common.roles import Role
 from app.engine.registry import ModelRegistry
 from app.updates.adapters import AdapterCatalog, Serving
 from app.updates.groups import Link, TransferGroups
 from app.updates.outcome import updated
 from app.updates.service import WeightsService
-from app.updates.transfer_delta import PARAM as DELTA_PARAM
 from app.updates.transfer_delta import check_announced, stage_received
 from app.updates.types import AdapterPush, Announcement, Applied, Join, Publish, TransferStatus
 from app.weights.checkpoint import check_layout
-from app.weights.lora import ADAPTER_SOURCE
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import WeightTransfer
 from app.weights.transport import Connection
@@ -46,9 +45,9 @@ from app.weights.transport import Connection
 ADAPTER_VERSIONS = "an adapter's versions are counted by the server: leave it out"
 """Why an adapter's push names no version."""
 _FIRST_PUSH = "a first push over the transfer gives its config at start (adapter.config)"
-_STARTED_WORDS = {ADAPTER_SOURCE: "adapter"}
+_STARTED = {Role.ADAPTER_SOURCE: Role.ADAPTER_PUSH}
 """What an adapter's refusals name at start (`app.updates.adapters`' roles): the push itself."""
-_RECEIVED_WORDS = {ADAPTER_SOURCE: "names"}
+_RECEIVED = {Role.ADAPTER_SOURCE: Role.TENSOR_NAMES}
 """What they name at finish: the tensors announced."""
 
 
@@ -113,13 +112,15 @@ class TransferService:
 
     def _check_adapter(self, model: str, adapter: AdapterPush) -> None:
         if model != "policy":
-            raise invalid("adapter", f"adapters adapt the policy; the update names '{model}'")
-        with worded(_STARTED_WORDS):
+            raise invalid(
+                Role.ADAPTER_PUSH, f"adapters adapt the policy; the update names '{model}'"
+            )
+        with recast(_STARTED):
             self.adapters.check_push(adapter.name, adapter.caller)
         if adapter.config is None and adapter.name not in self.registry.adapters:
             raise NotFound(
-                f"adapter.config: no adapter '{adapter.name}' is served; {_FIRST_PUSH}",
-                param="adapter.config",
+                f"no adapter '{adapter.name}' is served; {_FIRST_PUSH}",
+                role=Role.ADAPTER_CONFIG,
             )
 
     async def update(self, announced: Announcement) -> TransferStatus:
@@ -145,7 +146,7 @@ class TransferService:
                     check_layout(plan.layout(), expected)
                 if link.adapter is not None:  # (its rank: checked at finish)
                     sent = sum(p.nbytes for p in link.announced)
-                    self.adapters.check_size(sent + plan.nbytes, param="names")
+                    self.adapters.check_size(sent + plan.nbytes, role=Role.TENSOR_NAMES)
             await engine.update(plan)
             link.announced.append(plan)
             self.groups.spawn(self._watch(link, engine, setup, link.session))
@@ -156,13 +157,13 @@ class TransferService:
         can stage it."""
         if link.adapter is not None or link.announced or not announced.delta:
             raise invalid(
-                DELTA_PARAM,
+                Role.DELTA,
                 "a delta is its update's only announcement, and of a model's weights (start "
                 "another update for other tensors or an adapter)",
             )
         if self.files is None:
-            raise Unsupported(f"{DELTA_PARAM}: this server stages no deltas", param=DELTA_PARAM)
-        self.files.delta_base(announced.model, DELTA_PARAM)  # (refused before bytes travel)
+            raise Unsupported("this server stages no deltas", role=Role.DELTA)
+        self.files.delta_base(announced.model, Role.DELTA)  # (refused before bytes travel)
         check_announced(announced, self.files)
 
     def is_delta(self, model: str) -> bool:
@@ -198,7 +199,7 @@ class TransferService:
         async with self.groups.link(model) as (link, engine):
             try:
                 if link.adapter is not None and publish.version is not None:
-                    raise invalid("version", ADAPTER_VERSIONS)
+                    raise invalid(Role.VERSION, ADAPTER_VERSIONS)
                 self.registry.gate.next_version(
                     model, publish.version, restartable=publish.restartable
                 )
@@ -227,7 +228,7 @@ class TransferService:
                 first=_FIRST_PUSH,
                 version=version,
             )
-            with worded(_RECEIVED_WORDS):
+            with recast(_RECEIVED):
                 served = await self.adapters.serve(step)
         except BaseException as exc:
             await self.groups.drop(link, engine, exc)
@@ -277,7 +278,7 @@ class TransferService:
     async def _receive_all(self, link: Link, engine: WeightTransfer, model: str) -> None:
         setup = self.groups.updating(link)
         if not link.announced:
-            raise Conflict("no update was announced since start", param="model")
+            raise Conflict("no update was announced since start", role=Role.MODEL)
         try:
             await _received(engine, setup)
             if link.delta and link.received_delta is None and self.files is not None:

@@ -15,12 +15,13 @@ import safetensors.torch
 from rlserve_client.weight_delta import TRANSFER_NAME, DeltaHeader
 
 from app.common.failures import TooLarge, invalid
+from app.common.roles import Role
 from app.updates.service import WeightsService
 from app.updates.types import Announcement
 from app.weights.delta import Staged
 from app.weights.transfer_engine import WeightTransfer
 
-PARAM = "names"
+ROLE = Role.TENSOR_NAMES
 """What a received delta's refusals name: the update's announced tensor."""
 
 
@@ -40,15 +41,15 @@ def check_announced(announced: Announcement, files: WeightsService) -> None:
     shapes, dtypes = announced.shapes, announced.dtype_names
     if announced.names != [TRANSFER_NAME] or dtypes != ["uint8"] or len(shapes[0]) != 1:
         raise invalid(
-            PARAM,
+            ROLE,
             f"a delta travels as one uint8 tensor of one dimension named '{TRANSFER_NAME}' "
             f"(announced: {announced.names[:3]} of {dtypes[:3]})",
         )
     limit = files.upload_limit()
     if shapes[0][0] > limit.bytes:
         raise TooLarge(
-            f"{PARAM}: the delta ({shapes[0][0]} bytes) exceeds {limit.setting} {limit.bytes}",
-            param=PARAM,
+            f"the delta ({shapes[0][0]} bytes) exceeds {limit.setting} {limit.bytes}",
+            role=ROLE,
         )
 
 
@@ -59,5 +60,5 @@ async def stage_received(
     data = await engine.checkpoint()
     tensor = (await asyncio.to_thread(safetensors.torch.load, data))[TRANSFER_NAME]
     blob = tensor.numpy().tobytes()
-    staged, header = await files.stage_delta_bytes(blob, model, PARAM)
+    staged, header = await files.stage_delta_bytes(blob, model, ROLE)
     return ReceivedDelta(blob, staged, header)

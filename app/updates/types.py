@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from app.common.caller import Caller
+from app.common.failures import Failure
 from app.engine.gate import PauseMode
 from app.weights.transport import (
     BUCKET_BYTES,
@@ -145,7 +146,8 @@ class ServedWeights:
     snapshot: str | None
     """The published snapshot served (None: weights pushed another way, or the start)."""
     stage: Literal["serving", "fetching", "loading"] = "serving"
-    last_error: str | None = None
+    last_error: Failure | str | None = None
+    """Why its last snapshot load failed (a failure as raised: the route words its role)."""
     replica: str | None = None
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from app.common.failures import Conflict, Malformed, NotFound, TimedOut, file_failure, invalid
+from app.common.roles import Role
 
 # (safetensors dtype name, shape)
 Layout = dict[str, tuple[str, tuple[int, ...]]]
@@ -73,34 +74,36 @@ def to_safetensors(state: dict[str, torch.Tensor]) -> bytes:
     return bytes(out)
 
 
-async def file_work(work: Callable[..., T], *args: Any, timeout_s: float, param: str = "path") -> T:
+async def file_work(
+    work: Callable[..., T], *args: Any, timeout_s: float, role: Role = Role.CHECKPOINT
+) -> T:
     """Checkpoint file work in a thread, bounded in time: a file that blocks (a FIFO, a hung
     network mount) costs a 504, never the event loop; a file call that fails on the path the
-    request named (field `param`) is its failure, named (`file_failure`)."""
+    request named (as `role`) is its failure, named (`file_failure`)."""
     try:
         async with asyncio.timeout(timeout_s):
             return await asyncio.to_thread(work, *args)
     except TimeoutError:
         raise TimedOut(f"reading the checkpoint took over {timeout_s:g} s") from None
     except OSError as error:
-        raise file_failure(error, param) from None
+        raise file_failure(error, role) from None
 
 
-def checkpoint_files(directory: Path, param: str = "path") -> list[Path]:
+def checkpoint_files(directory: Path, role: Role = Role.CHECKPOINT) -> list[Path]:
     """The `*.safetensors` files of an HF checkpoint directory (or a single file). Only
     regular files: a FIFO or device named like a checkpoint would block the reader forever."""
     if not directory.exists():
-        raise NotFound(f"{param}: {directory} does not exist on the server", param=param)
+        raise NotFound(f"{directory} does not exist on the server", role=role)
     files = [directory] if not directory.is_dir() else sorted(directory.glob("*.safetensors"))
     if not files:
-        raise NotFound(f"{param}: {directory} holds no .safetensors files", param=param)
+        raise NotFound(f"{directory} holds no .safetensors files", role=role)
     for path in files:
         if not stat.S_ISREG(path.stat().st_mode):
-            raise invalid(param, f"{path} is not a regular file")
+            raise invalid(role, f"{path} is not a regular file")
     return files
 
 
-def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
+def snapshot(files: list[Path], into: Path, role: Role) -> list[Path]:
     """Private copies of `files` in `into`, each refused (409) when the original changed while
     it was copied (size, mtime, ctime or inode moved): a load then applies what one version
     of the checkpoint held, or nothing. No copy is left behind on failure."""
@@ -113,7 +116,7 @@ def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
             with path.open("rb") as source, os.fdopen(handle, "wb") as target:
                 shutil.copyfileobj(source, target, 8 << 20)
                 copied = target.tell()
-            _unchanged(path, before, copied, param)
+            _unchanged(path, before, copied, role)
     except BaseException:
         for copy in copies:
             copy.unlink(missing_ok=True)
@@ -121,7 +124,7 @@ def snapshot(files: list[Path], into: Path, param: str) -> list[Path]:
     return copies
 
 
-def read_chunks(path: Path, param: str, chunk_bytes: int) -> Iterator[bytes]:
+def read_chunks(path: Path, role: Role, chunk_bytes: int) -> Iterator[bytes]:
     """The file's bytes in chunks of `chunk_bytes` (the last may be shorter), refused (409) at
     the end as `snapshot` refuses a file that changed while it was read: what one version of
     the checkpoint held."""
@@ -131,15 +134,14 @@ def read_chunks(path: Path, param: str, chunk_bytes: int) -> Iterator[bytes]:
         while data := source.read(chunk_bytes):
             size += len(data)
             yield data
-    _unchanged(path, before, size, param)
+    _unchanged(path, before, size, role)
 
 
-def _unchanged(path: Path, before: tuple[int, ...], copied: int, param: str) -> None:
+def _unchanged(path: Path, before: tuple[int, ...], copied: int, role: Role) -> None:
     if _signature(path) != before or copied != before[2]:
         raise Conflict(
-            f"{param}: {path.name} changed while it was read; load it again once it is "
-            "completely written",
-            param=param,
+            f"{path.name} changed while it was read; load it again once it is completely written",
+            role=role,
         )
 
 
@@ -148,7 +150,7 @@ def _signature(path: Path) -> tuple[int, ...]:
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
-def read_layout(files: list[Path], param: str) -> Layout:
+def read_layout(files: list[Path], role: Role) -> Layout:
     """Names, dtypes and shapes, read from the headers only; 400 for corrupt or truncated files."""
     layout: Layout = {}
     for path in files:
@@ -158,14 +160,14 @@ def read_layout(files: list[Path], param: str) -> Layout:
                     tensor_slice = f.get_slice(name)
                     layout[name] = (tensor_slice.get_dtype(), tuple(tensor_slice.get_shape()))
         except PermissionError as exc:
-            raise invalid(param, f"{path} is not readable by the server ({exc})") from exc
+            raise invalid(role, f"{path} is not readable by the server ({exc})") from exc
         except (OSError, ValueError, json.JSONDecodeError, Exception) as exc:
             raise Malformed(
-                f"{param}: {path.name} is not a valid safetensors file ({exc})",
-                param=param,
+                f"{path.name} is not a valid safetensors file ({exc})",
+                role=role,
             ) from exc
     if not layout:
-        raise Malformed(f"{param}: the checkpoint holds no tensors", param=param)
+        raise Malformed("the checkpoint holds no tensors", role=role)
     return layout
 
 
@@ -173,14 +175,14 @@ def check_layout(update: Layout, model: Layout) -> None:
     """Every tensor must name a model parameter with the same shape and dtype (subsets allowed)."""
     for name, (dtype, shape) in update.items():
         if name not in model:
-            raise invalid("weights", f"unknown parameter '{name}' (not in the served model)")
+            raise invalid(Role.TENSORS, f"unknown parameter '{name}' (not in the served model)")
         want_dtype, want_shape = model[name]
         if shape != want_shape:
             raise invalid(
-                "weights", f"'{name}' has shape {list(shape)}, the model's is {list(want_shape)}"
+                Role.TENSORS, f"'{name}' has shape {list(shape)}, the model's is {list(want_shape)}"
             )
         if dtype != want_dtype:
-            raise invalid("weights", f"'{name}' has dtype {dtype}, the model's is {want_dtype}")
+            raise invalid(Role.TENSORS, f"'{name}' has dtype {dtype}, the model's is {want_dtype}")
 
 
 def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -215,14 +217,14 @@ def file_checksums(files: list[Path]) -> dict[str, str]:
     return {name: checksum(data.numpy()) for name, _, data in _tensor_bytes(files)}
 
 
-def check_finite(files: list[Path], param: str) -> None:
+def check_finite(files: list[Path], role: Role) -> None:
     """Refuse NaN and infinities in floating-point tensors."""
     for name, dtype, data in _tensor_bytes(files):
         torch_dtype = SAFETENSORS_TO_TORCH.get(dtype)
         if torch_dtype is None or not torch_dtype.is_floating_point:
             continue
         if not bool(torch.isfinite(data.view(torch_dtype)).all()):
-            raise invalid(param, f"tensor '{name}' holds NaN or infinite values")
+            raise invalid(role, f"tensor '{name}' holds NaN or infinite values")
 
 
 def _tensor_bytes(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:

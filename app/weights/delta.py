@@ -20,6 +20,7 @@ import torch
 from rlserve_client import weight_delta as codec
 
 from app.common.failures import Conflict, Malformed, NotFound, Unsupported, invalid
+from app.common.roles import Role
 from app.weights.checkpoint import SAFETENSORS_TO_TORCH, Layout, safetensors_header
 
 WORKERS = min(8, os.cpu_count() or 1)
@@ -58,8 +59,8 @@ class Part:
 class Delta:
     header: codec.DeltaHeader
     parts: tuple[Part, ...]
-    where: str
-    """The request field it came from (named in every refusal)."""
+    role: Role
+    """What it is to the request (named in every refusal)."""
 
 
 BLOCK_BYTES = 4 << 20
@@ -98,8 +99,8 @@ class Staged:
     num_bytes: int
     """The bytes of the tensors it changes."""
     compressed_bytes: int
-    param: str
-    """The request field the delta came from."""
+    role: Role
+    """What the delta is to the request (named in every refusal)."""
 
 
 def is_delta_file(path: Path) -> bool:
@@ -121,9 +122,9 @@ def is_delta_folder(path: Path) -> bool:
     return isinstance(index, dict) and "delta_encoding" in (index.get("metadata") or {})
 
 
-def read_delta(path: Path, param: str) -> Delta:
+def read_delta(path: Path, role: Role) -> Delta:
     """The delta in file or folder `path`: its header and parts, read from the headers only.
-    Refusals name `param`."""
+    Refusals name `role`."""
     try:
         if path.is_dir():
             metadata = json.loads((path / codec.INDEX).read_text())["metadata"]
@@ -132,7 +133,7 @@ def read_delta(path: Path, param: str) -> Delta:
             _, top = safetensors_header(path)
             metadata = json.loads((top.get("__metadata__") or {})[codec.META_KEY])
             files = [path]
-        header = codec.header_of(metadata, param)
+        header = codec.header_of(metadata)
         parts: list[Part] = []
         for file in files:
             size, tensors = safetensors_header(file)
@@ -144,22 +145,22 @@ def read_delta(path: Path, param: str) -> Delta:
                 encoding = header.encodings.get(name, header.encoding)
                 parts.append(Part(name, file, 8 + size + begin, end - begin, sums[name], encoding))
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise Malformed(f"{param}: not a weight delta ({exc})", param=param) from None
+        raise Malformed(f"not a weight delta ({exc})", role=role) from None
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
-        raise Malformed(f"{param}: the delta names a tensor twice", param=param)
-    _check_header(header, param)
-    return Delta(header, tuple(parts), param)
+        raise Malformed("the delta names a tensor twice", role=role)
+    _check_header(header, role)
+    return Delta(header, tuple(parts), role)
 
 
 SKYRL_MANIFEST = "manifest.json"
 
 
-def read_skyrl_delta(folder: Path, param: str) -> Delta:
+def read_skyrl_delta(folder: Path, role: Role) -> Delta:
     """A version SkyRL's `DeltaCheckpointPublisher` (0.4.0) published: `manifest.json` (its
     version, its base, per changed tensor the payload file and key, the xxh3-128 of the new
     tensor) and safetensors files of zstd-compressed XOR patches against the version before.
-    Refusals name `param`."""
+    Refusals name `role`."""
     try:
         manifest = json.loads((folder / SKYRL_MANIFEST).read_text())
         header = codec.DeltaHeader(
@@ -174,9 +175,8 @@ def read_skyrl_delta(folder: Path, param: str) -> Delta:
             algorithm = record.get("checksum_algorithm", codec.DIGEST)
             if algorithm != codec.DIGEST:
                 raise Unsupported(
-                    f"{param}: {folder.name} checks '{record['name']}' with {algorithm}, not "
-                    f"{codec.DIGEST}",
-                    param=param,
+                    f"{folder.name} checks '{record['name']}' with {algorithm}, not {codec.DIGEST}",
+                    role=role,
                 )
             path = folder / Path(str(record["payload_file"])).name
             if path not in headers:
@@ -195,15 +195,12 @@ def read_skyrl_delta(folder: Path, param: str) -> Delta:
             )
     except FileNotFoundError:
         raise NotFound(
-            f"{param}: {folder} holds no published version (its manifest, written last, is not "
-            "there)",
-            param=param,
+            f"{folder} holds no published version (its manifest, written last, is not there)",
+            role=role,
         ) from None
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise Malformed(
-            f"{param}: {folder.name} is not a SkyRL delta ({exc!r})", param=param
-        ) from None
-    return Delta(header, tuple(parts), param)
+        raise Malformed(f"{folder.name} is not a SkyRL delta ({exc!r})", role=role) from None
+    return Delta(header, tuple(parts), role)
 
 
 def one_file(delta: Delta) -> bytes:
@@ -223,48 +220,48 @@ def one_file(delta: Delta) -> bytes:
     return save(frames, metadata=metadata)
 
 
-def _check_header(header: codec.DeltaHeader, param: str) -> None:
+def _check_header(header: codec.DeltaHeader, role: Role) -> None:
     if header.compression_format != "zstd":
         raise Unsupported(
-            f"{param}: compression '{header.compression_format}' (deltas are zstd-compressed)",
-            param=param,
+            f"compression '{header.compression_format}' (deltas are zstd-compressed)",
+            role=role,
         )
     for encoding in {header.encoding, *header.encodings.values()}:
         if encoding not in codec.ENCODINGS:
             raise Unsupported(
-                f"{param}: delta encoding '{encoding}' is not one of {list(codec.ENCODINGS)}",
-                param=param,
+                f"delta encoding '{encoding}' is not one of {list(codec.ENCODINGS)}",
+                role=role,
             )
     if header.checksum_format not in codec.CHECKSUMS:
         raise Unsupported(
-            f"{param}: checksum '{header.checksum_format}' is not one of {list(codec.CHECKSUMS)}",
-            param=param,
+            f"checksum '{header.checksum_format}' is not one of {list(codec.CHECKSUMS)}",
+            role=role,
         )
     try:
         codec.hasher(header.checksum_format)
     except ImportError:
         raise Unsupported(
-            f"{param}: checksum '{header.checksum_format}' needs a package this server lacks",
-            param=param,
+            f"checksum '{header.checksum_format}' needs a package this server lacks",
+            role=role,
         ) from None
 
 
 def check_base(delta: Delta, served_version: int, served_digest: str | None) -> None:
     """Refuse a delta built on other weights than those served (by version, and by digest
     when the delta names its base's)."""
-    header, param = delta.header, delta.where
+    header, role = delta.header, delta.role
     if header.base_version != served_version:
         raise Conflict(
-            f"{param}: the delta builds on version {header.base_version}, but version "
+            f"the delta builds on version {header.base_version}, but version "
             f"{served_version} is served: send the full weights, or a delta of them",
-            param=param,
+            role=role,
         )
     known = header.base_digest is not None and served_digest is not None
     if known and header.base_digest != served_digest:
         raise Conflict(
-            f"{param}: the delta builds on weights with digest {header.base_digest}, but "
+            f"the delta builds on weights with digest {header.base_digest}, but "
             f"those served have {served_digest}",
-            param=param,
+            role=role,
         )
 
 
@@ -278,11 +275,9 @@ def stage(
     tensors side by side on the host's cores (zstd, numpy and xxhash let go of the GIL)."""
     for part in delta.parts:  # (refused before any work)
         if part.name not in layout:
-            raise invalid(delta.where, f"unknown parameter '{part.name}' (not in the served model)")
+            raise invalid(delta.role, f"unknown parameter '{part.name}' (not in the served model)")
         if layout[part.name][0] not in SAFETENSORS_TO_TORCH:
-            raise Unsupported(
-                f"{delta.where}: '{part.name}' has dtype {layout[part.name][0]}", param=delta.where
-            )
+            raise Unsupported(f"'{part.name}' has dtype {layout[part.name][0]}", role=delta.role)
     with ThreadPoolExecutor(WORKERS) as pool:
         rebuilt = list(pool.map(lambda part: _rebuilt(delta, part, served), delta.parts))
     return Staged(
@@ -291,7 +286,7 @@ def stage(
         {part.name: digest for part, (_, digest, _) in zip(delta.parts, rebuilt, strict=True)},
         sum(size for _, _, size in rebuilt),
         sum(part.size for part in delta.parts),
-        delta.where,
+        delta.role,
     )
 
 
@@ -300,7 +295,7 @@ def _rebuilt(
 ) -> tuple[Change, str, int]:
     """One tensor's change, checked: the change, the new tensor's checksum (`codec.DIGEST`)
     and its size."""
-    param = delta.where
+    role = delta.role
     base = served(part.name).detach()
     if base.device.type != "cpu" or not base.is_contiguous():
         base = base.to("cpu").contiguous()
@@ -309,7 +304,7 @@ def _rebuilt(
         f.seek(part.offset)
         frame = f.read(part.size)
     if len(frame) != part.size:
-        raise Malformed(f"{param}: the delta is truncated at '{part.name}'", param=param)
+        raise Malformed(f"the delta is truncated at '{part.name}'", role=role)
     hashes = [codec.hasher(delta.header.checksum_format)]
     if delta.header.checksum_format != codec.DIGEST:
         hashes.append(codec.hasher(codec.DIGEST))
@@ -328,17 +323,17 @@ def _rebuilt(
             new = change.reshape(-1).view(torch.uint8).numpy()
             nonfinite = _xored(old, payload, new, hashes, exponent)
     except ValueError as exc:
-        raise Malformed(f"{param}: tensor '{part.name}': {exc}", param=param) from None
+        raise Malformed(f"tensor '{part.name}': {exc}", role=role) from None
     got = hashes[0].hexdigest()
     if got != part.checksum:
         raise Conflict(
-            f"{param}: tensor '{part.name}' does not rebuild to its checksum (got {got}, the "
+            f"tensor '{part.name}' does not rebuild to its checksum (got {got}, the "
             f"delta says {part.checksum}): a corrupt delta, or another base than the served "
             "weights; nothing was applied",
-            param=param,
+            role=role,
         )
     if nonfinite:
-        raise invalid(param, f"tensor '{part.name}' holds NaN or infinite values")
+        raise invalid(role, f"tensor '{part.name}' holds NaN or infinite values")
     return change, hashes[-1].hexdigest(), old.size
 
 

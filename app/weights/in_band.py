@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from app.common.failures import InvalidInput, invalid
+from app.common.roles import Role
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout, check_layout
 
 Receive = Callable[[torch.Tensor], Callable[[], None]]
@@ -39,7 +40,7 @@ class _Metadata(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise invalid(
-            "weights",
+            Role.TENSORS,
             f"the update's metadata names {module}.{name}; only torch's dtypes and sizes may "
             "travel with the weights",
         )
@@ -52,17 +53,17 @@ def read_metadata(raw: bytes) -> list[tuple[torch.dtype, list[tuple[str, tuple[i
     except InvalidInput:
         raise
     except Exception as exc:
-        raise invalid("weights", f"the update's metadata is not readable: {exc}") from exc
+        raise invalid(Role.TENSORS, f"the update's metadata is not readable: {exc}") from exc
     if not isinstance(metadata, dict):
-        raise invalid("weights", "the update's metadata is not a mapping of dtypes")
+        raise invalid(Role.TENSORS, "the update's metadata is not a mapping of dtypes")
     groups = []
     for dtype, items in metadata.items():
         if not isinstance(dtype, torch.dtype) or not isinstance(items, list):
-            raise invalid("weights", "the update's metadata maps dtypes to lists of tensors")
+            raise invalid(Role.TENSORS, "the update's metadata maps dtypes to lists of tensors")
         tensors = []
         for item in items:
             if not (isinstance(item, tuple | list) and len(item) == 3):
-                raise invalid("weights", "each tensor of the metadata is (name, shape, numel)")
+                raise invalid(Role.TENSORS, "each tensor of the metadata is (name, shape, numel)")
             name, shape, numel = item
             dims = tuple(shape) if isinstance(shape, tuple | list) else None
             if (
@@ -73,7 +74,7 @@ def read_metadata(raw: bytes) -> list[tuple[torch.dtype, list[tuple[str, tuple[i
                 or numel != math.prod(dims)
                 or numel > MAX_NUMEL
             ):
-                raise invalid("weights", f"tensor {name!r} of the metadata is malformed")
+                raise invalid(Role.TENSORS, f"tensor {name!r} of the metadata is malformed")
             tensors.append((name, dims))
         groups.append((dtype, tensors))
     return groups
@@ -86,11 +87,11 @@ def receive_in_band(
     staged: dict[str, torch.Tensor] = {}
     count = _integer(receive, device)
     if not 0 <= count <= MAX_CHUNKS:
-        raise invalid("weights", f"the update announces {count} chunks")
+        raise invalid(Role.TENSORS, f"the update announces {count} chunks")
     for _ in range(count):
         length = _integer(receive, device)
         if not 0 < length <= MAX_METADATA_BYTES:
-            raise invalid("weights", f"a chunk's metadata of {length} bytes")
+            raise invalid(Role.TENSORS, f"a chunk's metadata of {length} bytes")
         raw = _received(receive, length, device).cpu().numpy().tobytes()
         for dtype, tensors in read_metadata(raw):
             for name, shape in tensors:
@@ -115,9 +116,9 @@ def _check(
     staged: dict[str, torch.Tensor],
 ) -> None:
     if name in staged:
-        raise invalid("weights", f"tensor '{name}' is sent twice in one update")
+        raise invalid(Role.TENSORS, f"tensor '{name}' is sent twice in one update")
     if dtype not in TORCH_TO_SAFETENSORS:
-        raise invalid("weights", f"tensor '{name}' has dtype {dtype}, which is not served")
+        raise invalid(Role.TENSORS, f"tensor '{name}' has dtype {dtype}, which is not served")
     if expected is not None:
         check_layout({name: (TORCH_TO_SAFETENSORS[dtype], shape)}, expected)
 

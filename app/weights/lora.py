@@ -9,18 +9,12 @@ from typing import Any
 
 import torch
 
-ADAPTER = "adapter.name"
-"""Roles a refusal about an adapter names (`app.common.failures.worded`): its name, where its
-tensors came from, and its config, each route calling them in its own words."""
-ADAPTER_SOURCE = "adapter.source"
-ADAPTER_CONFIG = "adapter.config"
-
 
 @dataclass(frozen=True)
 class AdapterBuild:
     """What an engine builds one version of an adapter from: PEFT's config and tensors, and
     the name, version and source it is served under. An engine's refusal of it names the
-    role `ADAPTER_SOURCE`."""
+    role `Role.ADAPTER_SOURCE`."""
 
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from app.common.failures import NotFound, Unsupported, file_failure, invalid
-from app.weights.lora import ADAPTER_SOURCE, AdapterBuild, LoraAdapter, LoraModule
+from app.common.roles import Role
+from app.weights.lora import AdapterBuild, LoraAdapter, LoraModule
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -45,39 +46,41 @@ _MUST_BE_OFF = (
 )
 
 
-def read_folder(path: Path, param: str = "path") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_folder(
+    path: Path, role: Role = Role.CHECKPOINT
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The config and the tensors of the adapter in folder `path` (blocking: call in a
-    thread); a file call that fails is the request's failure, named `param`."""
+    thread); a file call that fails is the request's failure, named `role`."""
     try:
-        return _read_folder(path, param)
+        return _read_folder(path, role)
     except OSError as error:
-        raise file_failure(error, param) from None
+        raise file_failure(error, role) from None
 
 
-def _read_folder(path: Path, param: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_folder(path: Path, role: Role) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config_file, weights_file = path / CONFIG, path / WEIGHTS
     if not path.is_dir():
-        raise NotFound(f"{param}: no adapter folder at {path}", param=param)
+        raise NotFound(f"no adapter folder at {path}", role=role)
     for file in (config_file, weights_file):
         if not file.is_file():
             raise NotFound(
-                f"{param}: {path} holds no {file.name} (PEFT's adapter layout: "
+                f"{path} holds no {file.name} (PEFT's adapter layout: "
                 f"{CONFIG} and {WEIGHTS}, as save_pretrained writes them)",
-                param=param,
+                role=role,
             )
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise invalid(param, f"{config_file} is not JSON: {exc}") from exc
+        raise invalid(role, f"{config_file} is not JSON: {exc}") from exc
     if not isinstance(config, dict):
-        raise invalid(param, f"{config_file} holds no JSON object")
-    return config, read_tensors(weights_file, param)
+        raise invalid(role, f"{config_file} holds no JSON object")
+    return config, read_tensors(weights_file, role)
 
 
-def read_upload(file: Path, param: str) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+def read_upload(file: Path, role: Role) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
     """The config in an uploaded file's metadata (`CONFIG_METADATA`; None without one) and its
     tensors (blocking: call in a thread)."""
-    tensors = read_tensors(file, param)
+    tensors = read_tensors(file, role)
     with safe_open(file, "pt") as opened:
         text = (opened.metadata() or {}).get(CONFIG_METADATA)
     if text is None:
@@ -85,9 +88,9 @@ def read_upload(file: Path, param: str) -> tuple[dict[str, Any] | None, dict[str
     try:
         config = json.loads(text)
     except ValueError as exc:
-        raise invalid(param, f"the metadata's {CONFIG_METADATA} is not JSON: {exc}") from exc
+        raise invalid(role, f"the metadata's {CONFIG_METADATA} is not JSON: {exc}") from exc
     if not isinstance(config, dict):
-        raise invalid(param, f"the metadata's {CONFIG_METADATA} holds no JSON object")
+        raise invalid(role, f"the metadata's {CONFIG_METADATA} holds no JSON object")
     return config, tensors
 
 
@@ -98,14 +101,14 @@ def upload_bytes(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> by
     return safetensors.torch.save({k: t.contiguous() for k, t in tensors.items()}, metadata)
 
 
-def read_tensors(file: Path, param: str) -> dict[str, torch.Tensor]:
+def read_tensors(file: Path, role: Role) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file, in memory of their own (blocking: call in a
     thread). safetensors maps the file: a tensor kept as loaded would keep the file mapped,
     an upload's deleted temporary file included, for as long as the adapter is served."""
     try:
         mapped = load_file(file)
     except Exception as exc:
-        raise invalid(param, f"{file.name} is not a valid safetensors file: {exc}") from exc
+        raise invalid(role, f"{file.name} is not a valid safetensors file: {exc}") from exc
     return {name: tensor.clone() for name, tensor in mapped.items()}
 
 
@@ -134,21 +137,21 @@ def parse_adapter(
     """An adapter from PEFT's config and tensors, checked against `shapes` (each linear layer
     of the decoder: in and out features), or, without them, left for the engine that loads it
     to check against its model (its layers' names as PEFT's, the output head refused here).
-    Refusals name the role `ADAPTER_SOURCE`."""
-    config, tensors, param = build.config, build.tensors, ADAPTER_SOURCE
-    _check_config(config, param)
+    Refusals name the role `Role.ADAPTER_SOURCE`."""
+    config, tensors, role = build.config, build.tensors, Role.ADAPTER_SOURCE
+    _check_config(config, role)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key.removeprefix(_PREFIX))
         if match is None:
             raise Unsupported(
-                f"{param}: the adapter holds {key}, which is not a LoRA A or B matrix of a "
+                f"the adapter holds {key}, which is not a LoRA A or B matrix of a "
                 "linear layer (embeddings, biases and modules saved whole are not served)",
-                param=param,
+                role=role,
             )
         pairs.setdefault(match["module"], {})[match["which"]] = tensor
     if not pairs:
-        raise invalid(param, "the adapter holds no LoRA tensors")
+        raise invalid(role, "the adapter holds no LoRA tensors")
     r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -158,12 +161,12 @@ def parse_adapter(
         layer = None if shapes is None else shapes.get(module)
         if (shapes is not None and layer is None) or module.rsplit(".", 1)[-1] == "lm_head":
             raise Unsupported(
-                f"{param}: the adapter adapts {module}, which is not a linear layer of the "
+                f"the adapter adapts {module}, which is not a linear layer of the "
                 "served model's decoder (LoRA on the output head or embeddings is not served)",
-                param=param,
+                role=role,
             )
         if set(pair) != {"A", "B"}:
-            raise invalid(param, f"{module} has lora_{set('AB') - set(pair)} missing")
+            raise invalid(role, f"{module} has lora_{set('AB') - set(pair)} missing")
         a, b = pair["A"], pair["B"]
         rank = _pattern(rank_pattern, module, r)
         fits = a.dim() == 2 and b.dim() == 2 and b.shape[1] == a.shape[0]
@@ -172,12 +175,12 @@ def parse_adapter(
         if not fits:
             layer_text = "" if layer is None else f" {layer[0]}->{layer[1]}"
             raise invalid(
-                param,
+                role,
                 f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a"
                 f"{layer_text} linear layer",
             )
         if a.shape[0] != rank:
-            raise invalid(param, f"{module}: rank {a.shape[0]}, but its config says {rank}")
+            raise invalid(role, f"{module}: rank {a.shape[0]}, but its config says {rank}")
         scale = _pattern(alpha_pattern, module, alpha)
         scaling = scale / math.sqrt(rank) if rslora else scale / rank
         modules[module] = LoraModule(
@@ -195,27 +198,27 @@ def parse_adapter(
     )
 
 
-def _check_config(config: dict[str, Any], param: str) -> None:
+def _check_config(config: dict[str, Any], role: Role) -> None:
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise Unsupported(f"{param}: a {peft_type} adapter; only LoRA is served", param=param)
+        raise Unsupported(f"a {peft_type} adapter; only LoRA is served", role=role)
     if config.get("bias", "none") != "none":
         raise Unsupported(
-            f"{param}: the adapter trains biases (bias {config['bias']!r}); rlserve serves "
+            f"the adapter trains biases (bias {config['bias']!r}); rlserve serves "
             "plain LoRA (bias 'none')",
-            param=param,
+            role=role,
         )
     for key in _MUST_BE_OFF:
         if config.get(key):
             raise Unsupported(
-                f"{param}: the adapter sets {key} ({config[key]!r}); rlserve serves plain "
+                f"the adapter sets {key} ({config[key]!r}); rlserve serves plain "
                 f"LoRA on linear layers, without {key}",
-                param=param,
+                role=role,
             )
     for key in ("r", "lora_alpha"):
         value = config.get(key, 8)
         if not isinstance(value, int | float) or value <= 0:
-            raise invalid(param, f"the adapter's {key} must be a positive number, not {value!r}")
+            raise invalid(role, f"the adapter's {key} must be a positive number, not {value!r}")
 
 
 def _pattern(patterns: dict[str, Any], module: str, default: float) -> Any:

@@ -32,6 +32,7 @@ import numpy as np
 from rlserve_client import weight_delta as codec
 
 from app.common.failures import Conflict, Malformed, NotFound, invalid
+from app.common.roles import Role
 from app.weights.checkpoint import safetensors_header
 from app.weights.delta import Delta, is_delta_folder, read_delta, read_skyrl_delta
 
@@ -48,7 +49,7 @@ class Stream:
     """Version N's folder name."""
     is_delta: Callable[[Path], bool]
     """Whether a published folder is a delta (else a full checkpoint)."""
-    read: Callable[[Path, str], Delta]
+    read: Callable[[Path, Role], Delta]
 
 
 SLIME = Stream(lambda version: f"weight_v{version:06d}", is_delta_folder, read_delta)
@@ -78,9 +79,9 @@ def pull(local: Path, base: Path | str, source: Path, target: int, stream: Strea
         if held is None or start > held:
             if start == 0 and isinstance(base, str):
                 raise NotFound(
-                    f"source_dir: no full version at or below {target} is published, and the "
+                    f"no full version at or below {target} is published, and the "
                     f"model's own checkpoint cannot seed the local one ({base})",
-                    param="source_dir",
+                    role=Role.PUBLISHED,
                 )
             seed = base if start == 0 else source / stream.folder(start)
             assert isinstance(seed, Path)
@@ -94,7 +95,7 @@ def pull(local: Path, base: Path | str, source: Path, target: int, stream: Strea
 
 def _is_delta(folder: Path, stream: Stream) -> bool:
     if not folder.is_dir():
-        raise NotFound(f"source_dir: no published version {folder.name}", param="source_dir")
+        raise NotFound(f"no published version {folder.name}", role=Role.PUBLISHED)
     return stream.is_delta(folder)
 
 
@@ -130,7 +131,7 @@ def _write_held(local: Path, version: int, source: Path) -> None:
 def _seed(folder: Path, local: Path, version: int, source: Path) -> None:
     """`local` made a copy of the full checkpoint in `folder` (files it lacks removed)."""
     if not folder.is_dir():
-        raise NotFound(f"source_dir: no checkpoint folder {folder}", param="source_dir")
+        raise NotFound(f"no checkpoint folder {folder}", role=Role.PUBLISHED)
     (local / SYNC / REPLACING).touch()
     files = [entry for entry in folder.iterdir() if entry.is_file()]
     for entry in files:
@@ -158,26 +159,24 @@ def _locations(local: Path) -> dict[str, tuple[Path, int, int]]:
 def _apply(local: Path, source: Path, version: int, stream: Stream) -> None:
     """One delta applied to copies of the files it changes; the copies replace the files only
     once every tensor matched its checksum."""
-    param = "source_dir"
+    role = Role.PUBLISHED
     folder = source / stream.folder(version)
-    delta = stream.read(folder, param)
+    delta = stream.read(folder, role)
     held = _held(local, source)
     if delta.header.base_version != held:
         raise Conflict(
-            f"{param}: {folder.name} builds on version {delta.header.base_version}, the local "
+            f"{folder.name} builds on version {delta.header.base_version}, the local "
             f"checkpoint holds {held}",
-            param=param,
+            role=role,
         )
     if delta.header.version is not None and delta.header.version != version:
-        raise Malformed(
-            f"{param}: {folder.name} says it is version {delta.header.version}", param=param
-        )
+        raise Malformed(f"{folder.name} says it is version {delta.header.version}", role=role)
     locations = _locations(local)
     copies: dict[Path, Path] = {}
     try:
         for part in delta.parts:
             if part.name not in locations:
-                raise invalid(param, f"{folder.name} changes '{part.name}', which is not in it")
+                raise invalid(role, f"{folder.name} changes '{part.name}', which is not in it")
             path, offset, size = locations[part.name]
             if path not in copies:
                 copies[path] = path.with_name(path.name + ".next")
@@ -190,15 +189,15 @@ def _apply(local: Path, source: Path, version: int, stream: Stream) -> None:
                 try:
                     codec.apply(region, frame, part.encoding)
                 except ValueError as exc:
-                    message = f"{param}: {folder.name}, '{part.name}': {exc}"
-                    raise Malformed(message, param=param) from None
+                    message = f"{folder.name}, '{part.name}': {exc}"
+                    raise Malformed(message, role=role) from None
                 got = codec.checksum(region, delta.header.checksum_format)
                 del region
             if got != part.checksum:
                 raise Conflict(
-                    f"{param}: {folder.name}: '{part.name}' does not rebuild to its checksum "
+                    f"{folder.name}: '{part.name}' does not rebuild to its checksum "
                     f"({got}, not {part.checksum}); the local checkpoint stays at version {held}",
-                    param=param,
+                    role=role,
                 )
         (local / SYNC / REPLACING).touch()
         for path, copy in copies.items():

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from app.common.roles import Role
 from app.weights.checkpoint import read_chunks
 
 CHUNK_BYTES = 16 << 20
@@ -57,14 +58,14 @@ class Shipment:
 
 
 def ship(
-    files: Mapping[str, Path], put: Put, param: str, chunk_bytes: int = CHUNK_BYTES
+    files: Mapping[str, Path], put: Put, role: Role, chunk_bytes: int = CHUNK_BYTES
 ) -> Shipment:
     """`files` (by the name they travel under) read chunk by chunk into `put`; refused (409)
     when one changed while it was read, as `app.weights.checkpoint.snapshot` refuses it."""
     shipped = []
     for name, path in files.items():
         chunks, size = [], 0
-        for data in read_chunks(path, param, chunk_bytes):
+        for data in read_chunks(path, role, chunk_bytes):
             chunks.append(put(data))
             size += len(data)
         shipped.append(ShippedFile(name, size, tuple(chunks)))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from app.common.failures import Conflict, TimedOut, invalid
+from app.common.roles import Role
 from app.weights.checkpoint import TORCH_TO_SAFETENSORS, Layout
 from app.weights.expert_names import checkpoint_views
 from app.weights.in_band import Receive, receive_in_band
@@ -77,28 +78,29 @@ class TransferPlan:
     ) -> TransferPlan:
         """Check an update's announcement; each problem names its field."""
         if len(dtype_names) != len(names):
-            raise invalid("dtype_names", f"{len(dtype_names)} entries for {len(names)} names")
+            raise invalid(Role.TENSOR_DTYPES, f"{len(dtype_names)} entries for {len(names)} names")
         if len(shapes) != len(names):
-            raise invalid("shapes", f"{len(shapes)} entries for {len(names)} names")
+            raise invalid(Role.TENSOR_SHAPES, f"{len(shapes)} entries for {len(names)} names")
         if len(set(names)) != len(names):
-            raise invalid("names", "a tensor is named twice")
+            raise invalid(Role.TENSOR_NAMES, "a tensor is named twice")
         specs = []
         for i, (name, dtype_name, shape) in enumerate(zip(names, dtype_names, shapes, strict=True)):
             if dtype_name not in WIRE_DTYPES:
                 raise invalid(
-                    f"dtype_names[{i}]", f"'{dtype_name}' is not one of {list(WIRE_DTYPES)}"
+                    Role.TENSOR_DTYPES, f"'{dtype_name}' is not one of {list(WIRE_DTYPES)}", index=i
                 )
             specs.append(TensorSpec(name, WIRE_DTYPES[dtype_name], tuple(shape)))
         counts = list(buckets) if buckets is not None else [1] * len(specs)
         if sum(counts) != len(specs) or any(c < 1 for c in counts):
-            raise invalid("buckets", f"counts must be positive and sum to {len(specs)} tensors")
+            raise invalid(Role.BUCKETS, f"counts must be positive and sum to {len(specs)} tensors")
         plan = cls(tuple(specs), tuple(counts))
         for i, (group, nbytes) in enumerate(plan.bucket_groups()):
             if nbytes - group[-1].nbytes > max_bucket_bytes:
                 raise invalid(
-                    f"buckets[{i}]",
+                    Role.BUCKETS,
                     f"{nbytes} bytes in {len(group)} tensors exceed the agreed bucket size "
                     f"{max_bucket_bytes} (only a bucket's last tensor may take it past)",
+                    index=i,
                 )
         return plan
 
@@ -179,7 +181,7 @@ def receive_plan(
                 bad = spec.name
             staged[spec.name] = tensor
     if bad is not None:
-        raise invalid("weights", f"tensor '{bad}' holds NaN or infinite values")
+        raise invalid(Role.TENSORS, f"tensor '{bad}' holds NaN or infinite values")
     return staged
 
 
@@ -191,7 +193,7 @@ def receive_named(
     staged = receive_in_band(receive, device, stage, plan.expected)
     bad = next((name for name, tensor in staged.items() if not all_finite(tensor)), None)
     if bad is not None:
-        raise invalid("weights", f"tensor '{bad}' holds NaN or infinite values")
+        raise invalid(Role.TENSORS, f"tensor '{bad}' holds NaN or infinite values")
     return staged
 
 

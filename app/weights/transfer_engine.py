@@ -18,6 +18,7 @@ from contextvars import ContextVar
 import torch
 
 from app.common.failures import Conflict, PeerAbsent
+from app.common.roles import Role
 from app.weights.checkpoint import to_safetensors
 from app.weights.staging import Reception, TransferPlan
 from app.weights.transport import Connection, Group, open_group
@@ -41,9 +42,9 @@ async def rendezvous_listening(connection: Connection) -> None:
     while refused := await _refused(address, port, min(max(deadline - loop.time(), 0.05), 1.0)):
         if closed is not None and closed.is_set():
             raise Conflict(
-                f"model: the join was closed (a close call) before the trainer's rendezvous at "
+                f"the join was closed (a close call) before the trainer's rendezvous at "
                 f"{address}:{port} accepted connections",
-                param="model",
+                role=Role.MODEL,
             )
         # Only a refused or unanswered connection may be a trainer still starting; an address
         # that does not resolve or cannot be reached never will be: refused at once.
@@ -52,9 +53,9 @@ async def rendezvous_listening(connection: Connection) -> None:
         )
         if not waiting or loop.time() >= deadline:
             raise PeerAbsent(
-                f"master_address: nothing accepts connections at {address}:{port} (the "
+                f"nothing accepts connections at {address}:{port} (the "
                 f"trainer's rendezvous): {type(refused).__name__}: {refused}",
-                param="master_address",
+                role=Role.GROUP_ADDRESS,
             ) from refused
         if closed is None:
             await asyncio.sleep(0.1)

@@ -18,6 +18,7 @@ from safetensors.torch import save, save_file
 
 from app.common.caller import UNKEYED
 from app.common.failures import Conflict, InvalidInput, PeerFailed, TimedOut, Unsupported
+from app.common.roles import Role
 from app.config import Settings
 from app.deploy.ledger import LocalLedger
 from app.deploy.replicated import ReplicatedWeights
@@ -25,12 +26,12 @@ from app.dialects.sglang.protocol import UpdateWeightsFromDistributed
 from app.dialects.sglang.service import bucket_of
 from app.engine.base import Capabilities
 from app.engine.registry import ModelRegistry
+from app.errors import failure_error
 from app.updates.driven import DrivenUpdates
 from app.updates.local import LocalWeights
 from app.updates.types import AdapterPush, Announcement, Join, Publish
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
 from app.weights.delta import Change, write_changes
-from app.weights.lora import ADAPTER_SOURCE
 from app.weights.staging import TransferPlan
 from app.weights.transfer_engine import WeightTransfer
 from app.weights.transport import Connection
@@ -253,7 +254,8 @@ async def test_a_refusal_at_staging_leaves_every_replica_as_it_was(
     path = str(checkpoint(tmp_path, "new", scaled(2.0)))
     with pytest.raises(InvalidInput) as refused:
         await cluster.controls[0].load(path, "policy", Publish())
-    assert refused.value.message == (
+    assert refused.value.role == Role.TENSORS
+    assert failure_error(refused.value).message == (
         "weights: 'w' has shape [4], the model's is [5] (1 of 3 replicas refused it)"
     )
     assert refused.value.param == "weights"
@@ -403,10 +405,10 @@ async def test_adapter_refusals_across_replicas_name_the_field(cluster: Cluster)
     pushed = AdapterPush("a", {"r": 4, "lora_alpha": 8, "target_modules": ["proj"]}, UNKEYED)
     with pytest.raises(Unsupported) as refused:
         await control.transfer_start("policy", pushed)
-    assert refused.value.param == "adapter"
+    assert refused.value.role == Role.ADAPTER_PUSH  # (the transfer routes word it "adapter")
     with pytest.raises(Unsupported) as refused:
         await control.load_adapter("a", "/nowhere", caller=UNKEYED)
-    assert refused.value.param == ADAPTER_SOURCE  # (each route names it in its words)
+    assert refused.value.role == Role.ADAPTER_SOURCE  # (each route names it in its words)
     assert (await control.transfer_state("policy")).state == "joined"
     assert cluster.versions() == [0, 0, 0]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.common.failures import Conflict, InvalidInput
+from app.common.roles import Role
 from app.engine.gate import Lineage, resolve_version
 from app.engine.types import MAX_VERSION
 
@@ -29,4 +30,4 @@ def test_a_trainers_count_shifted_past_the_largest_version_is_refused() -> None:
     )
     with pytest.raises(InvalidInput, match=f"over the largest version, {MAX_VERSION}") as refused:
         resolve_version("policy", 1000, lineage, MAX_VERSION - 998, restartable=True)
-    assert refused.value.param == "version"
+    assert refused.value.role == Role.VERSION

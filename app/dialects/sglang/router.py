@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Response
 
 from app.common.failures import Conflict, worded
+from app.common.roles import Role
 from app.deps import (
     CallerDep,
     DrivenUpdatesDep,
@@ -291,7 +292,8 @@ async def update_weights_from_disk(
     """POST /v1/weights/load: a safetensors checkpoint the server can read, whole or not at
     all."""
     publish = common.publish(body.weight_version, "weight_version")
-    applied = await weights.load(body.model_path, "policy", publish, param="model_path")
+    with worded({Role.CHECKPOINT: "model_path"}):
+        applied = await weights.load(body.model_path, "policy", publish)
     version = common.label(registry, applied.versions.policy)
     return DiskUpdated(message=f"Succeeded to update model weights. Weight version {version}.")
 

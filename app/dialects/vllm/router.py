@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query
 
 from app.common.failures import Conflict, Unsupported, worded
+from app.common.roles import Role
 from app.deps import (
     GenerationDep,
     RegistryDep,
@@ -240,7 +241,7 @@ async def fetch_weights(request: FetchWeights, weights: WeightsDep) -> Fetched:
     `target_version` of the deltas SkyRL publishes under `sync_dir` (each checked tensor by
     tensor against its checksum; a bad one leaves the local checkpoint as it was), while
     serving goes on; POST /update_weights then loads it."""
-    with worded({"source_dir": "sync_dir"}):
+    with worded({Role.PUBLISHED: "sync_dir"}):
         await weights.pull_published(None, request.sync_dir, request.target_version, "skyrl")
     return Fetched(result=[FetchedVersion(target_version=request.target_version)])
 
@@ -261,11 +262,11 @@ async def update_weights(
     in prime-rl's broadcast group (POST /init_broadcaster), receive its next broadcast and
     swap it in whole (prime-rl's workers then ignore the folder)."""
     if (delta := request.delta) is not None:
-        with worded({"source_dir": "update_info.sync_dir"}):
+        with worded({Role.PUBLISHED: "update_info.sync_dir", Role.CHECKPOINT: "update_info"}):
             local = await weights.pull_published(
                 None, delta.sync_dir, delta.target_version, "skyrl"
             )
-        applied = await weights.load(local, "policy", Publish(), param="update_info")
+            applied = await weights.load(local, "policy", Publish())
         version = common.label(registry, applied.versions.policy)
         return Message(message=f"Weights loaded as version {version}")
     if request.weight_dir is not None:
@@ -274,9 +275,8 @@ async def update_weights(
             await weights.transfer_update(Announcement("policy", [], [], [], packing="in_band"))
             applied = await weights.transfer_finish("policy", Publish())
         else:
-            applied = await weights.load(
-                request.weight_dir, "policy", Publish(), param="weight_dir"
-            )
+            with worded({Role.CHECKPOINT: "weight_dir"}):
+                applied = await weights.load(request.weight_dir, "policy", Publish())
         version = common.label(registry, applied.versions.policy)
         return Message(message=f"Weights loaded as version {version}")
     for info in request.infos:

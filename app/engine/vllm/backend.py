@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from app.common.failures import Conflict, Unsupported
+from app.common.roles import Role
 from app.engine.abandon import unless_abandoned, unless_set
 from app.engine.base import Backend, Capabilities, ScoreItem
 from app.engine.distribution import assemble, position_scores
@@ -420,29 +421,29 @@ class VLLMBackend(Backend):
             layout.setdefault("lm_head.weight", embedding)
         return layout
 
-    def check_update(self, names: set[str], param: str) -> None:
+    def check_update(self, names: set[str], role: Role) -> None:
         if self.weights is None:
             raise Unsupported(
-                f"model: {self.info.source} is not a local checkpoint, so it cannot be updated",
-                param="model",
+                f"{self.info.source} is not a local checkpoint, so it cannot be updated",
+                role=Role.MODEL,
             )
         if self.tied_embeddings:
             # Measured with vLLM 0.32 (CPU): its in-place reload leaves a tied output head with
             # stale values, so scores after an update would be silently wrong. Refuse instead.
             raise Unsupported(
-                "model: weight updates of models with tied input/output embeddings are not "
+                "weight updates of models with tied input/output embeddings are not "
                 "supported with the vLLM backend (vLLM's in-place reload mishandles the tied "
                 "head); use the collective transfer or the transformers backend for this model",
-                param="model",
+                role=Role.MODEL,
             )
         if missing := sorted(self.transferred - names):
             # vLLM reloads whole models from files: the values a transfer sent are in none.
             raise Conflict(
-                f"{param}: {len(missing)} tensors (e.g. '{missing[0]}') hold values the "
+                f"{len(missing)} tensors (e.g. '{missing[0]}') hold values the "
                 "collective transfer sent, which no file has: with the vLLM backend a file "
                 "update after a transfer must carry them too (send the whole model), or "
                 "keep updating over the transfer",
-                param=param,
+                role=role,
             )
 
     async def update_weights(self, files: list[Path]) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from app.common.failures import Unsupported, invalid
-from app.weights.lora import ADAPTER_SOURCE, AdapterBuild, LoraAdapter
+from app.common.roles import Role
+from app.weights.lora import AdapterBuild, LoraAdapter
 from app.weights.lora_layout import CONFIG, WEIGHTS, parse_adapter
 
 
@@ -50,19 +51,19 @@ class VLLMLoras:
         the id go when nothing holds the version any more."""
         from vllm.lora.request import LoRARequest
 
-        param = ADAPTER_SOURCE
+        role = Role.ADAPTER_SOURCE
         if self.rank is None:
             raise Unsupported(
-                f"{param}: this vLLM engine serves no LoRA adapters; start it with "
+                "this vLLM engine serves no LoRA adapters; start it with "
                 "RLSERVE_VLLM__MAX_LORAS (how many adapters one batch may mix)",
-                param=param,
+                role=role,
             )
         adapter = parse_adapter(build, None)
         if adapter.rank > self.rank:
             raise Unsupported(
-                f"{param}: the adapter's rank {adapter.rank} is above this engine's largest, "
+                f"the adapter's rank {adapter.rank} is above this engine's largest, "
                 f"RLSERVE_VLLM__MAX_LORA_RANK={self.rank}",
-                param=param,
+                role=role,
             )
         for released in self._released[:]:
             self._released.remove(released)
@@ -77,7 +78,7 @@ class VLLMLoras:
             await self.engine.add_lora(request)
         except Exception as exc:
             shutil.rmtree(folder, ignore_errors=True)
-            raise invalid(param, f"vLLM did not load the adapter: {exc}") from exc
+            raise invalid(role, f"vLLM did not load the adapter: {exc}") from exc
         self._requests[adapter] = request
         weakref.finalize(adapter, _release, self._released, lora_id, folder)
         return adapter

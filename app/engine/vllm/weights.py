@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from app.common.failures import InvalidInput
+from app.common.roles import Role
 from app.weights.checkpoint import Layout, checkpoint_files, read_layout
 from app.weights.delta import Change, write_changes
 from app.weights.staging import TransferPlan
@@ -74,7 +75,7 @@ class VLLMTransfer(WeightTransfer):
                 if failed:
                     if failed[0].startswith("InvalidInput: "):
                         raise InvalidInput(
-                            failed[0].removeprefix("InvalidInput: "), param="weights"
+                            failed[0].removeprefix("InvalidInput: "), role=Role.TENSORS
                         )
                     raise RuntimeError(failed[0])
                 await asyncio.sleep(self.POLL_S)
@@ -118,7 +119,7 @@ class WeightFiles:
         location: dict[str, Path] = {}
         layout: Layout = {}
         for file in checkpoint_files(path):
-            file_layout = read_layout([file], "model")
+            file_layout = read_layout([file], Role.MODEL)
             layout |= file_layout
             location |= dict.fromkeys(file_layout, file)
         shutil.rmtree(directory, ignore_errors=True)
@@ -199,7 +200,7 @@ class WeightFiles:
             else:
                 shutil.copyfile(file, copy)
             copies.append(copy)
-            location |= dict.fromkeys(read_layout([copy], "weights"), copy)
+            location |= dict.fromkeys(read_layout([copy], Role.TENSORS), copy)
         self._staged = (location, copies)
         by_file: dict[Path, list[str]] = {}
         for name, file in location.items():

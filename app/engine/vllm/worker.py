@@ -131,7 +131,7 @@ def _engine_class() -> type:
                 return status
             names = set(self.reception.result(0))
             if of_model and (missing := _unfused(self.model, names)) is not None:
-                return f"InvalidInput: weights: {missing}"
+                return f"InvalidInput: {missing}"
             return None
 
         def finish_weight_update(self) -> None:

@@ -25,6 +25,7 @@ from app.deps import CallerDep, RegistryDep, WeightsDep
 from app.errors import ADAPTER_ERROR_RESPONSES
 from app.ops.access import Access, Body, access
 from app.ops.limits import declared_size
+from app.updates.types import Streamed
 
 router = APIRouter(tags=["adapters"], responses=ADAPTER_ERROR_RESPONSES)
 LOADED = {Role.ADAPTER: "name", Role.ADAPTER_SOURCE: "path", Role.ADAPTER_CONFIG: "path"}
@@ -97,9 +98,8 @@ async def push_adapter(
     yet needs it, and is then served at version 0, owned by the pushing key. A served adapter
     keeps its layers and shapes; without that metadata, its config too."""
     with worded(PUSHED):
-        adapter = await weights.push_adapter(
-            name, request.stream(), caller=caller, size=declared_size(request.headers)
-        )
+        body = Streamed(request.stream(), declared_size(request.headers))
+        adapter = await weights.push_adapter(name, body, caller=caller)
     return AdapterInfo.of(adapter, registry.adapter_state(adapter.name))
 
 

@@ -27,6 +27,20 @@ from app.weights.shipment import Chunk, Held, Shipment, ShippedFile, ship_bytes
 
 
 @dataclass(frozen=True)
+class Decision:
+    """An update every replica staged, for the ledger to record as `model`'s `version`: its
+    checkpoint (a delta of the version before, if `delta`), published as `snapshot`, if
+    `update_id` still holds the lease."""
+
+    model: str
+    update_id: str
+    version: int
+    shipment: Shipment
+    delta: bool = False
+    snapshot: str | None = None
+
+
+@dataclass(frozen=True)
 class Recorded:
     """A model's last committed version and what replays every update: a checkpoint (None:
     the weights every replica starts with), as `base_version`, then the updates after it in
@@ -77,17 +91,8 @@ class Ledger(Protocol):
     async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         """Take `model`'s update lease, unless another live update holds it."""
 
-    async def decide(
-        self,
-        model: str,
-        update_id: str,
-        version: int,
-        shipment: Shipment,
-        delta: bool = False,
-        snapshot: str | None = None,
-    ) -> bool:
-        """Record `shipment` (a delta of the version before, if `delta`) as `model`'s
-        `version` (published snapshot `snapshot`), if `update_id` still holds the lease."""
+    async def decide(self, decision: Decision) -> bool:
+        """Record `decision`, if its update still holds the lease."""
 
     async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
         """Record the whole checkpoint `shipment` as `model`'s `version` in place of its
@@ -137,29 +142,22 @@ class LocalLedger:
         self.leases[model] = (update_id, now + lease_s)
         return True
 
-    async def decide(
-        self,
-        model: str,
-        update_id: str,
-        version: int,
-        shipment: Shipment,
-        delta: bool = False,
-        snapshot: str | None = None,
-    ) -> bool:
+    async def decide(self, decision: Decision) -> bool:
         """The ledger keeps its own copy: the update merged over the ones before it, so one
         checkpoint replays them all; a delta (and any update after one, until a `rebase`)
         joins the chain after that checkpoint."""
+        model, update_id = decision.model, decision.update_id
         if not self._holds(model, update_id):
             return False
         before = self.latest.get(model)
-        if delta or (before is not None and before.chain):
-            kept = await self._kept(shipment)
+        if decision.delta or (before is not None and before.chain):
+            kept = await self._kept(decision.shipment)
             base, base_version = (before.shipment, before.base) if before else (None, 0)
-            chain = (*(before.chain if before else ()), (version, kept))
-            record = Recorded(version, base, base_version, chain, snapshot)
+            chain = (*(before.chain if before else ()), (decision.version, kept))
+            record = Recorded(decision.version, base, base_version, chain, decision.snapshot)
         else:
-            merged_in = await self._merged(before.shipment if before else None, shipment)
-            record = Recorded(version, merged_in, snapshot=snapshot)
+            merged_in = await self._merged(before.shipment if before else None, decision.shipment)
+            record = Recorded(decision.version, merged_in, snapshot=decision.snapshot)
         if not self._holds(model, update_id):  # the lease ran out meanwhile
             return False
         self.latest[model] = record

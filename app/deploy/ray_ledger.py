@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from app.deploy.ledger import AdapterRecord, LedgerState, LocalLedger
+from app.deploy.ledger import AdapterRecord, Decision, LedgerState, LocalLedger
 from app.updates.protocol import PauseMode
 from app.updates.session import UpdateSession
 from app.weights.shipment import Shipment
@@ -46,16 +46,8 @@ class WeightLedger:
     async def acquire(self, model: str, update_id: str, lease_s: float) -> bool:
         return await self.book.acquire(model, update_id, lease_s)
 
-    async def decide(
-        self,
-        model: str,
-        update_id: str,
-        version: int,
-        shipment: Shipment,
-        delta: bool = False,
-        snapshot: str | None = None,
-    ) -> bool:
-        return await self.book.decide(model, update_id, version, shipment, delta, snapshot)
+    async def decide(self, decision: Decision) -> bool:
+        return await self.book.decide(decision)
 
     async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:
         return await self.book.rebase(model, update_id, version, shipment)
@@ -102,19 +94,8 @@ class RayLedger:
         held: bool = await self._actor().acquire.remote(model, update_id, lease_s)
         return held
 
-    async def decide(
-        self,
-        model: str,
-        update_id: str,
-        version: int,
-        shipment: Shipment,
-        delta: bool = False,
-        snapshot: str | None = None,
-    ) -> bool:
-        actor = self._actor()
-        decided: bool = await actor.decide.remote(
-            model, update_id, version, shipment, delta, snapshot
-        )
+    async def decide(self, decision: Decision) -> bool:
+        decided: bool = await self._actor().decide.remote(decision)
         return decided
 
     async def rebase(self, model: str, update_id: str, version: int, shipment: Shipment) -> bool:

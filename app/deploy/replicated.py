@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from app.common.failures import Conflict, Failure, InvalidInput, PeerFailed
 from app.common.roles import Role
 from app.deploy.answers import cause, combined, of_kind, serving
+from app.deploy.ledger import Decision
 from app.deploy.replica import (
     Commit,
     Committed,
@@ -46,6 +47,7 @@ from app.updates.types import (
     Publish,
     ServedWeights,
     SnapshotAsk,
+    Streamed,
     TransferStatus,
     Versions,
 )
@@ -159,18 +161,11 @@ class ReplicatedWeights(ReplicatedAdapters):
         path = await self.local.files.origin(model)
         return await self.load(str(path), model, publish)
 
-    async def upload(
-        self,
-        chunks: AsyncIterator[bytes],
-        model: str,
-        publish: Publish,
-        *,
-        size: int | None = None,
-    ) -> Applied:
+    async def upload(self, body: Streamed, model: str, publish: Publish) -> Applied:
         """Streamed to disk here, then shipped to every replica from there."""
         self.local.registry.weights(model)  # (a model not served is refused before the body)
         files = self.local.files
-        async with files.received(chunks, files.upload_limit(), size) as path:
+        async with files.received(body, files.upload_limit()) as path:
             delta = await files.delta_file(path, Role.UPLOAD) is not None
             shipped = {"model.safetensors": path}
             shipment = await files.ship(shipped, self.replicas.put, Role.UPLOAD, self.chunk_bytes)
@@ -239,7 +234,7 @@ class ReplicatedWeights(ReplicatedAdapters):
                 except Conflict as exc:
                     problem = exc
             if problem is None and not await ledger.decide(
-                model, update_id, version, await shipment(), delta, publish.snapshot
+                Decision(model, update_id, version, await shipment(), delta, publish.snapshot)
             ):
                 problem = Conflict(
                     f"the update of '{model}' took over {self.wait_s:g} s and lost its turn to "

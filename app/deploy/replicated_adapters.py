@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
@@ -23,7 +23,7 @@ from app.deploy.replica import AdapterServe, Refusal, ReplicaEndpoint, serve_shi
 from app.engine.adapter_gate import AdapterGateState
 from app.updates.local import LocalWeights
 from app.updates.transfer import ADAPTER_VERSIONS
-from app.updates.types import AdapterPush, Applied, PauseMode, Publish
+from app.updates.types import AdapterPush, Applied, PauseMode, Publish, Streamed
 from app.weights.lora import LoraAdapter
 from app.weights.lora_layout import read_folder, upload_bytes
 from app.weights.shipment import CHUNK_BYTES, Chunk, Shipment, ship_bytes
@@ -110,19 +110,12 @@ class ReplicatedAdapters:
         )
         return await self._serve_adapter(step)
 
-    async def push_adapter(
-        self,
-        name: str,
-        chunks: AsyncIterator[bytes],
-        *,
-        caller: Caller,
-        size: int | None = None,
-    ) -> LoraAdapter:
+    async def push_adapter(self, name: str, body: Streamed, *, caller: Caller) -> LoraAdapter:
         """Streamed to disk here, then shipped to every replica from there."""
         adapters = self.local.adapters
         adapters.check_push(name, caller)
         files = self.local.files
-        async with files.received(chunks, adapters.upload_limit(), size) as path:
+        async with files.received(body, adapters.upload_limit()) as path:
             put = self.replicas.put
             shipment = await files.ship(
                 {ADAPTER_FILE: path}, put, Role.ADAPTER_SOURCE, self.chunk_bytes

@@ -146,6 +146,24 @@ class Lineage:
 
 
 @dataclass(frozen=True)
+class Commit:
+    """How an update is published at the gate: the pause it holds (`mode`, unless a request
+    paused serving already), the version it asks for (`version`; None: the next), whether
+    that is the trainer's count (`restartable`, see `resolve`), the lineage a deployment's
+    coordinator opened for it (`lineage_named`: the trainer's count at `version`), and
+    whether the engine keeps its prefix cache across the change (`keep_cache`); and the
+    identity of the published snapshot it serves (`snapshot`; None: none, whatever was
+    served before: `ModelRegistry.writing` records it)."""
+
+    mode: PauseMode = "keep"
+    version: int | None = None
+    restartable: bool = False
+    lineage_named: int | None = None
+    keep_cache: bool = False
+    snapshot: str | None = None
+
+
+@dataclass(frozen=True)
 class GateState:
     paused: bool
     mode: PauseMode | None
@@ -337,35 +355,26 @@ class ServingGate(Admission[WorkKind]):
         return self._lineages[name][-1]
 
     @contextlib.asynccontextmanager
-    async def updating(
-        self,
-        name: str,
-        *,
-        mode: PauseMode = "keep",
-        version: int | None = None,
-        restartable: bool = False,
-        lineage_named: int | None = None,
-        keep_cache: bool = False,
-    ) -> AsyncIterator[int]:
+    async def updating(self, name: str, commit: Commit) -> AsyncIterator[int]:
         """Serving paused (unless a request paused it already, which then stays paused);
-        yields the version to publish, set only when the block returns. `restartable`: `version`
-        is the trainer's count (see `resolve`); `lineage_named`: the update, at `version`,
-        opens a new lineage whose trainer counted `lineage_named` for it (a deployment's
-        coordinator resolved it already)."""
+        yields the version to publish (`commit`), set only when the block returns."""
         async with self._control:
+            lineage_named = commit.lineage_named
             if lineage_named is None:
-                new, lineage_named = self.resolve(name, version, restartable=restartable)
+                new, lineage_named = self.resolve(
+                    name, commit.version, restartable=commit.restartable
+                )
             else:
-                new = self.next_version(name, version)
+                new = self.next_version(name, commit.version)
             paused_here = self._mode is None
             if paused_here:
-                await self._pause(mode, "update")
+                await self._pause(commit.mode, "update")
             try:
                 yield new
                 self.versions[name] = new
                 if lineage_named is not None:
                     self._open_lineage(name, new, lineage_named)
-                await self._backends()[name].set_version(new, keep_cache=keep_cache)
+                await self._backends()[name].set_version(new, keep_cache=commit.keep_cache)
                 async with self._version_changed:
                     self._version_changed.notify_all()
             finally:

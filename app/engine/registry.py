@@ -20,7 +20,7 @@ from app.config_groups import ModelSettings, VllmSettings
 from app.engine.adapter_registry import AdapterRegistry
 from app.engine.base import Backend, ModelWeights
 from app.engine.digests import Digests
-from app.engine.gate import PauseMode, ServingGate
+from app.engine.gate import Commit, ServingGate
 from app.engine.loader import checkpoint_dtype, load_backend, resolve_model, resolve_source
 from app.engine.served import AdaptedModel, AdapterPair, ModelPair, ServedModel
 
@@ -131,34 +131,14 @@ class ModelRegistry(AdapterRegistry):
 
     @contextlib.asynccontextmanager
     async def writing(
-        self,
-        name: str,
-        *,
-        mode: PauseMode = "keep",
-        version: int | None = None,
-        restartable: bool = False,
-        lineage_named: int | None = None,
-        keep_cache: bool = False,
-        snapshot: str | None = None,
+        self, name: str, commit: Commit | None = None
     ) -> AsyncIterator[tuple[ModelWeights, int]]:
-        """Serving paused (`mode`) while `name`'s weights change; yields the model's weights
-        and the version they get if the block returns (`version` if given: it must be higher,
-        unless `restartable`; see `ServingGate.updating`). `snapshot`: the identity of the
-        published snapshot the update serves (None: none, whatever was served before)."""
-        served = self.weights(name)
-        async with (
-            served.writes(),
-            self.gate.updating(
-                name,
-                mode=mode,
-                version=version,
-                restartable=restartable,
-                lineage_named=lineage_named,
-                keep_cache=keep_cache,
-            ) as new_version,
-        ):
+        """Serving paused while `name`'s weights change; yields the model's weights and the
+        version they get if the block returns (`commit`: `ServingGate.updating`)."""
+        served, commit = self.weights(name), commit or Commit()
+        async with served.writes(), self.gate.updating(name, commit) as new_version:
             yield served, new_version
-            self.snapshots[name] = snapshot
+            self.snapshots[name] = commit.snapshot
 
     async def load(self) -> None:
         """Load the policy, the reference, the judge and the reward model off the event loop;

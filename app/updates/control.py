@@ -5,7 +5,6 @@ them over every replica as one (`app.deploy.replicated.ReplicatedWeights`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 from app.common.caller import Caller
@@ -24,6 +23,7 @@ from app.updates.types import (
     Publish,
     ServedWeights,
     SnapshotAsk,
+    Streamed,
     TransferStatus,
     Versions,
 )
@@ -70,31 +70,15 @@ class WeightsControl(Protocol):
         """Serve again the weights the model started with (read from where they came from),
         as a new version."""
 
-    async def upload(
-        self,
-        chunks: AsyncIterator[bytes],
-        model: str,
-        publish: Publish,
-        *,
-        size: int | None = None,
-    ) -> Applied:
-        """Apply a checkpoint streamed as `chunks`, whole or not at all; `size` is the size
-        its sender declared (None: not declared), refused before a chunk is read when over
-        the limit."""
+    async def upload(self, body: Streamed, model: str, publish: Publish) -> Applied:
+        """Apply a checkpoint streamed in as `body`, whole or not at all."""
 
     async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         """Serve the LoRA adapter in folder `path` as `name` (a served name: its next
         version, if `caller` may change it). Refusals name the roles of
         `app.updates.adapters`."""
 
-    async def push_adapter(
-        self,
-        name: str,
-        chunks: AsyncIterator[bytes],
-        *,
-        caller: Caller,
-        size: int | None = None,
-    ) -> LoraAdapter:
+    async def push_adapter(self, name: str, body: Streamed, *, caller: Caller) -> LoraAdapter:
         """New tensors of adapter `name`, streamed as one safetensors file: its next version
         (or its first, owned by `caller`, when the file's metadata carries its config), to new
         requests (those in flight keep theirs). Whether `caller` may push to `name`, and

@@ -120,7 +120,7 @@ class DeltaUpdates:
     async def _commit_delta(
         self, staged: Staged, model: str, publish: Publish, start: float
     ) -> Applied:
-        async with self.registry.writing(model, **publish.gate()) as (target, version):
+        async with self.registry.writing(model, publish.commit()) as (target, version):
             if self.registry.versions[model] != staged.base_version:  # another came first
                 raise Conflict(
                     f"version {self.registry.versions[model]} was committed "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from app.common.caller import Caller
@@ -28,6 +27,7 @@ from app.updates.types import (
     Publish,
     ServedWeights,
     SnapshotAsk,
+    Streamed,
     TransferStatus,
     Versions,
 )
@@ -91,29 +91,15 @@ class LocalWeights:
         path = await self.files.origin(model)
         return await self.load(str(path), model, publish)
 
-    async def upload(
-        self,
-        chunks: AsyncIterator[bytes],
-        model: str,
-        publish: Publish,
-        *,
-        size: int | None = None,
-    ) -> Applied:
-        return await self.files.upload(chunks, model, publish, size=size)
+    async def upload(self, body: Streamed, model: str, publish: Publish) -> Applied:
+        return await self.files.upload(body, model, publish)
 
     async def load_adapter(self, name: str, path: str, *, caller: Caller) -> LoraAdapter:
         return await self.adapters.load(name, Path(path), caller)
 
-    async def push_adapter(
-        self,
-        name: str,
-        chunks: AsyncIterator[bytes],
-        *,
-        caller: Caller,
-        size: int | None = None,
-    ) -> LoraAdapter:
+    async def push_adapter(self, name: str, body: Streamed, *, caller: Caller) -> LoraAdapter:
         self.adapters.check_push(name, caller)  # before a byte of the body is read
-        async with self.files.received(chunks, self.adapters.upload_limit(), size) as path:
+        async with self.files.received(body, self.adapters.upload_limit()) as path:
             return await self.adapters.push(name, path, caller)
 
     async def unload_adapter(self, name: str, *, caller: Caller) -> LoraAdapter:

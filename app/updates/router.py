@@ -33,7 +33,7 @@ from app.updates.protocol import (
     WeightsUpdated,
     WeightsVersion,
 )
-from app.updates.types import AdapterPush, Publish
+from app.updates.types import AdapterPush, Publish, Streamed
 
 router = APIRouter(tags=["weights"], responses=WEIGHTS_ERROR_RESPONSES)
 transfer_router = APIRouter(
@@ -99,8 +99,8 @@ async def upload_weights(
     """Upload a safetensors file as the request body (streamed to disk, applied tensor by
     tensor). Partial updates are allowed."""
     publish = Publish(version=version, pause=pause)
-    size = declared_size(request.headers)
-    return WeightsUpdated.of(await weights.upload(request.stream(), model, publish, size=size))
+    body = Streamed(request.stream(), declared_size(request.headers))
+    return WeightsUpdated.of(await weights.upload(body, model, publish))
 
 
 @router.post(

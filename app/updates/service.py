@@ -23,7 +23,7 @@ from app.engine.registry import ModelRegistry
 from app.updates.deltas import DeltaUpdates, is_delta
 from app.updates.origin import origin_checkpoint
 from app.updates.outcome import updated
-from app.updates.types import Applied, Publish
+from app.updates.types import Applied, Publish, Streamed
 from app.weights import published
 from app.weights.checkpoint import (
     SAFETENSORS_TO_TORCH,
@@ -182,17 +182,10 @@ class WeightsService(DeltaUpdates):
         """Bytes a snapshot or upload may take: the free disk less a reserve."""
         return shutil.disk_usage(self.uploads).free - _DISK_RESERVE
 
-    async def upload(
-        self,
-        chunks: AsyncIterator[bytes],
-        model: str,
-        publish: Publish,
-        *,
-        size: int | None = None,
-    ) -> Applied:
+    async def upload(self, body: Streamed, model: str, publish: Publish) -> Applied:
         """Stream the body to a file on disk, then apply it."""
         self.registry.weights(model)  # (a model not served is refused before the body)
-        async with self.received(chunks, self.upload_limit(), size) as path:
+        async with self.received(body, self.upload_limit()) as path:
             if await self._file_work(is_delta_file, path, role=Role.UPLOAD):
                 return await self._apply_delta(path, model, publish, Role.UPLOAD)
             return await self._apply([path], model, Role.UPLOAD, publish)
@@ -201,14 +194,12 @@ class WeightsService(DeltaUpdates):
         return Limit(self.settings.max_bytes, "weights.max_bytes (RLSERVE_WEIGHTS__MAX_BYTES)")
 
     @contextlib.asynccontextmanager
-    async def received(
-        self, chunks: AsyncIterator[bytes], bound: Limit, declared: int | None = None
-    ) -> AsyncIterator[Path]:
+    async def received(self, body: Streamed, bound: Limit) -> AsyncIterator[Path]:
         """The body streamed to a file on disk (memory stays bounded; writes in a thread). The
         file is gone afterwards, whatever happened (a client that went away included). The
-        limit is `bound` or the free disk space, the smaller: a body declared (`declared`,
-        its Content-Length) larger is refused before a chunk is read, one that grows larger
-        as soon as it does."""
+        limit is `bound` or the free disk space, the smaller: a body declared larger (its
+        Content-Length) is refused before a chunk is read, one that grows larger as soon as
+        it does."""
         self.uploads.mkdir(parents=True, exist_ok=True)
         room = self._disk_room()
         limit = min(bound.bytes, room)
@@ -220,12 +211,12 @@ class WeightsService(DeltaUpdates):
                 role=Role.UPLOAD,
             )
 
-        if declared is not None and declared > limit:
-            raise too_large(f"{declared} bytes declared")
+        if body.size is not None and body.size > limit:
+            raise too_large(f"{body.size} bytes declared")
         with tempfile.NamedTemporaryFile(dir=self.uploads, suffix=".safetensors") as sink:
             size = written = 0
             pending: list[bytes] = []  # written in ~8 MiB batches: one thread hop each
-            async for chunk in chunks:
+            async for chunk in body.chunks:
                 size += len(chunk)
                 if size > limit:
                     raise too_large(f"over {size} bytes so far")
@@ -297,10 +288,7 @@ class WeightsService(DeltaUpdates):
 
     async def _commit(self, checked: Checked, model: str, publish: Publish) -> Applied:
         start = time.perf_counter()
-        async with self.registry.writing(model, **publish.gate()) as (
-            target,
-            version,
-        ):
+        async with self.registry.writing(model, publish.commit()) as (target, version):
             paused_at = time.perf_counter()
             await target.update_weights(checked.files)
             await self.registry.digests.record(model, target, checked.names)

@@ -22,7 +22,7 @@ from app.common.roles import Role
 from app.engine.registry import ModelRegistry
 from app.updates.control import WeightsControl
 from app.updates.service import WeightsService
-from app.updates.types import Applied, Publish, ServedWeights, SnapshotAsk
+from app.updates.types import Applied, Publish, ServedWeights, SnapshotAsk, Streamed
 
 FETCH_CHUNK = 1 << 20
 
@@ -125,7 +125,7 @@ async def _fetched(files: WeightsService, source: str) -> AsyncIterator[Path]:
             size = int(declared) if declared and declared.isdigit() else None
             chunks = response.aiter_bytes(FETCH_CHUNK)
             with recast({Role.UPLOAD: Role.SNAPSHOT_SOURCE}):
-                async with files.received(chunks, files.upload_limit(), size) as path:
+                async with files.received(Streamed(chunks, size), files.upload_limit()) as path:
                     yield path
     except httpx.HTTPError as exc:
         reason = type(exc).__name__  # (its text may repeat the URL, signature and all)

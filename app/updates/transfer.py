@@ -302,7 +302,7 @@ class TransferService:
             link.updating, link.announced, link.delta, link.received_delta = False, [], False, None
             return applied
         try:
-            async with self.registry.writing(model, **publish.gate()) as (target, version):
+            async with self.registry.writing(model, publish.commit()) as (target, version):
                 paused_at = time.perf_counter()
                 await engine.commit(version)
                 names = [t.name for p in link.announced for t in p.tensors]

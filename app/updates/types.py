@@ -5,12 +5,13 @@ to each other as they are."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from app.common.caller import Caller
 from app.common.failures import Failure
-from app.engine.gate import PauseMode
+from app.engine.gate import Commit, PauseMode
 from app.weights.transport import (
     BUCKET_BYTES,
     STREAMS,
@@ -66,16 +67,17 @@ class Publish:
     expect_digest: str | None = None
     """The digest the weights must have once it is applied: checked before anything is."""
 
-    def gate(self) -> dict[str, Any]:
-        """What the serving gate takes of it (`ModelRegistry.writing`'s keywords)."""
-        return {
-            "mode": self.pause,
-            "version": self.version,
-            "restartable": self.restartable,
-            "lineage_named": self.lineage_named,
-            "keep_cache": self.cache == "keep",
-            "snapshot": self.snapshot,
-        }
+    def commit(self) -> Commit:
+        """What the serving gate takes of it."""
+        keep_cache = self.cache == "keep"
+        return Commit(
+            self.pause,
+            self.version,
+            self.restartable,
+            self.lineage_named,
+            keep_cache,
+            self.snapshot,
+        )
 
     def decided(self, version: int, lineage_named: int | None) -> Publish:
         """This publish with its version (and lineage) settled."""
@@ -149,6 +151,15 @@ class ServedWeights:
     last_error: Failure | str | None = None
     """Why its last snapshot load failed (a failure as raised: the route words its role)."""
     replica: str | None = None
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A request body streamed in: its chunks, and the size its sender declared (None: not
+    declared), refused before a chunk is read when over the limit."""
+
+    chunks: AsyncIterator[bytes]
+    size: int | None = None
 
 
 @dataclass(frozen=True)

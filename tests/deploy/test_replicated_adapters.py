@@ -23,6 +23,7 @@ from app.deploy.replicated import ReplicatedWeights
 from app.engine.registry import ModelRegistry
 from app.engine.types import ScoreSpec
 from app.updates.local import LocalWeights
+from app.updates.types import Streamed
 from tests.adapters.models import peft_model
 from tests.conftest import forward_log_probs
 from tests.deploy.replicas import FakeReplicas, InProcessReplica
@@ -88,9 +89,12 @@ def saved(model: PeftModel, into: Path) -> Path:
     return into
 
 
-async def body(data: bytes, size: int = 10_000) -> AsyncIterator[bytes]:
-    for start in range(0, len(data), size):
-        yield data[start : start + size]
+def body(data: bytes, size: int = 10_000) -> Streamed:
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), size):
+            yield data[start : start + size]
+
+    return Streamed(chunks())
 
 
 def tensors_of(model: PeftModel) -> bytes:

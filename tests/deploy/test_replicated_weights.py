@@ -29,7 +29,7 @@ from app.engine.registry import ModelRegistry
 from app.errors import failure_error
 from app.updates.driven import DrivenUpdates
 from app.updates.local import LocalWeights
-from app.updates.types import AdapterPush, Announcement, Join, Publish
+from app.updates.types import AdapterPush, Announcement, Join, Publish, Streamed
 from app.weights.checkpoint import Layout, copy_into, layout_of_state, to_safetensors
 from app.weights.delta import Change, write_changes
 from app.weights.staging import TransferPlan
@@ -219,9 +219,12 @@ def scaled(scale: float) -> dict[str, torch.Tensor]:
     return {k: v * scale + 1 for k, v in BASE.items()}
 
 
-async def body(data: bytes, size: int = 50) -> AsyncIterator[bytes]:
-    for start in range(0, len(data), size):
-        yield data[start : start + size]
+def body(data: bytes, size: int = 50) -> Streamed:
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), size):
+            yield data[start : start + size]
+
+    return Streamed(chunks())
 
 
 async def test_an_upload_reaches_every_replica_in_bounded_chunks(cluster: Cluster) -> None:

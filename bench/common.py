@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import statistics
 import sys
 import threading
@@ -147,6 +148,15 @@ def bench_arguments(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results")
     return parser
+
+
+def save_report(args: argparse.Namespace, name: str, report: dict[str, Any]) -> Path:
+    """`report` as `name`.json under the run's output folder (`name`-quick.json for a quick
+    run): where the figures are committed from."""
+    path = args.output / f"{name}{'-quick' if args.quick else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
 
 
 def ray_serve_env(output: Path) -> dict[str, str]:

@@ -27,6 +27,7 @@ from common import (
     free_port,
     running_process,
     running_server,
+    save_report,
     vllm_serve_command,
 )
 
@@ -160,8 +161,7 @@ def main() -> None:
             )
         },
     }
-    name = "openai_routes-quick" if args.quick else "openai_routes"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "openai_routes", report)
     print(json.dumps({"ratios": ratios, "goals": report["goals"]}, indent=2))
 
 

@@ -24,6 +24,7 @@ from common import (
     ray_serve_env,
     running_process,
     running_server,
+    save_report,
     throughput_ratios,
 )
 
@@ -98,8 +99,7 @@ def main() -> None:
             )
         },
     }
-    name = "ray_serve-quick" if args.quick else "ray_serve"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "ray_serve", report)
     print(json.dumps({"ratios": ratios, "goals": report["goals"]}, indent=2))
 
 

@@ -29,6 +29,7 @@ from common import (
     free_port,
     running_process,
     running_server,
+    save_report,
     throughput_ratios,
     vllm_serve_command,
 )
@@ -177,8 +178,7 @@ def main() -> None:
         "results": results,
         "ratios": ratios,
     }
-    name = "real_model-quick" if args.quick else "real_model"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "real_model", report)
     print(json.dumps(ratios, indent=2))
 
 

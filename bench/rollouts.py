@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, bench_model, running_server
+from common import ROOT, bench_model, running_server, save_report
 from rlserve_client import AsyncClient, collect
 
 
@@ -103,8 +103,7 @@ def main() -> None:
         "rounds": rounds,
         "parallel_episodes": results,
     }
-    name = "rollouts-quick" if args.quick else "rollouts"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "rollouts", report)
     print(json.dumps(report, indent=2))
 
 

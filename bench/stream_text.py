@@ -9,11 +9,10 @@ cost before the windowed decode). Both must show the same text.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
-from common import bench_arguments, bench_model
+from common import bench_arguments, bench_model, save_report
 
 from app.common.text import IncrementalText
 
@@ -72,9 +71,7 @@ def main() -> None:
         "host": "one CPU core of a 2-core host",
         "results": results,
     }
-    name = "stream_text-quick" if args.quick else "stream_text"
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "stream_text", report)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from common import (
     free_port,
     running_process,
     running_server,
+    save_report,
     throughput_ratios,
     vllm_serve_command,
 )
@@ -195,8 +196,7 @@ def main() -> None:
             "scoring_at_least_1.0x": all(r["score"] >= 1.0 for r in ratios.values()),
         },
     }
-    name = "vs_vllm_serve-quick" if args.quick else "vs_vllm_serve"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "vs_vllm_serve", report)
     summary = {
         "ratios": ratios,
         "same_bodies_ratios": dialect,

@@ -33,6 +33,7 @@ from common import (
     ray_serve_env,
     running_process,
     running_server,
+    save_report,
     wait_for_replicas,
 )
 
@@ -223,6 +224,7 @@ def apply_in_process(states: list[dict[str, Any]], dtype_name: str, tmp: Path) -
     import torch
     from rlserve_client.weight_delta import DeltaEncoder
 
+    from app.common.roles import Role
     from app.weights.checkpoint import layout_of_state
     from app.weights.delta import read_delta, stage, write_changes
 
@@ -238,7 +240,7 @@ def apply_in_process(states: list[dict[str, Any]], dtype_name: str, tmp: Path) -
         path = tmp / f"apply-{dtype_name}-{version}.delta"
         path.write_bytes(blob)
         started = time.perf_counter()
-        staged = stage(read_delta(path, "body"), layout, served.__getitem__, version - 1)
+        staged = stage(read_delta(path, Role.UPLOAD), layout, served.__getitem__, version - 1)
         rebuilt = time.perf_counter()
         write_changes(served, staged.changes)
         committed = time.perf_counter()
@@ -331,8 +333,7 @@ def main() -> None:
         "apply_in_process": applied,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    name = "weight_delta-quick" if args.quick else "weight_delta"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "weight_delta", report)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
 
 

@@ -25,6 +25,7 @@ from common import (
     ray_serve_env,
     running_process,
     running_server,
+    save_report,
     wait_for_replicas,
 )
 
@@ -136,8 +137,7 @@ def main() -> None:
         "host": "2 CPU cores, no GPU; the replicas share them with Ray's own processes",
         "results": results,
     }
-    name = "weight_sync-quick" if args.quick else "weight_sync"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "weight_sync", report)
     print(json.dumps(report, indent=2))
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import PeakRSS, bench_arguments, bench_model, rss_bytes, running_server
+from common import PeakRSS, bench_arguments, bench_model, rss_bytes, running_server, save_report
 
 
 async def scoring_stream(url: str, stop: asyncio.Event) -> list[tuple[float, float, int]]:
@@ -174,8 +174,7 @@ def main() -> None:
         **figures,
         "goals": goals,
     }
-    name = "weights-quick" if args.quick else "weights"
-    (args.output / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_report(args, "weights", report)
     print(json.dumps(report, indent=2))
 
 

@@ -136,17 +136,10 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 async def two_model_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """A server whose reference is another built-in model (seed 1), so KL is not zero."""
     ref_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
-    app: FastAPI = create_app(
-        settings.replace(
-            models={"ref_model": str(ref_dir)},
-            storage={"data_dir": settings.storage.data_dir / "two-models"},
-        )
-    )
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            yield client
+    data_dir = settings.storage.data_dir / "two-models"
+    models = {"ref_model": str(ref_dir)}
+    async with served_app(settings.replace(models=models, storage={"data_dir": data_dir})) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from rlserve_client.tensor_wire import (
     MEDIA_TYPE,
@@ -21,6 +21,7 @@ from rlserve_client.tensor_wire import (
 from app.common.disconnect import CancellableRoute
 from app.common.failures import Malformed
 from app.common.protocol import json_response
+from app.errors import ERROR_RESPONSES
 
 TENSOR_BODY_DOCS: dict[str, Any] = {
     "requestBody": {
@@ -96,3 +97,16 @@ def reply(request: Request, body: BaseModel | dict[str, Any]) -> Response:
     if isinstance(body, dict):
         raise TypeError("a tensor body can only be sent as binary")
     return json_response(body)
+
+
+def tensor_post(router: APIRouter, path: str, response_model: type, summary: str) -> Any:
+    """`router.post` for a route whose body and reply may travel as tensors: the error and
+    tensor docs, and nulls left out of a JSON reply."""
+    return router.post(
+        path,
+        response_model=response_model,
+        response_model_exclude_none=True,
+        responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
+        openapi_extra=TENSOR_BODY_DOCS,
+        summary=summary,
+    )

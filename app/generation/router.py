@@ -1,22 +1,14 @@
 from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancellable
-from app.common.tensor_http import TENSOR_BODY_DOCS, TENSOR_REPLY_DOCS, TensorBodyRoute, reply
+from app.common.tensor_http import TensorBodyRoute, reply, tensor_post
 from app.deps import GenerationDep
-from app.errors import ERROR_RESPONSES
 from app.generation.protocol import GenerateRequest, GenerateResponse
 
 router = APIRouter(tags=["generation"], route_class=TensorBodyRoute)
 
 
-@router.post(
-    "/v1/generate",
-    response_model=GenerateResponse,
-    response_model_exclude_none=True,
-    responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
-    openapi_extra=TENSOR_BODY_DOCS,
-    summary="Generate continuations",
-)
+@tensor_post(router, "/v1/generate", GenerateResponse, "Generate continuations")
 @cancellable
 async def generate(
     request: GenerateRequest, service: GenerationDep, http_request: Request

@@ -1,22 +1,14 @@
 from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancellable
-from app.common.tensor_http import TENSOR_BODY_DOCS, TENSOR_REPLY_DOCS, TensorBodyRoute, reply
+from app.common.tensor_http import TensorBodyRoute, reply, tensor_post
 from app.deps import KLDep
-from app.errors import ERROR_RESPONSES
 from app.kl.protocol import KLRequest, KLResponse
 
 router = APIRouter(tags=["kl"], route_class=TensorBodyRoute)
 
 
-@router.post(
-    "/v1/kl",
-    response_model=KLResponse,
-    response_model_exclude_none=True,
-    responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
-    openapi_extra=TENSOR_BODY_DOCS,
-    summary="Per-token KL between policy and reference",
-)
+@tensor_post(router, "/v1/kl", KLResponse, "Per-token KL between policy and reference")
 @cancellable
 async def kl(request: KLRequest, service: KLDep, http_request: Request) -> Response:
     """Per-token KL(policy || reference) with estimators k1/k2/k3/abs, assistant-only masks and

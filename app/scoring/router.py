@@ -1,28 +1,14 @@
 from fastapi import APIRouter, Request, Response
 
 from app.common.disconnect import cancellable
-from app.common.tensor_http import (
-    TENSOR_BODY_DOCS,
-    TENSOR_REPLY_DOCS,
-    TensorBodyRoute,
-    asks_binary,
-    reply,
-)
+from app.common.tensor_http import TensorBodyRoute, asks_binary, reply, tensor_post
 from app.deps import ScoringDep
-from app.errors import ERROR_RESPONSES
 from app.scoring.protocol import LogProbsRequest, LogProbsResponse
 
 router = APIRouter(tags=["scoring"], route_class=TensorBodyRoute)
 
 
-@router.post(
-    "/v1/logprobs",
-    response_model=LogProbsResponse,
-    response_model_exclude_none=True,
-    responses={**ERROR_RESPONSES, **TENSOR_REPLY_DOCS},
-    openapi_extra=TENSOR_BODY_DOCS,
-    summary="Score given sequences",
-)
+@tensor_post(router, "/v1/logprobs", LogProbsResponse, "Score given sequences")
 @cancellable
 async def logprobs(
     request: LogProbsRequest, service: ScoringDep, http_request: Request

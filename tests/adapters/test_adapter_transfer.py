@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from peft import PeftModel, get_peft_model_state_dict
 from rlserve_client import (
     Client,
@@ -23,11 +22,10 @@ from rlserve_client import (
 )
 
 from app.config import Settings
-from tests.adapters.models import peft_model
-from tests.conftest import forward_log_probs, served_app
+from tests.adapters.models import assert_peft, log_probs, peft_model
+from tests.conftest import served_app
 from tests.weights.conftest import loop_client
 
-SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2]]
 ATTENTION = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
@@ -44,18 +42,6 @@ async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
 def trainer(client: httpx.AsyncClient) -> Client:
     """The synchronous client a trainer thread uses (the app answers on the test's loop)."""
     return loop_client(client.app, asyncio.get_running_loop())  # type: ignore[attr-defined]
-
-
-async def log_probs(client: httpx.AsyncClient, model: str) -> list[list[float]]:
-    response = await client.post("/v1/logprobs", json={"model": model, "tokens": SEQUENCES})
-    assert response.status_code == 200, response.text
-    return [output["log_probs"]["full"] for output in response.json()["outputs"]]
-
-
-def assert_peft(served: list[list[float]], model: torch.nn.Module) -> None:
-    for sequence, values in zip(SEQUENCES, served, strict=True):
-        expected = forward_log_probs(model, sequence)
-        assert max(abs(a - b) for a, b in zip(values[1:], expected[1:], strict=True)) < 1e-4
 
 
 async def test_an_adapter_pushed_over_the_transfer_is_served_as_peft_computes_it(client, model_dir):

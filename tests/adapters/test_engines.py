@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from app.config import Settings
 from app.engine.builtin_model import HEAD_DIM
-from tests.adapters.models import peft_model
+from tests.adapters.models import SEQUENCES, assert_peft, log_probs, peft_model
 from tests.conftest import (
     assert_close,
     backend_settings,
@@ -36,7 +36,6 @@ from tests.conftest import (
 )
 from tests.weights.conftest import loop_client
 
-SEQUENCES = [[1, 5, 9, 13, 22, 7, 3], [4, 4, 8, 100, 2], [17, 30, 41, 52, 63, 74, 85, 96]]
 PROMPT = [3, 14, 15, 92, 65]
 VLLM = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 
@@ -107,17 +106,6 @@ async def lora_client(
     )
     async with served_app(configured, timeout=300) as c:
         yield c
-
-
-async def log_probs(client: httpx.AsyncClient, model: str) -> list[list[float]]:
-    response = await client.post("/v1/logprobs", json={"model": model, "tokens": SEQUENCES})
-    assert response.status_code == 200, response.text
-    return [output["log_probs"]["full"] for output in response.json()["outputs"]]
-
-
-def assert_peft(served: list[list[float]], model: torch.nn.Module) -> None:
-    for sequence, values in zip(SEQUENCES, served, strict=True):
-        assert_close(values, forward_log_probs(model, sequence), 1e-4)
 
 
 @VLLM

@@ -10,11 +10,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.config import Settings
-from app.main import create_app
-from tests.conftest import started, vllm_installed
+from tests.conftest import served_app, vllm_installed
 
 rng = random.Random(7)
 # Mixed lengths (3 to 40 tokens): a batch of them is padded to its longest.
@@ -30,12 +28,8 @@ async def served(
         models={"dtype": request.param, "load_reference": False},
         storage={"data_dir": settings.storage.data_dir / f"invariant-{request.param}"},
     )
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            yield c
+    async with served_app(config, timeout=120) as c:
+        yield c
 
 
 async def scores(
@@ -92,33 +86,29 @@ async def test_the_server_setting_makes_every_request_invariant(settings):
         batching={"invariant": True},
         storage={"data_dir": settings.storage.data_dir / "invariant-setting"},
     )
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            prompt = SEQUENCES[3][:6]
-            tokens, log_probs = await generate(c, prompt)
-            (full,) = await scores(c, [prompt + tokens])
-            assert full[len(prompt) :] == log_probs
-            (alone,) = await scores(c, [TARGET])
-            assert (await scores(c, SEQUENCES[:8]))[0] == alone
-            # The OpenAI route's sampled log-probs are the same pass's too.
-            chat = await c.post(
-                "/v1/completions",
-                json={
-                    "prompt": prompt,
-                    "max_tokens": 6,
-                    "logprobs": 0,
-                    "seed": 2,
-                    "return_token_ids": True,
-                },
-            )
-            assert chat.status_code == 200, chat.text
-            choice = chat.json()["choices"][0]
-            ids = choice["token_ids"]
-            (full,) = await scores(c, [prompt + ids])
-            assert choice["logprobs"]["token_logprobs"] == full[len(prompt) :]
+    async with served_app(config, timeout=120) as c:
+        prompt = SEQUENCES[3][:6]
+        tokens, log_probs = await generate(c, prompt)
+        (full,) = await scores(c, [prompt + tokens])
+        assert full[len(prompt) :] == log_probs
+        (alone,) = await scores(c, [TARGET])
+        assert (await scores(c, SEQUENCES[:8]))[0] == alone
+        # The OpenAI route's sampled log-probs are the same pass's too.
+        chat = await c.post(
+            "/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": 6,
+                "logprobs": 0,
+                "seed": 2,
+                "return_token_ids": True,
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        choice = chat.json()["choices"][0]
+        ids = choice["token_ids"]
+        (full,) = await scores(c, [prompt + ids])
+        assert choice["logprobs"]["token_logprobs"] == full[len(prompt) :]
 
 
 @pytest.mark.vllm
@@ -127,14 +117,8 @@ async def test_the_vllm_backend_refuses_batch_invariant_mode_by_name(settings):
     from tests.conftest import backend_settings
 
     config = backend_settings(settings, "vllm").replace(models={"load_reference": False})
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            refused = await c.post(
-                "/v1/logprobs", json={"tokens": [TARGET], "batch_invariant": True}
-            )
-            assert refused.status_code == 422, refused.text
-            assert refused.json()["error"]["param"] == "batch_invariant"
-            assert "transformers backend" in refused.json()["error"]["message"]
+    async with served_app(config, timeout=120) as c:
+        refused = await c.post("/v1/logprobs", json={"tokens": [TARGET], "batch_invariant": True})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["param"] == "batch_invariant"
+        assert "transformers backend" in refused.json()["error"]["message"]

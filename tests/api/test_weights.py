@@ -17,12 +17,11 @@ from transformers import AutoModelForCausalLM
 from app.config import Settings
 from app.engine.builtin_model import build_model
 from app.engine.loader import builtin_model_dir
-from app.main import create_app
 from tests.conftest import (
     assert_close,
     backend_settings,
     forward_log_probs,
-    started,
+    served_app,
     vllm_installed,
 )
 
@@ -32,12 +31,8 @@ SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [100, 101, 102]]
 @pytest.fixture
 async def fresh(settings: Settings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     """A server of its own: these tests change its weights."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            yield app, client
+    async with served_app(settings) as client:
+        yield client.app, client
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +162,14 @@ async def test_requests_during_an_update_match_the_version_they_report(
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 async def test_vllm_upload_then_score_equals_the_new_weights(settings, other_dir, other_model):
     vllm_settings = backend_settings(settings, "vllm").replace(models={"load_reference": False})
-    app = create_app(vllm_settings)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            payload = (other_dir / "model.safetensors").read_bytes()
-            response = await client.put("/v1/weights", content=payload)
-            assert response.status_code == 200, response.text
-            version, values = await score(client)
-            bad = await client.put("/v1/weights", content=payload[:100])
-            assert bad.status_code == 400
-            assert await score(client) == (version, values)
+    async with served_app(vllm_settings) as client:
+        payload = (other_dir / "model.safetensors").read_bytes()
+        response = await client.put("/v1/weights", content=payload)
+        assert response.status_code == 200, response.text
+        version, values = await score(client)
+        bad = await client.put("/v1/weights", content=payload[:100])
+        assert bad.status_code == 400
+        assert await score(client) == (version, values)
     assert version == 1
     for seq, got in zip(SEQUENCES, values, strict=True):
         assert_close(got, forward_log_probs(other_model, seq), 1e-3)
@@ -191,17 +182,13 @@ async def test_vllm_refuses_updates_of_tied_embedding_models(settings, tmp_path)
     vllm_settings = backend_settings(settings, "vllm").replace(
         models={"model": str(tied), "load_reference": False}
     )
-    app = create_app(vllm_settings)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            before = await score(client)
-            payload = (tied / "model.safetensors").read_bytes()
-            response = await client.put("/v1/weights", content=payload)
-            assert response.status_code == 422
-            assert "tied input/output embeddings" in response.json()["error"]["message"]
-            assert await score(client) == before
+    async with served_app(vllm_settings) as client:
+        before = await score(client)
+        payload = (tied / "model.safetensors").read_bytes()
+        response = await client.put("/v1/weights", content=payload)
+        assert response.status_code == 422
+        assert "tied input/output embeddings" in response.json()["error"]["message"]
+        assert await score(client) == before
 
 
 async def _restore_round_trip(client: httpx.AsyncClient, other_dir: Path) -> None:
@@ -235,35 +222,25 @@ async def test_restore_refuses_a_source_changed_since_the_start(settings, tmp_pa
     server's own, not views of the files), and restoring from it is refused."""
     source = build_model(tmp_path / "policy", seed=3)
     config = settings.replace(models={"model": str(source), "load_reference": False})
-    app = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            before = await score(client)
-            # The trainer saved its checkpoint over the folder the server started from.
-            (source / "model.safetensors").write_bytes(
-                (other_dir / "model.safetensors").read_bytes()
-            )
-            response = await client.post("/v1/weights/restore", json={"model": "policy"})
-            assert response.status_code == 409, response.text
-            error = response.json()["error"]
-            assert error["param"] == "model"
-            assert "model.safetensors" in error["message"]
-            assert "no longer holds the weights the server started with" in error["message"]
-            assert await score(client) == before
-            unknown = await client.post("/v1/weights/restore", json={"model": "critic"})
-            assert unknown.status_code == 422
-            assert unknown.json()["error"]["param"] == "model"
+    async with served_app(config) as client:
+        before = await score(client)
+        # The trainer saved its checkpoint over the folder the server started from.
+        (source / "model.safetensors").write_bytes((other_dir / "model.safetensors").read_bytes())
+        response = await client.post("/v1/weights/restore", json={"model": "policy"})
+        assert response.status_code == 409, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model"
+        assert "model.safetensors" in error["message"]
+        assert "no longer holds the weights the server started with" in error["message"]
+        assert await score(client) == before
+        unknown = await client.post("/v1/weights/restore", json={"model": "critic"})
+        assert unknown.status_code == 422
+        assert unknown.json()["error"]["param"] == "model"
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed here")
 async def test_vllm_restore_serves_the_starting_weights_again(settings, other_dir):
     vllm_settings = backend_settings(settings, "vllm").replace(models={"load_reference": False})
-    app = create_app(vllm_settings)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            await _restore_round_trip(client, other_dir)
+    async with served_app(vllm_settings) as client:
+        await _restore_round_trip(client, other_dir)

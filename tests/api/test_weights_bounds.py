@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from app.config import Settings
 from app.engine.loader import builtin_model_dir
 from app.main import create_app
-from tests.conftest import started
+from tests.conftest import served_app
 
 SEQUENCE = {"tokens": [[5, 6, 7, 8, 9]]}
 
@@ -28,12 +28,8 @@ SEQUENCE = {"tokens": [[5, 6, 7, 8, 9]]}
 async def fresh(
     settings: Settings, tmp_path: Path
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            yield app, client
+    async with served_app(settings.replace(storage={"data_dir": tmp_path / "data"})) as client:
+        yield client.app, client
 
 
 async def snapshot(client: httpx.AsyncClient) -> tuple[int, list[float]]:

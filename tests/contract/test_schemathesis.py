@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 from schemathesis.core.failures import Failure
 
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server, serving_here
 
 pytestmark = pytest.mark.slow
 SPEC = Path(__file__).parents[2] / "openapi" / "openapi.json"
@@ -150,8 +150,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Serve
     """Small limits keep generated requests cheap (they still exercise every rule)."""
     tmp = tmp_path_factory.mktemp("schemathesis")
     env = {
-        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
         "RLSERVE_LIMITS__MAX_NEW_TOKENS": "8",
         "RLSERVE_LIMITS__DEFAULT_MAX_NEW_TOKENS": "4",
         "RLSERVE_LIMITS__MAX_ITEMS_PER_REQUEST": "8",
@@ -165,7 +163,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Serve
         # a reward model, so the reward routes are fuzzed past their 404
         "RLSERVE_MODELS__REWARD_MODEL": "builtin:tiny-reward",
     }
-    with running_server(env=env, log=tmp / "server.log") as running:
+    with serving_here(tmp, settings, env=env) as running:
         yield running
 
 

@@ -28,8 +28,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from app.main import create_app
-from tests.conftest import assert_close, forward_log_probs, started
+from tests.conftest import assert_close, forward_log_probs, served_app
 from tests.e2e.server import free_port
 from tests.e2e.vllm_group import broadcast, gloo_group
 
@@ -38,17 +37,10 @@ NAME = "prime/policy"
 
 @pytest.fixture
 async def server(settings) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
-    app = create_app(
-        settings.replace(
-            models={"served_model_name": [NAME], "load_reference": False},
-            storage={"data_dir": settings.storage.data_dir / "prime-rl"},
-        )
-    )
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
-            yield client
+    models = {"served_model_name": [NAME], "load_reference": False}
+    data_dir = settings.storage.data_dir / "prime-rl"
+    async with served_app(settings.replace(models=models, storage={"data_dir": data_dir})) as c:
+        yield c
 
 
 async def test_prime_rls_admin_loop_loads_each_step(server, model_dir, tmp_path):

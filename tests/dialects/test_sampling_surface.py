@@ -254,20 +254,12 @@ async def test_what_vllm_ignores_is_accepted_and_what_would_change_answers_is_re
 
 @pytest.fixture
 async def aliased(settings):  # type: ignore[no-untyped-def]
-    from app.main import create_app
-    from tests.conftest import started
+    from tests.conftest import served_app
 
-    app = create_app(
-        settings.replace(
-            models={"served_model_name": ["default", "org/policy-1"]},
-            storage={"data_dir": settings.storage.data_dir / "aliased"},
-        )
-    )
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://a") as c:
-            yield c
+    aliases = {"served_model_name": ["default", "org/policy-1"]}
+    data_dir = settings.storage.data_dir / "aliased"
+    async with served_app(settings.replace(models=aliases, storage={"data_dir": data_dir})) as c:
+        yield c
 
 
 async def test_served_model_names_reach_the_policy(aliased):

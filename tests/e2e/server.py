@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -59,6 +60,20 @@ def running_server(
             except PortTaken:
                 if attempt == 2:
                     raise
+        yield server
+
+
+@contextmanager
+def serving_here(
+    tmp: Path, settings: Any, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """`running_server` on the test settings' model cache, its data and log under `tmp`
+    (`env`: more settings)."""
+    here = {
+        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
+        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
+    }
+    with running_server(*args, env=here | (env or {}), log=tmp / "server.log") as server:
         yield server
 
 

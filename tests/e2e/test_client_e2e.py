@@ -25,19 +25,14 @@ from safetensors.torch import save
 from tensordict import NonTensorStack, TensorDict
 
 from tests.conftest import assert_close
-from tests.e2e.server import Server, free_port, running_process, running_server
+from tests.e2e.server import Server, free_port, running_process, serving_here
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("client-e2e")
-    env = {
-        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
-    }
-    with running_server(env=env, log=tmp / "server.log") as running:
+    with serving_here(tmp_path_factory.mktemp("client-e2e"), settings) as running:
         yield running
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server, serving_here
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is installed in the main venv only")
 pytestmark = pytest.mark.slow
@@ -27,12 +27,7 @@ def process_results(doc, results):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("harness-e2e")
-    env = {
-        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
-    }
-    with running_server(env=env, log=tmp / "server.log") as running:
+    with serving_here(tmp_path_factory.mktemp("harness-e2e"), settings) as running:
         yield running
 
 

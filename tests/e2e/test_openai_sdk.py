@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.conftest import assert_close
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server, serving_here
 
 pytestmark = pytest.mark.slow
 CHAT = [{"role": "user", "content": "Tell me a story."}]
@@ -23,12 +23,7 @@ CHAT = [{"role": "user", "content": "Tell me a story."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, settings) -> Iterator[Server]:  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("openai-e2e")
-    env = {
-        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
-    }
-    with running_server(env=env, log=tmp / "server.log") as running:
+    with serving_here(tmp_path_factory.mktemp("openai-e2e"), settings) as running:
         yield running
 
 

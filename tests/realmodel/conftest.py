@@ -11,14 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from fastapi import FastAPI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.config import Settings
 from app.config_groups import DEFAULT_MODEL
 from app.engine.loader import smollm2_dir
-from app.main import create_app
-from tests.conftest import BACKENDS, backend_settings, started
+from tests.conftest import BACKENDS, backend_settings, served_app
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +53,8 @@ async def real_client(
     settings = backend_settings(real_settings, str(request.param))
     if settings.models.backend == "vllm":  # the model's 8,192-token context needs 0.35 GiB of cache
         settings = settings.replace(vllm={"kv_cache_memory_bytes": 512 << 20})
-    app: FastAPI = create_app(settings)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://real", timeout=600) as c:
-            yield c
+    async with served_app(settings, timeout=600) as c:
+        yield c
 
 
 async def post(client: httpx.AsyncClient, path: str, body: object) -> dict:  # type: ignore[type-arg]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_close, forward_log_probs
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import Server, serving_here
 from tests.torchrl import torchrl_only
 
 pytestmark = torchrl_only
@@ -30,12 +30,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, settings, ref_model) -> Ite
 
     tmp = tmp_path_factory.mktemp("remote-policy")
     ref_dir = builtin_model_dir(settings.replace(models={"builtin_seed": 1}).models)
-    env = {
-        "RLSERVE_MODELS__CACHE_DIR": str(settings.models.cache_dir),
-        "RLSERVE_STORAGE__DATA_DIR": str(tmp),
-    }
-    with running_server("--ref-model", str(ref_dir), env=env, log=tmp / "server.log") as s:
-        yield s
+    with serving_here(tmp, settings, "--ref-model", str(ref_dir)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

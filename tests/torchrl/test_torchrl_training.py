@@ -65,6 +65,22 @@ def chat_env(tokenizer, repeats: int = 2):  # type: ignore[no-untyped-def]
     return env
 
 
+def collector_of(client, policy, updater, **options):  # type: ignore[no-untyped-def]
+    """TorchRL's LLMCollector of `policy` over `chat_env` (the served model's tokenizer), two
+    dialog turns a batch, its weights pushed by `updater`."""
+    from torchrl.collectors.llm import LLMCollector
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_source(client))
+    return LLMCollector(
+        chat_env(tokenizer),
+        policy=policy,
+        dialog_turns_per_batch=2,
+        weight_updater=updater,
+        **options,
+    )
+
+
 def served_log_probs(client, ids: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
     (sample,) = client.logprobs(tokens=[ids]).outputs
     return [0.0, *sample.log_probs.full[1:]]
@@ -76,20 +92,11 @@ def test_update_policy_weights_pushes_and_the_collector_counts_the_servers_versi
 ):
     from rlserve_client.policy import RemotePolicy
     from rlserve_client.torchrl_weights import RLServeWeightUpdater
-    from torchrl.collectors.llm import LLMCollector
-    from transformers import AutoTokenizer
 
     model = trainer_model(client)
-    tokenizer = AutoTokenizer.from_pretrained(policy_source(client))
     updater = RLServeWeightUpdater(client, model=model, transfer=transfer)
     policy = RemotePolicy(client, generate_kwargs={"max_new_tokens": 3})
-    collector = LLMCollector(
-        chat_env(tokenizer),
-        policy=policy,
-        dialog_turns_per_batch=2,
-        weight_updater=updater,
-        track_policy_version=True,
-    )
+    collector = collector_of(client, policy, updater, track_policy_version=True)
     probe = [5, 17, 42, 99, 100, 7, 3]
     try:
         for k in range(2):
@@ -119,8 +126,6 @@ def test_the_updater_pushes_a_lora_adapter_and_the_collector_counts_its_versions
     from peft import LoraConfig, get_peft_model
     from rlserve_client.policy import RemotePolicy
     from rlserve_client.torchrl_weights import RLServeWeightUpdater
-    from torchrl.collectors.llm import LLMCollector
-    from transformers import AutoTokenizer
 
     client.restore_weights()  # the trainer's base is the served folder's weights
     policy_version = client.weights_version().policy_version
@@ -128,16 +133,9 @@ def test_the_updater_pushes_a_lora_adapter_and_the_collector_counts_its_versions
     model = get_peft_model(trainer_model(client), config)
     model.save_pretrained(tmp_path)
     assert client.load_adapter(name="torchrl-lora", path=tmp_path).version == 0
-    tokenizer = AutoTokenizer.from_pretrained(policy_source(client))
     updater = RLServeWeightUpdater(client, model=model, adapter="torchrl-lora")
     policy = RemotePolicy(client, model="torchrl-lora", generate_kwargs={"max_new_tokens": 3})
-    collector = LLMCollector(
-        chat_env(tokenizer),
-        policy=policy,
-        dialog_turns_per_batch=2,
-        weight_updater=updater,
-        track_policy_version=True,
-    )
+    collector = collector_of(client, policy, updater, track_policy_version=True)
     probe = [5, 17, 42, 99, 100, 7, 3]
     try:
         for k in range(2):
@@ -208,19 +206,13 @@ def test_async_llm_collector_bounds_staleness(client):
     from rlserve_client.policy import RemotePolicy
     from rlserve_client.torchrl_async import AsyncLLMCollector
     from rlserve_client.torchrl_weights import RLServeWeightUpdater
-    from torchrl.collectors.llm import LLMCollector
-    from transformers import AutoTokenizer
 
     model = trainer_model(client)
-    source = policy_source(client)
-    tokenizer = AutoTokenizer.from_pretrained(source)
     policy = RemotePolicy(
         client, versions_key="token_versions", generate_kwargs={"max_new_tokens": 4}
     )
     updater = RLServeWeightUpdater(client, model=model)
-    collector = LLMCollector(
-        chat_env(tokenizer), policy=policy, dialog_turns_per_batch=2, weight_updater=updater
-    )
+    collector = collector_of(client, policy, updater)
     versions = []
     with AsyncLLMCollector(collector, client, max_staleness=1) as ahead:
         for k, data in enumerate(ahead):

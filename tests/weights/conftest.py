@@ -16,8 +16,7 @@ from rlserve_client import Client
 from transformers import AutoModelForCausalLM
 
 from app.config import Settings
-from app.main import create_app
-from tests.conftest import backend_settings, started
+from tests.conftest import backend_settings, served_app
 
 
 class LoopTransport(httpx.BaseTransport):
@@ -68,12 +67,9 @@ async def served(settings: Settings, backend_name: str) -> AsyncIterator[Served]
         storage={"data_dir": settings.storage.data_dir / f"weights-{backend_name}"},
         limits={"max_new_tokens": 4000},
     )
-    app = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
-            yield Served(app, c, asyncio.get_running_loop())
+    async with served_app(config, timeout=120) as c:
+        app = c.app
+        yield Served(app, c, asyncio.get_running_loop())
 
 
 @pytest.fixture
@@ -81,12 +77,9 @@ async def own_server(
     settings: Settings, tmp_path: Path
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     """A server of this test's own (its weights change), and an async client of it."""
-    app = create_app(settings.replace(storage={"data_dir": tmp_path / "data"}))
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            yield app, c
+    config = settings.replace(storage={"data_dir": tmp_path / "data"})
+    async with served_app(config, timeout=60) as c:
+        yield c.app, c
 
 
 @pytest.fixture

@@ -8,24 +8,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.config import Settings
 from app.engine.loader import builtin_model_dir
-from app.main import create_app
-from tests.conftest import started
+from tests.conftest import served_app
 
 GENERATE = {"tokens": [[5, 6, 7]], "max_new_tokens": 3, "temperature": 0}
 
 
 async def serve(settings: Settings, tmp_path: Path, **limits) -> AsyncIterator[httpx.AsyncClient]:
     config = settings.replace(storage={"data_dir": tmp_path / "data"}, limits=limits)
-    app: FastAPI = create_app(config)
-    async with app.router.lifespan_context(app):
-        await started(app)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-            yield c
+    async with served_app(config, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture

@@ -150,6 +150,21 @@ def bench_arguments(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def copy_bandwidth(mib: int = 256) -> float:
+    """Bytes a second `torch` copies memory to memory here (best of 5; its own threads, as a
+    commit's copy runs): each byte read and written once."""
+    import torch
+
+    source = torch.ones(mib << 18, dtype=torch.float32)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return source.numel() * 4 / best
+
+
 def save_report(args: argparse.Namespace, name: str, report: dict[str, Any]) -> Path:
     """`report` as `name`.json under the run's output folder (`name`-quick.json for a quick
     run): where the figures are committed from."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import bench_arguments, save_report
+from common import bench_arguments, copy_bandwidth, save_report
 from rlserve_client import weight_delta as codec
 from rlserve_client.weight_delta import DeltaEncoder
 
@@ -43,17 +43,6 @@ def states(share: float, dtype: torch.dtype, layers: int) -> tuple[dict[str, Any
         new[name] = torch.where(moved, x * (1 + 0.03 * torch.randn(x.shape, generator=g)), x)
         new[name] = new[name].to(dtype)
     return served, new
-
-
-def copy_bandwidth(mib: int = 256) -> float:
-    source = torch.ones(mib << 18, dtype=torch.float32)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return source.numel() * 4 / best
 
 
 def applied(path: Path, served: dict[str, Any], new: dict[str, Any]) -> tuple[float, float]:

@@ -29,6 +29,7 @@ from typing import Any
 from common import (
     ROOT,
     bench_arguments,
+    copy_bandwidth,
     free_port,
     ray_serve_env,
     running_process,
@@ -41,20 +42,6 @@ from tests.stores.redis_server import running_redis
 
 GOAL_RATIO = 3.0
 GOAL_APPLY_SHARE = 0.5
-
-
-def copy_bandwidth(mib: int = 256) -> float:
-    """Bytes a second one thread copies memory to memory here (best of 5): read and write."""
-    import torch
-
-    source = torch.ones(mib << 18, dtype=torch.float32)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return source.numel() * 4 / best
 
 
 def changed_share(before: dict[str, Any], after: dict[str, Any], dtype: Any) -> float:

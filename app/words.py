@@ -14,12 +14,10 @@ vocabulary: `app.ops.versions`)."""
 
 NATIVE_WORDS: dict[Role, str] = {
     Role.MODEL: "model",
-    Role.REWARD_MODEL: "reward",
     Role.BATCH_INVARIANT: "batch_invariant",
     Role.CHECKPOINT: "path",
     Role.UPLOAD: "body",
     Role.PUBLISHED: "source_dir",
-    Role.ORIGIN: "model",
     Role.SNAPSHOT_SOURCE: "source",
     Role.SNAPSHOT_BASE: "base",
     Role.DIGEST: "digest",

@@ -32,17 +32,19 @@ class Failure(Exception):
         if role is not None:
             self._name(str(role))
 
-    def _name(self, field: str) -> None:
-        self.message = f"{field}{'' if self.index is None else f'[{self.index}]'}: {self.reason}"
+    def _name(self, field: str) -> str:
+        """Name `field` (and the item's index) in the message; the name."""
+        named = field if self.index is None else f"{field}[{self.index}]"
+        self.message = f"{named}: {self.reason}"
         self.args = (self.message,)
+        return named
 
     def word(self, words: Mapping[Role, str]) -> None:
         """Name the role in `words`' terms, when they name it and no route has yet: the
         field, and the message composed as `field: reason`."""
         if self.role is None or self.param is not None or (field := words.get(self.role)) is None:
             return
-        self._name(field)
-        self.param = self.message.partition(": ")[0]
+        self.param = self._name(field)
 
     def noted(self, context: str) -> Failure:
         """The same failure, `context` appended to its reason."""

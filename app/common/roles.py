@@ -2,7 +2,7 @@
 fault (`app.common.failures.Failure.role`), never a request field: the engine, weights,
 updates and deploy layers know no API's field names. The route that called words each role
 in its own API's vocabulary (`app.common.failures.worded`); rlserve's own routes use
-`app.errors.NATIVE_WORDS`, and a role no table words is shown by its own name."""
+`app.words.NATIVE_WORDS`, and a role no table words is shown by its own name."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ class Role(StrEnum):
 
     MODEL = "model"
     """Which served model (or adapter, or `name@version`) a request names."""
-    REWARD_MODEL = "reward_model"
-    """The reward model a request names or uses."""
     BATCH_INVARIANT = "batch_invariant"
     """The wish for batch-invariant sampling."""
 
@@ -25,8 +23,6 @@ class Role(StrEnum):
     """A checkpoint or delta uploaded in the request's body."""
     PUBLISHED = "published"
     """A folder of published versions (slime's `weight_v{N:06d}`, SkyRL's deltas)."""
-    ORIGIN = "origin"
-    """The checkpoint the server loaded a model from (what a reset or a pull builds on)."""
     SNAPSHOT_SOURCE = "snapshot.source"
     """Where a published snapshot is fetched from (a path or an HTTP(S) URL)."""
     SNAPSHOT_BASE = "snapshot.base"

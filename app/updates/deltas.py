@@ -66,7 +66,7 @@ class DeltaUpdates:
         start = time.perf_counter()
         staged, header = await self._stage_delta(path, model, role)
         await self._expected(staged, model, publish.expect_digest)
-        return await self._commit_delta(staged, model, _delta_publish(header, publish, role), start)
+        return await self._commit_delta(staged, model, _delta_publish(header, publish), start)
 
     async def _stage_delta(self, path: Path, model: str, role: Role) -> tuple[Staged, DeltaHeader]:
         delta = await self._file_work(read_delta, path, role, role=role)
@@ -113,9 +113,7 @@ class DeltaUpdates:
         self, staged: Staged, header: DeltaHeader, model: str, publish: Publish, start: float
     ) -> Applied:
         """Swap in a staged delta (`stage_delta_bytes`) as `publish` or the version it names."""
-        return await self._commit_delta(
-            staged, model, _delta_publish(header, publish, staged.role), start
-        )
+        return await self._commit_delta(staged, model, _delta_publish(header, publish), start)
 
     async def _commit_delta(
         self, staged: Staged, model: str, publish: Publish, start: float
@@ -151,7 +149,7 @@ def is_delta(path: Path) -> bool:
     return is_delta_folder(path) if path.is_dir() else path.is_file() and is_delta_file(path)
 
 
-def _delta_publish(header: DeltaHeader, publish: Publish, role: Role) -> Publish:
+def _delta_publish(header: DeltaHeader, publish: Publish) -> Publish:
     """The version a delta is served as: the request's, or the one the delta names."""
     if header.version is None or publish.version == header.version:
         return publish

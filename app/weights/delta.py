@@ -358,13 +358,22 @@ def _patched(
         np.copyto(block, old[start : start + block.size])
         inside = positions[bounds[i] : bounds[i + 1]] - start
         block[inside] = values[bounds[i] : bounds[i + 1]]
-        if exponent is not None and inside.size:
-            bits, mask = exponent
-            touched = block.view(bits)[inside // bits.itemsize]
-            nonfinite = nonfinite or bool(((touched & mask) == mask).any())
+        nonfinite = nonfinite or touched_nonfinite(block, inside, exponent)
         for h in hashes:
             h.update(block)
     return nonfinite
+
+
+def touched_nonfinite(
+    block: np.ndarray, inside: np.ndarray, exponent: tuple[np.dtype[Any], int] | None
+) -> bool:
+    """Whether an element holding one of the bytes at `inside` of `block` is NaN or infinite
+    (its exponent's bits all set); never for a dtype without one (`exponent` None)."""
+    if exponent is None or not inside.size:
+        return False
+    bits, mask = exponent
+    touched = block.view(bits)[inside // bits.itemsize]
+    return bool(((touched & mask) == mask).any())
 
 
 def _xored(
